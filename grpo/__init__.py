@@ -1,0 +1,40 @@
+"""grpo: GRPO reinforcement-learning post-training of LLMs in JAX.
+
+The public surface for plugin authors is small::
+
+    from grpo import hookimpl, MeshPolicy, RolloutStyle, LossPlugin, TaskPlugin
+
+This module stays import-light (no JAX) so ``grpo --help`` and ``grpo plugins list``
+start fast.
+"""
+
+from grpo.core.contracts import (
+    LossPlugin,
+    LossSettings,
+    MeshLayout,
+    MeshPolicy,
+    NoOptions,
+    PluginOptions,
+    RolloutStyle,
+    TaskPlugin,
+    Topology,
+)
+from grpo.core.errors import UserError
+from grpo.core.hookspecs import hookimpl
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LossPlugin",
+    "LossSettings",
+    "MeshLayout",
+    "MeshPolicy",
+    "NoOptions",
+    "PluginOptions",
+    "RolloutStyle",
+    "TaskPlugin",
+    "Topology",
+    "UserError",
+    "__version__",
+    "hookimpl",
+]

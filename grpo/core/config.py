@@ -1,0 +1,561 @@
+"""The run config: pydantic v2 models, YAML loading, overrides, plugin options, checks.
+
+Loading happens in two stages:
+
+1. :func:`load_config` — YAML + ``${VAR}`` interpolation + ``--set`` overrides, schema
+   validation, plugin names and plugin options, cross-field checks that need no devices.
+2. :func:`resolve_layout` — given a :class:`~grpo.core.contracts.Topology`, the mesh
+   layout and every check that depends on it (batch divisibility over the mesh, rollout
+   style and loss constraints).
+
+Every problem is reported at once, each naming the dotted field path and the value
+received. Behaviour is configured in the file; nothing reads hidden environment
+variables except explicit ``${VAR}`` references.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+from pathlib import Path
+from typing import Any, Literal, Mapping
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from grpo.core.contracts import LossSettings, MeshLayout, Topology
+from grpo.core.errors import ConfigError, PluginError, UserError
+
+# --------------------------------------------------------------------------- schema
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+
+PRESETS = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+
+
+class RandomModelConfig(Section):
+    """A randomly initialised model of a known architecture (quickstart, benchmarks)."""
+
+    preset: Literal["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"] = Field(
+        "tiny", description="Architecture preset; `tiny` is a few-layer model for CPU."
+    )
+    overrides: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Qwen2 config fields to override on the preset (e.g. num_hidden_layers: 2).",
+    )
+
+
+class ModelConfig(Section):
+    source: Literal["hf", "random"] = Field(
+        "hf", description="`hf`: load a Hugging Face checkpoint from `path`; `random`: random weights."
+    )
+    path: str | None = Field(
+        None, description="Local HF directory or hub id (e.g. Qwen/Qwen2.5-3B-Instruct); needed for source=hf."
+    )
+    tokenizer: str | None = Field(
+        None, description="Tokenizer directory or hub id; defaults to `path` (source=random: a tiny local one)."
+    )
+    random: RandomModelConfig = Field(
+        default_factory=RandomModelConfig, description="Used when source=random."
+    )
+    param_dtype: Literal["float32", "bfloat16"] = Field("float32", description="Dtype parameters are stored in.")
+    compute_dtype: Literal["float32", "bfloat16"] = Field(
+        "float32", description="Dtype of matmuls; softmax and norms always run in float32."
+    )
+    remat: Literal["none", "full", "dots"] = Field(
+        "none", description="Rematerialisation policy of each decoder layer in the update."
+    )
+
+    @model_validator(mode="after")
+    def _need_path(self):
+        if self.source == "hf" and not self.path:
+            raise ValueError("model.path is required when model.source is 'hf' (got none)")
+        return self
+
+
+class MeshConfig(Section):
+    policy: str = Field("auto", description="Mesh policy plugin name (`grpo plugins list`).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen mesh policy.")
+
+
+class DistributedConfig(Section):
+    mode: Literal["none", "auto", "explicit"] = Field(
+        "none",
+        description="`none`: one process; `auto`: jax.distributed.initialize() detects TPU pods/SLURM; "
+        "`explicit`: coordinator_address, num_processes and process_id below (or CLI flags).",
+    )
+    coordinator_address: str | None = Field(None, description="host:port of process 0 (mode=explicit).")
+    num_processes: int | None = Field(None, ge=1, le=65536, description="Process count (mode=explicit).")
+    process_id: int | None = Field(None, ge=0, le=65535, description="This process's id (mode=explicit).")
+    require_process_count: int | None = Field(
+        None, ge=1, le=65536, description="Fail fast on every process unless exactly this many processes run."
+    )
+    initialization_timeout_s: int = Field(
+        300, ge=1, le=86400, description="How long to wait for all processes to join."
+    )
+    cpu_collectives: Literal["gloo", "mpi", "none"] = Field(
+        "gloo", description="Cross-process collectives on CPU backends (tests, development)."
+    )
+
+    @model_validator(mode="after")
+    def _explicit(self):
+        if self.mode == "explicit":
+            missing = [f for f in ("coordinator_address", "num_processes", "process_id") if getattr(self, f) is None]
+            if missing:
+                raise ValueError(
+                    "distributed.mode is 'explicit' but " + ", ".join(f"distributed.{m}" for m in missing)
+                    + " is not set (set it in the file or with --set / CLI flags)"
+                )
+            if self.process_id >= self.num_processes:  # type: ignore[operator]
+                raise ValueError(
+                    f"distributed.process_id={self.process_id} must be < distributed.num_processes={self.num_processes}"
+                )
+        return self
+
+
+class RolloutConfig(Section):
+    style: str = Field("legacy", description="Rollout sharding style plugin name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen rollout style.")
+    num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt (the GRPO group).")
+    max_prompt_length: int = Field(256, ge=1, le=131072, description="Prompts longer than this are refused.")
+    max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length cap.")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="Divides the logits (sampler and loss alike).")
+    top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 = off.")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass; 1.0 = off.")
+    prompt_buckets: list[int] = Field(
+        default_factory=list,
+        description="Padded prompt lengths (ascending) to bound recompilation; empty = powers of two up to max_prompt_length.",
+    )
+    early_stop_chunk: int = Field(
+        32, ge=0, le=131072, description="Check every N tokens whether all sequences finished; 0 = never stop early."
+    )
+
+    @model_validator(mode="after")
+    def _buckets(self):
+        b = self.prompt_buckets
+        if b and (any(x <= 0 for x in b) or sorted(set(b)) != b):
+            raise ValueError(f"rollout.prompt_buckets must be strictly ascending positive lengths, got {b}")
+        if b and b[-1] < self.max_prompt_length:
+            raise ValueError(
+                f"rollout.prompt_buckets' largest bucket {b[-1]} is below rollout.max_prompt_length={self.max_prompt_length}"
+            )
+        return self
+
+
+class LossConfig(Section):
+    impl: str = Field("jax", description="Loss implementation plugin name (`jax`, `pallas`, ...).")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen loss implementation.")
+    epsilon_low: float = Field(0.2, ge=0.0, le=1.0, description="Lower clip: ratio >= 1 - epsilon_low.")
+    epsilon_high: float = Field(0.2, ge=0.0, le=10.0, description="Upper clip: ratio <= 1 + epsilon_high (DAPO: 0.28).")
+    beta: float = Field(0.0, ge=0.0, le=100.0, description="Weight of the k3 KL to the reference model; 0 = no reference.")
+    aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
+        "token_mean", description="How per-token losses become one number (see grpo.LossSettings)."
+    )
+
+
+class TaskConfig(Section):
+    name: str = Field("gsm8k", description="Task plugin name.")
+    options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen task.")
+    train_split: str = Field("train", description="Split the prompts are drawn from.")
+    eval_split: str = Field("test", description="Split evaluation runs on.")
+
+
+class OptimizerConfig(Section):
+    name: Literal["adamw", "lion"] = Field("adamw", description="Optimizer.")
+    learning_rate: float = Field(1e-6, gt=0.0, le=1.0, description="Peak learning rate.")
+    b1: float = Field(0.9, ge=0.0, lt=1.0, description="First-moment decay.")
+    b2: float = Field(0.99, ge=0.0, lt=1.0, description="Second-moment decay.")
+    eps: float = Field(1e-8, gt=0.0, le=1.0, description="Adam epsilon.")
+    weight_decay: float = Field(0.0, ge=0.0, le=10.0, description="Decoupled weight decay.")
+    schedule: Literal["constant", "cosine", "linear"] = Field("constant", description="Decay after warm-up.")
+    warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear warm-up steps.")
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of the peak (cosine/linear).")
+    max_grad_norm: float = Field(1.0, ge=0.0, le=1e6, description="Global-norm clipping; 0 = off.")
+
+
+class AdvantageConfig(Section):
+    baseline: Literal["group_mean", "rloo"] = Field(
+        "group_mean", description="`group_mean` (GRPO) or `rloo` (leave-one-out mean of the others)."
+    )
+    scale: Literal["group_std", "none"] = Field(
+        "group_std", description="Divide by the group's reward std (GRPO) or not (Dr.GRPO)."
+    )
+    epsilon: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the std before dividing.")
+
+
+class TrainConfig(Section):
+    steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps (one rollout batch each).")
+    prompts_per_step: int = Field(16, ge=1, le=1_000_000, description="Prompts per step; sequences = prompts x num_generations.")
+    micro_batch_size: int | None = Field(
+        None, ge=1, le=1_000_000, description="Sequences per gradient-accumulation micro-batch; none = whole batch."
+    )
+    ppo_epochs: int = Field(1, ge=1, le=64, description="Updates per rollout batch (>1 uses old log-probs).")
+    seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and initialisation.")
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
+    advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Group advantage estimator.")
+
+
+class EvalConfig(Section):
+    every_n_steps: int = Field(0, ge=0, le=100_000_000, description="Evaluate every N steps; 0 = never.")
+    num_examples: int | None = Field(None, ge=1, le=10_000_000, description="First N examples of the split; none = all.")
+    k: int = Field(1, ge=1, le=1024, description="Samples per prompt for pass@k / mean@k.")
+    greedy: bool = Field(True, description="pass@1 by greedy decoding (k must be 1) or by sampling.")
+    batch_size: int = Field(64, ge=1, le=1_000_000, description="Prompts per evaluation batch.")
+
+    @model_validator(mode="after")
+    def _greedy(self):
+        if self.greedy and self.k != 1:
+            raise ValueError(f"eval.greedy=true needs eval.k=1 (got k={self.k}); set eval.greedy=false for pass@k")
+        return self
+
+
+class CheckpointConfig(Section):
+    every_n_steps: int = Field(0, ge=0, le=100_000_000, description="Save every N steps; 0 = only at the end and on signals.")
+    keep: int = Field(2, ge=1, le=10_000, description="How many recent checkpoints to keep.")
+    on_signal: bool = Field(True, description="Save on SIGTERM/SIGINT (preemption) before exiting.")
+    at_end: bool = Field(True, description="Save after the last step.")
+
+
+class WandbConfig(Section):
+    mode: Literal["disabled", "offline", "online"] = Field("disabled", description="W&B mode.")
+    project: str = Field("grpo", min_length=1, description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user).")
+    name: str | None = Field(None, description="Run name; defaults to the run directory's name.")
+    tags: list[str] = Field(default_factory=list, description="Run tags.")
+
+
+class LoggingConfig(Section):
+    every_n_steps: int = Field(1, ge=1, le=1_000_000, description="Write metrics every N steps.")
+    progress_bar: bool = Field(True, description="Show a progress bar on process 0.")
+    plot: bool = Field(True, description="Write RUN_DIR/metrics.png at the end.")
+    wandb: WandbConfig = Field(default_factory=WandbConfig, description="Weights & Biases.")
+
+
+class RunConfig(Section):
+    """A whole experiment."""
+
+    name: str | None = Field(None, description="Run name (used for the run directory and W&B).")
+    model: ModelConfig = Field(default_factory=lambda: ModelConfig(source="random"), description="Policy model.")
+    mesh: MeshConfig = Field(default_factory=MeshConfig, description="Device mesh policy.")
+    distributed: DistributedConfig = Field(default_factory=DistributedConfig, description="Multi-process start-up.")
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig, description="Sampling and rollout sharding.")
+    loss: LossConfig = Field(default_factory=LossConfig, description="GRPO loss.")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="Task: data, prompts, rewards.")
+    train: TrainConfig = Field(default_factory=TrainConfig, description="Training loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Orbax checkpoints.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
+
+    @property
+    def sequences_per_step(self) -> int:
+        return self.train.prompts_per_step * self.rollout.num_generations
+
+    @property
+    def micro_batch_size(self) -> int:
+        return self.train.micro_batch_size or self.sequences_per_step
+
+    @property
+    def loss_settings(self) -> LossSettings:
+        return LossSettings(
+            epsilon_low=self.loss.epsilon_low,
+            epsilon_high=self.loss.epsilon_high,
+            beta=self.loss.beta,
+            temperature=self.rollout.temperature,
+            aggregation=self.loss.aggregation,
+            max_completion_length=self.rollout.max_new_tokens,
+        )
+
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+
+# Where each plugin kind is chosen in the config: kind -> (section, name field).
+PLUGIN_FIELDS: dict[str, tuple[str, str]] = {
+    "mesh": ("mesh", "policy"),
+    "rollout": ("rollout", "style"),
+    "loss": ("loss", "impl"),
+    "task": ("task", "name"),
+}
+
+# --------------------------------------------------------------------------- loading
+
+_VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+def _interpolate(node: Any, path: str, problems: list[str], env: Mapping[str, str]) -> Any:
+    if isinstance(node, dict):
+        return {k: _interpolate(v, f"{path}.{k}" if path else str(k), problems, env) for k, v in node.items()}
+    if isinstance(node, list):
+        return [_interpolate(v, f"{path}[{i}]", problems, env) for i, v in enumerate(node)]
+    if isinstance(node, str) and "${" in node:
+        def sub(m: re.Match) -> str:
+            var = m.group(1)
+            if var not in env:
+                problems.append(f"{path}: environment variable ${{{var}}} is not set")
+                return m.group(0)
+            return env[var]
+
+        out = _VAR_RE.sub(sub, node)
+        # A whole-value reference keeps YAML typing (e.g. ${STEPS} -> 10).
+        if _VAR_RE.fullmatch(node) and node[2:-1] in env:
+            try:
+                return yaml.safe_load(out)
+            except yaml.YAMLError:
+                return out
+        return out
+    return node
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """``"a.b=value"`` -> (["a", "b"], yaml-parsed value)."""
+    key, sep, value = text.partition("=")
+    key = key.strip()
+    if not sep or not key or any(not part for part in key.split(".")):
+        raise UserError(f"--set {text!r}: expected KEY=VALUE with a dotted key, e.g. --set train.steps=10")
+    try:
+        parsed = yaml.safe_load(value) if value.strip() else None
+    except yaml.YAMLError as err:
+        raise UserError(f"--set {text!r}: the value is not valid YAML ({err.__class__.__name__})") from None
+    if value.strip() == "":
+        parsed = ""
+    return key.split("."), parsed
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
+    for text in overrides:
+        parts, value = parse_override(text)
+        node = data
+        for i, part in enumerate(parts[:-1]):
+            child = node.get(part)
+            if child is None:
+                child = node[part] = {}
+            if not isinstance(child, dict):
+                raise UserError(
+                    f"--set {text!r}: {'.'.join(parts[: i + 1])} is a {type(child).__name__}, not a section"
+                )
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def read_yaml(path: str | os.PathLike) -> dict[str, Any]:
+    p = Path(path)
+    if not p.exists():
+        raise UserError(f"Config file {str(p)!r} does not exist.")
+    if p.is_dir():
+        raise UserError(f"Config path {str(p)!r} is a directory, not a YAML file.")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"Config file {str(p)!r} could not be read: {err}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+        raise UserError(f"Config file {str(p)!r} is not valid YAML{where}: {problem}.") from None
+    if data is None:
+        raise UserError(f"Config file {str(p)!r} is empty; it needs at least a `model` and a `task` section.")
+    if not isinstance(data, dict):
+        raise UserError(
+            f"Config file {str(p)!r} must be a mapping of sections (model:, task:, ...), "
+            f"not a {type(data).__name__}."
+        )
+    return data
+
+
+def _fmt_loc(loc: tuple[Any, ...], prefix: str = "") -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after",))
+        where = _fmt_loc(loc, prefix)
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `grpo config schema` lists the fields)"
+        if e["type"] == "missing":
+            problems.append(f"{where}: required field is missing")
+        elif e["type"] == "value_error" and not loc:
+            problems.append(msg)
+        else:
+            problems.append(f"{where}: {msg} (got {_short(e.get('input'))})")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """A chosen plugin and its validated options."""
+
+    kind: str
+    plugin: Any
+    options: BaseModel
+    provider: str
+
+
+def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected]:
+    """Look up each chosen plugin and validate its options (raises ConfigError)."""
+    from grpo.core.plugins import get_plugins
+
+    plugins = plugins or get_plugins()
+    problems: list[str] = []
+    selected: dict[str, Selected] = {}
+    for kind, (section, field) in PLUGIN_FIELDS.items():
+        sec = getattr(config, section)
+        name = getattr(sec, field)
+        try:
+            plugin = plugins.get(kind, name)
+            provider = plugins.registry(kind).entry(name).provider
+        except PluginError as err:
+            problems.append(f"{section}.{field}: {err}")
+            continue
+        try:
+            options = plugin.parse_options(sec.options)
+        except ValidationError as err:
+            problems.extend(validation_problems(err, prefix=f"{section}.options"))
+            continue
+        selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    return selected
+
+
+def cross_field_problems(config: RunConfig) -> list[str]:
+    """Checks across sections that need no devices."""
+    problems = []
+    seqs = config.sequences_per_step
+    mb = config.train.micro_batch_size
+    if mb is not None and seqs % mb:
+        problems.append(
+            f"train.micro_batch_size={mb} must divide the sequences per step, train.prompts_per_step "
+            f"({config.train.prompts_per_step}) x rollout.num_generations ({config.rollout.num_generations}) = {seqs}"
+        )
+    if config.loss.epsilon_low >= 1.0:
+        problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
+    if config.eval.every_n_steps and config.eval.every_n_steps > config.train.steps:
+        problems.append(
+            f"eval.every_n_steps={config.eval.every_n_steps} is more than train.steps={config.train.steps}: "
+            "evaluation would never run (0 turns it off)"
+        )
+    if config.checkpoint.every_n_steps and config.checkpoint.every_n_steps > config.train.steps:
+        problems.append(
+            f"checkpoint.every_n_steps={config.checkpoint.every_n_steps} is more than train.steps={config.train.steps}"
+        )
+    if (
+        config.distributed.require_process_count is not None
+        and config.distributed.num_processes is not None
+        and config.distributed.require_process_count != config.distributed.num_processes
+    ):
+        problems.append(
+            f"distributed.require_process_count={config.distributed.require_process_count} contradicts "
+            f"distributed.num_processes={config.distributed.num_processes}"
+        )
+    return problems
+
+
+def load_config(
+    source: str | os.PathLike | Mapping[str, Any],
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    plugins: Any = None,
+    env: Mapping[str, str] | None = None,
+) -> RunConfig:
+    """Read, interpolate, override and validate a run config.
+
+    Plugin options are replaced by the plugin's validated options with defaults filled
+    in, so the resolved config shows every setting.
+    """
+    if isinstance(source, Mapping):
+        data = dict(source)
+    else:
+        data = read_yaml(source)
+    problems: list[str] = []
+    data = _interpolate(data, "", problems, os.environ if env is None else env)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    data = apply_overrides(data, overrides)
+    try:
+        config = RunConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError("Invalid config:", problems=validation_problems(err)) from None
+    selected = select_plugins(config, plugins)
+    problems = cross_field_problems(config)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    updates = {}
+    for kind, (section, _field) in PLUGIN_FIELDS.items():
+        sec = getattr(config, section)
+        updates[section] = sec.model_copy(update={"options": selected[kind].options.model_dump(mode="json")})
+    return config.model_copy(update=updates)
+
+
+def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None) -> MeshLayout:
+    """The mesh layout for this topology, after every topology-dependent check."""
+    selected = select_plugins(config, plugins)
+    mesh = selected["mesh"]
+    try:
+        layout = mesh.plugin.resolve(topology, mesh.options)
+    except UserError as err:
+        raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
+    problems: list[str] = []
+    style = selected["rollout"]
+    problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
+    loss = selected["loss"]
+    problems += loss.plugin.check(layout=layout, options=loss.options)
+    shards = layout.axis_size(style.plugin.batch_axes(layout, style.options))
+    seqs = config.sequences_per_step
+    if seqs % shards:
+        problems.append(
+            f"the rollout batch of {seqs} sequences (train.prompts_per_step={config.train.prompts_per_step} x "
+            f"rollout.num_generations={config.rollout.num_generations}) must divide evenly over the {shards} "
+            f"rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape}"
+        )
+    train_shards = layout.dp * layout.fsdp
+    mb = config.micro_batch_size
+    if mb % train_shards:
+        problems.append(
+            f"the micro-batch of {mb} sequences (train.micro_batch_size, or the whole batch when unset) must "
+            f"divide evenly over dp x fsdp = {train_shards} devices on mesh {layout.shape}"
+        )
+    if problems:
+        raise ConfigError("Invalid config for this topology:", problems=problems)
+    return layout
+
+
+def json_schema() -> dict[str, Any]:
+    return RunConfig.model_json_schema()
+
+
+__all__ = [
+    "PLUGIN_FIELDS",
+    "PRESETS",
+    "RunConfig",
+    "Selected",
+    "apply_overrides",
+    "cross_field_problems",
+    "json_schema",
+    "load_config",
+    "read_yaml",
+    "resolve_layout",
+    "select_plugins",
+]

@@ -1,0 +1,50 @@
+"""pluggy hook specifications: one collector hook per plugin kind.
+
+Each hook receives a ``register`` callback; an implementation calls it once per plugin
+object it provides::
+
+    from grpo import hookimpl
+
+    @hookimpl
+    def register_mesh_policies(register):
+        register(MyPolicy())
+
+The four hook names are public API. Specs only ever gain parameters; implementations
+may accept a subset (pluggy passes only the arguments an implementation names).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable, TypeVar
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from grpo.core.contracts import LossPlugin, MeshPolicy, RolloutStyle, TaskPlugin
+
+PROJECT = "grpo"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+P = TypeVar("P")
+Register = Callable[[P], None]
+
+
+@hookspec
+def register_mesh_policies(register: "Register[MeshPolicy]") -> None:
+    """Register mesh policies (topology -> dp/fsdp/tp layout), each under a unique name."""
+
+
+@hookspec
+def register_rollout_styles(register: "Register[RolloutStyle]") -> None:
+    """Register rollout sharding styles (how the rollout batch lies on the mesh)."""
+
+
+@hookspec
+def register_losses(register: "Register[LossPlugin]") -> None:
+    """Register GRPO loss implementations (hidden states + head weight in, loss out)."""
+
+
+@hookspec
+def register_tasks(register: "Register[TaskPlugin]") -> None:
+    """Register tasks (data, prompts, reward functions, evaluation)."""

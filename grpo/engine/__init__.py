@@ -1,0 +1,2 @@
+"""The machinery plugins plug into: mesh building, distributed start-up, sampler,
+trainer, advantages, metrics, checkpoints, data. Imports JAX."""

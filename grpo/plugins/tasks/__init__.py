@@ -1,0 +1,1 @@
+"""Built-in plugins of this kind (filled in by their own modules)."""
