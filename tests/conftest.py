@@ -27,3 +27,64 @@ def _fresh_plugins():
     reset_plugins()
     yield
     reset_plugins()
+
+
+# --------------------------------------------------------------- third-party plugin packages
+
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+
+def _pip_install_target(package: str, target: Path) -> Path:
+    """Install a fixture package (a real distribution with entry points) into ``target``."""
+    subprocess.run(
+        [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
+         "--no-index", "--target", str(target), str(FIXTURES / package)],
+        check=True,
+        capture_output=True,
+    )
+    return target
+
+
+@pytest.fixture(scope="session")
+def example_plugin_dir(tmp_path_factory) -> Path:
+    return _pip_install_target("example_plugin", tmp_path_factory.mktemp("site_example"))
+
+
+@pytest.fixture(scope="session")
+def broken_plugin_dir(tmp_path_factory) -> Path:
+    return _pip_install_target("broken_plugin", tmp_path_factory.mktemp("site_broken"))
+
+
+def _on_path(directory: Path, modules: tuple[str, ...]):
+    import importlib
+
+    from grpo.core.plugins import reset_plugins
+
+    sys.path.insert(0, str(directory))
+    importlib.invalidate_caches()
+    reset_plugins()
+    try:
+        yield directory
+    finally:
+        sys.path.remove(str(directory))
+        for name in list(sys.modules):
+            if name.split(".")[0] in modules:
+                del sys.modules[name]
+        importlib.invalidate_caches()
+        reset_plugins()
+
+
+@pytest.fixture
+def example_plugin(example_plugin_dir):
+    """The throwaway `grpo-example-plugin` distribution is importable for this test."""
+    yield from _on_path(example_plugin_dir, ("grpo_example_plugin",))
+
+
+@pytest.fixture
+def broken_plugin(broken_plugin_dir):
+    """The `grpo-broken-plugin` distribution (every entry point fails) for this test."""
+    yield from _on_path(broken_plugin_dir, ("grpo_broken_plugin",))

@@ -190,19 +190,19 @@ def load_plugins(
     )
 
 
-_CACHE: Plugins | None = None
+_ENV_KEYS = ("GRPO_STRICT_PLUGINS", "GRPO_LOAD_PLUGINS", "GRPO_DISABLE_PLUGINS")
+_CACHE: dict[tuple, Plugins] = {}
 
 
 def get_plugins() -> Plugins:
-    """The process-wide plugin set, loaded on first use."""
-    global _CACHE
-    if _CACHE is None:
-        _CACHE = load_plugins()
-    return _CACHE
+    """The process-wide plugin set, loaded on first use (per plugin env-var setting)."""
+    key = tuple(os.environ.get(k) for k in _ENV_KEYS)
+    if key not in _CACHE:
+        _CACHE[key] = load_plugins()
+    return _CACHE[key]
 
 
 def reset_plugins() -> None:
     """Forget the loaded plugins (tests that install or remove plugin packages)."""
-    global _CACHE
-    _CACHE = None
+    _CACHE.clear()
     importlib.invalidate_caches()

@@ -1,0 +1,210 @@
+"""Per-step metrics: ``metrics.jsonl``, W&B, a progress bar, summary and plot.
+
+Only process 0 writes (every process computes the same global metrics). Memory keys are
+omitted, not zero, where the backend reports no memory statistics (e.g. CPU).
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import math
+
+import time
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+GIB = 1024**3
+
+
+def device_memory_metrics(devices: Iterable[Any]) -> dict[str, float]:
+    """Max over local devices of bytes in use / peak, in GiB; {} when unreported."""
+    in_use, peak = [], []
+    for d in devices:
+        try:
+            stats = d.memory_stats()
+        except Exception:  # noqa: BLE001 - some backends raise instead of returning None
+            stats = None
+        if not stats:
+            continue
+        if "bytes_in_use" in stats:
+            in_use.append(stats["bytes_in_use"])
+        if "peak_bytes_in_use" in stats:
+            peak.append(stats["peak_bytes_in_use"])
+    out = {}
+    if in_use:
+        out["memory/train/bytes_in_use_max_gib"] = max(in_use) / GIB
+    if peak:
+        out["memory/train/peak_bytes_in_use_max_gib"] = max(peak) / GIB
+    return out
+
+
+def _jsonable(v: Any) -> Any:
+    if hasattr(v, "item"):
+        v = v.item()
+    if isinstance(v, float) and not math.isfinite(v):
+        return str(v)
+    return v
+
+
+class MetricsLogger:
+    """Writes one JSON line per logged step; mirrors it to W&B and a progress bar."""
+
+    def __init__(
+        self,
+        run_dir: Path,
+        *,
+        total_steps: int,
+        start_step: int,
+        is_main: bool,
+        wandb_cfg: Any = None,
+        run_name: str,
+        config_dict: Mapping[str, Any] | None = None,
+        progress_bar: bool = True,
+        resume: bool = False,
+    ):
+        self.run_dir = Path(run_dir)
+        self.is_main = is_main
+        self.total_steps = total_steps
+        self.step_times: collections.deque[float] = collections.deque(maxlen=10)
+        self._file = None
+        self._wandb = None
+        self._bar = None
+        if not is_main:
+            return
+        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        if wandb_cfg is not None and wandb_cfg.mode != "disabled":
+            import wandb
+
+            self._wandb = wandb.init(
+                project=wandb_cfg.project,
+                entity=wandb_cfg.entity,
+                name=wandb_cfg.name or run_name,
+                tags=list(wandb_cfg.tags),
+                mode=wandb_cfg.mode,
+                dir=str(self.run_dir),
+                config=dict(config_dict or {}),
+                id=_wandb_id(self.run_dir),
+                resume="allow" if resume else None,
+            )
+        if progress_bar:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+
+    @property
+    def wandb_run_dir(self) -> str | None:
+        return None if self._wandb is None else self._wandb.dir
+
+    def log(self, metrics: dict[str, Any]) -> None:
+        if "time/train/step_s" in metrics:
+            self.step_times.append(float(metrics["time/train/step_s"]))
+            metrics["time/train/step_avg_last10_s"] = sum(self.step_times) / len(self.step_times)
+        if not self.is_main:
+            return
+        row = {k: _jsonable(v) for k, v in metrics.items()}
+        assert self._file is not None
+        self._file.write(json.dumps(row, sort_keys=False) + "\n")
+        self._file.flush()
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row["step"]))
+        if self._bar is not None:
+            step = int(row["step"])
+            self._bar.n = step
+            avg = row.get("time/train/step_avg_last10_s", 0.0)
+            self._bar.set_postfix(
+                reward=f"{row.get('reward/mean', float('nan')):.3f}",
+                step_s=f"{row.get('time/train/step_s', 0.0):.2f}",
+                tok_s=f"{row.get('throughput/train/valid_tokens_per_s', 0.0):.0f}",
+                eta=_fmt_eta(avg * (self.total_steps - step)),
+                refresh=False,
+            )
+            self._bar.refresh()
+
+    def log_eval(self, metrics: dict[str, Any]) -> None:
+        if not self.is_main:
+            return
+        with open(self.run_dir / "eval.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        if self._wandb is not None:
+            self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+        if self._file is not None:
+            self._file.close()
+        if self._wandb is not None:
+            self._wandb.finish()
+
+
+def _wandb_id(run_dir: Path) -> str:
+    path = run_dir / ".wandb_id"
+    if path.exists():
+        return path.read_text().strip()
+    import uuid
+
+    rid = uuid.uuid4().hex[:12]
+    path.write_text(rid)
+    return rid
+
+
+def _fmt_eta(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    h, rem = divmod(seconds, 3600)
+    m, s = divmod(rem, 60)
+    return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
+
+
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    path = Path(run_dir) / "metrics.jsonl"
+    if not path.exists():
+        return []
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    # A resumed run appends; keep the last row of each step.
+    by_step = {r["step"]: r for r in rows}
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+    """Reward and throughput over steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir)
+    if not rows:
+        from grpo.core.errors import UserError
+
+        raise UserError(f"{run_dir} has no metrics.jsonl rows to plot.")
+    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    steps = [r["step"] for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward/mean")
+    for key in sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")}):
+        if key != "reward/mean":
+            axes[0].plot(steps, [r.get(key, float("nan")) for r in rows], label=key, alpha=0.6)
+    axes[0].set_xlabel("step")
+    axes[0].set_title("reward")
+    axes[0].legend(fontsize=8)
+    axes[1].plot(steps, [r.get("throughput/train/valid_tokens_per_s", float("nan")) for r in rows])
+    axes[1].set_xlabel("step")
+    axes[1].set_title("valid tokens / s")
+    fig.tight_layout()
+    fig.savefig(out, dpi=100)
+    plt.close(fig)
+    return out
+
+
+def now() -> float:
+    return time.perf_counter()
+
+
+def is_main_process() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
+__all__ = ["MetricsLogger", "device_memory_metrics", "plot_run", "read_metrics"]

@@ -1,0 +1,190 @@
+"""Run config: every shipped config validates; bad configs exit 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from grpo.core.cli import cli
+from grpo.core.config import RunConfig, load_config, resolve_layout
+from grpo.core.contracts import Topology
+from grpo.core.errors import ConfigError
+
+CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+
+BASE = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 4, "max_new_tokens": 8},
+    "task": {"name": "arithmetic"},
+    "train": {"steps": 4, "prompts_per_step": 4},
+}
+
+
+def _write(tmp_path, data, name="c.yaml") -> str:
+    path = tmp_path / name
+    path.write_text(data if isinstance(data, str) else yaml.safe_dump(data))
+    return str(path)
+
+
+def _merge(base, patch):
+    out = json.loads(json.dumps(base))
+    for key, value in patch.items():
+        node = out
+        *parents, leaf = key.split(".")
+        for p in parents:
+            node = node.setdefault(p, {})
+        node[leaf] = value
+    return out
+
+
+def _validate(*args):
+    return CliRunner().invoke(cli, ["config", "validate", *args])
+
+
+def test_configs_exist():
+    assert any(p.name == "quickstart.yaml" for p in CONFIGS)
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_every_config_validates(path):
+    result = _validate(str(path))
+    assert result.exit_code == 0, result.output
+    assert result.output.strip() == "ok"
+
+
+def test_base_is_valid_and_show_fills_defaults(tmp_path):
+    path = _write(tmp_path, BASE)
+    assert _validate(path).exit_code == 0
+    shown = CliRunner().invoke(cli, ["config", "show", path, "--set", "train.steps=7"])
+    assert shown.exit_code == 0, shown.output
+    data = yaml.safe_load(shown.output)
+    assert data["train"]["steps"] == 7
+    assert data["loss"]["epsilon_high"] == 0.2  # a default, filled in
+    assert data["mesh"] == {"policy": "auto", "options": {"tp": 1}}  # plugin option defaults too
+    # The shown config is itself a valid config that loads to the same thing.
+    again = load_config(_write(tmp_path, shown.output, "again.yaml"))
+    assert again == load_config(path, ["train.steps=7"])
+
+
+BAD = [
+    # (patch or raw text, field path expected in the message, extra text expected)
+    ({"trian": {"steps": 3}}, "trian", "unknown field"),
+    ({"train.steps": 0}, "train.steps", "greater than or equal to 1"),
+    ({"train.steps": "ten"}, "train.steps", "'ten'"),
+    ({"mesh.policy": "nope"}, "mesh.policy", "auto, explicit, host_local"),
+    ({"mesh.policy": "explicit", "mesh.options": {"shape": "1,-1,-1"}}, "mesh.options.shape", "more than one -1"),
+    ({"mesh.policy": "explicit", "mesh.options": {"shap": "1,-1,1"}}, "mesh.options.shap", "unknown field"),
+    ({"loss.impl": "torch"}, "loss.impl", "Available:"),
+    ({"rollout.style": "maxtex"}, "rollout.style", "Did you mean 'maxtext'"),
+    ({"rollout.num_generations": 1}, "rollout.num_generations", "greater than or equal to 2"),
+    ({"train.micro_batch_size": 3}, "train.micro_batch_size", "= 16"),
+    ({"rollout.temperature": 0}, "rollout.temperature", "greater than 0"),
+    ({"rollout.top_p": 1.5}, "rollout.top_p", "less than or equal to 1"),
+    ({"model.source": "hf"}, "model.path", "required"),
+    ({"distributed.mode": "explicit"}, "distributed.coordinator_address", "not set"),
+    ({"distributed.mode": "explicit", "distributed.coordinator_address": "h:1", "distributed.num_processes": 2,
+      "distributed.process_id": 2}, "distributed.process_id", "must be <"),
+    ({"eval.k": 4}, "eval.greedy", "eval.k=1"),
+    ({"loss.aggregation": "mean"}, "loss.aggregation", "'token_mean', 'sequence_mean' or 'constant'"),
+    ({"rollout.prompt_buckets": [64, 32]}, "rollout.prompt_buckets", "ascending"),
+    ({"train.optimizer": {"name": "sgd"}}, "train.optimizer.name", "'adamw' or 'lion'"),
+    ({"logging.wandb": {"mode": "on"}}, "logging.wandb.mode", "'disabled', 'offline' or 'online'"),
+    ({"rollout.options": {"x": 1}}, "rollout.options.x", "unknown field"),
+    ({"checkpoint.keep": 0}, "checkpoint.keep", "greater than or equal to 1"),
+]
+
+
+@pytest.mark.parametrize("patch, field, text", BAD, ids=[b[1] for b in BAD])
+def test_bad_configs_exit_2(tmp_path, patch, field, text):
+    result = _validate(_write(tmp_path, _merge(BASE, patch)))
+    assert result.exit_code == 2, result.output
+    assert field in result.output and text in result.output, result.output
+    assert "Traceback" not in result.output
+
+
+def test_every_problem_reported_at_once(tmp_path):
+    result = _validate(_write(tmp_path, _merge(BASE, {"train.steps": 0, "rollout.top_k": -1, "bogus": 1})))
+    assert result.exit_code == 2
+    for field in ("train.steps", "rollout.top_k", "bogus"):
+        assert field in result.output
+
+
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("model: [unclosed", "not valid YAML at line 1"),
+        ("", "is empty"),
+        ("- a\n- b\n", "must be a mapping"),
+        ("model: {source: random}\ntask: ${GRPO_TEST_MISSING_VAR}\n", "GRPO_TEST_MISSING_VAR"),
+    ],
+)
+def test_bad_files(tmp_path, text, message):
+    result = _validate(_write(tmp_path, text))
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output
+
+
+def test_missing_file_and_directory(tmp_path):
+    result = _validate(str(tmp_path / "nope.yaml"))
+    assert result.exit_code == 2 and "does not exist" in result.output
+    result = _validate(str(tmp_path))
+    assert result.exit_code == 2 and "is a directory" in result.output
+
+
+def test_env_interpolation_and_overrides(tmp_path, monkeypatch):
+    data = _merge(BASE, {"train.steps": "${GRPO_TEST_STEPS}", "name": "run-${GRPO_TEST_NAME}"})
+    path = _write(tmp_path, data)
+    monkeypatch.setenv("GRPO_TEST_STEPS", "12")
+    monkeypatch.setenv("GRPO_TEST_NAME", "a")
+    cfg = load_config(path)
+    assert cfg.train.steps == 12 and cfg.name == "run-a"
+    cfg = load_config(path, ["train.steps=5", "train.optimizer.learning_rate=1e-3", "rollout.prompt_buckets=[8, 16]"])
+    assert cfg.train.steps == 5 and cfg.train.optimizer.learning_rate == 1e-3 and cfg.rollout.prompt_buckets == [8, 16]
+    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+        load_config(path, ["train.steps"])
+    with pytest.raises(ConfigError, match="train.steps.*is a int, not a section"):
+        load_config(path, ["train.steps.x=1"])
+
+
+def test_set_errors_through_cli(tmp_path):
+    path = _write(tmp_path, BASE)
+    result = _validate(path, "--set", "train.prompts_per_step=3", "--set", "train.micro_batch_size=8")
+    assert result.exit_code == 2 and "train.micro_batch_size=8" in result.output
+
+
+def test_topology_checks(tmp_path):
+    maxtext = _write(tmp_path, _merge(BASE, {"rollout.style": "maxtext"}), "m.yaml")
+    # maxtext on auto across 2 hosts: dp=1 != 2 processes.
+    result = _validate(maxtext, "--processes", "2", "--local-devices", "4")
+    assert result.exit_code == 2 and "dp == process count" in result.output and "host_local" in result.output
+    ok = _validate(maxtext, "--set", "mesh.policy=host_local", "--processes", "2", "--local-devices", "4")
+    assert ok.exit_code == 0, ok.output
+    # 16 sequences cannot split over 3 devices.
+    result = _validate(_write(tmp_path, BASE), "--processes", "1", "--local-devices", "3")
+    assert result.exit_code == 2 and "16 sequences" in result.output
+    cfg = load_config(_merge(BASE, {"train.micro_batch_size": 4}))
+    with pytest.raises(ConfigError, match="micro-batch of 4 sequences"):
+        resolve_layout(cfg, Topology(process_count=1, local_device_count=8))
+    layout = resolve_layout(cfg, Topology(process_count=1, local_device_count=4))
+    assert layout.shape == {"dp": 1, "fsdp": 4, "tp": 1}
+
+
+def test_schema_command():
+    result = CliRunner().invoke(cli, ["config", "schema"])
+    assert result.exit_code == 0
+    schema = json.loads(result.output)
+    assert schema["title"] == "RunConfig" and "train" in schema["properties"]
+
+
+def test_every_field_has_a_description():
+    def walk(model, prefix):
+        for name, field in model.model_fields.items():
+            assert field.description, f"{prefix}{name} has no description"
+            ann = field.annotation
+            if isinstance(ann, type) and issubclass(ann, RunConfig.__mro__[1]):
+                walk(ann, f"{prefix}{name}.")
+
+    walk(RunConfig, "")
