@@ -121,7 +121,7 @@ class RolloutConfig(Section):
     style: str = Field("legacy", description="Rollout sharding style plugin name.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen rollout style.")
     num_generations: int = Field(8, ge=2, le=1024, description="Completions sampled per prompt (the GRPO group).")
-    max_prompt_length: int = Field(256, ge=1, le=131072, description="Prompts longer than this are refused.")
+    max_prompt_length: int = Field(256, ge=1, le=131072, description="Longest prompt in tokens; longer prompts are skipped at load time and counted.")
     max_new_tokens: int = Field(256, ge=1, le=131072, description="Completion length cap.")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="Divides the logits (sampler and loss alike).")
     top_k: int = Field(0, ge=0, le=1_000_000, description="Keep the k most likely tokens; 0 = off.")

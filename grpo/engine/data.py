@@ -1,0 +1,128 @@
+"""Prompt data: deterministic order from the seed, epochs without replacement,
+per-process shards, tokenisation into left-padded length buckets.
+
+The global order is a function of (seed, step) only, so a resumed run continues exactly
+where it stopped and every process agrees on which prompts form a step without talking
+to the others. Each process then materialises only its own slice of the step's prompts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any, Callable, Sequence
+
+import numpy as np
+
+from grpo.core.errors import UserError
+
+log = logging.getLogger(__name__)
+
+
+def default_buckets(max_len: int, smallest: int = 16) -> list[int]:
+    """Powers of two from ``smallest`` below ``max_len``, then ``max_len`` itself."""
+    out, b = [], smallest
+    while b < max_len:
+        out.append(b)
+        b *= 2
+    return out + [max_len]
+
+
+def bucket_for(length: int, buckets: Sequence[int]) -> int:
+    for b in buckets:
+        if length <= b:
+            return b
+    raise ValueError(f"length {length} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class PromptSet:
+    """Tokenised prompts of one split (every process holds the token ids: small)."""
+
+    examples: list[dict[str, Any]]
+    token_ids: list[list[int]]
+    skipped_too_long: int = 0
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+
+def tokenize_prompts(
+    examples: Sequence[dict[str, Any]],
+    render: Callable[[dict[str, Any]], str],
+    tokenizer: Any,
+    *,
+    max_prompt_length: int,
+    split: str,
+) -> PromptSet:
+    kept, ids, skipped = [], [], 0
+    for ex in examples:
+        toks = tokenizer(render(ex), add_special_tokens=False)["input_ids"]
+        if len(toks) > max_prompt_length:
+            skipped += 1
+            continue
+        if not toks:
+            raise UserError(f"{split} example {ex!r:.200} renders to an empty prompt.")
+        kept.append(ex)
+        ids.append(list(toks))
+    if not kept:
+        raise UserError(
+            f"No {split} prompt fits rollout.max_prompt_length={max_prompt_length} "
+            f"({skipped} were longer). Raise rollout.max_prompt_length."
+        )
+    if skipped:
+        log.warning(
+            "%d of %d %s prompts are longer than rollout.max_prompt_length=%d and are skipped",
+            skipped, len(examples), split, max_prompt_length,
+        )
+    return PromptSet(kept, ids, skipped)
+
+
+def step_indices(num_examples: int, *, step: int, prompts_per_step: int, seed: int) -> np.ndarray:
+    """Global example indices of ``step``: a fresh permutation per epoch, no replacement
+    within an epoch."""
+    start = step * prompts_per_step
+    pos = np.arange(start, start + prompts_per_step)
+    epochs = pos // num_examples
+    out = np.empty_like(pos)
+    for e in np.unique(epochs):
+        perm = np.random.default_rng([seed, int(e)]).permutation(num_examples)
+        sel = epochs == e
+        out[sel] = perm[pos[sel] % num_examples]
+    return out
+
+
+def process_slice(n: int, process_index: int, process_count: int) -> slice:
+    if n % process_count:
+        raise UserError(f"{n} prompts per step do not split evenly over {process_count} processes.")
+    per = n // process_count
+    return slice(process_index * per, (process_index + 1) * per)
+
+
+@dataclasses.dataclass
+class PromptBatch:
+    tokens: np.ndarray  # P Lp, left-padded
+    mask: np.ndarray  # P Lp, 1 on prompt tokens
+    examples: list[dict[str, Any]]
+
+
+def build_batch(
+    prompts: PromptSet,
+    indices: np.ndarray,
+    *,
+    local: slice,
+    buckets: Sequence[int],
+    pad_id: int,
+) -> PromptBatch:
+    """Left-pad this process's prompts to the bucket of the longest prompt of the *global*
+    batch, so every process compiles and runs the same shapes."""
+    longest = max(len(prompts.token_ids[i]) for i in indices)
+    width = bucket_for(longest, buckets)
+    mine = indices[local]
+    tokens = np.full((len(mine), width), pad_id, dtype=np.int32)
+    mask = np.zeros((len(mine), width), dtype=np.int32)
+    for row, i in enumerate(mine):
+        ids = prompts.token_ids[i]
+        tokens[row, width - len(ids):] = ids
+        mask[row, width - len(ids):] = 1
+    return PromptBatch(tokens, mask, [prompts.examples[i] for i in mine])
