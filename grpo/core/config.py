@@ -97,6 +97,9 @@ class DistributedConfig(Section):
     initialization_timeout_s: int = Field(
         300, ge=1, le=86400, description="How long to wait for all processes to join."
     )
+    heartbeat_timeout_s: int = Field(
+        100, ge=1, le=86400, description="A process silent this long is declared dead and the others exit."
+    )
     cpu_collectives: Literal["gloo", "mpi", "none"] = Field(
         "gloo", description="Cross-process collectives on CPU backends (tests, development)."
     )
