@@ -1,1 +1,137 @@
-"""Built-in plugins of this kind (filled in by their own modules)."""
+"""Built-in GRPO losses: ``jax`` (the readable reference) and ``pallas`` (fused kernel).
+
+Both compute the same objective (``grpo.plugins.losses._common``); they differ only in how
+the per-token log-probs of the sampled tokens, and their gradients to the hidden states
+and the output head, are computed:
+
+- ``jax`` materialises the ``[B, T, V]`` logits and takes a log-softmax. Correct on any
+  mesh: with the head weight sharded over the vocabulary (tp > 1), GSPMD partitions the
+  matmul and adds the collectives for the log-sum-exp and the target gather.
+- ``pallas`` fuses the head matmul into a blocked online log-sum-exp and recomputes the
+  blocks in a custom VJP, so no ``[B, T, V]`` array ever exists. It refuses tp > 1 (its
+  kernel needs the whole vocabulary on one device) at config validation.
+
+This module stays JAX-free at import time: the implementations are imported inside
+``compute``.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field, field_validator
+
+from grpo.core.contracts import LossPlugin, LossSettings, MeshLayout, PluginOptions
+from grpo.core.hookspecs import hookimpl
+
+
+def _common_inputs(**kw):
+    from grpo.plugins.losses import _common
+
+    _common.check_inputs(**kw)
+    return _common
+
+
+class JaxLossOptions(PluginOptions):
+    entropy: bool = Field(True, description="Compute the mean token entropy metric (one more pass over the logits).")
+
+
+class JaxLoss(LossPlugin):
+    name = "jax"
+    description = "Reference GRPO loss in plain JAX: materialises the [B, T, V] logits."
+    Options = JaxLossOptions
+
+    def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
+                settings: LossSettings, options: JaxLossOptions, normalizer=None):  # type: ignore[override]
+        from grpo.plugins.losses import _jax
+
+        common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
+                                advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                settings=settings)
+        logp, entropy = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
+                                            temperature=settings.temperature, with_entropy=options.entropy)
+        return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
+                                     ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
+                                     entropy=entropy)
+
+
+class PallasLossOptions(PluginOptions):
+    block_t: int | None = Field(
+        None, ge=8, le=65536,
+        description="Token rows per block (rows are the flattened B*T positions); a multiple of 8 "
+        "(16 for bf16 on TPU). None: 256 on TPU/CPU, 64 on GPU.",
+    )
+    block_v: int | None = Field(
+        None, ge=128, le=1 << 20,
+        description="Vocabulary columns per block; a multiple of 128 (TPU lanes). None: 512 on TPU/CPU, 128 on GPU.",
+    )
+    block_d: int | None = Field(
+        None, ge=16, le=65536,
+        description="Hidden-size chunk of the in-kernel matmul loop (loop/GPU schedule only); a power of two. None: 64.",
+    )
+    schedule: Literal["auto", "grid", "loop"] = Field(
+        "auto",
+        description="grid: vocab/row reductions run over the Pallas grid with VMEM accumulators (TPU); "
+        "loop: one program per block loops in-kernel (GPU Triton); auto: by backend. Both run in interpret mode.",
+    )
+    interpret: bool | None = Field(
+        None, description="Run the kernels in Pallas interpret mode; None: on CPU only (the only way there)."
+    )
+
+    @field_validator("block_t")
+    @classmethod
+    def _bt(cls, v):
+        if v is not None and v % 8:
+            raise ValueError(f"block_t={v} must be a multiple of 8 (the TPU sublane tile)")
+        return v
+
+    @field_validator("block_v")
+    @classmethod
+    def _bv(cls, v):
+        if v is not None and v % 128:
+            raise ValueError(f"block_v={v} must be a multiple of 128 (the TPU lane tile)")
+        return v
+
+    @field_validator("block_d")
+    @classmethod
+    def _bd(cls, v):
+        if v is not None and v & (v - 1):
+            raise ValueError(f"block_d={v} must be a power of two (Triton tensor sizes)")
+        return v
+
+
+class PallasLoss(LossPlugin):
+    name = "pallas"
+    description = "Fused head-matmul + online log-sum-exp GRPO loss in Pallas; never holds [B, T, V] logits."
+    Options = PallasLossOptions
+
+    def check(self, *, layout: MeshLayout, options: PallasLossOptions) -> list[str]:  # type: ignore[override]
+        if layout.tp > 1:
+            return [
+                f"loss.impl=pallas needs the whole vocabulary on each device, but the mesh has tp={layout.tp} "
+                "(the head weight is sharded over the vocabulary). Use loss.impl=jax, or a mesh with tp=1."
+            ]
+        return []
+
+    def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
+                settings: LossSettings, options: PallasLossOptions, normalizer=None):  # type: ignore[override]
+        from grpo.plugins.losses import _pallas
+
+        common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
+                                advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+                                settings=settings)
+        config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])
+        logp, entropy = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
+                                                     temperature=settings.temperature, config=config)
+        return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
+                                     ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
+                                     entropy=entropy)
+
+
+__all__ = ["JaxLoss", "JaxLossOptions", "PallasLoss", "PallasLossOptions"]
+
+
+@hookimpl
+def register_losses(register):
+    register(JaxLoss())
+    register(PallasLoss())

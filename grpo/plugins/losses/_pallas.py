@@ -1,0 +1,585 @@
+"""Fused output-head + log-softmax in Pallas: per-token log-probs without ``[B, T, V]``.
+
+The token rows ``N = B * T`` of the hidden states and the vocabulary are cut into blocks
+of ``block_t`` rows and ``block_v`` columns. For each (row, vocab) block the kernel
+computes ``logits = hidden_blk @ W_blk / temperature`` ([block_t, block_v], f32) and
+folds it into an online log-sum-exp (running max ``m``, running sum ``s``), the target
+logit and a running entropy term; only those per-row numbers leave the kernel. The
+custom VJP takes ``g = d loss / d logp`` [N] and recomputes each logits block from the
+saved log-sum-exp: ``dlogits = g * (onehot(target) - softmax) / temperature``, then
+``dH += dlogits @ W_blk^T`` and ``dW_blk += H_blk^T @ dlogits``. ``dH`` reduces over the
+vocabulary and ``dW`` over the rows, so they are two kernels, each owning its output
+block while it sweeps the other axis (deterministic; no atomics). The forward pass does
+one head matmul, the backward pass three (one recompute in each kernel plus dH, dW).
+
+Two schedules of the same block math (``_online_update``, ``_dlogits``):
+
+- ``grid`` (TPU Mosaic, and CPU interpret mode): the reduction axis is the last grid
+  axis ("arbitrary"); accumulators live in VMEM scratch, initialised at its first step
+  and written out at its last. Pallas pads edge blocks (V not a multiple of
+  ``block_v``, N not a multiple of ``block_t``) with unspecified values, so the kernels
+  mask vocab columns >= V and rows >= N before any arithmetic that could mix them in.
+- ``loop`` (GPU Triton, where grid programs run concurrently and there is no scratch):
+  one program per row block (forward, dH) or vocab block (dW) loops over the other axis
+  and over ``block_d`` chunks of the hidden size in-kernel, with masked loads. dH and dW
+  accumulate in f32 outputs owned by one program each (read-modify-write, no atomics).
+
+Both schedules run in interpret mode on CPU, which is how they are tested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Literal
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+# A finite "minus infinity": exp(MASK - m) underflows to 0 and, unlike -inf, never
+# produces inf - inf = nan in the running-max corrections.
+MASK_VALUE = -1e30
+
+Schedule = Literal["grid", "loop"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelConfig:
+    """Resolved kernel parameters (hashable: a static argument)."""
+
+    block_t: int
+    block_v: int
+    block_d: int
+    schedule: Schedule
+    interpret: bool
+    backend: str  # "cpu" | "gpu" | "tpu"
+    vmem_limit_bytes: int | None = None
+
+
+# --------------------------------------------------------------------------- block math
+# Shared by both schedules. Row vectors are (bt, 1) in the grid schedule and (bt,) in the
+# loop schedule; the helpers keep whichever shape they are given.
+
+
+def _col(r: jax.Array) -> jax.Array:
+    return r if r.ndim == 2 else r[:, None]
+
+
+def _rowreduce(fn, x: jax.Array, like: jax.Array) -> jax.Array:
+    return fn(x, axis=1, keepdims=like.ndim == 2)
+
+
+def _online_update(logits, col_valid, onehot, m, s, a, tl):
+    """Fold one [bt, bv] logits block into the running (max, sum, entropy term, target logit).
+
+    ``a`` is ``sum_v exp(l_v - m) * (l_v - m)``, kept relative to the running max so that
+    ``entropy = log(s) - a / s`` does not cancel catastrophically for large logits.
+    """
+    blk_max = _rowreduce(jnp.max, jnp.where(col_valid, logits, MASK_VALUE), m)
+    m_new = jnp.maximum(m, blk_max)
+    alpha = jnp.exp(m - m_new)
+    z = jnp.where(col_valid, logits - _col(m_new), 0.0)
+    p = jnp.where(col_valid, jnp.exp(z), 0.0)
+    s_new = alpha * s + _rowreduce(jnp.sum, p, m)
+    a_new = alpha * (a + s * (m - m_new)) + _rowreduce(jnp.sum, p * z, m)
+    tl_new = tl + _rowreduce(jnp.sum, jnp.where(onehot, logits, 0.0), m)
+    return m_new, s_new, a_new, tl_new
+
+
+def _finish(m, s, a, tl):
+    """(logp of the target, log-sum-exp, entropy) per row."""
+    lse = m + jnp.log(s)
+    return tl - lse, lse, jnp.log(s) - a / s
+
+
+def _dlogits(logits, col_valid, onehot, lse, g, inv_temp):
+    """d loss / d (hidden @ W) for one block: g * (onehot - softmax) / temperature."""
+    p = jnp.where(col_valid, jnp.exp(logits - _col(lse)), 0.0)
+    return (_col(g) * inv_temp) * (onehot.astype(jnp.float32) - p)
+
+
+def _dot(a, b, contract: tuple[int, int], precision):
+    return lax.dot_general(
+        a, b, (((contract[0],), (contract[1],)), ((), ())),
+        precision=precision, preferred_element_type=jnp.float32,
+    )
+
+
+def _precision(dtype) -> lax.Precision:
+    # f32 inputs get full-precision passes (TPU's default f32 matmul is bf16 passes;
+    # Triton's is TF32); bf16/f16 inputs use the native MXU/tensor-core path.
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else lax.Precision.DEFAULT
+
+
+# --------------------------------------------------------------------------- grid schedule
+
+
+def _grid_fwd_kernel(h_ref, w_ref, tgt_ref, logp_ref, lse_ref, ent_ref, m_sc, s_sc, a_sc, tl_sc, *,
+                     n_vocab, block_v, inv_temp, precision):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        m_sc[...] = jnp.full(m_sc.shape, MASK_VALUE, jnp.float32)
+        s_sc[...] = jnp.zeros(s_sc.shape, jnp.float32)
+        a_sc[...] = jnp.zeros(a_sc.shape, jnp.float32)
+        tl_sc[...] = jnp.zeros(tl_sc.shape, jnp.float32)
+
+    logits = _dot(h_ref[...], w_ref[...], (1, 0), precision) * inv_temp  # bt bv
+    col = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_v
+    col_valid = col < n_vocab
+    onehot = col == tgt_ref[...]
+    m, s, a, tl = _online_update(logits, col_valid, onehot, m_sc[...], s_sc[...], a_sc[...], tl_sc[...])
+    m_sc[...], s_sc[...], a_sc[...], tl_sc[...] = m, s, a, tl
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _done():
+        logp, lse, ent = _finish(m, s, a, tl)
+        logp_ref[...] = logp
+        lse_ref[...] = lse
+        ent_ref[...] = ent
+
+
+def _grid_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, acc_sc, *,
+                    n_vocab, block_v, inv_temp, precision):
+    j = pl.program_id(1)
+
+    @pl.when(j == 0)
+    def _init():
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    w = w_ref[...]
+    logits = _dot(h_ref[...], w, (1, 0), precision) * inv_temp  # bt bv
+    col = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_v
+    col_valid = col < n_vocab
+    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], inv_temp)
+    # The padded columns of the edge block of W hold unspecified values (NaN in interpret
+    # mode) and 0 * NaN = NaN: zero them rather than rely on dl being 0 there.
+    w_cols_valid = (lax.broadcasted_iota(jnp.int32, w.shape, 1) + j * block_v) < n_vocab
+    w = jnp.where(w_cols_valid, w, jnp.zeros_like(w))
+    acc_sc[...] += _dot(dl.astype(w.dtype), w, (1, 1), precision)  # bt D
+
+    @pl.when(j == pl.num_programs(1) - 1)
+    def _done():
+        dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
+
+
+def _grid_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, acc_sc, *,
+                    n_vocab, n_rows, block_v, block_t, inv_temp, precision):
+    jv, it = pl.program_id(0), pl.program_id(1)
+
+    @pl.when(it == 0)
+    def _init():
+        acc_sc[...] = jnp.zeros(acc_sc.shape, jnp.float32)
+
+    h = h_ref[...]
+    logits = _dot(h, w_ref[...], (1, 0), precision) * inv_temp  # bt bv
+    col = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + jv * block_v
+    col_valid = col < n_vocab
+    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], inv_temp)
+    # Rows past N in the edge block are unspecified (NaN in interpret mode): zero both
+    # factors so they add nothing to H^T @ dlogits.
+    row_ok = (lax.broadcasted_iota(jnp.int32, dl.shape, 0) + it * block_t) < n_rows
+    dl = jnp.where(row_ok, dl, 0.0)
+    h_rows_ok = (lax.broadcasted_iota(jnp.int32, h.shape, 0) + it * block_t) < n_rows
+    h = jnp.where(h_rows_ok, h, jnp.zeros_like(h))
+    acc_sc[...] += _dot(h, dl.astype(h.dtype), (0, 0), precision)  # D bv
+
+    @pl.when(it == pl.num_programs(1) - 1)
+    def _done():
+        dw_ref[...] = acc_sc[...].astype(dw_ref.dtype)
+
+
+def _scratch(shape, dtype, cfg: KernelConfig):
+    if cfg.backend == "tpu" or cfg.interpret:
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.VMEM(shape, dtype)
+    raise ValueError(f"the grid schedule needs VMEM scratch, which backend {cfg.backend!r} lacks")
+
+
+def _compiler_params(cfg: KernelConfig, semantics: tuple[str, ...]):
+    if cfg.backend != "tpu" or cfg.interpret:
+        return None
+    from jax.experimental.pallas import tpu as pltpu
+
+    return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit_bytes)
+
+
+def _grid_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
+    n, d = h.shape
+    v = w.shape[1]
+    bt, bv = cfg.block_t, cfg.block_v
+    grid = (pl.cdiv(n, bt), pl.cdiv(v, bv))
+    row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
+    kernel = functools.partial(
+        _grid_fwd_kernel, n_vocab=v, block_v=bv, inv_temp=inv_temp, precision=_precision(h.dtype)
+    )
+    out = jax.ShapeDtypeStruct((n, 1), jnp.float32)
+    logp, lse, ent = pl.pallas_call(
+        kernel,
+        grid=grid,
+        in_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j)), row],
+        out_specs=[row, row, row],
+        out_shape=[out, out, out],
+        scratch_shapes=[_scratch((bt, 1), jnp.float32, cfg) for _ in range(4)],
+        compiler_params=_compiler_params(cfg, ("parallel", "arbitrary")),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_fwd",
+    )(h, w, tgt[:, None])
+    return logp[:, 0], lse[:, 0], ent[:, 0]
+
+
+def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
+    n, d = h.shape
+    v = w.shape[1]
+    bt, bv = cfg.block_t, cfg.block_v
+    precision = _precision(h.dtype)
+    tgt2, lse2, g2 = tgt[:, None], lse[:, None], g[:, None]  # N 1
+
+    # dH: rows outer ("parallel"), vocab inner ("arbitrary").
+    row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
+    dh = pl.pallas_call(
+        functools.partial(_grid_dh_kernel, n_vocab=v, block_v=bv, inv_temp=inv_temp, precision=precision),
+        grid=(pl.cdiv(n, bt), pl.cdiv(v, bv)),
+        in_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j)),
+                  row, row, row],
+        out_specs=pl.BlockSpec((bt, d), lambda i, j: (i, 0)),
+        out_shape=jax.ShapeDtypeStruct((n, d), h.dtype),
+        scratch_shapes=[_scratch((bt, d), jnp.float32, cfg)],
+        compiler_params=_compiler_params(cfg, ("parallel", "arbitrary")),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_dh",
+    )(h, w, tgt2, lse2, g2)
+
+    # dW: vocab outer ("parallel"), rows inner ("arbitrary").
+    row_t = pl.BlockSpec((bt, 1), lambda j, i: (i, 0))
+    dw = pl.pallas_call(
+        functools.partial(_grid_dw_kernel, n_vocab=v, n_rows=n, block_v=bv, block_t=bt,
+                          inv_temp=inv_temp, precision=precision),
+        grid=(pl.cdiv(v, bv), pl.cdiv(n, bt)),
+        in_specs=[pl.BlockSpec((bt, d), lambda j, i: (i, 0)), pl.BlockSpec((d, bv), lambda j, i: (0, j)),
+                  row_t, row_t, row_t],
+        out_specs=pl.BlockSpec((d, bv), lambda j, i: (0, j)),
+        out_shape=jax.ShapeDtypeStruct((d, v), w.dtype),
+        scratch_shapes=[_scratch((d, bv), jnp.float32, cfg)],
+        compiler_params=_compiler_params(cfg, ("parallel", "arbitrary")),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_dw",
+    )(h, w, tgt2, lse2, g2)
+    return dh, dw
+
+
+# --------------------------------------------------------------------------- loop schedule
+
+
+def _loop_load(ref, rows, cols, row_ok, col_ok):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref.at[rows, cols], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+
+
+def _loop_store(ref, rows, cols, row_ok, col_ok, value):
+    from jax.experimental.pallas import triton as plgpu
+
+    plgpu.store(ref.at[rows, cols], value.astype(ref.dtype), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def _loop_logits(h_ref, w_ref, t0, v0, row_ok, col_ok, *, bt, bv, bd, n_hidden, inv_temp, precision):
+    """hidden[t0:t0+bt] @ W[:, v0:v0+bv] / temperature, over block_d chunks of the hidden size."""
+
+    def body(k, acc):
+        d0 = k * bd
+        d_ok = d0 + jnp.arange(bd) < n_hidden
+        h = _loop_load(h_ref, pl.ds(t0, bt), pl.ds(d0, bd), row_ok, d_ok)
+        w = _loop_load(w_ref, pl.ds(d0, bd), pl.ds(v0, bv), d_ok, col_ok)
+        return acc + _dot(h, w, (1, 0), precision)
+
+    acc = lax.fori_loop(0, pl.cdiv(n_hidden, bd), body, jnp.zeros((bt, bv), jnp.float32))
+    return acc * inv_temp
+
+
+def _row_vec(ref, start, size, ok, other):
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.load(ref.at[pl.ds(start, size)], mask=ok, other=other)
+
+
+def _loop_fwd_kernel(h_ref, w_ref, tgt_ref, logp_ref, lse_ref, ent_ref, *, n_rows, n_vocab, n_hidden,
+                     bt, bv, bd, inv_temp, precision):
+    from jax.experimental.pallas import triton as plgpu
+
+    t0 = pl.program_id(0) * bt
+    row_ok = t0 + jnp.arange(bt) < n_rows
+    tgt = _row_vec(tgt_ref, t0, bt, row_ok, 0)
+    logits_of = functools.partial(_loop_logits, h_ref, w_ref, t0, bt=bt, bv=bv, bd=bd, n_hidden=n_hidden,
+                                  inv_temp=inv_temp, precision=precision)
+
+    def body(j, carry):
+        v0 = j * bv
+        cols = v0 + jnp.arange(bv)
+        col_ok = cols < n_vocab
+        logits = logits_of(v0, row_ok, col_ok)
+        return _online_update(logits, col_ok[None, :], cols[None, :] == tgt[:, None], *carry)
+
+    zeros = jnp.zeros((bt,), jnp.float32)
+    carry = lax.fori_loop(0, pl.cdiv(n_vocab, bv), body, (zeros + MASK_VALUE, zeros, zeros, zeros))
+    logp, lse, ent = _finish(*carry)
+    for ref, val in ((logp_ref, logp), (lse_ref, lse), (ent_ref, ent)):
+        plgpu.store(ref.at[pl.ds(t0, bt)], val, mask=row_ok)
+
+
+def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, *, n_rows, n_vocab, n_hidden,
+                    bt, bv, bd, inv_temp, precision):
+    t0 = pl.program_id(0) * bt
+    row_ok = t0 + jnp.arange(bt) < n_rows
+    tgt = _row_vec(tgt_ref, t0, bt, row_ok, 0)
+    lse = _row_vec(lse_ref, t0, bt, row_ok, 0.0)
+    g = _row_vec(g_ref, t0, bt, row_ok, 0.0)
+    n_d = pl.cdiv(n_hidden, bd)
+
+    def zero(k, _):
+        d0 = k * bd
+        _loop_store(dh_ref, pl.ds(t0, bt), pl.ds(d0, bd), row_ok, d0 + jnp.arange(bd) < n_hidden,
+                    jnp.zeros((bt, bd), jnp.float32))
+        return 0
+
+    lax.fori_loop(0, n_d, zero, 0)
+
+    def v_body(j, _):
+        v0 = j * bv
+        cols = v0 + jnp.arange(bv)
+        col_ok = cols < n_vocab
+        logits = _loop_logits(h_ref, w_ref, t0, v0, row_ok, col_ok, bt=bt, bv=bv, bd=bd, n_hidden=n_hidden,
+                              inv_temp=inv_temp, precision=precision)
+        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, inv_temp)
+
+        def d_body(k, _):
+            d0 = k * bd
+            d_ok = d0 + jnp.arange(bd) < n_hidden
+            w = _loop_load(w_ref, pl.ds(d0, bd), pl.ds(v0, bv), d_ok, col_ok)  # bd bv
+            rows, dcols = pl.ds(t0, bt), pl.ds(d0, bd)
+            acc = _loop_load(dh_ref, rows, dcols, row_ok, d_ok) + _dot(dl.astype(w.dtype), w, (1, 1), precision)
+            _loop_store(dh_ref, rows, dcols, row_ok, d_ok, acc)
+            return 0
+
+        lax.fori_loop(0, n_d, d_body, 0)
+        return 0
+
+    lax.fori_loop(0, pl.cdiv(n_vocab, bv), v_body, 0)
+
+
+def _loop_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, n_rows, n_vocab, n_hidden,
+                    bt, bv, bd, inv_temp, precision):
+    v0 = pl.program_id(0) * bv
+    cols = v0 + jnp.arange(bv)
+    col_ok = cols < n_vocab
+    n_d = pl.cdiv(n_hidden, bd)
+
+    def zero(k, _):
+        d0 = k * bd
+        _loop_store(dw_ref, pl.ds(d0, bd), pl.ds(v0, bv), d0 + jnp.arange(bd) < n_hidden, col_ok,
+                    jnp.zeros((bd, bv), jnp.float32))
+        return 0
+
+    lax.fori_loop(0, n_d, zero, 0)
+
+    def t_body(i, _):
+        t0 = i * bt
+        row_ok = t0 + jnp.arange(bt) < n_rows
+        tgt = _row_vec(tgt_ref, t0, bt, row_ok, 0)
+        lse = _row_vec(lse_ref, t0, bt, row_ok, 0.0)
+        g = _row_vec(g_ref, t0, bt, row_ok, 0.0)  # 0 on rows past N: they add nothing
+        logits = _loop_logits(h_ref, w_ref, t0, v0, row_ok, col_ok, bt=bt, bv=bv, bd=bd, n_hidden=n_hidden,
+                              inv_temp=inv_temp, precision=precision)
+        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, inv_temp)
+
+        def d_body(k, _):
+            d0 = k * bd
+            d_ok = d0 + jnp.arange(bd) < n_hidden
+            h = _loop_load(h_ref, pl.ds(t0, bt), pl.ds(d0, bd), row_ok, d_ok)  # bt bd
+            rows, vcols = pl.ds(d0, bd), pl.ds(v0, bv)
+            acc = _loop_load(dw_ref, rows, vcols, d_ok, col_ok) + _dot(h, dl.astype(h.dtype), (0, 0), precision)
+            _loop_store(dw_ref, rows, vcols, d_ok, col_ok, acc)
+            return 0
+
+        lax.fori_loop(0, n_d, d_body, 0)
+        return 0
+
+    lax.fori_loop(0, pl.cdiv(n_rows, bt), t_body, 0)
+
+
+def _loop_compiler_params(cfg: KernelConfig):
+    if cfg.interpret or cfg.backend != "gpu":
+        return None
+    from jax.experimental.pallas import triton as plgpu
+
+    return plgpu.CompilerParams(num_warps=4, num_stages=2)
+
+
+def _loop_kwargs(h, w, cfg: KernelConfig, inv_temp):
+    n, d = h.shape
+    return dict(n_rows=n, n_vocab=w.shape[1], n_hidden=d, bt=cfg.block_t, bv=cfg.block_v, bd=cfg.block_d,
+                inv_temp=inv_temp, precision=_precision(h.dtype))
+
+
+def _loop_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
+    n = h.shape[0]
+    out = jax.ShapeDtypeStruct((n,), jnp.float32)
+    return tuple(pl.pallas_call(
+        functools.partial(_loop_fwd_kernel, **_loop_kwargs(h, w, cfg, inv_temp)),
+        grid=(pl.cdiv(n, cfg.block_t),),
+        out_shape=[out, out, out],
+        compiler_params=_loop_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_fwd_loop",
+    )(h, w, tgt))
+
+
+def _loop_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
+    n, d = h.shape
+    v = w.shape[1]
+    kw = _loop_kwargs(h, w, cfg, inv_temp)
+    dh = pl.pallas_call(
+        functools.partial(_loop_dh_kernel, **kw),
+        grid=(pl.cdiv(n, cfg.block_t),),
+        out_shape=jax.ShapeDtypeStruct((n, d), jnp.float32),
+        compiler_params=_loop_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_dh_loop",
+    )(h, w, tgt, lse, g)
+    # f32 accumulation across row blocks happens in the output itself, so it is f32.
+    dw = pl.pallas_call(
+        functools.partial(_loop_dw_kernel, **kw),
+        grid=(pl.cdiv(v, cfg.block_v),),
+        out_shape=jax.ShapeDtypeStruct((d, v), jnp.float32),
+        compiler_params=_loop_compiler_params(cfg),
+        interpret=cfg.interpret,
+        name="grpo_fused_logprobs_dw_loop",
+    )(h, w, tgt, lse, g)
+    return dh.astype(h.dtype), dw.astype(w.dtype)
+
+
+# --------------------------------------------------------------------------- custom VJP
+
+
+def _forward(h, w, tgt, inv_temp, cfg):
+    fn = _grid_forward if cfg.schedule == "grid" else _loop_forward
+    return fn(h, w, tgt, inv_temp=inv_temp, cfg=cfg)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def _fused(h, w, tgt, inv_temp, cfg):
+    logp, _, ent = _forward(h, w, tgt, inv_temp, cfg)
+    return logp, ent
+
+
+def _fused_fwd(h, w, tgt, inv_temp, cfg):
+    logp, lse, ent = _forward(h, w, tgt, inv_temp, cfg)
+    return (logp, ent), (h, w, tgt, lse)
+
+
+def _fused_bwd(inv_temp, cfg, res, cts):
+    h, w, tgt, lse = res
+    g, _ = cts  # the entropy output carries no gradient (it is a metric)
+    fn = _grid_backward if cfg.schedule == "grid" else _loop_backward
+    dh, dw = fn(h, w, tgt, lse, g.astype(jnp.float32), inv_temp=inv_temp, cfg=cfg)
+    return dh, dw, None
+
+
+_fused.defvjp(_fused_fwd, _fused_bwd)
+
+
+def fused_token_logprobs(
+    *,
+    hidden: jax.Array,
+    head_weight: jax.Array,
+    targets: jax.Array,
+    temperature: float,
+    config: KernelConfig,
+) -> tuple[jax.Array, jax.Array]:
+    """``log_softmax(hidden @ head_weight / temperature)[targets]`` without the logits.
+
+    hidden [B, T, D], head_weight [D, V], targets [B, T] -> (logp [B, T] f32 with a custom
+    VJP to hidden and head_weight, entropy [B, T] f32 without gradient).
+    """
+    b, t, d = hidden.shape
+    h = hidden.reshape(b * t, d)  # N D
+    tgt = targets.reshape(b * t).astype(jnp.int32)  # N
+    if head_weight.dtype != h.dtype:
+        head_weight = head_weight.astype(h.dtype)
+    logp, ent = _fused(h, head_weight, tgt, 1.0 / float(temperature), config)
+    return logp.reshape(b, t), lax.stop_gradient(ent).reshape(b, t)
+
+
+# --------------------------------------------------------------------------- configuration
+
+GPU_BACKENDS = ("gpu", "cuda", "rocm")
+DEFAULTS = {  # backend -> (block_t, block_v, block_d)
+    "tpu": (256, 512, 0),
+    "gpu": (64, 128, 64),
+    "cpu": (256, 512, 0),
+}
+
+
+def _pow2(x: int) -> bool:
+    return x > 0 and x & (x - 1) == 0
+
+
+def resolve_config(options, *, dtype, hidden_size: int, backend: str | None = None) -> KernelConfig:
+    """Options + backend -> KernelConfig; raises ``UserError`` naming the bad field."""
+    from grpo.core.errors import UserError
+
+    backend = backend or jax.default_backend()
+    kind = "gpu" if backend in GPU_BACKENDS else backend
+    if kind not in DEFAULTS:
+        raise UserError(f"loss.impl=pallas does not support the {backend!r} backend (TPU, GPU and CPU only).")
+    interpret = options.interpret if options.interpret is not None else kind == "cpu"
+    if kind == "cpu" and not interpret:
+        raise UserError("loss.options.interpret=false: on CPU Pallas kernels only run in interpret mode.")
+    schedule = options.schedule if options.schedule != "auto" else ("loop" if kind == "gpu" else "grid")
+    if not interpret and kind == "gpu" and schedule == "grid":
+        raise UserError(
+            "loss.options.schedule=grid needs sequential grid steps and VMEM scratch (TPU, interpret); "
+            "on GPU use schedule=loop (or auto)."
+        )
+    if not interpret and kind == "tpu" and schedule == "loop":
+        raise UserError(
+            "loss.options.schedule=loop keeps whole operands un-tiled (a GPU/Triton layout); "
+            "on TPU use schedule=grid (or auto)."
+        )
+    bt0, bv0, bd0 = DEFAULTS["gpu" if schedule == "loop" else kind]
+    bt = options.block_t or bt0
+    bv = options.block_v or bv0
+    bd = options.block_d or bd0 or 64
+    problems: list[str] = []
+    if schedule == "loop":
+        # Triton tensors must have power-of-two sizes; tl.dot needs every dim >= 16.
+        for field, val in (("block_t", bt), ("block_v", bv), ("block_d", bd)):
+            if not _pow2(val) or val < 16:
+                problems.append(f"loss.options.{field}={val} must be a power of two >= 16 for the loop (GPU) schedule")
+    if kind == "tpu" and not interpret:
+        # Mosaic tiles the last two dims of every block by (sublane, 128 lanes); 16-bit
+        # dtypes pack two rows per sublane.
+        sub = 8 * max(1, 4 // jnp.dtype(dtype).itemsize)
+        if bt % sub:
+            problems.append(f"loss.options.block_t={bt} must be a multiple of {sub} on TPU for {jnp.dtype(dtype).name}")
+    if problems:
+        raise UserError("The pallas loss cannot tile these block sizes:", problems=problems)
+    vmem = None
+    if kind == "tpu" and not interpret and schedule == "grid":
+        item = jnp.dtype(dtype).itemsize
+        # dW kernel: double-buffered H and W blocks, f32 accumulator and output block.
+        est = 2 * (bt * hidden_size + hidden_size * bv) * item + hidden_size * bv * (4 + 2 * item) + 8 * bt * bv * 4
+        vmem = int(min(max(est * 3 // 2, 32 << 20), 100 << 20))
+    return KernelConfig(block_t=bt, block_v=bv, block_d=bd, schedule=schedule, interpret=bool(interpret),
+                        backend=kind, vmem_limit_bytes=vmem)
+
+
+def default_block_sizes(backend: str) -> tuple[int, int, int]:
+    return DEFAULTS["gpu" if backend in GPU_BACKENDS else backend]
+
+
+__all__ = ["KernelConfig", "MASK_VALUE", "default_block_sizes", "fused_token_logprobs", "resolve_config"]
