@@ -1,0 +1,397 @@
+"""GSM8K: grade-school math word problems with a numeric answer.
+
+Data
+    ``datasets.load_dataset("openai/gsm8k", "main")`` by default, or local jsonl/json/
+    parquet/csv files through ``data_files`` (offline). Each row has ``question`` and
+    ``answer``; the ground truth is the number on the answer's last ``#### N`` line, read
+    by :func:`grpo.plugins.tasks._numbers.parse_number` (thousands separators,
+    negatives, decimals, ``$``). A row whose answer holds just a number is accepted too.
+    An unreadable ground truth is an error naming the split, the row and the text —
+    or, with ``skip_unparseable``, the row is skipped and counted.
+
+Answer formats
+    ``tag`` (default): reasoning, then ``<answer>N</answer>`` (tag name configurable).
+    ``hashes``: reasoning, then a last line ``#### N`` (GSM8K's own convention).
+
+Rewards (each in [0, 1]; weights configurable)
+    ``correct``: 1 when the extracted answer equals the ground truth by value.
+      ``strict`` extraction reads the number inside the required format — the last
+      ``<answer>...</answer>`` block, or the rest of the line after the last ``####`` —
+      and only when that holds exactly one number (``<answer>$18 per day</answer>`` is
+      18; ``<answer>3 + 4 = 7</answer>`` is no answer). ``flexible`` takes the last
+      number anywhere in the completion. Strict rewards only answers a parser can trust;
+      flexible measures whether the model got there at all. Comparing the two shows
+      how much is lost to formatting.
+    ``format``: 1 when the completion is exactly "reasoning, then one answer in the
+      required format, then nothing": non-blank text before one ``<answer>`` block that
+      holds one number and is followed only by whitespace (``hashes``: one ``####`` at
+      the start of the last non-blank line, followed by one number).
+    ``tags``: partial credit for the answer markup alone (0.25 per property), a dense
+      shaping signal: ``tag`` — one opening tag, one closing tag, in that order, nothing
+      after the closing tag; ``hashes`` — one ``####`` (0.5), on the last non-blank line
+      (0.5). Weight 0 by default: logged, not trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import re
+from pathlib import Path
+from typing import Any, ClassVar, Iterable, Literal, Mapping
+
+from pydantic import BaseModel, Field, field_validator
+
+from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
+from grpo.core.errors import UserError
+from grpo.plugins.tasks._common import UnparseableAnswer, merge_weights, require_text, shorten
+from grpo.plugins.tasks._numbers import NumberToken, canonical, last_number, only_number, parse_number
+
+log = logging.getLogger("grpo.tasks.gsm8k")
+
+DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "format": 0.2, "tags": 0.0}
+
+_TAG_RE = r"^[A-Za-z][A-Za-z0-9_.-]*$"
+_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+
+
+class GSM8KOptions(PluginOptions):
+    dataset: str = Field("openai/gsm8k", min_length=1, description="Hub dataset id (used when data_files is unset).")
+    config_name: str | None = Field("main", description="Hub dataset config name.")
+    data_files: dict[str, str | list[str]] | None = Field(
+        None,
+        description="Local files per split for offline use, e.g. {train: data/train.jsonl, test: data/test.jsonl} "
+        "(.jsonl/.json/.parquet/.csv); overrides `dataset`.",
+    )
+    system_prompt: str | None = Field(
+        None,
+        description="System message; none = a built-in one that asks for the chosen answer format; "
+        "empty = no system message.",
+    )
+    answer_format: Literal["tag", "hashes"] = Field(
+        "tag", description="`tag`: reasoning then <answer>N</answer>; `hashes`: reasoning then a last line '#### N'."
+    )
+    answer_tag: str = Field("answer", pattern=_TAG_RE, description="Tag name for answer_format=tag.")
+    correct_mode: Literal["strict", "flexible"] = Field(
+        "strict",
+        description="`strict`: the number inside the required answer format; `flexible`: the last number in the completion.",
+    )
+    reward_weights: dict[str, float] = Field(
+        default_factory=lambda: dict(DEFAULT_WEIGHTS),
+        description="Weight of each reward in the total (correct, format, tags); unnamed ones keep their defaults.",
+    )
+    skip_unparseable: bool = Field(
+        False, description="Skip (and count) rows whose ground truth cannot be read, instead of failing."
+    )
+    max_examples: int | None = Field(None, ge=1, le=100_000_000, description="Keep the first N examples of a split.")
+
+    @field_validator("reward_weights")
+    @classmethod
+    def _weights(cls, value: dict[str, float]) -> dict[str, float]:
+        return merge_weights(value, DEFAULT_WEIGHTS)
+
+    @field_validator("data_files")
+    @classmethod
+    def _files(cls, value: dict[str, str | list[str]] | None) -> dict[str, str | list[str]] | None:
+        if value is not None:
+            if not value:
+                raise ValueError("data_files is empty; give at least one split, e.g. {test: test.jsonl}")
+            for split, paths in value.items():
+                if isinstance(paths, list) and not paths:
+                    raise ValueError(f"data_files[{split!r}] is an empty list")
+        return value
+
+
+# --------------------------------------------------------------------------- ground truth
+
+
+def parse_ground_truth(answer: str) -> str:
+    """The canonical ground truth (e.g. ``"-1234"``) of a GSM8K ``answer`` text.
+
+    Reads the rest of the line after the last ``####``; an answer without ``####``
+    must be just a number. Raises :class:`UnparseableAnswer` (message without location).
+    """
+    if "####" in answer:
+        line = answer.rsplit("####", 1)[1].split("\n", 1)[0]
+        value = parse_number(line)
+        if value is None:
+            raise UnparseableAnswer(f"cannot read a number from the answer's '####' line: {('####' + line).strip()!r}")
+    else:
+        value = parse_number(answer)
+        if value is None:
+            raise UnparseableAnswer(f"the answer has no '#### N' line and is not a number: {shorten(answer)!r}")
+    return canonical(value)
+
+
+def _ground_truth(example: Mapping[str, Any]):
+    if "ground_truth" in example:
+        gt = parse_number(str(example["ground_truth"]))
+        if gt is None:
+            raise ValueError(f"ground_truth {example['ground_truth']!r} is not a number")
+        return gt
+    return parse_number(parse_ground_truth(str(example["answer"])))
+
+
+# --------------------------------------------------------------------------- extraction
+
+
+def _tag_blocks(completion: str, tag: str) -> list[str]:
+    t = re.escape(tag)
+    return re.findall(rf"<{t}>(.*?)</{t}>", completion, flags=re.DOTALL)
+
+
+def extract_answer(
+    completion: str, *, mode: str = "strict", answer_format: str = "tag", tag: str = "answer"
+) -> NumberToken | None:
+    """The answer a completion states, or None (see the module docstring for the rules)."""
+    if mode == "flexible":
+        return last_number(completion)
+    if mode != "strict":
+        raise ValueError(f"unknown extraction mode {mode!r}")
+    if answer_format == "tag":
+        blocks = _tag_blocks(completion, tag)
+        return only_number(blocks[-1]) if blocks else None
+    if answer_format == "hashes":
+        if "####" not in completion:
+            return None
+        return only_number(completion.rsplit("####", 1)[1].split("\n", 1)[0])
+    raise ValueError(f"unknown answer format {answer_format!r}")
+
+
+def format_ok(completion: str, *, answer_format: str = "tag", tag: str = "answer") -> bool:
+    """Reasoning, then exactly one answer in the required format, then nothing."""
+    if answer_format == "tag":
+        open_t, close_t = f"<{tag}>", f"</{tag}>"
+        if completion.count(open_t) != 1 or completion.count(close_t) != 1:
+            return False
+        before, rest = completion.split(open_t, 1)
+        if close_t not in rest:
+            return False
+        content, after = rest.split(close_t, 1)
+        return bool(before.strip()) and not after.strip() and only_number(content) is not None
+    if answer_format == "hashes":
+        if completion.count("####") != 1:
+            return False
+        before, after = completion.split("####", 1)
+        own_line = before.rstrip(" \t").endswith("\n")
+        return (
+            own_line and bool(before.strip()) and "\n" not in after.strip() and only_number(after) is not None
+        )
+    raise ValueError(f"unknown answer format {answer_format!r}")
+
+
+def tag_score(completion: str, *, answer_format: str = "tag", tag: str = "answer") -> float:
+    """Partial credit for the answer markup (see the module docstring)."""
+    if answer_format == "tag":
+        open_t, close_t = f"<{tag}>", f"</{tag}>"
+        one_open = completion.count(open_t) == 1
+        one_close = completion.count(close_t) == 1
+        ordered = one_open and one_close and completion.index(open_t) < completion.index(close_t)
+        clean_end = one_close and not completion.split(close_t, 1)[1].strip()
+        return 0.25 * (one_open + one_close + ordered + clean_end)
+    if answer_format == "hashes":
+        n = completion.count("####")
+        lines = [ln for ln in completion.splitlines() if ln.strip()]
+        last = bool(lines) and "####" in lines[-1]
+        return 0.5 * (n == 1) + 0.5 * (n >= 1 and last)
+    raise ValueError(f"unknown answer format {answer_format!r}")
+
+
+# --------------------------------------------------------------------------- the task
+
+_SYSTEM_PROMPTS = {
+    "tag": (
+        "You are a helpful assistant that solves math word problems. Reason step by step, "
+        "then give the final answer as a single number inside <{tag}></{tag}> tags, "
+        "for example <{tag}>42</{tag}>."
+    ),
+    "hashes": (
+        "You are a helpful assistant that solves math word problems. Reason step by step, "
+        "then write the final answer as a single number on a last line that starts with '####', "
+        "for example '#### 42'."
+    ),
+}
+
+
+def _options(options: Any) -> GSM8KOptions:
+    if isinstance(options, GSM8KOptions):
+        return options
+    if options is None or isinstance(options, Mapping):
+        return GSM8KOptions.model_validate(dict(options or {}))
+    raise TypeError(f"expected GSM8KOptions, got {type(options).__name__}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadStats:
+    """What loading one split did: rows read, examples kept, rows skipped (and why)."""
+
+    split: str
+    rows_read: int
+    kept: int
+    skipped: int
+    skipped_examples: tuple[str, ...] = ()
+
+
+class GSM8KTask(TaskPlugin):
+    name: ClassVar[str] = "gsm8k"
+    description: ClassVar[str] = "GSM8K math word problems: numeric answers, strict/flexible correctness, format rewards."
+    Options: ClassVar[type[BaseModel]] = GSM8KOptions
+
+    # ---- data
+
+    def prepare_example(self, record: Mapping[str, Any], *, options: BaseModel, where: str = "row") -> dict[str, Any]:
+        """An example from a raw row (``question`` + ``answer``); UserError naming ``where``."""
+        question = require_text(record, "question", where)
+        answer = record.get("answer") if isinstance(record, Mapping) else None
+        if isinstance(answer, int) and not isinstance(answer, bool):
+            answer = str(answer)
+        else:
+            answer = require_text(record, "answer", where)
+        try:
+            gt = parse_ground_truth(answer)
+        except UnparseableAnswer as err:
+            raise UnparseableAnswer(f"{where}: {err}") from None
+        return {"question": question, "answer": answer, "ground_truth": gt}
+
+    def _open(self, split: str, options: GSM8KOptions):
+        try:
+            import datasets
+        except ImportError as err:  # pragma: no cover - a declared dependency
+            raise UserError(f"The gsm8k task needs the `datasets` package: {err}") from None
+        if options.data_files is not None:
+            if split not in options.data_files:
+                raise UserError(
+                    f"task.options.data_files has no {split!r} split (it has: {', '.join(options.data_files)}). "
+                    f"Add one, e.g. --set task.options.data_files.{split}=path/to/{split}.jsonl"
+                )
+            raw = options.data_files[split]
+            paths = [raw] if isinstance(raw, str) else list(raw)
+            builders = set()
+            for p in paths:
+                path = Path(p).expanduser()
+                if not path.is_file():
+                    raise UserError(f"task.options.data_files[{split!r}]: {p!r} is not a file.")
+                suffix = path.suffix.lower()
+                if suffix not in _LOCAL_BUILDERS:
+                    raise UserError(
+                        f"task.options.data_files[{split!r}]: {p!r} has an unsupported extension; "
+                        f"use one of {', '.join(_LOCAL_BUILDERS)}."
+                    )
+                builders.add(_LOCAL_BUILDERS[suffix])
+            if len(builders) > 1:
+                raise UserError(f"task.options.data_files[{split!r}] mixes file types: {paths}")
+            try:
+                ds = datasets.load_dataset(
+                    builders.pop(), data_files={split: [str(Path(p).expanduser()) for p in paths]}, split=split
+                )
+            except Exception as err:  # noqa: BLE001 - the user's file; say which and why
+                raise UserError(
+                    f"Could not read task.options.data_files[{split!r}] ({', '.join(paths)}): "
+                    f"{type(err).__name__}: {shorten(str(err), 400)}"
+                ) from None
+            return ds, f"split {split!r} ({', '.join(paths)})"
+        try:
+            ds = datasets.load_dataset(options.dataset, options.config_name, split=split)
+        except Exception as err:  # noqa: BLE001 - network, hub or cache trouble
+            raise UserError(
+                f"Could not load dataset {options.dataset!r} (config {options.config_name!r}, split {split!r}): "
+                f"{type(err).__name__}: {shorten(str(err), 300)}. Without access to the Hugging Face hub, "
+                "point the task at local files: set task.options.data_files, e.g. "
+                "{train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}."
+            ) from None
+        return ds, f"split {split!r} of {options.dataset}"
+
+    def load_with_stats(self, *, split: str, options: BaseModel, seed: int = 0) -> tuple[list[dict[str, Any]], LoadStats]:
+        """:meth:`load`, plus how many rows were read and skipped."""
+        options = _options(options)
+        rows, label = self._open(split, options)
+        return self._examples(rows, split=split, label=label, options=options)
+
+    def _examples(
+        self, rows: Iterable[Mapping[str, Any]], *, split: str, label: str, options: GSM8KOptions
+    ) -> tuple[list[dict[str, Any]], LoadStats]:
+        examples: list[dict[str, Any]] = []
+        bad: list[str] = []
+        read = 0
+        for index, row in enumerate(rows):
+            if options.max_examples is not None and len(examples) >= options.max_examples:
+                break
+            read += 1
+            try:
+                ex = self.prepare_example(row, options=options, where=f"GSM8K {label} row {index}")
+            except UnparseableAnswer as err:
+                bad.append(str(err))
+                continue
+            ex.update(split=split, index=index)
+            examples.append(ex)
+        if bad and not options.skip_unparseable:
+            more = f" (and {len(bad) - 5} more)" if len(bad) > 5 else ""
+            raise UserError(
+                f"{len(bad)} row(s) of GSM8K {label} have no readable ground truth{more}. Fix them, or set "
+                "task.options.skip_unparseable=true to skip them:",
+                problems=bad[:5],
+            )
+        stats = LoadStats(split=split, rows_read=read, kept=len(examples), skipped=len(bad), skipped_examples=tuple(bad[:5]))
+        if bad:
+            log.warning("gsm8k: skipped %d of %d rows of %s with no readable ground truth; first: %s",
+                        len(bad), read, label, bad[0])
+        if not examples:
+            raise UserError(f"GSM8K {label} has no usable examples ({read} row(s) read, {len(bad)} skipped).")
+        return examples, stats
+
+    def load(self, *, split: str, options: BaseModel, seed: int = 0) -> list[dict[str, Any]]:
+        return self.load_with_stats(split=split, options=options, seed=seed)[0]
+
+    # ---- prompts
+
+    def system_prompt(self, options: BaseModel) -> str:
+        options = _options(options)
+        if options.system_prompt is not None:
+            return options.system_prompt
+        return _SYSTEM_PROMPTS[options.answer_format].format(tag=options.answer_tag)
+
+    def prompt_messages(self, example: Mapping[str, Any], *, options: BaseModel) -> list[dict[str, str]]:
+        messages = []
+        system = self.system_prompt(options)
+        if system:
+            messages.append({"role": "system", "content": system})
+        messages.append({"role": "user", "content": str(example["question"])})
+        return messages
+
+    # ---- rewards
+
+    def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
+        options = _options(options)
+        fmt, tag, mode = options.answer_format, options.answer_tag, options.correct_mode
+
+        def correct(completion: str, example: Mapping[str, Any]) -> float:
+            found = extract_answer(completion, mode=mode, answer_format=fmt, tag=tag)
+            if found is None or found.value is None:
+                return 0.0
+            return 1.0 if found.value == _ground_truth(example) else 0.0
+
+        def format(completion: str, example: Mapping[str, Any]) -> float:  # noqa: A001 - the reward's name
+            return 1.0 if format_ok(completion, answer_format=fmt, tag=tag) else 0.0
+
+        def tags(completion: str, example: Mapping[str, Any]) -> float:
+            return tag_score(completion, answer_format=fmt, tag=tag)
+
+        return {"correct": correct, "format": format, "tags": tags}
+
+    def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
+        options = _options(options)
+        return dict(options.reward_weights)
+
+    def is_correct(self, reward_values: Mapping[str, float], *, options: BaseModel) -> bool:
+        return reward_values.get("correct", 0.0) >= 1.0
+
+    # ---- helpers for people
+
+    def reference_completion(self, example: Mapping[str, Any], *, options: BaseModel) -> str:
+        """A completion that states the ground truth in the required format (scores 1 on
+        ``correct`` and ``format``): for checking data and rewards against each other."""
+        options = _options(options)
+        gt = example["ground_truth"] if "ground_truth" in example else parse_ground_truth(str(example["answer"]))
+        if options.answer_format == "tag":
+            return f"Let me work it out step by step.\n<{options.answer_tag}>{gt}</{options.answer_tag}>"
+        return f"Let me work it out step by step.\n#### {gt}"
