@@ -27,8 +27,8 @@ Rewards (each in [0, 1]; weights configurable)
       holds one number and is followed only by whitespace (``hashes``: one ``####`` at
       the start of the last non-blank line, followed by one number).
     ``tags``: partial credit for the answer markup alone (0.25 per property), a dense
-      shaping signal: ``tag`` — one opening tag, one closing tag, in that order, nothing
-      after the closing tag; ``hashes`` — one ``####`` (0.5), on the last non-blank line
+      shaping signal: ``tag`` — one opening tag, one closing tag, in that order, the
+      completion ends with a closing tag; ``hashes`` — one ``####`` (0.5), on the last non-blank line
       (0.5). Weight 0 by default: logged, not trained on.
 """
 
@@ -187,7 +187,7 @@ def tag_score(completion: str, *, answer_format: str = "tag", tag: str = "answer
         one_open = completion.count(open_t) == 1
         one_close = completion.count(close_t) == 1
         ordered = one_open and one_close and completion.index(open_t) < completion.index(close_t)
-        clean_end = one_close and not completion.split(close_t, 1)[1].strip()
+        clean_end = completion.rstrip().endswith(close_t)
         return 0.25 * (one_open + one_close + ordered + clean_end)
     if answer_format == "hashes":
         n = completion.count("####")
