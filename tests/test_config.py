@@ -12,7 +12,7 @@ from click.testing import CliRunner
 from grpo.core.cli import cli
 from grpo.core.config import RunConfig, load_config, resolve_layout
 from grpo.core.contracts import Topology
-from grpo.core.errors import ConfigError
+from grpo.core.errors import ConfigError, UserError
 
 CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
 
@@ -141,11 +141,11 @@ def test_env_interpolation_and_overrides(tmp_path, monkeypatch):
     monkeypatch.setenv("GRPO_TEST_NAME", "a")
     cfg = load_config(path)
     assert cfg.train.steps == 12 and cfg.name == "run-a"
-    cfg = load_config(path, ["train.steps=5", "train.optimizer.learning_rate=1e-3", "rollout.prompt_buckets=[8, 16]"])
+    cfg = load_config(path, ["train.steps=5", "train.optimizer.learning_rate=1e-3", "rollout.prompt_buckets=[8, 16]", "rollout.max_prompt_length=16"])
     assert cfg.train.steps == 5 and cfg.train.optimizer.learning_rate == 1e-3 and cfg.rollout.prompt_buckets == [8, 16]
-    with pytest.raises(ConfigError, match="expected KEY=VALUE"):
+    with pytest.raises(UserError, match="expected KEY=VALUE"):
         load_config(path, ["train.steps"])
-    with pytest.raises(ConfigError, match="train.steps.*is a int, not a section"):
+    with pytest.raises(UserError, match=r"train.steps holds a value \(int\), not a section"):
         load_config(path, ["train.steps.x=1"])
 
 

@@ -93,13 +93,14 @@ def test_checkpoint_roundtrip_with_sharding(tmp_path):
     state = {"w": jax.device_put(jnp.arange(16.0), sh), "step": jnp.asarray(3, jnp.int32)}
     ck = Checkpointer(tmp_path / "ck", keep=2)
     for step in (1, 2, 3):
-        ck.save(step, state, {"step": step, "note": "x"})
+        ck.save(step, {"state": state, "other": {"x": jnp.ones(2)}}, {"step": step, "note": "x"})
     assert ck.all_steps() == [2, 3]  # keep=2
     zeros = {"w": jax.device_put(jnp.zeros(16), sh), "step": jnp.asarray(0, jnp.int32)}
-    restored, meta = ck.restore(zeros)
-    assert meta == {"step": 3, "note": "x"}
+    items, meta = ck.restore({"state": zeros})  # only the items asked for
+    restored = items["state"]
+    assert meta == {"step": 3, "note": "x"} and set(items) == {"state"}
     np.testing.assert_array_equal(np.asarray(restored["w"]), np.arange(16.0))
-    assert restored["w"].sharding == sh
+    assert restored["w"].sharding == sh and int(restored["step"]) == 3
     ck.close()
 
 

@@ -338,7 +338,7 @@ def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]
                 child = node[part] = {}
             if not isinstance(child, dict):
                 raise UserError(
-                    f"--set {text!r}: {'.'.join(parts[: i + 1])} is a {type(child).__name__}, not a section"
+                    f"--set {text!r}: {'.'.join(parts[: i + 1])} holds a value ({type(child).__name__}), not a section"
                 )
             node = child
         node[parts[-1]] = value
@@ -399,7 +399,8 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
             msg = "unknown field (check the spelling; `grpo config schema` lists the fields)"
         if e["type"] == "missing":
             problems.append(f"{where}: required field is missing")
-        elif e["type"] == "value_error" and not loc:
+        elif e["type"] == "value_error" and (not loc or where in msg):
+            # Cross-field checks name their own fields and values.
             problems.append(msg)
         else:
             problems.append(f"{where}: {msg} (got {_short(e.get('input'))})")

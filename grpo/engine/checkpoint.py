@@ -1,8 +1,10 @@
 """Orbax checkpoints: params, optimizer state, step, data position, RNG, run metadata.
 
-Each checkpoint is one Orbax step directory under ``RUN_DIR/checkpoints`` holding a
-``state`` PyTree (arrays restored straight into their shardings) and a ``meta`` JSON
-(step, data position, seed, metric history needed to resume bit-for-bit).
+Each checkpoint is one Orbax step directory under ``RUN_DIR/checkpoints`` holding one
+PyTree item per piece of state (``params``, ``opt_state``; arrays restored straight into
+their shardings) and a ``meta`` JSON (step, data position, seed, counters). Items are
+separate so a consumer restores only what it needs (``grpo export`` reads ``params``
+and never allocates optimizer moments).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ class Checkpointer:
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),
-            item_names=("state", "meta"),
         )
 
     def latest_step(self) -> int | None:
@@ -32,29 +33,26 @@ class Checkpointer:
     def all_steps(self) -> list[int]:
         return list(self._manager.all_steps())
 
-    def save(self, step: int, state: Any, meta: dict[str, Any]) -> None:
-        self._manager.save(
-            step,
-            args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
-            force=True,
-        )
+    def save(self, step: int, items: dict[str, Any], meta: dict[str, Any]) -> None:
+        args = {name: ocp.args.StandardSave(tree) for name, tree in items.items()}
+        self._manager.save(step, args=ocp.args.Composite(meta=ocp.args.JsonSave(meta), **args), force=True)
         self._manager.wait_until_finished()
 
-    def restore(self, state_like: Any, step: int | None = None) -> tuple[Any, dict[str, Any]]:
-        """Restore into the structure, dtypes and shardings of ``state_like``."""
+    def restore(self, like: dict[str, Any], step: int | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
+        """Restore the items named in ``like`` into its structure, dtypes and shardings."""
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        abstract = jax.tree.map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
-            if hasattr(x, "shape")
-            else x,
-            state_like,
-        )
-        out = self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore())
-        )
-        return out["state"], dict(out["meta"])
+        args = {name: ocp.args.StandardRestore(_abstract(tree)) for name, tree in like.items()}
+        out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
+        return {name: out[name] for name in like}, dict(out["meta"])
 
     def close(self) -> None:
         self._manager.close()
+
+
+def _abstract(tree: Any) -> Any:
+    return jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if isinstance(x, jax.Array) else x,
+        tree,
+    )

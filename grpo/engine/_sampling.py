@@ -1,0 +1,108 @@
+"""Token sampling math for the rollout sampler: pure, keyword-only, jittable.
+
+Conventions (shared with the trainer's loss):
+
+- The temperature divides the logits: ``scaled = logits / temperature``.
+- top-k and top-p only restrict *which* tokens can be drawn. They are applied in
+  transformers' order: top-k on ``scaled``, then top-p on the distribution renormalised
+  over the surviving tokens (the smallest set of most likely tokens whose mass reaches
+  ``top_p``; the most likely token is always kept). Tokens tied with the last kept value
+  are kept too.
+- The reported log-prob of a drawn token is ``log_softmax(scaled)[token]`` over the
+  *full*, unfiltered vocabulary — the quantity the trainer's loss computes from its own
+  forward pass, so the two can be compared (and the sampler's value used as the "old"
+  log-prob) whatever filtering was used.
+- Randomness is per row: each row has its own key (derived from the run key and the
+  row's *global* index, :func:`row_keys`) folded with the step number
+  (:func:`step_keys`), so a row's draws never depend on how the batch is sharded or how
+  many rows there are beside it.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
+    """One PRNG key per global row: ``fold_in(rng, row)`` for row in [0, num_rows).
+
+    ``rng`` may be a typed key (``jax.random.key``) or a raw ``uint32[2]`` key; the
+    result is [num_rows] typed keys or [num_rows, 2] raw keys accordingly.
+    """
+    rows = jnp.arange(num_rows, dtype=jnp.uint32)
+    return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
+
+
+def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
+    """Every row's key for decode step ``step`` (same leading shape as ``keys``)."""
+    step = jnp.asarray(step, jnp.uint32)
+    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+
+
+def filter_threshold(scaled: jax.Array, *, top_k: int, top_p: float) -> jax.Array | None:
+    """[B, V] temperature-scaled logits -> [B] smallest logit that may still be drawn
+    (None when neither filter is on)."""
+    V = scaled.shape[-1]
+    use_k = 0 < top_k < V
+    use_p = top_p < 1.0
+    if not (use_k or use_p):
+        return None
+    if use_k:
+        vals = jax.lax.top_k(scaled, top_k)[0]  # B k, descending
+    else:
+        # A full sort per step: only paid for when top-p is used without top-k.
+        vals = -jnp.sort(-scaled, axis=-1)  # B V, descending
+    if not use_p:
+        return vals[:, -1]
+    probs = jax.nn.softmax(vals, axis=-1)  # renormalised over the top-k survivors
+    mass_before = jnp.cumsum(probs, axis=-1) - probs
+    keep = (mass_before < top_p).astype(jnp.int32)  # a prefix: cumulative mass is monotone
+    n_keep = jnp.maximum(keep.sum(axis=-1), 1)
+    return jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
+
+
+def sample_tokens(
+    logits: jax.Array,
+    keys: jax.Array,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    greedy: bool = False,
+) -> tuple[jax.Array, jax.Array]:
+    """Draw one token per row.
+
+    Args:
+      logits: [B, V] (any float dtype; computed in float32).
+      keys: [B] keys (one per row, e.g. ``step_keys(row_keys(rng, B), t)``); unused when
+        ``greedy``.
+      temperature: divides the logits (> 0).
+      top_k: keep the k most likely tokens; 0 (or >= V) = off.
+      top_p: nucleus mass; 1.0 = off.
+      greedy: take the argmax (filters are then irrelevant).
+
+    Returns:
+      tokens [B] int32 and their log-probs [B] float32 under ``log_softmax(logits /
+      temperature)`` over the full vocabulary (see the module docstring).
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    scaled = logits.astype(jnp.float32) / jnp.float32(temperature)  # B V
+    if greedy:
+        tokens = jnp.argmax(scaled, axis=-1)
+    else:
+        threshold = filter_threshold(scaled, top_k=top_k, top_p=top_p)
+        candidates = scaled if threshold is None else jnp.where(scaled >= threshold[:, None], scaled, -jnp.inf)
+        # Gumbel-max: argmax(scaled + Gumbel noise) is a draw from softmax(scaled); the
+        # noise comes from each row's own key.
+        V = scaled.shape[-1]
+        noise = jax.vmap(lambda k: jax.random.gumbel(k, (V,), jnp.float32))(keys)  # B V
+        tokens = jnp.argmax(candidates + noise, axis=-1)
+    tokens = tokens.astype(jnp.int32)
+    picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
+    logprobs = picked - jax.nn.logsumexp(scaled, axis=-1)
+    return tokens, logprobs
+
+
+__all__ = ["filter_threshold", "row_keys", "sample_tokens", "step_keys"]

@@ -1,0 +1,110 @@
+"""``grpo run``, ``grpo export`` and ``grpo plot`` (imported lazily by the core CLI)."""
+
+from __future__ import annotations
+
+import logging
+import sys
+from pathlib import Path
+
+import click
+import yaml
+
+from grpo.core.errors import UserError
+
+_set_option = click.option(
+    "--set", "overrides", multiple=True, metavar="KEY=VALUE",
+    help="Override a config field, e.g. --set train.steps=10 (YAML-parsed). Repeatable.",
+)
+
+
+def _configure_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    for noisy in ("absl", "jax._src", "orbax", "etils", "urllib3", "httpx"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+@click.command("run")
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--run-dir", type=click.Path(file_okay=False, path_type=str),
+              help="Run directory; resumes when it holds a checkpoint. Default: runs/<name>-<timestamp>.")
+@_set_option
+@click.option("--coordinator-address", help="host:port of process 0 (sets distributed.mode=explicit).")
+@click.option("--num-processes", type=click.IntRange(min=1), help="Process count (distributed.num_processes).")
+@click.option("--process-id", type=click.IntRange(min=0), help="This process's id (distributed.process_id).")
+def run(config_path, run_dir, overrides, coordinator_address, num_processes, process_id) -> None:
+    """Train with the config in CONFIG (the same command on every host)."""
+    from grpo.core.config import load_config
+
+    flags = list(overrides)
+    if coordinator_address is not None:
+        flags += ["distributed.mode=explicit", f"distributed.coordinator_address={coordinator_address}"]
+    if num_processes is not None:
+        flags.append(f"distributed.num_processes={num_processes}")
+    if process_id is not None:
+        flags.append(f"distributed.process_id={process_id}")
+    config = load_config(config_path, flags)
+    _configure_logging()
+
+    from grpo.engine.trainer import Interrupted, Trainer, default_run_dir
+
+    # The distributed runtime must start before anything asks JAX about devices.
+    from grpo.engine import distributed
+
+    distributed.initialize(config.distributed)
+    directory = Path(run_dir) if run_dir else default_run_dir(config, config_path)
+    _warn_if_config_changed(directory, config)
+    trainer = Trainer(config, directory)
+    try:
+        summary = trainer.run()
+    except Interrupted as stop:
+        if trainer.is_main:
+            click.echo(
+                f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
+                f"grpo run {config_path} --run-dir {directory}",
+                err=True,
+            )
+        sys.exit(stop.exit_code)
+    if trainer.is_main:
+        final = summary.get("final") or {}
+        click.echo(
+            f"Done: {summary['steps']} steps in {directory} "
+            f"(last reward/mean {final.get('reward/mean', float('nan')):.4f})"
+        )
+
+
+def _warn_if_config_changed(directory: Path, config) -> None:
+    saved = directory / "config.yaml"
+    if not saved.exists():
+        return
+    old = yaml.safe_load(saved.read_text())
+    new = config.model_dump(mode="json")
+    old.get("train", {}).pop("steps", None)
+    new.get("train", {}).pop("steps", None)
+    if old != new:
+        logging.getLogger("grpo").warning(
+            "%s holds a run made with a different config; resuming with the new one", directory
+        )
+
+
+@click.command("export")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.argument("out_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--step", type=int, help="Checkpoint step (default: the latest).")
+def export(run_dir, out_dir, step) -> None:
+    """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR."""
+    from grpo.engine.export import export_run
+
+    path = export_run(run_dir, out_dir, step=step)
+    click.echo(f"Exported to {path}")
+
+
+@click.command("plot")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--output", type=click.Path(dir_okay=False, path_type=str), help="PNG path (default RUN_DIR/metrics.png).")
+def plot(run_dir, output) -> None:
+    """Plot reward and throughput over steps from RUN_DIR/metrics.jsonl."""
+    from grpo.engine.metrics import plot_run
+
+    if not Path(run_dir).is_dir():
+        raise UserError(f"{run_dir} is not a run directory.")
+    click.echo(str(plot_run(run_dir, output)))

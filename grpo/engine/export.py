@@ -1,0 +1,37 @@
+"""``grpo export``: a run's latest (or chosen) checkpoint as a Hugging Face directory."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import jax
+from flax import nnx
+
+from grpo.core.config import load_config
+from grpo.core.errors import UserError
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None) -> Path:
+    from grpo.core.contracts import MeshLayout
+    from grpo.engine.checkpoint import Checkpointer
+    from grpo.engine.mesh import build_mesh
+    from grpo.engine.policy import load_policy
+    from grpo.models.loading import save_hf
+
+    run_dir = Path(run_dir)
+    cfg_path = run_dir / "config.yaml"
+    if not cfg_path.is_file():
+        raise UserError(f"{run_dir} is not a grpo run directory (no config.yaml).")
+    config = load_config(cfg_path)
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
+    if ckpt.latest_step() is None:
+        raise UserError(f"{run_dir} holds no checkpoint to export.")
+    if step is not None and step not in ckpt.all_steps():
+        raise UserError(f"{run_dir} has no checkpoint at step {step}; it has {ckpt.all_steps()}.")
+    mesh = build_mesh(MeshLayout(dp=1, fsdp=jax.device_count(), tp=1))
+    policy = load_policy(config.model, mesh, seed=config.train.seed)
+    graphdef, params = nnx.split(policy.model)
+    state, _meta = ckpt.restore({"params": params}, step)
+    ckpt.close()
+    model = nnx.merge(graphdef, state["params"])
+    return save_hf(model, out_dir, policy.tokenizer_dir)

@@ -1,0 +1,397 @@
+"""The GRPO loop: prompts -> K rollouts each -> rewards -> advantages -> update.
+
+One :class:`Trainer` per process; every process runs the same program (JAX's
+multi-controller model) and takes part in every collective in the same order. Only
+process 0 writes metrics, W&B, plots and checkpoint metadata.
+
+The policy's parameters are one ``nnx.State`` shared by the sampler and the update (no
+copy per step). A reference model exists only when ``loss.beta > 0``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.core.errors import UserError
+from grpo.engine import distributed
+from grpo.engine.advantages import group_advantages
+from grpo.engine.checkpoint import Checkpointer
+from grpo.engine.data import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
+from grpo.engine.mesh import build_mesh, current_topology
+from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run
+from grpo.engine.optim import make_optimizer
+from grpo.engine.policy import load_policy
+from grpo.engine.update import UpdateBatch, UpdateStep, token_logprobs
+
+log = logging.getLogger(__name__)
+
+
+class Interrupted(Exception):
+    """Raised after a signal-triggered checkpoint; carries the exit status."""
+
+    def __init__(self, signum: int, step: int):
+        super().__init__(f"interrupted by signal {signum} after step {step}")
+        self.signum = signum
+        self.step = step
+        self.exit_code = 128 + signum
+
+
+def _to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    return jax.make_array_from_process_local_data(sharding, local)
+
+
+def _local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in global row order."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    rows, seen = [], set()
+    for s in shards:
+        start = s.index[0].start or 0
+        if start in seen:  # replicated over other mesh axes
+            continue
+        seen.add(start)
+        rows.append(np.asarray(s.data))
+    return np.concatenate(rows, axis=0)
+
+
+@dataclasses.dataclass
+class StepTimes:
+    rollout: float = 0.0
+    update: float = 0.0
+    total: float = 0.0
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, run_dir: str | Path):
+        self.config = config
+        self.run_dir = Path(run_dir)
+        distributed.initialize(config.distributed)
+        self.is_main = jax.process_index() == 0
+        self.topology = current_topology()
+        self.layout = resolve_layout(config, self.topology)
+        self.mesh = build_mesh(self.layout)
+        self.plugins = select_plugins(config)
+        self.task = self.plugins["task"].plugin
+        self.task_options = self.plugins["task"].options
+        style = self.plugins["rollout"]
+        self.batch_axes = tuple(style.plugin.batch_axes(self.layout, style.options))
+        self.batch_sharding = NamedSharding(self.mesh, P(self.batch_axes))
+        self.train_sharding = NamedSharding(self.mesh, P(("dp", "fsdp")))
+
+        self.policy = load_policy(config.model, self.mesh, seed=config.train.seed, work_dir=self.run_dir)
+        model = self.policy.model
+        self.graphdef, self.params = nnx.split(model)
+        self.ref_params = None
+        if config.loss.beta > 0:
+            # A frozen copy of the initial policy; never updated, never checkpointed.
+            self.ref_params = jax.tree.map(jnp.copy, self.params)
+        self.optimizer = make_optimizer(config.train.optimizer, config.train.steps)
+        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+
+        from grpo.plugins.tasks import render_prompt
+
+        tok = self.policy.tokenizer
+        self.render = lambda ex: render_prompt(self.task, self.task_options, ex, tok)
+        examples = self.task.load(split=config.task.train_split, options=self.task_options, seed=config.train.seed)
+        self.prompts = tokenize_prompts(
+            examples, self.render, tok, max_prompt_length=config.rollout.max_prompt_length,
+            split=config.task.train_split,
+        )
+        self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
+        self.sampler = self._make_sampler(greedy=False, num_generations=config.rollout.num_generations)
+        self.update = UpdateStep(
+            graphdef=self.graphdef,
+            loss=self.plugins["loss"].plugin,
+            loss_options=self.plugins["loss"].options,
+            settings=config.loss_settings,
+            optimizer=self.optimizer,
+            micro_batches=config.sequences_per_step // config.micro_batch_size,
+        ).jit()
+        self.ref_logprobs = (
+            jax.jit(lambda p, b: token_logprobs(nnx.merge(self.graphdef, p), b, config.rollout.temperature))
+            if self.ref_params is not None else None
+        )
+        self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
+        self.step = 0
+        self.skipped_nonfinite = 0
+        self.reward_errors: dict[str, int] = {}
+        self._signal: int | None = None
+
+    # ------------------------------------------------------------------ pieces
+
+    def _make_sampler(self, *, greedy: bool, num_generations: int):
+        from grpo.engine.sampler import Sampler, SamplingParams
+
+        r = self.config.rollout
+        sampling = SamplingParams(
+            max_new_tokens=r.max_new_tokens,
+            num_generations=num_generations,
+            temperature=r.temperature,
+            top_k=r.top_k,
+            top_p=r.top_p,
+            greedy=greedy,
+            eos_ids=self.policy.eos_ids,
+            pad_id=self.policy.pad_id,
+            early_stop_chunk=r.early_stop_chunk,
+        )
+        return Sampler(self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling)
+
+    def _rollout_batch(self, step: int):
+        cfg = self.config
+        indices = step_indices(len(self.prompts), step=step, prompts_per_step=cfg.train.prompts_per_step, seed=cfg.train.seed)
+        local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
+        return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
+
+    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        from grpo.plugins.tasks import score_completions
+
+        texts = self.policy.decode(tokens, mask)
+        scored = score_completions(self.task, self.task_options, examples, texts)
+        for name, n in scored.errors.items():
+            self.reward_errors[name] = self.reward_errors.get(name, 0) + n
+        per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
+        return np.asarray(scored.totals, np.float32), per_fn
+
+    def _install_signal_handlers(self) -> None:
+        if not self.config.checkpoint.on_signal:
+            return
+
+        def handler(signum, frame):  # noqa: ARG001
+            if self._signal is not None:  # a second signal: stop now
+                raise KeyboardInterrupt
+            self._signal = signum
+            log.warning("signal %d received: finishing step %d, then saving a checkpoint", signum, self.step + 1)
+
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, handler)
+
+    def _stop_requested(self) -> bool:
+        flag = self._signal is not None
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            flag = bool(np.asarray(multihost_utils.process_allgather(np.int32(flag))).any())
+        return flag
+
+    # ------------------------------------------------------------------ state
+
+    def _state(self) -> dict[str, Any]:
+        return {"params": self.params, "opt_state": self.opt_state}
+
+    def _meta(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "data_position": self.step * self.config.train.prompts_per_step,
+            "seed": self.config.train.seed,
+            "skipped_nonfinite_steps": self.skipped_nonfinite,
+            "reward_errors": self.reward_errors,
+        }
+
+    def save(self) -> None:
+        self.checkpointer.save(self.step, self._state(), self._meta())
+        if self.is_main:
+            log.info("checkpoint saved at step %d in %s", self.step, self.checkpointer.directory)
+
+    def maybe_resume(self) -> bool:
+        latest = self.checkpointer.latest_step()
+        if latest is None:
+            return False
+        state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
+        self.params, self.opt_state = state["params"], state["opt_state"]
+        self.step = int(meta["step"])
+        self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
+        self.reward_errors = dict(meta.get("reward_errors", {}))
+        if self.is_main:
+            print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
+        return True
+
+    # ------------------------------------------------------------------ loop
+
+    def train_step(self) -> dict[str, Any]:
+        cfg = self.config
+        k = cfg.rollout.num_generations
+        t0 = time.perf_counter()
+        batch = self._rollout_batch(self.step)
+        prompt_sharding = self.batch_sharding
+        prompts = _to_global(batch.tokens, prompt_sharding)
+        prompt_mask = _to_global(batch.mask, prompt_sharding)
+        rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
+        out = self.sampler.generate(self.params, prompts, prompt_mask, rng)
+        local_tokens, local_mask = _local_rows(out.tokens), _local_rows(out.mask)
+        t_rollout = time.perf_counter() - t0
+
+        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
+        rewards_local, per_fn_local = self._score(examples, local_tokens, local_mask)
+        rewards = _to_global(rewards_local, self.batch_sharding)
+        per_fn = {n: _to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
+        adv = cfg.train.advantage
+        advantages = group_advantages(
+            rewards, num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
+        )
+
+        t1 = time.perf_counter()
+        to_train = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
+        ub = UpdateBatch(
+            prompt_tokens=to_train(out.prompt_tokens),
+            prompt_mask=to_train(out.prompt_mask),
+            tokens=to_train(out.tokens),
+            mask=to_train(out.mask),
+            advantages=to_train(advantages),
+            old_logprobs=None,
+            ref_logprobs=None,
+        )
+        if self.ref_logprobs is not None:
+            ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub))
+        metrics_first = None
+        trainer_logprobs = None
+        for epoch in range(cfg.train.ppo_epochs):
+            self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub)
+            if epoch == 0:
+                metrics_first, trainer_logprobs = m, logprobs
+                # Later epochs measure the ratio against the first update's log-probs.
+                ub = ub._replace(old_logprobs=jax.lax.stop_gradient(logprobs))
+            if not bool(m["finite"]):
+                self.skipped_nonfinite += 1
+        jax.block_until_ready(self.params)
+        t_update = time.perf_counter() - t1
+        self.step += 1
+        step_s = time.perf_counter() - t0
+
+        mask_f = out.mask.astype(jnp.float32)
+        gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / jnp.maximum(jnp.sum(mask_f), 1.0)
+        scalars = {
+            "reward/mean": jnp.mean(rewards),
+            "reward/std": jnp.std(rewards),
+            "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
+            "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
+            "logprob_gap/sampler_trainer": gap,
+            "valid_tokens": jnp.sum(mask_f),
+        }
+        for name, v in per_fn.items():
+            scalars[f"reward/{name}/mean"] = jnp.mean(v)
+        scalars = {k_: float(v) for k_, v in jax.device_get(scalars).items()}
+        m = {k_: float(v) for k_, v in jax.device_get(metrics_first).items() if k_ != "finite"}
+        row: dict[str, Any] = {"step": self.step}
+        row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})
+        row.update(
+            {
+                "completion/length_mean": scalars["completion/length_mean"],
+                "completion/clipped_frac": scalars["completion/clipped_frac"],
+                "loss": m.get("loss"),
+                "grad_norm": m.get("grad_norm"),
+                "clip_frac/low": m.get("clip_frac/low"),
+                "clip_frac/high": m.get("clip_frac/high"),
+                "ratio/mean": m.get("ratio/mean"),
+                "kl": m.get("kl", 0.0),
+                "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
+                "skipped_nonfinite_steps": self.skipped_nonfinite,
+                "reward_errors": sum(self.reward_errors.values()),
+                "learning_rate": float(self._lr(self.step - 1)),
+                "time/train/rollout_generate_s": t_rollout,
+                "time/train/update_s": t_update,
+                "time/train/step_s": step_s,
+                "throughput/train/valid_tokens_per_s": scalars["valid_tokens"] / step_s,
+            }
+        )
+        if "entropy" in m:
+            row["entropy"] = m["entropy"]
+        row.update(device_memory_metrics(jax.local_devices()))
+        return row
+
+    def _lr(self, step: int) -> float:
+        from grpo.engine.optim import learning_rate_schedule
+
+        return learning_rate_schedule(self.config.train.optimizer, self.config.train.steps)(step)
+
+    def evaluate(self) -> dict[str, Any]:
+        from grpo.engine.evaluation import evaluate
+
+        return evaluate(self)
+
+    def run(self) -> dict[str, Any]:
+        cfg = self.config
+        resumed = self.maybe_resume()
+        if self.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        logger = MetricsLogger(
+            self.run_dir,
+            total_steps=cfg.train.steps,
+            start_step=self.step,
+            is_main=self.is_main,
+            wandb_cfg=cfg.logging.wandb,
+            run_name=cfg.name or self.run_dir.name,
+            config_dict=cfg.model_dump(mode="json"),
+            progress_bar=cfg.logging.progress_bar,
+            resume=resumed,
+        )
+        self._install_signal_handlers()
+        t_start = time.perf_counter()
+        first_step = self.step
+        last_row: dict[str, Any] = {}
+        eval_rows: list[dict[str, Any]] = []
+        try:
+            while self.step < cfg.train.steps:
+                row = self.train_step()
+                last_row = row
+                if self.step % cfg.logging.every_n_steps == 0 or self.step == cfg.train.steps:
+                    logger.log(row)
+                if cfg.eval.every_n_steps and self.step % cfg.eval.every_n_steps == 0:
+                    ev = self.evaluate()
+                    eval_rows.append(ev)
+                    logger.log_eval(ev)
+                due = cfg.checkpoint.every_n_steps and self.step % cfg.checkpoint.every_n_steps == 0
+                if self._stop_requested():
+                    if cfg.checkpoint.on_signal:
+                        self.save()
+                    raise Interrupted(self._signal or signal.SIGTERM, self.step)
+                if due:
+                    self.save()
+            if cfg.checkpoint.at_end and self.checkpointer.latest_step() != self.step:
+                self.save()
+        finally:
+            logger.close()
+        summary = {
+            "steps": self.step,
+            "resumed_from": first_step if resumed else None,
+            "wall_s": time.perf_counter() - t_start,
+            "final": last_row,
+            "eval": eval_rows[-1] if eval_rows else None,
+            "skipped_nonfinite_steps": self.skipped_nonfinite,
+            "reward_errors": self.reward_errors,
+        }
+        if self.is_main:
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            if cfg.logging.plot:
+                plot_run(self.run_dir)
+        self.checkpointer.close()
+        return summary
+
+
+def default_run_dir(config: RunConfig, config_path: str | None) -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        # Every process must agree on the directory: use process 0's clock.
+        t = int(multihost_utils.broadcast_one_to_all(np.int64(int(time.time()))))
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(t))
+    name = config.name or (Path(config_path).stem if config_path else "run")
+    return Path("runs") / f"{name}-{stamp}"
+
+
+__all__ = ["Interrupted", "Trainer", "default_run_dir"]

@@ -1,0 +1,156 @@
+"""The policy update: loss plugin on the model's hidden states, exact gradient
+accumulation over micro-batches, optimizer step that skips non-finite gradients.
+
+Micro-batch ``m`` takes rows ``m, m + M, m + 2M, ...`` of the batch (a reshape
+``[B] -> [B/M, M]`` and a transpose), so every micro-batch keeps the batch's even spread
+over the data-parallel devices. Each micro-batch loss is divided by the *global*
+normaliser (valid tokens, sequences, or sequences x max length of the whole batch), so
+summing the micro-batch losses and gradients gives the full-batch ones exactly (up to
+float summation order).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+from pydantic import BaseModel
+
+from grpo.core.contracts import LossPlugin, LossSettings
+
+
+class UpdateBatch(NamedTuple):
+    """One rollout batch laid out for the update (every array [B, ...], global)."""
+
+    prompt_tokens: jax.Array  # B Lp
+    prompt_mask: jax.Array  # B Lp
+    tokens: jax.Array  # B N completion tokens
+    mask: jax.Array  # B N completion mask (incl. stop token)
+    advantages: jax.Array  # B
+    old_logprobs: jax.Array | None  # B N
+    ref_logprobs: jax.Array | None  # B N
+
+
+def global_normalizer(mask: jax.Array, settings: LossSettings) -> jax.Array:
+    rows = mask.shape[0]
+    if settings.aggregation == "token_mean":
+        return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+    if settings.aggregation == "sequence_mean":
+        return jnp.float32(rows)
+    return jnp.float32(rows * settings.max_completion_length)
+
+
+def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
+    """Hidden states [B, N, D] at the positions that predict each completion token."""
+    from grpo.models.qwen2 import positions_from_mask
+
+    lp = prompt_tokens.shape[1]
+    full = jnp.concatenate([prompt_tokens, tokens], axis=1)  # B L
+    # Completion slots after the stop token are padding: mask them out of attention.
+    kv_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
+    positions = positions_from_mask(kv_mask)
+    hidden, _ = model(full, positions, kv_mask)
+    # Slot lp-1 (the last prompt token) predicts completion token 0, and so on.
+    return hidden[:, lp - 1 : -1]  # B N D
+
+
+def token_logprobs(model: Any, batch: UpdateBatch, temperature: float) -> jax.Array:
+    """Per-token log-probs [B, N] of the completion under ``model`` (reference model)."""
+    hidden = completion_hidden(model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    logits = jnp.einsum(
+        "bnd,dv->bnv", hidden, model.head_weight().astype(hidden.dtype), preferred_element_type=jnp.float32
+    ) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    out = jnp.take_along_axis(logp, batch.tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(batch.mask > 0, out, 0.0)
+
+
+def _split_micro(x: jax.Array | None, m: int) -> jax.Array | None:
+    if x is None:
+        return None
+    b = x.shape[0]
+    # B ... -> (B/M) M ... -> M (B/M) ...: micro-batch i holds rows i, i+M, ...
+    return jnp.swapaxes(x.reshape((b // m, m) + x.shape[1:]), 0, 1)
+
+
+def _merge_micro(x: jax.Array) -> jax.Array:
+    m, mb = x.shape[:2]
+    return jnp.swapaxes(x, 0, 1).reshape((m * mb,) + x.shape[2:])
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateStep:
+    """A jitted update: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+
+    graphdef: Any
+    loss: LossPlugin
+    loss_options: BaseModel
+    settings: LossSettings
+    optimizer: optax.GradientTransformation
+    micro_batches: int
+
+    def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
+        model = nnx.merge(self.graphdef, params)
+        hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask)
+        loss, metrics = self.loss.compute(
+            hidden=hidden,
+            head_weight=model.head_weight(),
+            targets=mb.tokens,
+            mask=mb.mask,
+            advantages=mb.advantages,
+            old_logprobs=mb.old_logprobs,
+            ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
+            settings=self.settings,
+            options=self.loss_options,
+            normalizer=normalizer,
+        )
+        return loss, metrics
+
+    def grads(self, params, batch: UpdateBatch):
+        """Summed loss, accumulated gradients, token-weighted metrics, per-token logprobs."""
+        normalizer = global_normalizer(batch.mask, self.settings)
+        grad_fn = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
+        m = self.micro_batches
+        if m == 1:
+            (loss, metrics), grads = grad_fn(params, batch, normalizer)
+            logprobs = metrics.pop("logprobs")
+            return loss, grads, metrics, logprobs
+        micro = UpdateBatch(*(_split_micro(x, m) for x in batch))
+        zeros = jax.tree.map(jnp.zeros_like, params)
+
+        def body(carry, mb):
+            loss_sum, grad_sum, weighted = carry
+            (loss, metrics), grads = grad_fn(params, mb, normalizer)
+            logprobs = metrics.pop("logprobs")
+            n = metrics["num_tokens"].astype(jnp.float32)
+            weighted = {k: weighted[k] + (v if k == "num_tokens" else v * n) for k, v in metrics.items()}
+            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            return (loss_sum + loss, grad_sum, weighted), logprobs
+
+        shapes = jax.eval_shape(lambda: grad_fn(params, UpdateBatch(*(None if x is None else x[0] for x in micro)), normalizer))
+        metric_keys = [k for k in shapes[0][1] if k != "logprobs"]
+        init = (jnp.float32(0.0), zeros, {k: jnp.float32(0.0) for k in metric_keys})
+        (loss, grads, weighted), logprobs = jax.lax.scan(body, init, micro)
+        n = jnp.maximum(weighted["num_tokens"], 1.0)
+        metrics = {k: (v if k == "num_tokens" else v / n) for k, v in weighted.items()}
+        return loss, grads, metrics, _merge_micro(logprobs)
+
+    def __call__(self, params, opt_state, batch: UpdateBatch):
+        loss, grads, metrics, logprobs = self.grads(params, batch)
+        grad_norm = optax.global_norm(grads)
+        finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
+        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+        new_params = optax.apply_updates(params, updates)
+        # A non-finite step changes nothing (params and optimizer moments alike).
+        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
+        params = jax.tree.map(keep, new_params, params)
+        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
+        return params, opt_state, metrics, logprobs
+
+    def jit(self):
+        return jax.jit(self.__call__, donate_argnums=(0, 1))
