@@ -141,7 +141,7 @@ class UpdateStep:
 
     def __call__(self, params, opt_state, batch: UpdateBatch):
         loss, grads, metrics, logprobs = self.grads(params, batch)
-        grad_norm = optax.global_norm(grads)
+        grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
         new_params = optax.apply_updates(params, updates)
