@@ -208,6 +208,8 @@ EXTRACT_TABLE = [
     ("<answer></answer> it is 5", None, 5),
     ("The answer is 18", None, 18),
     ("<answer>5</answer> no wait <answer>7</answer>", 7, 7),
+    ("<answer>5</answer> no wait <answer>7", 5, 7),  # the last *complete* block
+    ("<answer>1<answer>2</answer>", 2, 2),
     ("<answer>1,234</answer>", 1234, 1234),
     ("<answer>\u22123</answer>", -3, -3),
     ("<Answer>18</Answer>", None, 18),

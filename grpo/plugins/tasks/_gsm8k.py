@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import re
 from pathlib import Path
 from typing import Any, ClassVar, Iterable, Literal, Mapping
 
@@ -135,9 +134,19 @@ def _ground_truth(example: Mapping[str, Any]):
 # --------------------------------------------------------------------------- extraction
 
 
-def _tag_blocks(completion: str, tag: str) -> list[str]:
-    t = re.escape(tag)
-    return re.findall(rf"<{t}>(.*?)</{t}>", completion, flags=re.DOTALL)
+def last_tag_content(completion: str, tag: str) -> str | None:
+    """The text of the last complete ``<tag>...</tag>`` block (None when there is none).
+
+    The block ends at the last closing tag and starts at the last opening tag before it,
+    so ``<answer>1<answer>2</answer>`` holds ``2``. Linear in the completion's length."""
+    open_t, close_t = f"<{tag}>", f"</{tag}>"
+    end = completion.rfind(close_t)
+    if end < 0:
+        return None
+    start = completion.rfind(open_t, 0, end)
+    if start < 0:
+        return None
+    return completion[start + len(open_t) : end]
 
 
 def extract_answer(
@@ -149,8 +158,8 @@ def extract_answer(
     if mode != "strict":
         raise ValueError(f"unknown extraction mode {mode!r}")
     if answer_format == "tag":
-        blocks = _tag_blocks(completion, tag)
-        return only_number(blocks[-1]) if blocks else None
+        content = last_tag_content(completion, tag)
+        return None if content is None else only_number(content)
     if answer_format == "hashes":
         if "####" not in completion:
             return None

@@ -118,19 +118,20 @@ def only_number(text: str) -> NumberToken | None:
     return numbers[0] if len(numbers) == 1 else None
 
 
-_WHOLE_RE = re.compile(r"\s*(?P<body>.*?)\s*%?\s*\.?\s*", re.DOTALL)
-
-
 def parse_number(text: str) -> Fraction | None:
     """The value of ``text`` when it is exactly one number, else None.
 
     Surrounding whitespace, a currency symbol, a trailing ``%`` and a trailing period
     are allowed: ``" $1,234.50. "`` -> 2469/2; ``"18 apples"``, ``"3 4"``, ``""`` -> None.
     """
-    body = _WHOLE_RE.fullmatch(_normalise(text)).group("body")  # type: ignore[union-attr]
+    body = _normalise(text).strip()
+    if body.endswith("."):
+        body = body[:-1].rstrip()
+    if body.endswith("%"):
+        body = body[:-1].rstrip()
     for sym in CURRENCY_SYMBOLS:
         if body.startswith(sym):
-            body = body[1:]
+            body = body[1:].lstrip()
             break
     match = _NUMBER_RE.fullmatch(body)
     if match is None:
