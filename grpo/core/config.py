@@ -456,15 +456,6 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
-    if config.eval.every_n_steps and config.eval.every_n_steps > config.train.steps:
-        problems.append(
-            f"eval.every_n_steps={config.eval.every_n_steps} is more than train.steps={config.train.steps}: "
-            "evaluation would never run (0 turns it off)"
-        )
-    if config.checkpoint.every_n_steps and config.checkpoint.every_n_steps > config.train.steps:
-        problems.append(
-            f"checkpoint.every_n_steps={config.checkpoint.every_n_steps} is more than train.steps={config.train.steps}"
-        )
     if (
         config.distributed.require_process_count is not None
         and config.distributed.num_processes is not None

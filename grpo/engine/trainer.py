@@ -100,7 +100,13 @@ class Trainer:
             # A frozen copy of the initial policy; never updated, never checkpointed.
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         self.optimizer = make_optimizer(config.train.optimizer, config.train.steps)
-        self.opt_state = jax.jit(self.optimizer.init)(self.params)
+        # Eager init keeps each moment in its parameter's sharding (a jitted init may
+        # choose to replicate); scalars (step counts) are replicated over the mesh.
+        replicated = NamedSharding(self.mesh, P())
+        self.opt_state = jax.tree.map(
+            lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
+            self.optimizer.init(self.params),
+        )
 
         from grpo.plugins.tasks import render_prompt
 
@@ -120,7 +126,7 @@ class Trainer:
             settings=config.loss_settings,
             optimizer=self.optimizer,
             micro_batches=config.sequences_per_step // config.micro_batch_size,
-        ).jit()
+        ).jit(self.params, self.opt_state)
         self.ref_logprobs = (
             jax.jit(lambda p, b: token_logprobs(nnx.merge(self.graphdef, p), b, config.rollout.temperature))
             if self.ref_params is not None else None

@@ -152,5 +152,12 @@ class UpdateStep:
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
         return params, opt_state, metrics, logprobs
 
-    def jit(self):
-        return jax.jit(self.__call__, donate_argnums=(0, 1))
+    def jit(self, params: Any = None, opt_state: Any = None):
+        """Jitted, with params and optimizer state donated. Given example ``params`` and
+        ``opt_state``, their shardings are pinned on the outputs, so step 2 sees exactly
+        the layouts step 1 saw and never recompiles."""
+        out_shardings = None
+        if params is not None and opt_state is not None:
+            sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
+            out_shardings = (sharding_of(params), sharding_of(opt_state), None, None)
+        return jax.jit(self.__call__, donate_argnums=(0, 1), out_shardings=out_shardings)

@@ -29,9 +29,10 @@ Both schedules run in interpret mode on CPU, which is how they are tested.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-from typing import Literal
+from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
@@ -53,9 +54,39 @@ class KernelConfig:
     block_v: int
     block_d: int
     schedule: Schedule
-    interpret: bool
+    interpret: Any  # bool, or pltpu.InterpretParams for TPU-semantics interpretation (tests)
     backend: str  # "cpu" | "gpu" | "tpu"
     vmem_limit_bytes: int | None = None
+    # Compile-only memory measurement (``grpo bench loss --opaque-kernels``): each kernel
+    # becomes an opaque host call with the same operands and results, which reads its
+    # operands in place the way a Mosaic/Triton custom call does, instead of the
+    # interpreter's while loop (which copies every operand into its loop carry). Never run.
+    opaque: bool = False
+    # Loop schedule: vocab columns per dW kernel call (its f32 buffer is D x dw_chunk).
+    dw_chunk: int = 16384
+
+
+_OPAQUE = [False]
+
+
+@contextlib.contextmanager
+def opaque_kernels():
+    """Within this context, ``resolve_config`` returns opaque (compile-only) configs."""
+    _OPAQUE.append(True)
+    try:
+        yield
+    finally:
+        _OPAQUE.pop()
+
+
+def _never_called(*args):
+    raise RuntimeError("opaque kernels only exist to measure compiled memory; they cannot run")
+
+
+def _pallas_call(cfg: KernelConfig, kernel, *, out_shape, **kwargs):
+    if cfg.opaque:
+        return lambda *args: jax.pure_callback(_never_called, out_shape, *args)
+    return pl.pallas_call(kernel, out_shape=out_shape, **kwargs)
 
 
 # --------------------------------------------------------------------------- block math
@@ -201,8 +232,8 @@ def _scratch(shape, dtype, cfg: KernelConfig):
 
 
 def _compiler_params(cfg: KernelConfig, semantics: tuple[str, ...]):
-    if cfg.backend != "tpu" or cfg.interpret:
-        return None
+    # Also under interpretation: the generic interpreter ignores them, and the TPU
+    # interpreter (pltpu.InterpretParams) uses the dimension semantics.
     from jax.experimental.pallas import tpu as pltpu
 
     return pltpu.CompilerParams(dimension_semantics=semantics, vmem_limit_bytes=cfg.vmem_limit_bytes)
@@ -218,7 +249,8 @@ def _grid_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
         _grid_fwd_kernel, n_vocab=v, block_v=bv, inv_temp=inv_temp, precision=_precision(h.dtype)
     )
     out = jax.ShapeDtypeStruct((n, 1), jnp.float32)
-    logp, lse, ent = pl.pallas_call(
+    logp, lse, ent = _pallas_call(
+        cfg,
         kernel,
         grid=grid,
         in_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j)), row],
@@ -241,7 +273,8 @@ def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
 
     # dH: rows outer ("parallel"), vocab inner ("arbitrary").
     row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
-    dh = pl.pallas_call(
+    dh = _pallas_call(
+        cfg,
         functools.partial(_grid_dh_kernel, n_vocab=v, block_v=bv, inv_temp=inv_temp, precision=precision),
         grid=(pl.cdiv(n, bt), pl.cdiv(v, bv)),
         in_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j)),
@@ -256,7 +289,8 @@ def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
 
     # dW: vocab outer ("parallel"), rows inner ("arbitrary").
     row_t = pl.BlockSpec((bt, 1), lambda j, i: (i, 0))
-    dw = pl.pallas_call(
+    dw = _pallas_call(
+        cfg,
         functools.partial(_grid_dw_kernel, n_vocab=v, n_rows=n, block_v=bv, block_t=bt,
                           inv_temp=inv_temp, precision=precision),
         grid=(pl.cdiv(v, bv), pl.cdiv(n, bt)),
@@ -371,16 +405,18 @@ def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, *, n_rows, n_
     lax.fori_loop(0, pl.cdiv(n_vocab, bv), v_body, 0)
 
 
-def _loop_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, n_rows, n_vocab, n_hidden,
+def _loop_dw_kernel(base_ref, h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, n_rows, n_cols, n_hidden,
                     bt, bv, bd, inv_temp, precision):
-    v0 = pl.program_id(0) * bv
+    """dW for ``n_cols`` vocab columns starting at ``base_ref[0]``, into an f32 [D, n_cols] output."""
+    local = pl.program_id(0) * bv
+    v0 = base_ref[0] + local
     cols = v0 + jnp.arange(bv)
-    col_ok = cols < n_vocab
+    col_ok = local + jnp.arange(bv) < n_cols  # base + n_cols <= V, so this also bounds V
     n_d = pl.cdiv(n_hidden, bd)
 
     def zero(k, _):
         d0 = k * bd
-        _loop_store(dw_ref, pl.ds(d0, bd), pl.ds(v0, bv), d0 + jnp.arange(bd) < n_hidden, col_ok,
+        _loop_store(dw_ref, pl.ds(d0, bd), pl.ds(local, bv), d0 + jnp.arange(bd) < n_hidden, col_ok,
                     jnp.zeros((bd, bv), jnp.float32))
         return 0
 
@@ -400,7 +436,7 @@ def _loop_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, n_rows, n_
             d0 = k * bd
             d_ok = d0 + jnp.arange(bd) < n_hidden
             h = _loop_load(h_ref, pl.ds(t0, bt), pl.ds(d0, bd), row_ok, d_ok)  # bt bd
-            rows, vcols = pl.ds(d0, bd), pl.ds(v0, bv)
+            rows, vcols = pl.ds(d0, bd), pl.ds(local, bv)
             acc = _loop_load(dw_ref, rows, vcols, d_ok, col_ok) + _dot(h, dl.astype(h.dtype), (0, 0), precision)
             _loop_store(dw_ref, rows, vcols, d_ok, col_ok, acc)
             return 0
@@ -428,7 +464,8 @@ def _loop_kwargs(h, w, cfg: KernelConfig, inv_temp):
 def _loop_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
     n = h.shape[0]
     out = jax.ShapeDtypeStruct((n,), jnp.float32)
-    return tuple(pl.pallas_call(
+    return tuple(_pallas_call(
+        cfg,
         functools.partial(_loop_fwd_kernel, **_loop_kwargs(h, w, cfg, inv_temp)),
         grid=(pl.cdiv(n, cfg.block_t),),
         out_shape=[out, out, out],
@@ -440,9 +477,9 @@ def _loop_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
 
 def _loop_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
     n, d = h.shape
-    v = w.shape[1]
     kw = _loop_kwargs(h, w, cfg, inv_temp)
-    dh = pl.pallas_call(
+    dh = _pallas_call(
+        cfg,
         functools.partial(_loop_dh_kernel, **kw),
         grid=(pl.cdiv(n, cfg.block_t),),
         out_shape=jax.ShapeDtypeStruct((n, d), jnp.float32),
@@ -450,16 +487,41 @@ def _loop_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
         interpret=cfg.interpret,
         name="grpo_fused_logprobs_dh_loop",
     )(h, w, tgt, lse, g)
-    # f32 accumulation across row blocks happens in the output itself, so it is f32.
-    dw = pl.pallas_call(
-        functools.partial(_loop_dw_kernel, **kw),
-        grid=(pl.cdiv(v, cfg.block_v),),
-        out_shape=jax.ShapeDtypeStruct((d, v), jnp.float32),
+    return dh.astype(h.dtype), _loop_dw(h, w, tgt, lse, g, kw=kw, cfg=cfg)
+
+
+def _loop_dw(h, w, tgt, lse, g, *, kw, cfg: KernelConfig):
+    """dW [D, V] in w's dtype, through an f32 buffer of at most ``cfg.dw_chunk`` columns.
+
+    The loop schedule accumulates dW over row blocks in its (f32) output, read-modify-write;
+    one f32 [D, V] buffer would be 1.2 GB at D=2048, V=151643. So the vocabulary goes in
+    chunks: each kernel call fills an f32 [D, chunk] buffer, which is cast and written into
+    the result. The last chunk starts at V - chunk (it overlaps the one before, whose
+    columns it recomputes identically) so that every update lies inside the result.
+    """
+    d, v = w.shape
+    bv = cfg.block_v
+    chunk = min(v, max(bv, cfg.dw_chunk // bv * bv))
+    kw = {k: x for k, x in kw.items() if k != "n_vocab"}
+    call = _pallas_call(
+        cfg,
+        functools.partial(_loop_dw_kernel, n_cols=chunk, **kw),
+        grid=(pl.cdiv(chunk, bv),),
+        out_shape=jax.ShapeDtypeStruct((d, chunk), jnp.float32),
         compiler_params=_loop_compiler_params(cfg),
         interpret=cfg.interpret,
         name="grpo_fused_logprobs_dw_loop",
-    )(h, w, tgt, lse, g)
-    return dh.astype(h.dtype), dw.astype(w.dtype)
+    )
+    n_chunks = pl.cdiv(v, chunk)
+
+    def one(c, dw):
+        start = jnp.minimum(c * chunk, v - chunk).astype(jnp.int32)
+        part = call(start[None], h, w, tgt, lse, g)  # D chunk, f32
+        return lax.dynamic_update_slice(dw, part.astype(w.dtype), (jnp.int32(0), start))
+
+    if n_chunks == 1:
+        return call(jnp.zeros((1,), jnp.int32), h, w, tgt, lse, g).astype(w.dtype)
+    return lax.fori_loop(0, n_chunks, one, jnp.zeros((d, v), w.dtype))
 
 
 # --------------------------------------------------------------------------- custom VJP
@@ -575,11 +637,11 @@ def resolve_config(options, *, dtype, hidden_size: int, backend: str | None = No
         est = 2 * (bt * hidden_size + hidden_size * bv) * item + hidden_size * bv * (4 + 2 * item) + 8 * bt * bv * 4
         vmem = int(min(max(est * 3 // 2, 32 << 20), 100 << 20))
     return KernelConfig(block_t=bt, block_v=bv, block_d=bd, schedule=schedule, interpret=bool(interpret),
-                        backend=kind, vmem_limit_bytes=vmem)
+                        backend=kind, vmem_limit_bytes=vmem, opaque=_OPAQUE[-1])
 
 
 def default_block_sizes(backend: str) -> tuple[int, int, int]:
     return DEFAULTS["gpu" if backend in GPU_BACKENDS else backend]
 
 
-__all__ = ["KernelConfig", "MASK_VALUE", "default_block_sizes", "fused_token_logprobs", "resolve_config"]
+__all__ = ["KernelConfig", "MASK_VALUE", "default_block_sizes", "fused_token_logprobs", "opaque_kernels", "resolve_config"]

@@ -1,0 +1,327 @@
+"""``grpo bench rollout``: speed of the rollout sampler (prefill + KV-cache decode).
+
+A ``--preset`` builds random weights of the real architecture (no download); ``--model``
+loads a Hugging Face directory or hub id. Prompts are random token ids with lengths drawn
+uniformly from [prompt_len/2, prompt_len], left-padded to ``--prompt-len``; the batch is
+``--batch`` sequences = ``batch / generations`` prompts x ``--generations`` samples.
+Random weights almost never produce a stop token, so all ``--new-tokens`` are decoded.
+
+Both jits are compiled ahead of time (``compile_s``), then prefill and decode run
+``--repeats`` times and the fastest run is reported. On an accelerator the decode is
+compared with the HBM roofline: every forward step must read the weights plus the live
+KV cache (the slots written so far, prompt padding included) of the device's rows, so
+
+    hbm_roofline_fraction = sum over steps (weight_bytes + live_kv_bytes) / bandwidth / decode_s
+
+with the bandwidth measured by a copy kernel on the device (or ``--bandwidth-gbps``);
+``bandwidth_source`` says which. Absolute times mean something only on an accelerator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from typing import Any
+
+import click
+import numpy as np
+
+from grpo.core.errors import UserError
+
+# Nominal HBM bandwidth (bytes/s) by device kind substring, most specific first; used
+# only with --bandwidth nominal.
+NOMINAL_BANDWIDTH: tuple[tuple[str, float], ...] = (
+    ("H100 PCIe", 2.0e12),
+    ("H100 NVL", 3.9e12),
+    ("H100", 3.35e12),
+    ("H200", 4.8e12),
+    ("B200", 8.0e12),
+    ("A100-SXM4-80GB", 2.04e12),
+    ("A100", 1.56e12),
+    ("TPU v6", 1.64e12),
+    ("TPU v5p", 2.76e12),
+    ("TPU v5 lite", 8.19e11),
+    ("TPU v5e", 8.19e11),
+    ("TPU v4", 1.2e12),
+)
+
+
+def nominal_bandwidth(device_kind: str) -> float | None:
+    for key, bw in NOMINAL_BANDWIDTH:
+        if key.lower() in device_kind.lower():
+            return bw
+    return None
+
+
+def measure_bandwidth(nbytes: int = 2 * 1024**3, repeats: int = 5) -> float:
+    """Bytes/s of ``x + 1`` over a bf16 buffer on the first device (reads and writes
+    ``nbytes`` each)."""
+    import jax
+    import jax.numpy as jnp
+
+    dev = jax.devices()[0]
+    n = nbytes // 2
+    x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), dev)
+    f = jax.jit(lambda a: a + jnp.bfloat16(1))
+    f(x).block_until_ready()
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        best = min(best, time.perf_counter() - t)
+    del x
+    return 2 * n * 2 / best
+
+
+def _eos_ids(config: Any, model_dir: Any = None) -> tuple[int, ...]:
+    ids: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, (list, tuple)):
+            ids.update(int(x) for x in v)
+        elif v is not None:
+            ids.add(int(v))
+
+    add(config.eos_token_id)
+    if model_dir is not None:
+        gen = model_dir / "generation_config.json"
+        if gen.is_file():
+            add(json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id"))
+    return tuple(sorted(ids))
+
+
+def _memory_stats() -> dict[str, int]:
+    import jax
+
+    peak = [int((d.memory_stats() or {}).get("peak_bytes_in_use", -1)) for d in jax.local_devices()]
+    return {"peak_bytes_in_use": max(peak)} if max(peak, default=-1) >= 0 else {}
+
+
+def run_rollout_bench(
+    *,
+    model_path: str | None,
+    preset: str | None,
+    batch: int,
+    generations: int,
+    prompt_len: int,
+    new_tokens: int,
+    early_stop: bool,
+    early_stop_chunk: int,
+    kv_segment: int,
+    style: str,
+    mesh_policy: str,
+    mesh_shape: str | None,
+    dtype: str,
+    temperature: float,
+    top_k: int,
+    top_p: float,
+    seed: int,
+    repeats: int,
+    bandwidth: str,
+    bandwidth_gbps: float | None,
+) -> dict[str, Any]:
+    import jax
+    from flax import nnx
+
+    from grpo.core.plugins import get_plugins
+    from grpo.engine.mesh import build_mesh, current_topology
+    from grpo.engine.sampler import Sampler, SamplingParams
+    from grpo.models.loading import load_hf, random_init, resolve_checkpoint
+
+    if (model_path is None) == (preset is None):
+        raise UserError("Give exactly one of --model PATH and --preset NAME.")
+    if batch % generations:
+        raise UserError(f"--batch {batch} must be a multiple of --generations {generations}.")
+    plugins = get_plugins()
+    topology = current_topology()
+    mesh_plugin = plugins.get("mesh", mesh_policy)
+    layout = mesh_plugin.resolve(topology, mesh_plugin.parse_options({"shape": mesh_shape} if mesh_shape else {}))
+    style_plugin = plugins.get("rollout", style)
+    style_options = style_plugin.parse_options({})
+    problems = style_plugin.check(layout=layout, topology=topology, options=style_options)
+    if problems:
+        raise UserError("The rollout style does not fit this mesh:", problems=problems)
+    batch_axes = style_plugin.batch_axes(layout, style_options)
+    mesh = build_mesh(layout)
+
+    if model_path is not None:
+        model = load_hf(model_path, mesh, param_dtype=dtype, compute_dtype=dtype)
+        eos = _eos_ids(model.config, resolve_checkpoint(model_path))
+        source = f"model:{model_path}"
+    else:
+        model = random_init(preset, mesh, seed=seed, param_dtype=dtype, compute_dtype=dtype)
+        eos = _eos_ids(model.config)
+        source = f"preset:{preset} (random weights)"
+    cfg = model.config
+    graphdef, params = nnx.split(model)
+    del model
+    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+
+    P = batch // generations
+    rs = np.random.default_rng(seed)
+    lengths = rs.integers(max(1, prompt_len // 2), prompt_len + 1, size=P)
+    allowed = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(eos, dtype=np.int64))
+    tokens = rs.choice(allowed, size=(P, prompt_len)).astype(np.int32)
+    mask = (np.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).astype(np.int32)
+    tokens = np.where(mask == 1, tokens, 0).astype(np.int32)
+
+    sampling = SamplingParams(
+        max_new_tokens=new_tokens,
+        num_generations=generations,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        eos_ids=eos,
+        pad_id=int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)),
+        early_stop_chunk=early_stop_chunk if early_stop else 0,
+    )
+    sampler = Sampler(graphdef, mesh=mesh, batch_axes=batch_axes, sampling=sampling, kv_segment=kv_segment)
+    ptoks, pmask = sampler.place_prompts(tokens, mask)
+    raw_key, impl = sampler.place_key(jax.random.key(seed))
+
+    t = time.perf_counter()
+    prefill_c = sampler.prefill_jit.lower(params, ptoks, pmask).compile()
+    compile_s = time.perf_counter() - t
+    pre = jax.block_until_ready(prefill_c(params, ptoks, pmask))
+    decode_fn = sampler.decode_jit()
+    t = time.perf_counter()
+    decode_c = decode_fn.lower(
+        params, pre.cache, pre.logits, pre.prompt_tokens, pre.prompt_mask, raw_key, key_impl=impl
+    ).compile()
+    compile_s += time.perf_counter() - t
+    mem = decode_c.memory_analysis()
+
+    def run_once() -> tuple[float, float, Any, int]:
+        nonlocal pre
+        t0 = time.perf_counter()
+        p = jax.block_until_ready(prefill_c(params, ptoks, pmask))
+        t1 = time.perf_counter()
+        out, steps, cache = jax.block_until_ready(
+            decode_c(params, p.cache, p.logits, p.prompt_tokens, p.prompt_mask, raw_key)
+        )
+        t2 = time.perf_counter()
+        del cache
+        return t1 - t0, t2 - t1, out, int(steps)
+
+    # The first execution pays one-off costs (autotuning, allocation); not reported.
+    out, steps, cache = decode_c(params, pre.cache, pre.logits, pre.prompt_tokens, pre.prompt_mask, raw_key)
+    jax.block_until_ready(out)
+    del pre, cache
+    runs = [run_once() for _ in range(max(1, repeats))]
+    prefill_s = min(r[0] for r in runs)
+    decode_s = min(r[1] for r in runs)
+    out, steps = runs[-1][2], runs[-1][3]
+
+    dev = jax.devices()[0]
+    forward_steps = max(steps - 1, 0)  # the first token comes from the prefill logits
+    result: dict[str, Any] = {
+        "device": dev.device_kind,
+        "platform": dev.platform,
+        "num_devices": jax.device_count(),
+        "source": source,
+        "params": cfg.num_params(),
+        "dtype": dtype,
+        "style": style,
+        "mesh_shape": layout.shape,
+        "batch_axes": list(batch_axes),
+        "batch": batch,
+        "prompts": P,
+        "generations": generations,
+        "prompt_len": prompt_len,
+        "new_tokens": new_tokens,
+        "early_stop": early_stop,
+        "early_stop_chunk": sampling.early_stop_chunk,
+        "kv_segment": kv_segment,
+        "decode_steps": steps,
+        "generated_tokens": int(np.asarray(out.lengths).sum()),
+        "compile_s": round(compile_s, 4),
+        "prefill_s": round(prefill_s, 6),
+        "decode_s": round(decode_s, 6),
+        "ms_per_decode_step": round(1000 * decode_s / max(forward_steps, 1), 4),
+        "tokens_per_s": round(batch * steps / (prefill_s + decode_s), 2),
+        "weight_bytes": int(weight_bytes),
+        "kv_bytes_per_token": cfg.kv_bytes_per_token(dtype),
+        "compiled_decode_bytes": {
+            "argument": int(mem.argument_size_in_bytes),
+            "output": int(mem.output_size_in_bytes),
+            "alias": int(mem.alias_size_in_bytes),
+            "temp": int(mem.temp_size_in_bytes),
+        }
+        if mem is not None
+        else None,
+    }
+    result.update(_memory_stats())
+    if "peak_bytes_in_use" not in result:
+        result["peak_bytes_in_use"] = None
+        result["peak_bytes_note"] = f"the {dev.platform} backend reports no memory stats"
+
+    if dev.platform in ("gpu", "tpu", "cuda", "rocm"):
+        if bandwidth_gbps is not None:
+            bw, bw_source = bandwidth_gbps * 1e9, f"--bandwidth-gbps {bandwidth_gbps}"
+        elif bandwidth == "nominal" and nominal_bandwidth(dev.device_kind):
+            bw, bw_source = nominal_bandwidth(dev.device_kind), f"nominal spec for {dev.device_kind}"
+        else:
+            bw, bw_source = measure_bandwidth(), "measured: bf16 x+1 copy kernel over 2 GiB (read + write)"
+        # Per device: every device reads all weights each step (gathered when FSDP
+        # shards them); the KV cache is split over the batch shards.
+        shards = max(1, math.prod(layout.shape[a] for a in batch_axes))
+        kv_tok = cfg.kv_bytes_per_token(dtype) * batch / shards
+        live = sum(prompt_len + s for s in range(1, forward_steps + 1))  # slots attended over all steps
+        ideal_s = (forward_steps * weight_bytes + kv_tok * live) / bw
+        result.update(
+            hbm_roofline_fraction=round(ideal_s / decode_s, 4),
+            roofline_decode_s=round(ideal_s, 6),
+            bandwidth_bytes_per_s=bw,
+            bandwidth_source=bw_source,
+        )
+    else:
+        result.update(
+            hbm_roofline_fraction=None,
+            roofline_note=f"not computed on {dev.platform}: the HBM roofline is for accelerators",
+        )
+    return result
+
+
+@click.command("rollout")
+@click.option("--model", "model_path", help="Hugging Face model directory or hub id.")
+@click.option("--preset", help="Random weights of a preset architecture (tiny, qwen2.5-3b, ...).")
+@click.option("--batch", type=click.IntRange(min=1), default=128, show_default=True, help="Sequences (prompts x generations).")
+@click.option("--generations", type=click.IntRange(min=1), default=8, show_default=True, help="Samples per prompt.")
+@click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True)
+@click.option("--new-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
+@click.option("--early-stop/--no-early-stop", default=True, show_default=True, help="Stop when every row has stopped.")
+@click.option("--early-stop-chunk", type=click.IntRange(min=1), default=32, show_default=True)
+@click.option("--kv-segment", type=click.IntRange(min=0), default=256, show_default=True,
+              help="Decode tokens per cache-growth segment; 0 = full cache from the start.")
+@click.option("--style", type=click.Choice(["legacy", "maxtext"]), default="legacy", show_default=True)
+@click.option("--mesh", "mesh_policy", default="auto", show_default=True, help="Mesh policy name.")
+@click.option("--shape", "mesh_shape", help="Mesh shape for --mesh explicit, e.g. 1,-1,1.")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
+@click.option("--temperature", type=float, default=1.0, show_default=True)
+@click.option("--top-k", type=click.IntRange(min=0), default=0, show_default=True)
+@click.option("--top-p", type=click.FloatRange(min=0.0, max=1.0, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True, help="Timed runs; the fastest is reported.")
+@click.option("--bandwidth", type=click.Choice(["measured", "nominal"]), default="measured", show_default=True,
+              help="HBM bandwidth for the roofline.")
+@click.option("--bandwidth-gbps", type=float, help="Use this HBM bandwidth (GB/s) for the roofline.")
+@click.option("--json", "as_json", is_flag=True, help="One line of JSON (default: indented).")
+def bench_rollout(
+    model_path, preset, batch, generations, prompt_len, new_tokens, early_stop, early_stop_chunk, kv_segment,
+    style, mesh_policy, mesh_shape, dtype, temperature, top_k, top_p, seed, repeats, bandwidth, bandwidth_gbps,
+    as_json,
+) -> None:
+    """Rollout speed: prefill + decode of --batch sequences, JSON out."""
+    if temperature <= 0:
+        raise UserError(f"--temperature must be > 0, got {temperature}")
+    result = run_rollout_bench(
+        model_path=model_path, preset=preset, batch=batch, generations=generations, prompt_len=prompt_len,
+        new_tokens=new_tokens, early_stop=early_stop, early_stop_chunk=early_stop_chunk, kv_segment=kv_segment,
+        style=style, mesh_policy=mesh_policy, mesh_shape=mesh_shape, dtype=dtype, temperature=temperature,
+        top_k=top_k, top_p=top_p, seed=seed, repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps,
+    )
+    import jax
+
+    if jax.process_index() == 0:
+        click.echo(json.dumps(result, indent=None if as_json else 2))

@@ -1,0 +1,462 @@
+"""The rollout sampler: jitted prefill + KV-cache decode, K samples per prompt.
+
+Usage (the trainer)::
+
+    graphdef, params = nnx.split(model)
+    sampler = Sampler(graphdef, mesh=mesh, batch_axes=style.batch_axes(layout, opts),
+                      sampling=SamplingParams(max_new_tokens=256, num_generations=8,
+                                              temperature=1.0, eos_ids=(151643, 151645)))
+    out = sampler.generate(params, prompt_tokens, prompt_mask, rng)   # RolloutOutput
+
+How a rollout runs
+------------------
+
+1. **Prefill** (one jit): the P prompts run once through the model into a cache of
+   exactly ``Lp`` slots; the last position's logits and the cache are then repeated K
+   times in place (row ``b*K + j`` is sample j of prompt b) and the cache is padded to
+   the first decode segment's length (below). Prompts may be left- or right-padded (or
+   both): each row is first left-aligned by a stable sort on its mask, so every row's
+   last prompt token sits in slot ``Lp - 1`` and RoPE positions count real tokens from 0.
+2. **Decode** (one jit, the cache donated): the first token is drawn from the prefill
+   logits, then each step feeds the previous token (slot ``Lp + s - 1``, position
+   ``prompt_len + s - 1``) and draws the next one. There is no per-token Python loop and
+   no per-token host sync: the steps run in ``lax.fori_loop`` chunks of
+   ``early_stop_chunk`` tokens inside a ``lax.while_loop`` that exits when every row has
+   produced a stop token. A while loop's predicate is read by the host on GPU, so it is
+   evaluated once per chunk, never per token; ``early_stop_chunk=0`` compiles one
+   fixed-length loop (no predicate at all). Any remainder that is not a whole chunk runs
+   behind one ``lax.cond`` that skips it when all rows have stopped.
+3. **KV segments**: reading the cache dominates decode at long lengths, and attention
+   reads every slot of the cache it is given. With ``kv_segment=n`` the decode runs in
+   segments of n tokens and the cache only has the slots the current segment can reach
+   (``Lp + last step of the segment``); between segments it is padded to the next length
+   (one copy per segment). Average bytes read per step then track the *live* cache
+   rather than the final one, at the price of one compiled loop body per segment.
+   ``kv_segment=0`` allocates the full ``Lp + max_new_tokens - 1`` slots up front; then
+   prefill's cache is donated to decode and updated in place throughout.
+
+Sampling semantics (see :mod:`grpo.engine._sampling`): the temperature divides the
+logits; top-k then top-p restrict which tokens can be drawn; ``greedy`` takes the argmax.
+The reported log-prob of each sampled token is ``log_softmax(logits / temperature)`` over
+the *full* (unfiltered) vocabulary, i.e. exactly what the trainer's loss computes — so
+the gap between the two measures numerics, not filtering. Each row draws from its own
+key ``fold_in(fold_in(rng, global_row), step)``, so samples depend only on the run key
+and the row, never on the sharding: the ``legacy`` and ``maxtext`` rollout styles give
+identical samples.
+
+A row stops at its first token in ``eos_ids`` (which is part of the completion, mask 1);
+later slots hold ``pad_id`` with mask 0 and log-prob 0. ``truncated`` marks rows that
+reached ``max_new_tokens`` without a stop token.
+
+Sharding: the batch dimension of every rollout array (and of the cache) is sharded over
+``batch_axes`` (a rollout style's ``batch_axes``) on ``mesh``; a dimension that does not
+divide is replicated. Parameters stay in whatever sharding they have (FSDP); the model's
+activation constraints are switched to the same batch axes while sampling. Prompt-length
+bucketing is the caller's job (one compilation per distinct ``(P, Lp)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from grpo.engine._sampling import row_keys, sample_tokens, step_keys
+from grpo.engine.sharding import ACTIVATION_RULES, with_batch_axes
+from grpo.models._sharding import fit_sharding
+from grpo.models.qwen2 import CACHE_AXES, KVCache, positions_from_mask
+
+# --------------------------------------------------------------------------- public types
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+    """What to sample (hashable; every field is static for jit).
+
+    - ``max_new_tokens``: completion length cap N.
+    - ``num_generations``: K samples per prompt (the prompt is prefilled once).
+    - ``temperature``: divides the logits (> 0), for sampling and reported log-probs.
+    - ``top_k``: keep the k most likely tokens (0 = off); ``top_p``: nucleus mass (1.0 =
+      off). Both only restrict what can be drawn, never the reported log-probs.
+    - ``greedy``: argmax instead of a draw.
+    - ``eos_ids``: any of these ends a sequence (the stop token is part of the completion).
+    - ``pad_id``: written after a sequence stops.
+    - ``early_stop_chunk``: check "all rows stopped" every N tokens; 0 = never stop early.
+    """
+
+    max_new_tokens: int
+    num_generations: int = 1
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    greedy: bool = False
+    eos_ids: tuple[int, ...] = ()
+    pad_id: int = 0
+    early_stop_chunk: int = 32
+
+    def __post_init__(self) -> None:
+        eos = self.eos_ids
+        if eos is None:
+            eos = ()
+        elif isinstance(eos, (int, np.integer)):
+            eos = (eos,)
+        object.__setattr__(self, "eos_ids", tuple(sorted({int(e) for e in eos})))
+        problems = []
+        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
+            problems.append(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
+        if not (isinstance(self.num_generations, int) and self.num_generations >= 1):
+            problems.append(f"num_generations must be an integer >= 1 (got {self.num_generations!r})")
+        if not self.temperature > 0:
+            problems.append(f"temperature must be > 0 (got {self.temperature!r})")
+        if not (isinstance(self.top_k, int) and self.top_k >= 0):
+            problems.append(f"top_k must be an integer >= 0 (got {self.top_k!r})")
+        if not 0.0 < self.top_p <= 1.0:
+            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
+        if not (isinstance(self.early_stop_chunk, int) and self.early_stop_chunk >= 0):
+            problems.append(f"early_stop_chunk must be an integer >= 0 (got {self.early_stop_chunk!r})")
+        if any(e < 0 for e in self.eos_ids) or self.pad_id < 0:
+            problems.append(f"token ids must be >= 0 (eos_ids={self.eos_ids}, pad_id={self.pad_id})")
+        if problems:
+            raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
+
+
+class RolloutOutput(NamedTuple):
+    """A rollout; every array is global, batch B = P*K, row ``b*K + j`` is sample j of
+    prompt b."""
+
+    prompt_tokens: jax.Array  # [B, Lp] int32, prompts repeated K times, left-aligned
+    prompt_mask: jax.Array  # [B, Lp] int32
+    tokens: jax.Array  # [B, N] int32 completion tokens (pad_id after the stop)
+    mask: jax.Array  # [B, N] int32: 1 on generated tokens up to and including the stop token
+    lengths: jax.Array  # [B] int32 = mask.sum(1)
+    truncated: jax.Array  # [B] bool: hit max_new_tokens without a stop token
+    logprobs: jax.Array  # [B, N] float32 log_softmax(logits / T)[token]; 0 where mask is 0
+
+
+class Prefilled(NamedTuple):
+    """What prefill hands to decode (batch already B = P*K)."""
+
+    cache: KVCache  # [layers, B, Lp + first segment, kv_heads, head_dim]
+    logits: jax.Array  # [B, V] float32, the next-token logits after the prompt
+    prompt_tokens: jax.Array  # [B, Lp] int32, left-aligned
+    prompt_mask: jax.Array  # [B, Lp] int32
+
+
+# --------------------------------------------------------------------------- plan
+
+
+def segment_plan(max_new_tokens: int, *, early_stop_chunk: int, kv_segment: int) -> tuple[tuple[int, int], ...]:
+    """Decode steps 1 .. n (step 0 samples from the prefill logits) split into segments
+    ``(a, b)``: steps ``a+1 .. b`` run with a cache of ``Lp + b`` slots.
+
+    ``n = max_new_tokens - 1`` rounded up to a whole number of ``early_stop_chunk``
+    chunks (the at most ``chunk - 1`` extra steps are discarded; for the usual
+    power-of-two lengths that is one step), so every chunk runs the same compiled body.
+    Segment lengths are ``kv_segment`` rounded up to whole chunks; 0 (or a segment at
+    least n long) gives one segment.
+    """
+    n = max_new_tokens - 1
+    if early_stop_chunk > 0:
+        n = math.ceil(n / early_stop_chunk) * early_stop_chunk
+    if n <= 0:
+        return ()
+    if kv_segment <= 0 or kv_segment >= n:
+        return ((0, n),)
+    seg = kv_segment
+    if early_stop_chunk > 0:
+        seg = math.ceil(seg / early_stop_chunk) * early_stop_chunk
+    bounds = list(range(0, n, seg)) + [n]
+    return tuple(zip(bounds[:-1], bounds[1:]))
+
+
+class _State(NamedTuple):
+    cache: KVCache
+    prev: jax.Array  # [B] int32, the token fed at the next step
+    done: jax.Array  # [B] bool, stop token produced
+    lengths: jax.Array  # [B] int32
+    tokens: jax.Array  # [B, N] int32
+    logprobs: jax.Array  # [B, N] float32
+    steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
+
+
+# --------------------------------------------------------------------------- sampler
+
+
+class Sampler:
+    """Generates K completions per prompt with a jitted prefill + decode.
+
+    Args:
+      graphdef: from ``nnx.split(model)`` (a :class:`grpo.models.qwen2.Qwen2`).
+      mesh: the device mesh the parameters live on.
+      batch_axes: mesh axes the rollout batch is sharded over (a rollout style's
+        ``batch_axes``); other mesh axes replicate it.
+      sampling: :class:`SamplingParams`.
+      cache_dtype: KV-cache dtype (default: the model's compute dtype).
+      kv_segment: decode tokens per cache-growth segment (see the module docstring);
+        0 = the full cache from the start.
+      activation_rules: base logical-axis rules for activations (default
+        :data:`grpo.engine.sharding.ACTIVATION_RULES`); their ``batch`` entry is
+        replaced by ``batch_axes``.
+
+    One compilation per distinct (prompts, prompt length); bucket prompt lengths.
+    """
+
+    def __init__(
+        self,
+        graphdef: Any,
+        *,
+        mesh: Mesh,
+        batch_axes: Sequence[str],
+        sampling: SamplingParams,
+        cache_dtype: Any = None,
+        kv_segment: int = 256,
+        activation_rules: Mapping[str, Any] | None = None,
+    ):
+        if kv_segment < 0:
+            raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
+        unknown = [a for a in batch_axes if a not in mesh.shape]
+        if unknown:
+            raise ValueError(f"batch_axes {tuple(batch_axes)} name axes {unknown} the mesh {dict(mesh.shape)} lacks")
+        self.graphdef = graphdef
+        self.mesh = mesh
+        self.batch_axes = tuple(batch_axes)
+        self.sampling = sampling
+        self.cache_dtype = cache_dtype
+        self.kv_segment = int(kv_segment)
+        self.rules = with_batch_axes(ACTIVATION_RULES if activation_rules is None else activation_rules, self.batch_axes)
+        self.prefill_jit = jax.jit(self._prefill_impl)
+        # Donation only helps when decode can hand the same buffer back (one segment);
+        # with several segments the first growth copies the cache anyway.
+        self._decode_donating = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
+        self._decode_plain = jax.jit(self._decode_impl, static_argnames=("key_impl",))
+
+    # ------------------------------------------------------------------ public API
+
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
+        """Sample ``num_generations`` completions for each of the P prompts.
+
+        Args:
+          params: the model's ``nnx.State`` (the live training arrays; not copied, not
+            donated).
+          prompt_tokens, prompt_mask: [P, Lp] int (numpy or global ``jax.Array``),
+            left-padded (right padding is accepted too); every prompt needs >= 1 token.
+          rng: a PRNG key (typed or raw) for this rollout.
+        """
+        out, _ = self.decode(params, self.prefill(params, prompt_tokens, prompt_mask), rng)
+        return out
+
+    def prefill(self, params: Any, prompt_tokens: Any, prompt_mask: Any) -> Prefilled:
+        tokens, mask = self.place_prompts(prompt_tokens, prompt_mask)
+        return self.prefill_jit(params, tokens, mask)
+
+    def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array) -> tuple[RolloutOutput, jax.Array]:
+        """Decode from a :class:`Prefilled` (whose cache is donated: do not reuse it).
+
+        Returns the rollout and the number of tokens each row ran for (``<
+        max_new_tokens`` when every row stopped early; a device scalar)."""
+        fn = self.decode_jit()
+        raw, impl = self.place_key(rng)
+        out, steps, _cache = fn(params, prefilled.cache, prefilled.logits, prefilled.prompt_tokens,
+                                prefilled.prompt_mask, raw, key_impl=impl)
+        return out, steps
+
+    # ------------------------------------------------------------------ lower-level pieces (benchmarks)
+
+    def decode_jit(self):
+        """The jitted decode:
+        ``fn(params, cache, logits, prompt_tokens, prompt_mask, raw_key, *, key_impl)
+        -> (RolloutOutput, steps, final cache)``, the cache donated when it can be."""
+        return self._decode_donating if len(self.plan()) <= 1 else self._decode_plain
+
+    def plan(self) -> tuple[tuple[int, int], ...]:
+        s = self.sampling
+        return segment_plan(s.max_new_tokens, early_stop_chunk=s.early_stop_chunk, kv_segment=self.kv_segment)
+
+    def place_prompts(self, prompt_tokens: Any, prompt_mask: Any) -> tuple[jax.Array, jax.Array]:
+        """[P, Lp] prompts as int32 global arrays with the batch sharding."""
+        if tuple(np.shape(prompt_tokens)) != tuple(np.shape(prompt_mask)) or len(np.shape(prompt_tokens)) != 2:
+            raise ValueError(
+                f"prompt_tokens {np.shape(prompt_tokens)} and prompt_mask {np.shape(prompt_mask)} must both be [P, Lp]"
+            )
+        return self._place(prompt_tokens, ("batch", "length")), self._place(prompt_mask, ("batch", "length"))
+
+    def place_key(self, rng: jax.Array) -> tuple[jax.Array, str | None]:
+        """``rng`` as replicated raw key data on the mesh, and its impl name (None: raw)."""
+        impl = None
+        if jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key):
+            impl = jax.random.key_impl(rng)
+            rng = jax.random.key_data(rng)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        if isinstance(rng, jax.Array) and not rng.is_fully_addressable:
+            return jax.device_put(rng, replicated), impl
+        data = np.asarray(rng)
+        return jax.make_array_from_callback(data.shape, replicated, lambda idx: data[idx]), impl
+
+    # ------------------------------------------------------------------ internals
+
+    def _sharding(self, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+        return fit_sharding(shape, names, self.mesh, self.rules)
+
+    def _constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
+        return jax.lax.with_sharding_constraint(x, self._sharding(x.shape, names))
+
+    def _place(self, x: Any, names: Sequence[str]) -> jax.Array:
+        sharding = self._sharding(np.shape(x), names)
+        if isinstance(x, jax.Array):
+            return jax.device_put(x.astype(jnp.int32), sharding)
+        data = np.asarray(x, dtype=np.int32)
+        return jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
+
+    def _model(self, params: Any):
+        model = nnx.merge(self.graphdef, params)
+        model.mesh = self.mesh
+        model.set_activation_rules(self.rules)
+        return model
+
+    def _cache_dtype(self, model) -> Any:
+        return model.dtype if self.cache_dtype is None else jnp.dtype(self.cache_dtype)
+
+    def _constrain_cache(self, cache: KVCache) -> KVCache:
+        return KVCache(k=self._constrain(cache.k, CACHE_AXES), v=self._constrain(cache.v, CACHE_AXES))
+
+    def _grow(self, cache: KVCache, length: int) -> KVCache:
+        extra = length - cache.max_length
+        if extra == 0:
+            return cache
+        pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
+        return self._constrain_cache(KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad)))
+
+    def _prefill_impl(self, params: Any, tokens: jax.Array, mask: jax.Array) -> Prefilled:
+        model = self._model(params)
+        K = self.sampling.num_generations
+        P, Lp = tokens.shape
+        # Left-align every row (identity for left-padded input): a stable sort puts the
+        # padding first and keeps the real tokens in order.
+        order = jnp.argsort(mask != 0, axis=1, stable=True)
+        tokens = jnp.take_along_axis(tokens, order, axis=1)
+        mask = (jnp.take_along_axis(mask, order, axis=1) != 0).astype(jnp.int32)
+        cache = model.init_cache(P, Lp, dtype=self._cache_dtype(model))
+        hidden, cache = model(tokens, positions_from_mask(mask), mask.astype(bool), cache=cache, write_index=0)
+        logits = model.logits(hidden[:, -1:, :])[:, 0, :]  # P V
+        plan = self.plan()
+        first = Lp + (plan[0][1] if plan else 0)
+        cache = self._grow(self._constrain_cache(cache.repeat(K)), first)
+        return Prefilled(
+            cache=cache,
+            logits=self._constrain(jnp.repeat(logits, K, axis=0), ("batch", "vocab")),
+            prompt_tokens=self._constrain(jnp.repeat(tokens, K, axis=0), ("batch", "length")),
+            prompt_mask=self._constrain(jnp.repeat(mask, K, axis=0), ("batch", "length")),
+        )
+
+    def _decode_impl(
+        self,
+        params: Any,
+        cache: KVCache,
+        logits: jax.Array,
+        prompt_tokens: jax.Array,
+        prompt_mask: jax.Array,
+        raw_key: jax.Array,
+        *,
+        key_impl: str | None,
+    ) -> tuple[RolloutOutput, jax.Array, KVCache]:
+        s = self.sampling
+        model = self._model(params)
+        B, Lp = prompt_tokens.shape
+        N = s.max_new_tokens
+        rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
+        keys = row_keys(rng, B)
+        prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)  # B
+        eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
+        plan = self.plan()
+        W = (plan[-1][1] if plan else 0) + 1  # buffer width: steps 0 .. n (n >= N - 1)
+
+        def record(state: _State, step: jax.Array, logits: jax.Array, cache: KVCache) -> _State:
+            tok, lp = sample_tokens(
+                logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
+            )
+            # Steps past the cap (the rounding of the last chunk) change nothing.
+            active = ~state.done & (step < N)
+            tok = jnp.where(active, tok, jnp.int32(s.pad_id))
+            lp = jnp.where(active, lp, 0.0)
+            stopped = active & (jnp.any(tok[:, None] == eos[None, :], axis=1) if eos is not None else False)
+            return _State(
+                cache=cache,
+                prev=tok,
+                done=state.done | stopped,
+                lengths=state.lengths + active.astype(jnp.int32),
+                tokens=jax.lax.dynamic_update_index_in_dim(state.tokens, tok, step, axis=1),
+                logprobs=jax.lax.dynamic_update_index_in_dim(state.logprobs, lp, step, axis=1),
+                steps=state.steps + 1,
+            )
+
+        def batch(x, *names):
+            return self._constrain(x, ("batch",) + names)
+
+        state = _State(
+            cache=cache,
+            prev=batch(jnp.full((B,), s.pad_id, jnp.int32)),
+            done=batch(jnp.zeros((B,), bool)),
+            lengths=batch(jnp.zeros((B,), jnp.int32)),
+            tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
+            logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
+            steps=jnp.int32(0),
+        )
+        state = record(state, jnp.int32(0), logits, cache)
+
+        def make_step(kv_mask: jax.Array):
+            def step(t, state: _State) -> _State:
+                t = jnp.asarray(t, jnp.int32)
+                hidden, cache = model(
+                    state.prev[:, None],
+                    (prompt_len + t - 1)[:, None],
+                    kv_mask,
+                    cache=state.cache,
+                    write_index=Lp + t - 1,
+                )
+                return record(state, t, model.logits(hidden)[:, 0, :], cache)
+
+            return step
+
+        C = s.early_stop_chunk
+        for a, b in plan:
+            state = state._replace(cache=self._grow(state.cache, Lp + b))
+            # Prompt padding hidden; every generated slot visible (slots not yet written
+            # are hidden by causality).
+            kv_mask = batch(jnp.concatenate([prompt_mask != 0, jnp.ones((B, b), bool)], axis=1), "length")
+            step = make_step(kv_mask)
+            if C == 0:
+                state = jax.lax.fori_loop(a + 1, b + 1, step, state)
+                continue
+            n_chunks = (b - a) // C  # segments are whole chunks (segment_plan)
+
+            def cond(carry, n_chunks=n_chunks):
+                i, st = carry
+                return (i < n_chunks) & ~jnp.all(st.done)
+
+            def body(carry, a=a, step=step):
+                i, st = carry
+                first = a + 1 + i * C
+                return i + 1, jax.lax.fori_loop(0, C, lambda j, x: step(first + j, x), st)
+
+            _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+
+        positions = jnp.arange(N, dtype=jnp.int32)[None, :]
+        out = RolloutOutput(
+            prompt_tokens=prompt_tokens,
+            prompt_mask=prompt_mask,
+            tokens=batch(state.tokens[:, :N], "length"),
+            mask=batch((positions < state.lengths[:, None]).astype(jnp.int32), "length"),
+            lengths=state.lengths,
+            truncated=~state.done,
+            logprobs=batch(state.logprobs[:, :N], "length"),
+        )
+        return out, jnp.minimum(state.steps, N), state.cache
+
+
+__all__ = ["Prefilled", "RolloutOutput", "Sampler", "SamplingParams", "segment_plan"]

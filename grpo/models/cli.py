@@ -1,0 +1,127 @@
+"""``grpo model ...``: look at checkpoints without loading them onto devices."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import click
+
+
+@click.group()
+def model() -> None:
+    """Qwen2 checkpoints: inspect."""
+
+
+def _human(n: float, unit: str = "B") -> str:
+    for prefix in ("", "K", "M", "G", "T"):
+        if abs(n) < 1000 or prefix == "T":
+            return f"{n:.0f} {prefix}{unit}" if prefix == "" else f"{n:.2f} {prefix}{unit}"
+        n /= 1000
+    return f"{n} {unit}"  # pragma: no cover
+
+
+def _count(n: int) -> str:
+    for div, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= div:
+            return f"{n / div:.2f}{suffix}"
+    return str(n)
+
+
+def _config_summary(cfg: Any) -> dict[str, Any]:
+    return {
+        "layers": cfg.num_hidden_layers,
+        "hidden_size": cfg.hidden_size,
+        "intermediate_size": cfg.intermediate_size,
+        "attention_heads": cfg.num_attention_heads,
+        "kv_heads": cfg.num_key_value_heads,
+        "head_dim": cfg.head_dim,
+        "vocab_size": cfg.vocab_size,
+        "rope_theta": cfg.rope_theta,
+        "rms_norm_eps": cfg.rms_norm_eps,
+        "max_position_embeddings": cfg.max_position_embeddings,
+        "tied_embeddings": cfg.tie_word_embeddings,
+    }
+
+
+def inspect_report(path: str) -> dict[str, Any]:
+    """What ``grpo model inspect`` prints, as a dict (a preset name, directory or hub id)."""
+    from grpo.models.presets import PRESETS, preset_config
+
+    if path in PRESETS and not Path(path).exists():
+        cfg = preset_config(path)
+        n = cfg.num_params()
+        return {
+            "source": f"preset {path}",
+            "architecture": "Qwen2ForCausalLM",
+            "config": _config_summary(cfg),
+            "parameters": n,
+            "bytes_by_dtype": {"float32": 4 * n, "bfloat16": 2 * n},
+            "kv_cache_bytes_per_token_bf16": cfg.kv_bytes_per_token(),
+            "files": [],
+            "problems": [],
+        }
+    from grpo.models._hf_layout import check_tensors
+    from grpo.models.loading import SafetensorsCheckpoint, read_config, resolve_checkpoint
+
+    directory = resolve_checkpoint(path)
+    cfg = read_config(directory)
+    with SafetensorsCheckpoint(directory) as ckpt:
+        problems = check_tensors(cfg, ckpt.tensors)
+        names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+        by_dtype = {names.get(k, k): v for k, v in sorted(ckpt.nbytes_by_dtype().items())}
+        files = sorted(set(ckpt.file_of.values()))
+        stored = sum(math.prod(shape) for shape, _ in ckpt.tensors.values())
+    return {
+        "source": str(directory),
+        "architecture": "Qwen2ForCausalLM",
+        "config": _config_summary(cfg),
+        "parameters": cfg.num_params(),
+        "stored_parameters": stored,
+        "bytes_by_dtype": by_dtype,
+        "kv_cache_bytes_per_token_bf16": cfg.kv_bytes_per_token(),
+        "files": files,
+        "problems": problems,
+    }
+
+
+@model.command("inspect")
+@click.argument("path")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON.")
+def inspect_cmd(path: str, as_json: bool) -> None:
+    """Parameter count, bytes per dtype, config summary and tying of PATH.
+
+    PATH is a Hugging Face model directory, a hub id, or a preset name (e.g.
+    qwen2.5-3b). Only headers are read; exits 2 when the checkpoint would not load.
+    """
+    from grpo.models.loading import CheckpointError
+
+    report = inspect_report(path)
+    if as_json:
+        click.echo(json.dumps(report, indent=2))
+    else:
+        c = report["config"]
+        click.echo(f"source:       {report['source']}")
+        click.echo(f"architecture: {report['architecture']}")
+        click.echo(
+            f"layers {c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}, heads "
+            f"{c['attention_heads']} (kv {c['kv_heads']}, head_dim {c['head_dim']}), vocab {c['vocab_size']}"
+        )
+        click.echo(
+            f"rope_theta {c['rope_theta']:g}, rms_norm_eps {c['rms_norm_eps']:g}, "
+            f"max_position_embeddings {c['max_position_embeddings']}"
+        )
+        click.echo(f"tied embeddings: {'yes' if c['tied_embeddings'] else 'no'}")
+        click.echo(f"parameters:   {report['parameters']:,} ({_count(report['parameters'])})")
+        if "stored_parameters" in report and report["stored_parameters"] != report["parameters"]:
+            click.echo(f"stored:       {report['stored_parameters']:,} (tensors in the files)")
+        for dtype, nbytes in report["bytes_by_dtype"].items():
+            label = "bytes" if report["files"] else "bytes if"
+            click.echo(f"{label} {dtype}: {nbytes:,} ({_human(nbytes)})")
+        click.echo(f"KV cache:     {report['kv_cache_bytes_per_token_bf16']:,} bytes/token (bfloat16)")
+        if report["files"]:
+            click.echo(f"files:        {', '.join(report['files'])}")
+    if report["problems"]:
+        raise CheckpointError(f"{report['source']} would not load:", problems=report["problems"])

@@ -1,0 +1,532 @@
+"""Hugging Face checkpoints in and out, and random initialisation, straight into shardings.
+
+- :func:`load_hf` — a local HF directory (``config.json`` + ``model.safetensors`` or a
+  sharded ``model.safetensors.index.json``) or a hub id into a ``jax.sharding.Mesh``.
+  Every parameter is built with ``jax.make_array_from_callback``: each device's shard
+  is read from the safetensors file(s) as a slice (safetensors ``get_slice``), converted
+  to ``param_dtype`` and placed, so no host or device ever holds the whole model, and a
+  host holds at most one parameter's distinct shards at a time.
+- :func:`random_init` — a preset or :class:`~grpo.models.qwen2.Qwen2Config` initialised
+  under ``jax.jit`` with ``out_shardings``, so parameters are born sharded.
+- :func:`save_hf` — back to an HF directory (safetensors shards + index, ``config.json``,
+  tokenizer files) that ``transformers`` loads; gathers one layer of one parameter at a
+  time.
+- :func:`build_model` — the above from a run config's ``model`` section.
+
+Sharding: parameters' logical axis names map to mesh axes through ``rules`` (default
+:data:`grpo.engine.sharding.PARAM_RULES`: FSDP over ``embed``, tp over heads, KV heads,
+mlp and vocab). With tp > 1 every layout is numerically correct — the model runs under
+XLA's SPMD partitioner — and a dimension that does not divide over its mesh axes (e.g.
+2 KV heads on tp=4) is replicated rather than split (logged once).
+
+Errors about the checkpoint raise :class:`CheckpointError` (a :class:`UserError`) that
+names the tensor: missing tensors, shape mismatches, unexpected tensors, wrong
+architecture or unsupported features.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo.core.contracts import MESH_AXES
+from grpo.core.errors import UserError
+from grpo.engine.sharding import PARAM_RULES
+from grpo.models._hf_layout import (
+    TensorMap,
+    check_tensors,
+    hf_config_dict,
+    read_hf_slice,
+    tensor_maps,
+    to_hf,
+    write_json,
+)
+from grpo.models._sharding import fit_sharding
+from grpo.models.qwen2 import DTYPES, Qwen2, Qwen2Config, _dtype_name
+
+log = logging.getLogger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+TOKENIZER_FILES: tuple[str, ...] = (
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "vocab.json",
+    "merges.txt",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "generation_config.json",
+)
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9_.-]+$")
+_DOWNLOAD_PATTERNS = ["*.json", "*.safetensors", "*.txt", "*.jinja", "*.model"]
+
+
+class CheckpointError(UserError):
+    """A checkpoint cannot be used: missing or mismatched tensors, wrong architecture..."""
+
+
+# --------------------------------------------------------------------------- locating
+
+
+def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = None) -> Path:
+    """A local directory for ``path_or_id``: the directory itself, or a hub id
+    (``Qwen/Qwen2.5-3B-Instruct``) fetched with ``huggingface_hub`` (or found in its
+    cache when offline). Raises :class:`CheckpointError` with what to do otherwise."""
+    text = os.fspath(path_or_id)
+    path = Path(text).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists():
+        raise CheckpointError(f"{text!r} is a file; expected a Hugging Face model directory or hub id.")
+    if not _HUB_ID.match(text):
+        raise CheckpointError(f"No model directory {text!r} (and it does not look like a hub id such as Qwen/Qwen2.5-3B-Instruct).")
+    try:
+        import huggingface_hub
+        from huggingface_hub import constants
+
+        offline = bool(constants.HF_HUB_OFFLINE)
+    except ImportError:  # pragma: no cover - a hard dependency
+        raise CheckpointError(f"{text!r} is not a local directory and huggingface_hub is not installed.") from None
+    try:
+        local = huggingface_hub.snapshot_download(text, revision=revision, allow_patterns=_DOWNLOAD_PATTERNS)
+    except Exception as err:  # network, auth, offline, missing repo: all the user's to fix
+        why = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}".rstrip(": ")
+        if offline:
+            raise CheckpointError(
+                f"{text!r} is not a local directory, and the Hugging Face hub is offline (HF_HUB_OFFLINE=1) "
+                f"with no cached copy. Download it while online (`huggingface-cli download {text}`) or pass "
+                f"a local directory. ({why})"
+            ) from None
+        raise CheckpointError(
+            f"Could not fetch {text!r} from the Hugging Face hub ({why}). Check the id, your network and "
+            f"token, or pass a local directory."
+        ) from None
+    return Path(local)
+
+
+def read_config(directory: str | os.PathLike) -> Qwen2Config:
+    """The :class:`Qwen2Config` of an HF directory, after the architecture checks."""
+    d = Path(directory)
+    cfg_path = d / "config.json"
+    if not cfg_path.is_file():
+        raise CheckpointError(f"{str(d)!r} has no config.json; is it a Hugging Face model directory?")
+    try:
+        raw = json.loads(cfg_path.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as err:
+        raise CheckpointError(f"{str(cfg_path)!r} could not be read as JSON: {err}") from None
+    model_type = raw.get("model_type")
+    archs = raw.get("architectures") or []
+    if model_type != "qwen2":
+        raise CheckpointError(
+            f"Unexpected architecture in {str(cfg_path)!r}: model_type={model_type!r}"
+            + (f", architectures={archs}" if archs else "")
+            + ". grpo implements Qwen2/Qwen2.5 (model_type 'qwen2', Qwen2ForCausalLM) only."
+        )
+    if archs and "Qwen2ForCausalLM" not in archs:
+        raise CheckpointError(
+            f"Unexpected architecture in {str(cfg_path)!r}: architectures={archs}; grpo loads "
+            "Qwen2ForCausalLM checkpoints (a causal-LM head), not other Qwen2 heads."
+        )
+    try:
+        from transformers import AutoConfig
+
+        hf = AutoConfig.from_pretrained(str(d))
+    except Exception as err:
+        raise CheckpointError(f"transformers could not read {str(cfg_path)!r}: {type(err).__name__}: {err}") from None
+    try:
+        return Qwen2Config.from_hf(hf)
+    except CheckpointError:
+        raise
+    except UserError as err:
+        raise CheckpointError(f"{str(cfg_path)!r}: {err}") from None
+
+
+class SafetensorsCheckpoint:
+    """The tensors of an HF directory, read lazily by name and slice."""
+
+    def __init__(self, directory: str | os.PathLike):
+        from safetensors import safe_open
+
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        single = self.directory / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            except (OSError, json.JSONDecodeError, KeyError, TypeError) as err:
+                raise CheckpointError(f"{str(index)!r} is not a valid safetensors index: {err!r}") from None
+            files = sorted(set(weight_map.values()))
+        elif single.is_file():
+            weight_map = None
+            files = [SINGLE_FILE]
+        else:
+            found = sorted(p.name for p in self.directory.iterdir())[:20]
+            raise CheckpointError(
+                f"{str(self.directory)!r} has neither {SINGLE_FILE} nor {INDEX_FILE} (found: {', '.join(found) or 'nothing'}). "
+                "Only safetensors checkpoints are supported; convert .bin weights with transformers' save_pretrained."
+            )
+        self._handles: dict[str, Any] = {}
+        self.file_of: dict[str, str] = {}
+        self.tensors: dict[str, tuple[tuple[int, ...], str]] = {}
+        for fname in files:
+            path = self.directory / fname
+            if not path.is_file():
+                raise CheckpointError(f"{str(index)!r} lists {fname}, which does not exist in {str(self.directory)!r}.")
+            try:
+                handle = safe_open(str(path), framework="numpy")
+            except Exception as err:
+                raise CheckpointError(f"{str(path)!r} is not a readable safetensors file: {err}") from None
+            self._handles[fname] = handle
+            for name in handle.keys():
+                if weight_map is not None and weight_map.get(name) != fname:
+                    continue
+                sl = handle.get_slice(name)
+                self.tensors[name] = (tuple(sl.get_shape()), sl.get_dtype())
+                self.file_of[name] = fname
+        if weight_map is not None:
+            absent = sorted(n for n in weight_map if n not in self.file_of)
+            if absent:
+                raise CheckpointError(
+                    f"{str(index)!r} maps tensors that are not in their files: "
+                    + ", ".join(f"{n} (in {weight_map[n]})" for n in absent[:10])
+                    + (" ..." if len(absent) > 10 else "")
+                )
+
+    def get(self, name: str, slices: tuple[slice, ...] | None = None) -> np.ndarray:
+        sl = self._handles[self.file_of[name]].get_slice(name)
+        return sl[slices] if slices is not None else sl[:]
+
+    def nbytes_by_dtype(self) -> dict[str, int]:
+        sizes = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1, "BOOL": 1}
+        out: dict[str, int] = {}
+        for shape, dtype in self.tensors.values():
+            out[dtype] = out.get(dtype, 0) + math.prod(shape) * sizes.get(dtype, 0)
+        return out
+
+    def close(self) -> None:
+        self._handles.clear()
+
+    def __enter__(self) -> "SafetensorsCheckpoint":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+def check_checkpoint(directory: str | os.PathLike) -> tuple[Qwen2Config, list[str]]:
+    """The config of an HF directory and every problem of its tensors (empty: loadable)."""
+    cfg = read_config(directory)
+    with SafetensorsCheckpoint(directory) as ckpt:
+        return cfg, check_tensors(cfg, ckpt.tensors)
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+def default_mesh() -> Mesh:
+    """A (1, 1, 1) mesh on the first device: the unsharded case."""
+    return Mesh(np.array(jax.devices()[:1], dtype=object).reshape(1, 1, 1), MESH_AXES)
+
+
+def param_shardings(
+    config: Qwen2Config, mesh: Mesh, rules: Mapping[str, Any] = PARAM_RULES
+) -> dict[str, jax.sharding.NamedSharding]:
+    """``path -> NamedSharding`` of every parameter of a :class:`Qwen2` of ``config``."""
+    return {
+        path: fit_sharding(shape, names, mesh, rules) for path, (shape, names) in config.param_specs().items()
+    }
+
+
+def _abstract(config: Qwen2Config, **model_kwargs: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
+    abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0), **model_kwargs))
+    graphdef, state = nnx.split(abstract)
+    return graphdef, list(nnx.to_flat_state(state))
+
+
+def _dotted(path: tuple) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def _model_kwargs(
+    mesh: Mesh, param_dtype: Any, compute_dtype: Any, remat: str, attention_impl: str | None,
+    activation_rules: Mapping[str, Any] | None,
+) -> dict[str, Any]:
+    return dict(
+        param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat, attention_impl=attention_impl,
+        mesh=mesh, activation_rules=activation_rules,
+    )
+
+
+# --------------------------------------------------------------------------- load
+
+
+def load_hf(
+    path_or_id: str | os.PathLike,
+    mesh: Mesh | None = None,
+    *,
+    param_dtype: Any = "float32",
+    compute_dtype: Any = "float32",
+    remat: str = "none",
+    attention_impl: str | None = "xla",
+    rules: Mapping[str, Any] = PARAM_RULES,
+    activation_rules: Mapping[str, Any] | None = None,
+    revision: str | None = None,
+) -> Qwen2:
+    """Load a Qwen2 HF checkpoint (local directory or hub id) into ``mesh``'s shardings.
+
+    Every tensor is checked (names, shapes, dtypes) before any is read; problems raise
+    :class:`CheckpointError` listing each tensor.
+    """
+    mesh = mesh if mesh is not None else default_mesh()
+    directory = resolve_checkpoint(path_or_id, revision=revision)
+    config = read_config(directory)
+    np_dtype = np.dtype(DTYPES[_dtype_name(param_dtype)])
+    with SafetensorsCheckpoint(directory) as ckpt:
+        problems = check_tensors(config, ckpt.tensors)
+        if problems:
+            raise CheckpointError(
+                f"Checkpoint {str(directory)!r} does not match its config.json "
+                f"({config.num_hidden_layers} layers, hidden {config.hidden_size}):",
+                problems=problems,
+            )
+        maps = {tm.param: tm for tm in tensor_maps(config)}
+        specs = config.param_specs()
+        graphdef, flat = _abstract(
+            config, **_model_kwargs(mesh, param_dtype, compute_dtype, remat, attention_impl, activation_rules)
+        )
+        loaded = []
+        for path, var in flat:
+            key = _dotted(path)
+            shape, names = specs[key]
+            sharding = fit_sharding(shape, names, mesh, rules)
+            array = _load_param(ckpt, maps[key], shape, sharding, np_dtype)
+            loaded.append((path, var.replace(array)))
+    log.info("loaded %d parameters from %s", config.num_params(), directory)
+    return nnx.merge(graphdef, nnx.from_flat_state(loaded))
+
+
+def _load_param(
+    ckpt: SafetensorsCheckpoint, tm: TensorMap, shape: tuple[int, ...], sharding: Any, np_dtype: np.dtype
+) -> jax.Array:
+    # Devices that hold the same shard (replicated dims, dp) share one read.
+    memo: dict[tuple, np.ndarray] = {}
+
+    def read(index: tuple[slice, ...] | None) -> np.ndarray:
+        index = tuple(index) if index is not None else ()
+        index = index + (slice(None),) * (len(shape) - len(index))
+        key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
+        if key in memo:
+            return memo[key]
+        if tm.layered:
+            lo, hi = key[0]
+            rest = index[1:]
+            part = np.stack(
+                [read_hf_slice(tm, lambda sl, i=i: ckpt.get(tm.hf_name(i), sl), rest) for i in range(lo, hi)]
+            )
+        else:
+            part = read_hf_slice(tm, lambda sl: ckpt.get(tm.hf_name(), sl), index)
+        part = np.ascontiguousarray(part.astype(np_dtype, copy=False))
+        memo[key] = part
+        return part
+
+    return jax.make_array_from_callback(shape, sharding, read)
+
+
+# --------------------------------------------------------------------------- random
+
+
+def random_init(
+    config: Qwen2Config | str | Any,
+    mesh: Mesh | None = None,
+    *,
+    seed: int = 0,
+    param_dtype: Any = "float32",
+    compute_dtype: Any = "float32",
+    remat: str = "none",
+    attention_impl: str | None = "xla",
+    rules: Mapping[str, Any] = PARAM_RULES,
+    activation_rules: Mapping[str, Any] | None = None,
+) -> Qwen2:
+    """A randomly initialised :class:`Qwen2`, each parameter created in its sharding.
+
+    ``config``: a :class:`Qwen2Config`, a preset name, or a
+    :class:`grpo.core.config.RandomModelConfig` (preset + overrides).
+    """
+    from grpo.models.presets import from_random_config, preset_config
+
+    if isinstance(config, str):
+        config = preset_config(config)
+    elif not isinstance(config, Qwen2Config):
+        config = from_random_config(config)
+    mesh = mesh if mesh is not None else default_mesh()
+    kwargs = _model_kwargs(mesh, param_dtype, compute_dtype, remat, attention_impl, activation_rules)
+    frozen = tuple(sorted((k, _freeze(v)) for k, v in kwargs.items()))
+    graphdef, init = _compiled_init(config, frozen, _freeze(rules))
+    return nnx.merge(graphdef, init(jax.random.key(seed)))
+
+
+def _freeze(v: Any) -> Any:
+    if isinstance(v, Mapping):
+        return tuple(sorted((k, _freeze(x)) for k, x in v.items()))
+    if isinstance(v, list):
+        return tuple(v)
+    return v
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_init(config: Qwen2Config, frozen_kwargs: tuple, frozen_rules: tuple) -> tuple[Any, Any]:
+    # Cached per (config, options, mesh, rules) so another seed reuses the executable:
+    # compiling the random-number generators is the slow part of random init on CPU.
+    kwargs = dict(frozen_kwargs)
+    if kwargs["activation_rules"] is not None:
+        kwargs["activation_rules"] = dict(kwargs["activation_rules"])
+    graphdef, flat = _abstract(config, **kwargs)
+    shardings = param_shardings(config, kwargs["mesh"], dict(frozen_rules))
+    out_shardings = nnx.from_flat_state([(path, var.replace(shardings[_dotted(path)])) for path, var in flat])
+
+    def init(key: jax.Array) -> Any:
+        return nnx.state(Qwen2(config, rngs=nnx.Rngs(params=key), **kwargs))
+
+    return graphdef, jax.jit(init, out_shardings=out_shardings)
+
+
+# --------------------------------------------------------------------------- export
+
+
+@jax.jit
+def _take_layer(x: jax.Array, i: jax.Array) -> jax.Array:
+    return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
+
+
+def _to_host(x: jax.Array) -> np.ndarray:
+    if x.is_fully_addressable:
+        return np.asarray(x)
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
+def _params_by_path(model: Qwen2) -> dict[str, jax.Array]:
+    _, state = nnx.split(model)
+    return {_dotted(path): var[...] for path, var in nnx.to_flat_state(state)}
+
+
+def save_hf(
+    model: Qwen2,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    *,
+    dtype: str | None = None,
+    max_shard_bytes: int = 4 * 1024**3,
+) -> Path:
+    """Write ``model`` as an HF directory ``transformers`` loads with
+    ``Qwen2ForCausalLM.from_pretrained``.
+
+    Tensors go in ``dtype`` (default: the parameter dtype) into safetensors files of at
+    most ``max_shard_bytes`` (more than one -> ``model-0000k-of-0000n.safetensors`` and
+    an index). Tokenizer files (and ``generation_config.json``) are copied from
+    ``tokenizer_dir`` (a directory or hub id) when given. Multi-process: every process
+    must call this (gathers are collective); process 0 writes.
+    """
+    from safetensors.numpy import save_file
+
+    cfg = model.config
+    dtype = dtype or model.param_dtype
+    if dtype not in ("float32", "bfloat16", "float16"):
+        raise UserError(f"Export dtype must be float32, bfloat16 or float16 (got {dtype!r}).")
+    np_dtype = np.dtype(DTYPES[dtype])
+    out = Path(out_dir)
+    writer = jax.process_index() == 0
+    if writer:
+        out.mkdir(parents=True, exist_ok=True)
+    params = _params_by_path(model)
+    entries: list[tuple[str, TensorMap, int | None]] = []
+    for tm in tensor_maps(cfg):
+        for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
+            entries.append((tm.hf_name(i), tm, i))
+    # Plan the files up front (sizes are static) so names carry the final count.
+    files: list[list[tuple[str, TensorMap, int | None]]] = [[]]
+    used = 0
+    for entry in entries:
+        size = math.prod(entry[1].hf_shape) * np_dtype.itemsize
+        if files[-1] and used + size > max_shard_bytes:
+            files.append([])
+            used = 0
+        files[-1].append(entry)
+        used += size
+    names = (
+        [SINGLE_FILE] if len(files) == 1 else [f"model-{k + 1:05d}-of-{len(files):05d}.safetensors" for k in range(len(files))]
+    )
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, group in zip(names, files):
+        tensors = {}
+        for hf_name, tm, layer in group:
+            x = params[tm.param]
+            if layer is not None:
+                x = _take_layer(x, np.int32(layer))
+            tensors[hf_name] = to_hf(tm, _to_host(x)).astype(np_dtype)
+            weight_map[hf_name] = fname
+            total += tensors[hf_name].nbytes
+        if writer:
+            save_file(tensors, str(out / fname), metadata={"format": "pt"})
+        del tensors
+    if writer:
+        if len(files) > 1:
+            write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
+        write_json(out / "config.json", hf_config_dict(cfg, dtype))
+        if tokenizer_dir is not None:
+            _copy_tokenizer(tokenizer_dir, out)
+    return out
+
+
+def _copy_tokenizer(tokenizer_dir: str | os.PathLike, out: Path) -> None:
+    src = resolve_checkpoint(tokenizer_dir)
+    copied = [name for name in TOKENIZER_FILES if (src / name).is_file()]
+    if not any(name.startswith("tokenizer") or name in ("vocab.json",) for name in copied):
+        raise CheckpointError(f"{str(src)!r} holds no tokenizer files (looked for {', '.join(TOKENIZER_FILES[:5])}, ...).")
+    for name in copied:
+        if (src / name).resolve() != (out / name).resolve():
+            shutil.copyfile(src / name, out / name)
+
+
+# --------------------------------------------------------------------------- run config
+
+
+def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -> Qwen2:
+    """The policy model of a run config's ``model`` section (:class:`grpo.core.config.ModelConfig`)."""
+    common = dict(
+        param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat
+    )
+    if model_config.source == "hf":
+        return load_hf(model_config.path, mesh, **common)
+    return random_init(model_config.random, mesh, seed=seed, **common)
+
+
+__all__ = [
+    "CheckpointError",
+    "SafetensorsCheckpoint",
+    "build_model",
+    "check_checkpoint",
+    "default_mesh",
+    "load_hf",
+    "param_shardings",
+    "random_init",
+    "read_config",
+    "resolve_checkpoint",
+    "save_hf",
+]

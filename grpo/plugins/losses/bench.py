@@ -1,0 +1,181 @@
+"""``grpo bench loss``: value+grad time and compiled memory of a loss implementation.
+
+Prints one JSON object. Memory comes from XLA's compiled-memory analysis
+(``jax.jit(step).lower(...).compile().memory_analysis()``), which is exact and repeatable
+on every backend; ``--compile-only`` reports just that and never allocates the inputs,
+so the headline shape can be measured on a small CPU machine. Times mean something only
+on an accelerator (on CPU the pallas kernels run in interpret mode).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import click
+
+from grpo.core.errors import UserError
+
+DTYPES = {"bf16": "bfloat16", "f32": "float32"}
+
+
+def _options(impl: str, *, block_v, block_t, block_d, schedule, interpret) -> dict[str, Any]:
+    if impl == "jax":
+        unused = {"--block-size": block_v, "--time-block": block_t, "--block-d": block_d,
+                  "--schedule": schedule, "--interpret": interpret}
+        given = [flag for flag, val in unused.items() if val is not None]
+        if given:
+            raise UserError(f"{', '.join(given)} only apply to --impl pallas.")
+        return {}
+    raw: dict[str, Any] = {"block_v": block_v, "block_t": block_t, "block_d": block_d, "interpret": interpret}
+    if schedule is not None:
+        raw["schedule"] = schedule
+    return {k: v for k, v in raw.items() if v is not None}
+
+
+@click.command("loss")
+@click.option("--impl", default="pallas", show_default=True, help="Loss plugin name (jax, pallas, or a third-party one).")
+@click.option("--batch", type=click.IntRange(min=1), default=1, show_default=True, help="Sequences B.")
+@click.option("--time", "time_", type=click.IntRange(min=1), default=4096, show_default=True, help="Completion length T.")
+@click.option("--vocab", type=click.IntRange(min=2), default=151643, show_default=True, help="Vocabulary size V.")
+@click.option("--hidden", type=click.IntRange(min=1), default=2048, show_default=True, help="Hidden size D.")
+@click.option("--dtype", type=click.Choice(sorted(DTYPES)), default="bf16", show_default=True, help="Hidden states and head weight dtype.")
+@click.option("--mode", type=click.Choice(["on_policy", "off_policy"]), default="on_policy", show_default=True,
+              help="off_policy passes old log-probs (ratios != 1).")
+@click.option("--beta", type=click.FloatRange(min=0.0), default=0.0, show_default=True, help="KL weight (> 0 passes reference log-probs).")
+@click.option("--aggregation", type=click.Choice(["token_mean", "sequence_mean", "constant"]), default="token_mean", show_default=True)
+@click.option("--temperature", type=click.FloatRange(min=0.0, min_open=True), default=1.0, show_default=True)
+@click.option("--block-size", "block_v", type=int, default=None, help="pallas: vocab block (block_v).")
+@click.option("--time-block", "block_t", type=int, default=None, help="pallas: token-row block (block_t).")
+@click.option("--block-d", "block_d", type=int, default=None, help="pallas: hidden chunk of the loop (GPU) schedule.")
+@click.option("--schedule", type=click.Choice(["auto", "grid", "loop"]), default=None, help="pallas: kernel schedule.")
+@click.option("--interpret/--no-interpret", default=None, help="pallas: force interpret mode on or off.")
+@click.option("--iters", type=click.IntRange(min=1), default=10, show_default=True, help="Timed steps.")
+@click.option("--warmup", type=click.IntRange(min=0), default=2, show_default=True, help="Untimed steps after the first call.")
+@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--compile-only", is_flag=True, help="Only lower and compile: report compiled memory, allocate nothing.")
+@click.option("--opaque-kernels", is_flag=True,
+              help="pallas, with --compile-only: replace each kernel by an opaque call with the same operands, "
+              "as a Mosaic/Triton custom call is, to measure the memory around the kernels without the "
+              "interpreter's operand copies (CPU).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON line (default: indented JSON).")
+def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation, temperature, block_v, block_t,
+               block_d, schedule, interpret, iters, warmup, seed, compile_only, opaque_kernels, as_json) -> None:
+    """Time value+grad (w.r.t. hidden states and head weight) of a loss and report its memory."""
+    import jax
+    import jax.numpy as jnp
+    from pydantic import ValidationError
+
+    from grpo.core.config import validation_problems
+    from grpo.core.contracts import LossSettings
+    from grpo.core.plugins import get_plugins
+
+    if opaque_kernels and (impl != "pallas" or not compile_only):
+        raise UserError("--opaque-kernels goes with --impl pallas and --compile-only (opaque kernels cannot run).")
+    plugin = get_plugins().get("loss", impl)
+    raw = _options(impl, block_v=block_v, block_t=block_t, block_d=block_d, schedule=schedule, interpret=interpret)
+    try:
+        options = plugin.parse_options(raw)
+    except ValidationError as err:
+        raise UserError(f"Invalid options for loss {impl!r}:", problems=validation_problems(err, "options")) from None
+    settings = LossSettings(beta=beta, temperature=temperature, aggregation=aggregation, max_completion_length=time_)
+    dt = jnp.dtype(DTYPES[dtype])
+    b, t, d, v = batch, time_, hidden, vocab
+    off_policy = mode == "off_policy"
+
+    def step(hidden_, head_weight, targets, mask, advantages, old, ref):
+        def loss_fn(h, w):
+            loss, metrics = plugin.compute(
+                hidden=h, head_weight=w, targets=targets, mask=mask, advantages=advantages,
+                old_logprobs=old if off_policy else None, ref_logprobs=ref if beta > 0 else None,
+                settings=settings, options=options,
+            )
+            return loss, metrics["ratio/mean"]
+
+        (loss, _), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(hidden_, head_weight)
+        return loss, grads
+
+    shapes = (
+        jax.ShapeDtypeStruct((b, t, d), dt),
+        jax.ShapeDtypeStruct((d, v), dt),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+    )
+    device = jax.devices()[0]
+    result: dict[str, Any] = {
+        "impl": impl,
+        "device": f"{device.platform}:{getattr(device, 'device_kind', '')}",
+        "backend": jax.default_backend(),
+        "shape": {"batch": b, "time": t, "vocab": v, "hidden": d},
+        "dtype": dtype,
+        "mode": mode,
+        "beta": beta,
+        "aggregation": aggregation,
+        "options": options.model_dump(),
+    }
+    if impl == "pallas":
+        from grpo.plugins.losses import _pallas
+
+        cfg = _pallas.resolve_config(options, dtype=dt, hidden_size=d)
+        result["kernel"] = {"block_t": cfg.block_t, "block_v": cfg.block_v, "block_d": cfg.block_d,
+                            "schedule": cfg.schedule, "interpret": cfg.interpret}
+
+    jitted = jax.jit(step)
+    t0 = time.perf_counter()
+    if opaque_kernels:
+        from grpo.plugins.losses import _pallas
+
+        with _pallas.opaque_kernels():
+            compiled = jitted.lower(*shapes).compile()
+        result["kernel"]["opaque"] = True
+    else:
+        compiled = jitted.lower(*shapes).compile()
+    result["compile_s"] = round(time.perf_counter() - t0, 3)
+    mem = compiled.memory_analysis()
+    if mem is not None:
+        result["compiled_temp_bytes"] = int(mem.temp_size_in_bytes)
+        result["compiled_argument_bytes"] = int(mem.argument_size_in_bytes)
+        result["compiled_output_bytes"] = int(mem.output_size_in_bytes)
+        result["compiled_generated_code_bytes"] = int(mem.generated_code_size_in_bytes)
+    else:
+        result["compiled_temp_bytes"] = None
+    result["logits_bytes_f32"] = b * t * v * 4  # what materialising [B, T, V] f32 once costs
+
+    if not compile_only:
+        keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+        h = (jax.random.normal(keys[0], (b, t, d), jnp.float32)).astype(dt)
+        w = (jax.random.normal(keys[1], (d, v), jnp.float32) * (d ** -0.5)).astype(dt)
+        targets = jax.random.randint(keys[2], (b, t), 0, v, jnp.int32)
+        mask = jnp.ones((b, t), jnp.float32)
+        adv = jax.random.normal(keys[3], (b,), jnp.float32)
+        noise = 0.05 * jax.random.normal(keys[4], (b, t), jnp.float32)
+        # Plausible old/ref log-probs: near the current ones is what a real run sees, but
+        # any finite values exercise the same code; a constant keeps set-up cheap.
+        old = jnp.full((b, t), -float(jnp.log(v)), jnp.float32) + noise
+        ref = old - noise
+        args = (h, w, targets, mask, adv, old, ref)
+        t0 = time.perf_counter()
+        loss, grads = jitted(*args)
+        jax.block_until_ready((loss, grads))
+        result["first_call_s"] = round(time.perf_counter() - t0 + result["compile_s"], 3)
+        for _ in range(warmup):
+            jax.block_until_ready(compiled(*args))
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            out = compiled(*args)
+        jax.block_until_ready(out)
+        result["avg_step_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 3)
+        result["iters"] = iters
+        result["loss"] = float(loss)
+        result["grad_finite"] = bool(all(bool(jnp.isfinite(g).all()) for g in grads))
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory stats raise or return None
+        stats = None
+    result["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
+    click.echo(json.dumps(result, indent=None if as_json else 2))
