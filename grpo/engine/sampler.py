@@ -21,19 +21,22 @@ How a rollout runs
    logits, then each step feeds the previous token (slot ``Lp + s - 1``, position
    ``prompt_len + s - 1``) and draws the next one. There is no per-token Python loop and
    no per-token host sync: the steps run in ``lax.fori_loop`` chunks of
-   ``early_stop_chunk`` tokens inside a ``lax.while_loop`` that exits when every row has
-   produced a stop token. A while loop's predicate is read by the host on GPU, so it is
-   evaluated once per chunk, never per token; ``early_stop_chunk=0`` compiles one
-   fixed-length loop (no predicate at all). Any remainder that is not a whole chunk runs
-   behind one ``lax.cond`` that skips it when all rows have stopped.
+   ``early_stop_chunk`` tokens (a static trip count) inside a ``lax.while_loop`` that
+   exits when every row has produced a stop token. On GPU a while loop's predicate is
+   copied to the host every iteration, so it is evaluated once per chunk, never per
+   token; ``early_stop_chunk=0`` compiles one fixed-length loop (no predicate at all).
+   The step count is rounded up to whole chunks so that every chunk is the same
+   compiled body; steps past ``max_new_tokens`` change nothing and are dropped (one
+   extra step for the usual power-of-two lengths).
 3. **KV segments**: reading the cache dominates decode at long lengths, and attention
    reads every slot of the cache it is given. With ``kv_segment=n`` the decode runs in
    segments of n tokens and the cache only has the slots the current segment can reach
    (``Lp + last step of the segment``); between segments it is padded to the next length
    (one copy per segment). Average bytes read per step then track the *live* cache
    rather than the final one, at the price of one compiled loop body per segment.
-   ``kv_segment=0`` allocates the full ``Lp + max_new_tokens - 1`` slots up front; then
-   prefill's cache is donated to decode and updated in place throughout.
+   ``kv_segment=0`` allocates all the slots up front; then prefill's cache is donated to
+   decode and updated in place throughout (within a segment it always is: the cache is
+   loop state).
 
 Sampling semantics (see :mod:`grpo.engine._sampling`): the temperature divides the
 logits; top-k then top-p restrict which tokens can be drawn; ``greedy`` takes the argmax.
@@ -151,26 +154,33 @@ class Prefilled(NamedTuple):
 # --------------------------------------------------------------------------- plan
 
 
+def effective_chunk(max_new_tokens: int, early_stop_chunk: int) -> int:
+    """Decode steps between "all stopped?" checks: ``early_stop_chunk`` capped at the
+    number of decode steps (0 = no checks)."""
+    return min(early_stop_chunk, max(max_new_tokens - 1, 0))
+
+
 def segment_plan(max_new_tokens: int, *, early_stop_chunk: int, kv_segment: int) -> tuple[tuple[int, int], ...]:
     """Decode steps 1 .. n (step 0 samples from the prefill logits) split into segments
     ``(a, b)``: steps ``a+1 .. b`` run with a cache of ``Lp + b`` slots.
 
-    ``n = max_new_tokens - 1`` rounded up to a whole number of ``early_stop_chunk``
-    chunks (the at most ``chunk - 1`` extra steps are discarded; for the usual
-    power-of-two lengths that is one step), so every chunk runs the same compiled body.
+    ``n = max_new_tokens - 1`` rounded up to a whole number of chunks
+    (:func:`effective_chunk`; the at most ``chunk - 1`` extra steps are discarded, one
+    step for the usual power-of-two lengths), so every chunk runs the same compiled body.
     Segment lengths are ``kv_segment`` rounded up to whole chunks; 0 (or a segment at
     least n long) gives one segment.
     """
     n = max_new_tokens - 1
-    if early_stop_chunk > 0:
-        n = math.ceil(n / early_stop_chunk) * early_stop_chunk
     if n <= 0:
         return ()
+    chunk = effective_chunk(max_new_tokens, early_stop_chunk)
+    if chunk > 0:
+        n = math.ceil(n / chunk) * chunk
     if kv_segment <= 0 or kv_segment >= n:
         return ((0, n),)
     seg = kv_segment
-    if early_stop_chunk > 0:
-        seg = math.ceil(seg / early_stop_chunk) * early_stop_chunk
+    if chunk > 0:
+        seg = math.ceil(seg / chunk) * chunk
     bounds = list(range(0, n, seg)) + [n]
     return tuple(zip(bounds[:-1], bounds[1:]))
 
@@ -423,7 +433,7 @@ class Sampler:
 
             return step
 
-        C = s.early_stop_chunk
+        C = effective_chunk(N, s.early_stop_chunk)
         for a, b in plan:
             state = state._replace(cache=self._grow(state.cache, Lp + b))
             # Prompt padding hidden; every generated slot visible (slots not yet written
@@ -459,4 +469,4 @@ class Sampler:
         return out, jnp.minimum(state.steps, N), state.cache
 
 
-__all__ = ["Prefilled", "RolloutOutput", "Sampler", "SamplingParams", "segment_plan"]
+__all__ = ["Prefilled", "RolloutOutput", "Sampler", "SamplingParams", "effective_chunk", "segment_plan"]
