@@ -1,0 +1,105 @@
+"""Shared helpers for the model tests: tiny checkpoints, jitted forwards, HF references.
+
+Checkpoints are written once per session into a temporary directory (functools caches,
+so every test module shares them); jitted functions live at module level so each
+(model structure, shape, sharding) compiles once for the whole session.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo.core.contracts import MESH_AXES
+from grpo.models.qwen2 import positions_from_mask
+from grpo.models.tiny import write_tiny_checkpoint
+
+_ROOT = Path(tempfile.mkdtemp(prefix="grpo-model-tests-"))
+atexit.register(shutil.rmtree, _ROOT, ignore_errors=True)
+
+# name -> write_tiny_checkpoint kwargs. Each differs from the others where a bug could
+# hide: untied head, rope_theta and rms_norm_eps from the config, more layers, MQA with
+# a head_dim that is not hidden/heads.
+CHECKPOINTS: dict[str, dict] = {
+    "tied": dict(tied=True, seed=0),
+    "untied": dict(tied=False, seed=1, rope_theta=1_000_000.0, rms_norm_eps=1e-5, num_hidden_layers=3),
+    "mqa": dict(tied=True, seed=2, num_key_value_heads=1, head_dim=8),
+    "tied_sharded": dict(tied=True, seed=0, num_shards=3),
+    "tied_bf16": dict(tied=True, seed=0, dtype="bfloat16"),
+}
+
+
+@functools.cache
+def checkpoint(name: str) -> Path:
+    return write_tiny_checkpoint(_ROOT / name, **CHECKPOINTS[name])
+
+
+def scratch_dir(name: str) -> Path:
+    path = _ROOT / "scratch" / name
+    if path.exists():
+        shutil.rmtree(path)
+    path.mkdir(parents=True)
+    return path
+
+
+def mesh(dp: int = 1, fsdp: int = 1, tp: int = 1) -> Mesh:
+    n = dp * fsdp * tp
+    return Mesh(np.array(jax.devices()[:n], dtype=object).reshape(dp, fsdp, tp), MESH_AXES)
+
+
+def padded_batch(vocab: int = 300, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """[4, 9] tokens and mask: full row, left-padded, right-padded, both."""
+    rng = np.random.default_rng(seed)
+    tokens = rng.integers(0, vocab, (4, 9)).astype(np.int32)
+    mask = np.ones((4, 9), bool)
+    mask[1, :3] = False
+    mask[2, 6:] = False
+    mask[3, :2] = False
+    mask[3, 7:] = False
+    tokens[~mask] = 306  # pad id; must not matter
+    return tokens, mask
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits(graphdef, state, tokens, positions, mask):
+    model = nnx.merge(graphdef, state)
+    hidden, _ = model(tokens, positions, mask)
+    return model.logits(hidden)
+
+
+def logits_of(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    graphdef, state = nnx.split(model)
+    positions = positions_from_mask(jnp.asarray(mask))
+    return np.asarray(_logits(graphdef, state, jnp.asarray(tokens), positions, jnp.asarray(mask)))
+
+
+@functools.cache
+def _hf_model(path: str):
+    import torch
+    from transformers import Qwen2ForCausalLM
+
+    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def hf_logits(path: str | Path, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """transformers' Qwen2ForCausalLM logits (PyTorch, CPU, float32)."""
+    import torch
+
+    model = _hf_model(str(path))
+    positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
+    with torch.no_grad():
+        out = model(
+            input_ids=torch.tensor(tokens, dtype=torch.long),
+            attention_mask=torch.tensor(mask, dtype=torch.long),
+            position_ids=torch.tensor(positions, dtype=torch.long),
+        )
+    return out.logits.float().numpy()
