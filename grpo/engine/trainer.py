@@ -172,6 +172,17 @@ class Trainer:
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         return np.asarray(scored.totals, np.float32), per_fn
 
+    def _write_samples(self, example: dict, tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray) -> None:
+        """The first prompt's group of completions, for reading what the policy does."""
+        row = {
+            "step": self.step + 1,
+            "prompt": self.render(example),
+            "completions": self.policy.decode(tokens, mask),
+            "rewards": [round(float(r), 4) for r in rewards],
+        }
+        with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
+            f.write(json.dumps(row) + "\n")
+
     def _install_signal_handlers(self) -> None:
         if not self.config.checkpoint.on_signal:
             return
@@ -242,6 +253,8 @@ class Trainer:
 
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
         rewards_local, per_fn_local = self._score(examples, local_tokens, local_mask)
+        if self.is_main and self.step % self.config.logging.every_n_steps == 0:
+            self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
         rewards = _to_global(rewards_local, self.batch_sharding)
         per_fn = {n: _to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
