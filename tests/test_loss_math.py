@@ -1,0 +1,336 @@
+"""GRPO loss math: hand-computed clipping/KL/aggregation, exact micro-batch accumulation,
+plugin registration, options and layout checks. Fast: the jax reference and the shared
+objective only (the pallas kernels are in test_loss_pallas.py)."""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from pydantic import ValidationError
+
+from grpo.core.cli import cli
+from grpo.core.contracts import LossSettings, MeshLayout
+from grpo.core.errors import UserError
+from grpo.core.plugins import get_plugins
+from grpo.plugins.losses import JaxLoss, PallasLoss, PallasLossOptions
+from grpo.plugins.losses._common import grpo_objective
+
+
+@jax.jit(static_argnames=("settings",))
+def _objective_jit(logp, mask, adv, old, ref, normalizer, settings):
+    def f(lp):
+        return grpo_objective(logprobs=lp, mask=mask, advantages=adv, old_logprobs=old, ref_logprobs=ref,
+                              settings=settings, normalizer=normalizer)
+
+    return jax.value_and_grad(f, has_aux=True)(logp)
+
+
+def _objective(logp, *, adv, old=None, ref=None, mask=None, settings=LossSettings(), normalizer=None):
+    logp = jnp.asarray(logp, jnp.float32)
+    mask = jnp.ones(logp.shape) if mask is None else jnp.asarray(mask, jnp.float32)
+    f32 = lambda x: None if x is None else jnp.asarray(x, jnp.float32)  # noqa: E731
+    (loss, metrics), grad = _objective_jit(logp, mask, f32(adv), f32(old), f32(ref), f32(normalizer), settings)
+    return float(loss), metrics, np.asarray(grad)
+
+
+# --------------------------------------------------------------------------- clipping by hand
+
+# (advantage, ratio, eps_low, eps_high) -> (loss, d loss / d logp, clipped low, clipped high)
+CLIP_CASES = {
+    "pos-adv-ratio-above-high-clipped": (1.0, 1.5, 0.2, 0.2, -1.2, 0.0, 0, 1),
+    "pos-adv-ratio-below-low-keeps-grad": (1.0, 0.5, 0.2, 0.2, -0.5, -0.5, 0, 0),
+    "neg-adv-ratio-below-low-clipped": (-1.0, 0.5, 0.2, 0.2, 0.8, 0.0, 1, 0),
+    "neg-adv-ratio-above-high-keeps-grad": (-1.0, 1.5, 0.2, 0.2, 1.5, 1.5, 0, 0),
+    "asymmetric-high-not-clipped": (2.0, 1.25, 0.2, 0.28, -2.5, -2.5, 0, 0),
+    "symmetric-high-clipped": (2.0, 1.25, 0.2, 0.2, -2.4, 0.0, 0, 1),
+    "inside-band": (0.5, 1.1, 0.2, 0.2, -0.55, -0.55, 0, 0),
+    "zero-adv-never-clipped": (0.0, 3.0, 0.2, 0.2, 0.0, 0.0, 0, 0),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES), ids=list(CLIP_CASES))
+def test_clipping_by_hand(case):
+    adv, ratio, lo, hi, want_loss, want_grad, want_low, want_high = CLIP_CASES[case]
+    logp = [[-1.0]]
+    old = [[-1.0 - math.log(ratio)]]
+    settings = LossSettings(epsilon_low=lo, epsilon_high=hi)
+    loss, metrics, grad = _objective(logp, adv=[adv], old=old, settings=settings)
+    assert loss == pytest.approx(want_loss, abs=1e-5)
+    assert grad[0, 0] == pytest.approx(want_grad, abs=1e-5)
+    assert float(metrics["clip_frac/low"]) == want_low
+    assert float(metrics["clip_frac/high"]) == want_high
+    assert float(metrics["ratio/mean"]) == pytest.approx(ratio, rel=1e-5)
+    assert float(metrics["approx_kl"]) == pytest.approx(ratio - 1 - math.log(ratio), abs=1e-6)
+
+
+def test_clipping_mixed_row_token_mean():
+    # One row, four tokens: clipped high (+A), unclipped low (+A), padding, unclipped.
+    logp = [[-1.0, -1.0, -7.0, -2.0]]
+    old = [[-1.0 - math.log(1.5), -1.0 - math.log(0.5), 0.0, -2.0]]
+    mask = [[1, 1, 0, 1]]
+    loss, metrics, grad = _objective(logp, adv=[2.0], old=old, mask=mask)
+    # per token: -1.2*2, -0.5*2, (masked), -1*2 ; mean over 3 valid tokens
+    assert loss == pytest.approx((-2.4 - 1.0 - 2.0) / 3, abs=1e-5)
+    np.testing.assert_allclose(grad, [[0.0, -1.0 / 3, 0.0, -2.0 / 3]], atol=1e-6)
+    assert float(metrics["clip_frac/high"]) == pytest.approx(1 / 3)
+    assert float(metrics["num_tokens"]) == 3
+
+
+def test_on_policy_ratio_is_one_and_gradient_is_policy_gradient():
+    logp = [[-0.3, -2.0], [-1.0, -0.1]]
+    loss, metrics, grad = _objective(logp, adv=[1.5, -0.5])
+    assert loss == pytest.approx((-1.5 * 2 + 0.5 * 2) / 4, abs=1e-6)
+    np.testing.assert_allclose(grad, [[-1.5 / 4, -1.5 / 4], [0.5 / 4, 0.5 / 4]], atol=1e-7)
+    assert float(metrics["ratio/mean"]) == 1.0
+    assert float(metrics["clip_frac/low"]) == float(metrics["clip_frac/high"]) == 0.0
+    assert float(metrics["approx_kl"]) == 0.0
+
+
+# --------------------------------------------------------------------------- KL
+
+
+def test_k3_kl_by_hand():
+    beta, logp, ref = 0.5, -1.0, -1.5
+    delta = ref - logp
+    k3 = math.exp(delta) - delta - 1
+    loss, metrics, grad = _objective([[logp]], adv=[0.0], ref=[[ref]], settings=LossSettings(beta=beta))
+    assert loss == pytest.approx(beta * k3, abs=1e-6)
+    assert grad[0, 0] == pytest.approx(beta * (1 - math.exp(delta)), abs=1e-6)
+    assert float(metrics["kl"]) == pytest.approx(k3, abs=1e-6)
+
+
+def test_beta_zero_never_touches_reference():
+    nan_ref = [[float("nan"), float("nan")]]
+    loss, metrics, grad = _objective([[-1.0, -2.0]], adv=[1.0], ref=nan_ref)
+    assert np.isfinite(loss) and np.all(np.isfinite(grad))
+    assert float(metrics["kl"]) == 0.0
+    loss2, _, _ = _objective([[-1.0, -2.0]], adv=[1.0], ref=None)
+    assert loss == loss2
+
+
+def test_beta_needs_reference():
+    with pytest.raises(ValueError, match="ref_logprobs"):
+        _run_plugin(JaxLoss(), _inputs(1, 2, 4, 8, seed=0), LossSettings(beta=0.1), ref=False)
+
+
+# --------------------------------------------------------------------------- aggregation
+
+
+def test_aggregation_by_hand():
+    # On-policy, so each valid token's loss is -A of its row. Row lengths 3, 1, 0.
+    logp = jnp.zeros((3, 4)) - 1.0
+    mask = [[1, 1, 1, 0], [1, 0, 0, 0], [0, 0, 0, 0]]
+    adv = [2.0, -1.0, 5.0]
+    want = {
+        "token_mean": (3 * -2.0 + 1 * 1.0) / 4,
+        "sequence_mean": (-2.0 + 1.0 + 0.0) / 3,
+        "constant": (3 * -2.0 + 1 * 1.0) / (3 * 6),
+    }
+    for agg, value in want.items():
+        settings = LossSettings(aggregation=agg, max_completion_length=6)
+        loss, metrics, _ = _objective(logp, adv=adv, mask=mask, settings=settings)
+        assert loss == pytest.approx(value, abs=1e-6), agg
+        assert float(metrics["num_tokens"]) == 4
+    # An explicit normalizer replaces the batch's own.
+    loss, _, _ = _objective(logp, adv=adv, mask=mask, normalizer=10.0)
+    assert loss == pytest.approx((3 * -2.0 + 1.0) / 10.0, abs=1e-6)
+
+
+def test_all_masked_batch_is_zero_not_nan():
+    for agg in ("token_mean", "sequence_mean", "constant"):
+        loss, metrics, grad = _objective([[-1.0, -2.0]], adv=[1.0], old=[[0.0, 0.0]], mask=[[0, 0]],
+                                         settings=LossSettings(aggregation=agg, beta=0.1), ref=[[0.0, 0.0]])
+        assert loss == 0.0 and np.all(grad == 0.0)
+        assert all(np.isfinite(float(metrics[k])) for k in ("clip_frac/low", "ratio/mean", "kl", "approx_kl"))
+
+
+# --------------------------------------------------------------------------- plugins end to end
+
+
+@jax.jit(static_argnames=("shape", "dtype"))
+def _random_inputs(key, lengths, temperature, *, shape, dtype):
+    b, t, d, v = shape
+    k = jax.random.split(key, 7)
+    hidden = jax.random.normal(k[0], (b, t, d), jnp.float32)
+    head = jax.random.normal(k[1], (d, v), jnp.float32) * (2.0 / math.sqrt(d))
+    targets = jax.random.randint(k[2], (b, t), 0, v)
+    mask = (jnp.arange(t)[None, :] < lengths[:, None]).astype(jnp.float32)
+    adv = jax.random.normal(k[4], (b,), jnp.float32)
+    logits = jnp.einsum("btd,dv->btv", hidden, head) / temperature
+    logp = jnp.take_along_axis(jax.nn.log_softmax(logits), targets[..., None], -1)[..., 0]
+    # Old and reference log-probs near the current ones, far enough that clipping happens.
+    old = logp + 0.4 * jax.random.normal(k[5], (b, t))
+    ref = logp + 0.4 * jax.random.normal(k[6], (b, t))
+    return dict(hidden=hidden.astype(dtype), head_weight=head.astype(dtype), targets=targets, mask=mask,
+                advantages=adv, old_logprobs=old, ref_logprobs=ref)
+
+
+def _inputs(b, t, d, v, *, seed, dtype=jnp.float32, lengths=None, temperature=1.0):
+    """Random loss inputs; ``lengths`` [B] valid tokens per row (default: random in 1..T);
+    old/ref log-probs are near the current ones at ``temperature``."""
+    if lengths is None:
+        lengths = np.random.default_rng(seed).integers(1, t + 1, size=b)
+    return _random_inputs(jax.random.PRNGKey(seed), jnp.asarray(lengths, jnp.int32), jnp.float32(temperature),
+                          shape=(b, t, d, v),
+                          dtype=jnp.dtype(dtype))
+
+
+_STEPS: dict = {}
+
+
+def _step(plugin, settings, opts, off_policy, ref):
+    """A jitted value-and-grad of ``plugin.compute``, compiled once per configuration."""
+    key = (plugin.name, settings, opts, off_policy, ref)
+    if key not in _STEPS:
+        def f(h, w, targets, mask, adv, old, ref_lp, normalizer):
+            return plugin.compute(hidden=h, head_weight=w, targets=targets, mask=mask, advantages=adv,
+                                  old_logprobs=old if off_policy else None, ref_logprobs=ref_lp if ref else None,
+                                  settings=settings, options=opts, normalizer=normalizer)
+
+        _STEPS[key] = jax.jit(jax.value_and_grad(f, argnums=(0, 1), has_aux=True))
+    return _STEPS[key]
+
+
+def _run_plugin(plugin, inputs, settings, *, options=None, off_policy=True, ref=True, normalizer=None, rows=None):
+    opts = plugin.parse_options(options or {})
+    x = dict(inputs)
+    if rows is not None:
+        x = {k: val[rows] if k != "head_weight" else val for k, val in x.items()}
+    step = _step(plugin, settings, opts, off_policy, ref)
+    (loss, metrics), grads = step(x["hidden"], x["head_weight"], x["targets"], x["mask"], x["advantages"],
+                                  x["old_logprobs"], x["ref_logprobs"], normalizer)
+    return loss, metrics, grads
+
+
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
+def test_micro_batches_with_global_normalizer_sum_to_full_batch(aggregation):
+    b, t = 4, 6
+    inputs = _inputs(b, t, 8, 40, seed=3, lengths=[6, 2, 0, 4], temperature=0.9)
+    settings = LossSettings(beta=0.05, aggregation=aggregation, max_completion_length=t, temperature=0.9)
+    plugin = JaxLoss()
+    full_loss, full_metrics, (full_dh, full_dw) = _run_plugin(plugin, inputs, settings)
+    global_norm = {"token_mean": float(jnp.sum(inputs["mask"])), "sequence_mean": float(b),
+                   "constant": float(b * t)}[aggregation]
+    losses, dhs, dw = [], [], 0.0
+    for rows in (slice(0, 2), slice(2, 4)):
+        loss, _, (dh, dw_part) = _run_plugin(plugin, inputs, settings, normalizer=global_norm, rows=rows)
+        losses.append(loss)
+        dhs.append(dh)
+        dw = dw + dw_part
+    assert float(full_loss) != 0.0
+    np.testing.assert_allclose(sum(losses), full_loss, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(jnp.concatenate(dhs), full_dh, rtol=1e-5, atol=1e-7)
+    np.testing.assert_allclose(dw, full_dw, rtol=1e-5, atol=1e-7)
+    # Without the global normalizer micro-batches would weigh differently (not a no-op test).
+    if aggregation != "constant":
+        naive = sum(_run_plugin(plugin, inputs, settings, rows=r)[0] for r in (slice(0, 2), slice(2, 4)))
+        assert abs(float(naive) - float(full_loss)) > 1e-3
+
+
+def test_jax_logprobs_match_log_softmax_and_temperature():
+    inputs = _inputs(2, 3, 4, 10, seed=1)
+    _, metrics, _ = _run_plugin(JaxLoss(), inputs, LossSettings(temperature=0.5))
+    # Independently of _jax.py: float64 numpy.
+    logits = np.einsum("btd,dv->btv", np.float64(inputs["hidden"]), np.float64(inputs["head_weight"])) / 0.5
+    logz = np.log(np.sum(np.exp(logits - logits.max(-1, keepdims=True)), -1)) + logits.max(-1)
+    want = np.take_along_axis(logits, np.asarray(inputs["targets"])[..., None], -1)[..., 0] - logz
+    np.testing.assert_allclose(metrics["logprobs"], want, atol=1e-5)
+    p = np.exp(logits - logz[..., None])
+    ent = -np.sum(p * np.log(p), -1)
+    mask = np.asarray(inputs["mask"])
+    want_ent = np.sum(ent * mask) / np.sum(mask)
+    assert float(metrics["entropy"]) == pytest.approx(float(want_ent), rel=1e-5)
+
+
+def test_shape_errors_name_the_argument():
+    inputs = _inputs(2, 3, 4, 10, seed=1)
+    inputs["advantages"] = jnp.zeros((3,))
+    with pytest.raises(ValueError, match="advantages"):
+        _run_plugin(JaxLoss(), inputs, LossSettings())
+
+
+# --------------------------------------------------------------------------- registration, options, layout
+
+
+def test_both_losses_registered():
+    reg = get_plugins()
+    assert isinstance(reg.get("loss", "jax"), JaxLoss)
+    assert isinstance(reg.get("loss", "pallas"), PallasLoss)
+
+
+def test_plugin_module_does_not_import_jax():
+    code = "import sys, grpo.plugins.losses, grpo.plugins.losses.bench; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
+
+
+@pytest.mark.parametrize(
+    "raw, field",
+    [({"block_v": 100}, "block_v"), ({"block_t": 12}, "block_t"), ({"block_d": 24}, "block_d"),
+     ({"block_t": 4}, "block_t"), ({"blockv": 128}, "blockv"), ({"schedule": "fast"}, "schedule")],
+)
+def test_pallas_options_refuse_untileable_sizes(raw, field):
+    with pytest.raises(ValidationError) as err:
+        PallasLossOptions.model_validate(raw)
+    assert field in str(err.value)
+
+
+def test_pallas_option_error_names_config_field(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {source: random}\nrollout: {num_generations: 4, max_new_tokens: 8}\ntask: {name: arithmetic}\n"
+        "train: {steps: 1, prompts_per_step: 4}\nloss: {impl: pallas, options: {block_v: 100}}\n"
+    )
+    result = CliRunner().invoke(cli, ["config", "validate", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "loss.options.block_v" in result.output and "128" in result.output
+
+
+def test_pallas_refuses_tp_at_config_validation(tmp_path):
+    assert PallasLoss().check(layout=MeshLayout(dp=1, fsdp=8, tp=1), options=PallasLossOptions()) == []
+    problems = PallasLoss().check(layout=MeshLayout(dp=1, fsdp=4, tp=2), options=PallasLossOptions())
+    assert len(problems) == 1 and "tp=2" in problems[0]
+    assert JaxLoss().check(layout=MeshLayout(dp=1, fsdp=4, tp=2), options=JaxLoss.Options()) == []
+    path = tmp_path / "c.yaml"
+    path.write_text(
+        "model: {source: random}\nrollout: {num_generations: 4, max_new_tokens: 8}\ntask: {name: arithmetic}\n"
+        "train: {steps: 1, prompts_per_step: 4}\nloss: {impl: pallas}\n"
+        "mesh: {policy: explicit, options: {shape: '1,4,2'}}\n"
+    )
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), "--processes", "1", "--local-devices", "8"])
+    assert result.exit_code == 2, result.output
+    assert "loss.impl=pallas" in result.output and "tp=2" in result.output
+
+
+def test_resolve_config_per_backend():
+    from grpo.plugins.losses._pallas import resolve_config
+
+    opts = PallasLossOptions
+    gpu = resolve_config(opts(), dtype=jnp.bfloat16, hidden_size=64, backend="gpu")
+    assert (gpu.schedule, gpu.interpret, gpu.block_t, gpu.block_v, gpu.block_d) == ("loop", False, 64, 128, 64)
+    tpu = resolve_config(opts(), dtype=jnp.bfloat16, hidden_size=64, backend="tpu")
+    assert (tpu.schedule, tpu.interpret, tpu.block_t, tpu.block_v) == ("grid", False, 256, 512)
+    assert tpu.vmem_limit_bytes and tpu.vmem_limit_bytes >= 32 << 20
+    cpu = resolve_config(opts(), dtype=jnp.float32, hidden_size=64, backend="cpu")
+    assert (cpu.schedule, cpu.interpret) == ("grid", True)
+    refusals = [
+        (opts(block_v=384), "gpu", jnp.bfloat16, "loss.options.block_v=384"),  # not a power of two
+        (opts(block_t=8), "gpu", jnp.bfloat16, "loss.options.block_t=8"),  # below 16 for tl.dot
+        (opts(block_t=8), "tpu", jnp.bfloat16, "multiple of 16"),  # bf16 packs 16 sublanes
+        (opts(interpret=False), "cpu", jnp.float32, "interpret"),
+        (opts(schedule="grid"), "gpu", jnp.float32, "schedule=grid"),
+        (opts(schedule="loop"), "tpu", jnp.float32, "schedule=loop"),
+    ]
+    for options, backend, dtype, text in refusals:
+        with pytest.raises(UserError, match=re.escape(text)):
+            resolve_config(options, dtype=dtype, hidden_size=64, backend=backend)
+    # f32 on TPU tiles at 8 sublanes: block_t=8 is fine there.
+    assert resolve_config(opts(block_t=8), dtype=jnp.float32, hidden_size=64, backend="tpu").block_t == 8
