@@ -19,6 +19,22 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def _compilation_cache() -> None:
+    """A persistent compilation cache for the session (and the CLI subprocesses it starts,
+    which inherit the variables): tests that build the same tiny model in several
+    trainers compile each program once."""
+    import tempfile
+
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="grpo-jax-cache-")
+    import jax
+
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+
+
+_compilation_cache()
+
+
 @pytest.fixture(autouse=True)
 def _fresh_plugins():
     """Each test sees plugins loaded from the current environment."""

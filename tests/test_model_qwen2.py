@@ -88,7 +88,9 @@ def test_prefill_then_decode_equals_full_forward():
     out, cache = _step(graphdef, state, jnp.asarray(left[:, :P]), positions[:, :P], kv_mask, cache, 0)
     steps = [np.asarray(out)]
     for t in range(P, T):
+        previous = cache
         out, cache = _step(graphdef, state, jnp.asarray(left[:, t:t + 1]), positions[:, t:t + 1], kv_mask, cache, jnp.int32(t))
+        assert previous.k.is_deleted()  # donated: updated in place, not copied
         steps.append(np.asarray(out))
     decoded = np.concatenate(steps, axis=1)
     diff = np.abs(decoded - full)[lmask].max()

@@ -525,6 +525,13 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
             f"rollout.num_generations={config.rollout.num_generations}) must divide evenly over the {shards} "
             f"rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape}"
         )
+    prompts = config.train.prompts_per_step
+    if prompts % shards:
+        problems.append(
+            f"train.prompts_per_step={prompts} must divide evenly over the {shards} rollout shards of "
+            f"rollout.style={config.rollout.style} on mesh {layout.shape}: each prompt is prefilled once, "
+            "sharded like the rollout batch, before its num_generations samples share its KV cache"
+        )
     train_shards = layout.dp * layout.fsdp
     mb = config.micro_batch_size
     if mb % train_shards:
