@@ -27,6 +27,8 @@ What the rest of the framework uses
     every row. Keys/values are written with ``lax.dynamic_update_slice`` in place, so a
     jitted step with the cache donated (``donate_argnames``) does not copy it. The caller
     keeps ``write_index + T <= max_length`` (XLA clamps out-of-range updates).
+    Attention reads all S slots of the cache it is given, so prefill into a cache of
+    exactly the prompt length and grow it (``jnp.pad`` on the slot axis) for decoding.
   * Returns the final-normed hidden states [B, T, D] in the compute dtype and the
     updated cache (``None`` without one).
 
