@@ -6,7 +6,6 @@ import functools
 import json
 import shutil
 
-import jax
 import ml_dtypes
 import numpy as np
 import pytest
