@@ -27,8 +27,11 @@ Two schedules of the same block math (``_online_update``, ``_dlogits``):
   accumulate in f32 outputs owned by one program each (read-modify-write, no atomics).
 
 Both schedules run in interpret mode on CPU, which is how they are tested (the grid
-schedule also under the TPU interpreter, with race detection across two cores). Only the
-interpreted paths have been run; the Mosaic and Triton compilations are untested here.
+schedule also under the TPU interpreter, with race detection across two cores). The
+tests also lower both for their hardware by cross-platform export (grid -> Mosaic TPU,
+loop -> Triton), which runs the backends' lowering rules (tiling, power-of-two sizes,
+supported ops); the final Mosaic/PTX compilation and execution on a TPU or GPU have not
+been run.
 
 Numerics: matmuls take the input dtype and accumulate in f32 (f32 inputs use
 ``Precision.HIGHEST``), the log-sum-exp, softmax and entropy run in f32, and ``dlogits``
