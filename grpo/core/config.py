@@ -456,15 +456,6 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
-    if (
-        config.distributed.require_process_count is not None
-        and config.distributed.num_processes is not None
-        and config.distributed.require_process_count != config.distributed.num_processes
-    ):
-        problems.append(
-            f"distributed.require_process_count={config.distributed.require_process_count} contradicts "
-            f"distributed.num_processes={config.distributed.num_processes}"
-        )
     return problems
 
 

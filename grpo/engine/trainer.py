@@ -156,6 +156,13 @@ class Trainer:
         )
         return Sampler(self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling)
 
+    def _to_train(self, x: jax.Array) -> jax.Array:
+        """Reshard a rollout-layout batch array to the update's (dp, fsdp) batch layout;
+        a jitted identity works for arrays spanning several processes."""
+        if not hasattr(self, "_reshard"):
+            self._reshard = jax.jit(lambda a: a, out_shardings=self.train_sharding)
+        return self._reshard(x)
+
     def _rollout_batch(self, step: int):
         cfg = self.config
         indices = step_indices(len(self.prompts), step=step, prompts_per_step=cfg.train.prompts_per_step, seed=cfg.train.seed)
@@ -263,7 +270,7 @@ class Trainer:
         )
 
         t1 = time.perf_counter()
-        to_train = lambda x: jax.device_put(x, self.train_sharding)  # noqa: E731
+        to_train = self._to_train
         ub = UpdateBatch(
             prompt_tokens=to_train(out.prompt_tokens),
             prompt_mask=to_train(out.prompt_mask),

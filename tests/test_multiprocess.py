@@ -1,0 +1,139 @@
+"""Real multi-process JAX runs on localhost: 2 processes x 4 CPU devices, gloo collectives.
+
+Each process is a real ``grpo run`` (the same command on every "host"), started with
+``--coordinator-address/--num-processes/--process-id``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from grpo.engine.metrics import read_metrics
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+CONFIG = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
+    "task": {"name": "arithmetic", "options": {"max_operand": 4, "num_examples": 64}},
+    "train": {"steps": 2, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": False},
+    "distributed": {"heartbeat_timeout_s": 10, "initialization_timeout_s": 120},
+}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _write_config(tmp_path: Path, **sections) -> Path:
+    data = json.loads(json.dumps(CONFIG))
+    for key, value in sections.items():
+        data[key] = {**data.get(key, {}), **value}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _launch(config: Path, run_dir: Path, *, processes: int = 2, extra=()) -> list[subprocess.Popen]:
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    return [
+        subprocess.Popen(
+            [sys.executable, "-m", "grpo.core.cli", "run", str(config), "--run-dir", str(run_dir),
+             "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(processes),
+             "--process-id", str(i), *extra],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(processes)
+    ]
+
+
+def _wait(procs, timeout=600):
+    outs = []
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs
+
+
+@pytest.fixture(scope="module")
+def single_process_reference(tmp_path_factory):
+    """The same config in this process: 1 process x 8 devices."""
+    from grpo.core.config import load_config
+    from grpo.engine.trainer import Trainer
+
+    run_dir = tmp_path_factory.mktemp("single")
+    Trainer(load_config(CONFIG), run_dir).run()
+    return read_metrics(run_dir)
+
+
+@pytest.mark.parametrize(
+    "mesh, style",
+    [("auto", "legacy"), ("host_local", "legacy"), ("host_local", "maxtext")],
+)
+def test_two_processes_match_single_process(tmp_path, single_process_reference, mesh, style):
+    config = _write_config(tmp_path, mesh={"policy": mesh}, rollout={"style": style})
+    run_dir = tmp_path / "run"
+    results = _wait(_launch(config, run_dir))
+    for code, out, err in results:
+        assert code == 0, err[-3000:]
+    assert "Done: 2 steps" in results[0][1]
+    assert "Done" not in results[1][1]  # only process 0 reports
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for got, want in zip(rows, single_process_reference):
+        for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
+
+
+def test_require_process_count_fails_fast_on_every_process(tmp_path):
+    config = _write_config(tmp_path, distributed={"require_process_count": 3})
+    start = time.time()
+    results = _wait(_launch(config, tmp_path / "run"), timeout=120)
+    assert time.time() - start < 120
+    for code, _out, err in results:
+        assert code == 2
+        assert "require_process_count=3" in err and "every worker" in err and "Traceback" not in err
+
+
+def test_dead_process_makes_the_other_exit(tmp_path):
+    config = _write_config(tmp_path, train={"steps": 10_000})
+    run_dir = tmp_path / "run"
+    procs = _launch(config, run_dir)
+    deadline = time.time() + 400
+    while time.time() < deadline and not read_metrics(run_dir):
+        time.sleep(0.5)
+        assert all(p.poll() is None for p in procs), [p.communicate() for p in procs]
+    assert read_metrics(run_dir), "no step finished"
+    procs[1].send_signal(signal.SIGKILL)
+    start = time.time()
+    try:
+        procs[0].wait(timeout=180)
+    except subprocess.TimeoutExpired:
+        procs[0].kill()
+        pytest.fail("process 0 hung after process 1 died")
+    assert procs[0].returncode != 0
+    assert time.time() - start < 180
+    for p in procs:
+        p.communicate()
