@@ -293,3 +293,14 @@ def test_bench_rollout_refuses_maxtext_without_dp_per_process():
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 2
     assert "dp == process count" in result.output
+
+
+def test_global_array_prompts_and_empty_prompt(setup, prompts, legacy_out):
+    tokens, mask = prompts
+    sampler = _sampler(setup, LegacyStyle())
+    out = _np(sampler.generate(setup[1], jnp.asarray(tokens), jnp.asarray(mask), jax.random.key(42)))
+    np.testing.assert_array_equal(out.tokens, np.asarray(legacy_out.tokens))
+    empty = mask.copy()
+    empty[2] = 0
+    with pytest.raises(ValueError, match=r"prompts \[2\] have no tokens"):
+        sampler.generate(setup[1], tokens, empty, jax.random.key(0))

@@ -231,7 +231,7 @@ def run_rollout_bench(
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
         "early_stop": early_stop,
-        "early_stop_chunk": sampling.early_stop_chunk,
+        "early_stop_chunk": sampler.chunk(),
         "kv_segment": kv_segment,
         "decode_steps": steps,
         "generated_tokens": int(np.asarray(out.lengths).sum()),

@@ -190,8 +190,8 @@ class _State(NamedTuple):
     prev: jax.Array  # [B] int32, the token fed at the next step
     done: jax.Array  # [B] bool, stop token produced
     lengths: jax.Array  # [B] int32
-    tokens: jax.Array  # [B, N] int32
-    logprobs: jax.Array  # [B, N] float32
+    tokens: jax.Array  # [B, W] int32 (W >= N: the last chunk may run past the cap)
+    logprobs: jax.Array  # [B, W] float32
     steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
 
 
@@ -268,8 +268,8 @@ class Sampler:
     def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array) -> tuple[RolloutOutput, jax.Array]:
         """Decode from a :class:`Prefilled` (whose cache is donated: do not reuse it).
 
-        Returns the rollout and the number of tokens each row ran for (``<
-        max_new_tokens`` when every row stopped early; a device scalar)."""
+        Returns the rollout and the number of sampling steps that ran (a device scalar,
+        at most ``max_new_tokens``; fewer when every row stopped early)."""
         fn = self.decode_jit()
         raw, impl = self.place_key(rng)
         out, steps, _cache = fn(params, prefilled.cache, prefilled.logits, prefilled.prompt_tokens,
@@ -284,9 +284,15 @@ class Sampler:
         -> (RolloutOutput, steps, final cache)``, the cache donated when it can be."""
         return self._decode_donating if len(self.plan()) <= 1 else self._decode_plain
 
-    def plan(self) -> tuple[tuple[int, int], ...]:
+    def chunk(self) -> int:
+        """Decode steps between "all stopped?" checks (0: none — also when there are no
+        stop tokens, as nothing could ever stop)."""
         s = self.sampling
-        return segment_plan(s.max_new_tokens, early_stop_chunk=s.early_stop_chunk, kv_segment=self.kv_segment)
+        return effective_chunk(s.max_new_tokens, s.early_stop_chunk) if s.eos_ids else 0
+
+    def plan(self) -> tuple[tuple[int, int], ...]:
+        """The decode segments (see :func:`segment_plan`)."""
+        return segment_plan(self.sampling.max_new_tokens, early_stop_chunk=self.chunk(), kv_segment=self.kv_segment)
 
     def place_prompts(self, prompt_tokens: Any, prompt_mask: Any) -> tuple[jax.Array, jax.Array]:
         """[P, Lp] prompts as int32 global arrays with the batch sharding."""
@@ -294,6 +300,10 @@ class Sampler:
             raise ValueError(
                 f"prompt_tokens {np.shape(prompt_tokens)} and prompt_mask {np.shape(prompt_mask)} must both be [P, Lp]"
             )
+        if not isinstance(prompt_mask, jax.Array) and np.shape(prompt_mask)[0]:
+            empty = np.flatnonzero(np.asarray(prompt_mask).sum(axis=1) == 0)
+            if empty.size:
+                raise ValueError(f"prompts {empty[:10].tolist()} have no tokens (prompt_mask is all 0)")
         return self._place(prompt_tokens, ("batch", "length")), self._place(prompt_mask, ("batch", "length"))
 
     def place_key(self, rng: jax.Array) -> tuple[jax.Array, str | None]:
@@ -303,9 +313,9 @@ class Sampler:
             impl = jax.random.key_impl(rng)
             rng = jax.random.key_data(rng)
         replicated = NamedSharding(self.mesh, PartitionSpec())
-        if isinstance(rng, jax.Array) and not rng.is_fully_addressable:
+        if isinstance(rng, jax.Array):  # no host round trip: stays asynchronous
             return jax.device_put(rng, replicated), impl
-        data = np.asarray(rng)
+        data = np.asarray(rng, dtype=np.uint32)
         return jax.make_array_from_callback(data.shape, replicated, lambda idx: data[idx]), impl
 
     # ------------------------------------------------------------------ internals
@@ -433,7 +443,7 @@ class Sampler:
 
             return step
 
-        C = effective_chunk(N, s.early_stop_chunk)
+        C = self.chunk()
         for a, b in plan:
             state = state._replace(cache=self._grow(state.cache, Lp + b))
             # Prompt padding hidden; every generated slot visible (slots not yet written
