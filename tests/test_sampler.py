@@ -304,3 +304,20 @@ def test_global_array_prompts_and_empty_prompt(setup, prompts, legacy_out):
     empty[2] = 0
     with pytest.raises(ValueError, match=r"prompts \[2\] have no tokens"):
         sampler.generate(setup[1], tokens, empty, jax.random.key(0))
+
+
+def test_samples_do_not_depend_on_the_mesh(tmp_path_factory, setup, prompts, legacy_out):
+    # maxtext on a (dp=1, fsdp=4, tp=2) mesh: batch replicated, heads/KV cache/vocab split
+    # over tp, parameters laid out differently — yet the same samples as legacy on (1, 8, 1).
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_tp"), seed=0, tokenizer=False)
+    layout = MeshLayout(dp=1, fsdp=4, tp=2)
+    mesh = build_mesh(layout)
+    graphdef, params = nnx.split(load_hf(directory, mesh))
+    sampler = Sampler(graphdef, mesh=mesh, batch_axes=MaxTextStyle().batch_axes(layout, NoOptions()),
+                      sampling=SamplingParams(**SAMPLING))
+    out = sampler.generate(params, *prompts, jax.random.key(42))
+    assert out.tokens.sharding.is_fully_replicated
+    a, b = _np(legacy_out), _np(out)
+    for name in ("tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+    np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
