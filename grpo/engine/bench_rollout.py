@@ -7,7 +7,11 @@ uniformly from [prompt_len/2, prompt_len], left-padded to ``--prompt-len``; the 
 Random weights almost never produce a stop token, so all ``--new-tokens`` are decoded.
 
 Both jits are compiled ahead of time (``compile_s``), then prefill and decode run
-``--repeats`` times and the fastest run is reported. On an accelerator the decode is
+``--repeats`` times and the fastest run is reported. ``ms_per_decode_step`` is
+``decode_s`` over the forward steps (``decode_steps - 1``: the first token comes from the
+prefill logits); ``tokens_per_s`` is ``batch * decode_steps / (prefill_s + decode_s)``
+(rows that stopped early count too: the sampler's throughput, not useful tokens, which
+are ``generated_tokens``). On an accelerator the decode is
 compared with the HBM roofline: every forward step must read the weights plus the live
 KV cache (the slots written so far, prompt padding included) of the device's rows, so
 
