@@ -178,6 +178,13 @@ class LossPlugin(_PluginBase):
     micro-batches) and ``logprobs`` [B, T] (per-token log-probs, no gradient).
     """
 
+    per_shard: ClassVar[bool] = False
+    """True for implementations XLA cannot partition (e.g. a Pallas kernel): the engine
+    then calls ``compute`` inside ``shard_map`` over the batch's data-parallel axes, on each
+    device's rows with the head weight gathered, and combines the results (the loss is
+    summed; metrics are weighted by ``num_tokens``). False: ``compute`` sees global arrays
+    and XLA's SPMD partitioner shards it."""
+
     @abc.abstractmethod
     def compute(
         self,

@@ -126,6 +126,7 @@ class Trainer:
             settings=config.loss_settings,
             optimizer=self.optimizer,
             micro_batches=config.sequences_per_step // config.micro_batch_size,
+            mesh=self.mesh,
         ).jit(self.params, self.opt_state)
         self.ref_logprobs = (
             jax.jit(lambda p, b: token_logprobs(nnx.merge(self.graphdef, p), b, config.rollout.temperature))

@@ -93,10 +93,13 @@ class UpdateStep:
     optimizer: optax.GradientTransformation
     micro_batches: int
 
+    mesh: Any = None
+    batch_axes: tuple[str, ...] = ("dp", "fsdp")
+
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
         model = nnx.merge(self.graphdef, params)
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask)
-        loss, metrics = self.loss.compute(
+        args = dict(
             hidden=hidden,
             head_weight=model.head_weight(),
             targets=mb.tokens,
@@ -104,11 +107,53 @@ class UpdateStep:
             advantages=mb.advantages,
             old_logprobs=mb.old_logprobs,
             ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
-            settings=self.settings,
-            options=self.loss_options,
-            normalizer=normalizer,
         )
-        return loss, metrics
+        if getattr(self.loss, "per_shard", False) and self.mesh is not None:
+            return self._per_shard_loss(args, normalizer)
+        return self.loss.compute(**args, settings=self.settings, options=self.loss_options, normalizer=normalizer)
+
+    def _per_shard_loss(self, args: dict[str, Any], normalizer):
+        """``compute`` on each device's rows (shard_map over the batch axes).
+
+        With the *global* normalizer every shard's loss is its share of the global loss,
+        so the psum is exact; the head weight enters replicated, so its gradient is the
+        psum of the shards' (shard_map's transpose does that).
+        """
+        from jax.sharding import PartitionSpec as P
+
+        axes = tuple(a for a in self.batch_axes if a in self.mesh.shape)
+        shards = 1
+        for a in axes:
+            shards *= self.mesh.shape[a]
+        if args["hidden"].shape[0] % shards:
+            # Config validation prevents this in runs; stay correct (if slow) regardless.
+            return self.loss.compute(**args, settings=self.settings, options=self.loss_options, normalizer=normalizer)
+        names = [k for k, v in args.items() if v is not None]
+        row_spec = P(axes)
+        in_specs = tuple(P() if k == "head_weight" else row_spec for k in names) + (P(),)
+
+        def local(*xs):
+            *vals, norm = xs
+            loss, metrics = self.loss.compute(
+                **dict(zip(names, vals)), **{k: None for k in args if k not in names},
+                settings=self.settings, options=self.loss_options, normalizer=norm,
+            )
+            logprobs = metrics.pop("logprobs")
+            n = metrics["num_tokens"].astype(jnp.float32)
+            total = jax.lax.psum(n, axes)
+            combined = {
+                k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
+                for k, v in metrics.items()
+            }
+            return jax.lax.psum(loss, axes), combined, logprobs
+
+        norm = jnp.asarray(normalizer, jnp.float32)
+        out_specs = (P(), P(), row_spec)
+        loss, metrics, logprobs = jax.shard_map(
+            # Pallas calls carry no varying-axes annotations, so the check is off.
+            local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+        )(*(args[k] for k in names), norm)
+        return loss, dict(metrics, logprobs=logprobs)
 
     def grads(self, params, batch: UpdateBatch):
         """Summed loss, accumulated gradients, token-weighted metrics, per-token logprobs."""

@@ -104,6 +104,7 @@ class PallasLoss(LossPlugin):
     name = "pallas"
     description = "Fused head-matmul + online log-sum-exp GRPO loss in Pallas; never holds [B, T, V] logits."
     Options = PallasLossOptions
+    per_shard = True  # XLA cannot split a Pallas call: run it per device on its own rows
 
     def check(self, *, layout: MeshLayout, options: PallasLossOptions) -> list[str]:  # type: ignore[override]
         if layout.tp > 1:
