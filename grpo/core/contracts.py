@@ -156,6 +156,21 @@ class LossSettings:
     aggregation: Aggregation = "token_mean"
     max_completion_length: int = 1
 
+    def normalizer(self, mask: "jax.Array") -> "jax.Array":
+        """The aggregation's denominator for the batch whose completion mask is ``mask``
+        [B, T]: valid tokens (at least 1), rows, or rows * ``max_completion_length``.
+        Computed once for the global batch, it makes micro-batch losses sum exactly."""
+        import jax.numpy as jnp
+
+        rows = mask.shape[0]
+        if self.aggregation == "token_mean":
+            return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
+        if self.aggregation == "sequence_mean":
+            return jnp.float32(rows)
+        if self.aggregation == "constant":
+            return jnp.float32(rows * self.max_completion_length)
+        raise ValueError(f"unknown aggregation {self.aggregation!r}")
+
 
 class LossPlugin(_PluginBase):
     """A GRPO policy-gradient loss that fuses (or not) the output-head matmul.

@@ -35,15 +35,6 @@ class UpdateBatch(NamedTuple):
     ref_logprobs: jax.Array | None  # B N
 
 
-def global_normalizer(mask: jax.Array, settings: LossSettings) -> jax.Array:
-    rows = mask.shape[0]
-    if settings.aggregation == "token_mean":
-        return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-    if settings.aggregation == "sequence_mean":
-        return jnp.float32(rows)
-    return jnp.float32(rows * settings.max_completion_length)
-
-
 def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
     """Hidden states [B, N, D] at the positions that predict each completion token."""
     from grpo.models.qwen2 import positions_from_mask
@@ -157,7 +148,7 @@ class UpdateStep:
 
     def grads(self, params, batch: UpdateBatch):
         """Summed loss, accumulated gradients, token-weighted metrics, per-token logprobs."""
-        normalizer = global_normalizer(batch.mask, self.settings)
+        normalizer = self.settings.normalizer(batch.mask)  # of the global batch
         grad_fn = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
         m = self.micro_batches
         if m == 1:

@@ -51,15 +51,8 @@ def token_weights(mask: jax.Array, aggregation: str) -> jax.Array:
 
 
 def default_normalizer(mask: jax.Array, settings: LossSettings) -> jax.Array:
-    """This batch's normalizer (see the module docstring)."""
-    rows = mask.shape[0]
-    if settings.aggregation == "token_mean":
-        return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
-    if settings.aggregation == "sequence_mean":
-        return jnp.float32(rows)
-    if settings.aggregation == "constant":
-        return jnp.float32(rows * settings.max_completion_length)
-    raise ValueError(f"unknown aggregation {settings.aggregation!r}")
+    """This batch's normalizer (see the module docstring and ``LossSettings.normalizer``)."""
+    return settings.normalizer(mask)
 
 
 def check_inputs(
