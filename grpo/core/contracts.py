@@ -250,6 +250,12 @@ class TaskPlugin(_PluginBase):
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
         """Named reward functions; names appear in metrics as ``reward/<name>/mean``."""
 
+    def prepare_example(self, record: Mapping[str, Any], *, options: BaseModel, where: str = "row") -> dict[str, Any]:
+        """Turn a raw record (a dataset row, a line of ``grpo task score`` input) into an
+        example: check its fields and parse its ground truth, raising
+        :class:`grpo.UserError` that names ``where`` when it can't. Default: unchanged."""
+        return dict(record)
+
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         """Weight of each reward function in the total; default 1.0 each."""
         return {name: 1.0 for name in self.reward_functions(options=options)}

@@ -63,7 +63,7 @@ def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict],
     """(records, examples, skipped) from a jsonl file; UserError listing malformed lines."""
     from grpo.plugins.tasks._common import UnparseableAnswer
 
-    prepare = getattr(plugin, "prepare_example", None)
+    prepare = plugin.prepare_example
     skip_unparseable = bool(getattr(options, "skip_unparseable", False))
     records: list[dict] = []
     examples: list[dict] = []
@@ -88,7 +88,7 @@ def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict],
                 problems.append(f"line {lineno}: the 'completion' field {what}")
                 continue
             try:
-                example = prepare(record, options=options, where=f"line {lineno}") if prepare else record
+                example = prepare(record, options=options, where=f"line {lineno}")
             except UnparseableAnswer as err:
                 if skip_unparseable:
                     skipped += 1
