@@ -137,3 +137,57 @@ def test_dead_process_makes_the_other_exit(tmp_path):
     assert time.time() - start < 180
     for p in procs:
         p.communicate()
+
+
+def _bench_memory(mode, *extra):
+    return ["bench", "memory", "--mode", mode, "--dtype", "f32", "--target-bytes-gib", "0.001",
+            "--cols", "256", "--json", *extra]
+
+
+@pytest.mark.parametrize("mode", ["sharded", "gather"])
+def test_bench_memory_single_process(mode):
+    from click.testing import CliRunner
+
+    from grpo.core.cli import cli
+
+    result = CliRunner().invoke(cli, _bench_memory(mode))
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    total = out["actual_total_bytes"]
+    assert out["mesh_shape"] == {"dp": 1, "fsdp": 8, "tp": 1} and out["mode"] == mode
+    assert out["rows"] % 8 == 0 and total == out["rows"] * 256 * 4
+    per_device = out["per_device_array_bytes_all_processes_max"]
+    assert per_device == (total // 8 if mode == "sharded" else total)
+    assert "bytes_in_use_max" not in out  # CPU reports no memory stats: omitted, not zero
+
+
+@pytest.mark.parametrize("mode", ["sharded", "gather"])
+def test_bench_memory_two_processes(mode):
+    port = _free_port()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "grpo.core.cli", *_bench_memory(
+                mode, "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i))],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for i in range(2)
+    ]
+    (code0, out0, err0), (code1, out1, err1) = _wait(procs, timeout=180)
+    assert code0 == 0 and code1 == 0, err0 + err1
+    # Gloo writes its own "[Gloo] Rank ..." lines to stdout; the JSON is the "{" line.
+    assert not [line for line in out1.splitlines() if line.startswith("{")]  # process 0 prints for everyone
+    [line] = [line for line in out0.splitlines() if line.startswith("{")]
+    out = json.loads(line)
+    total = out["actual_total_bytes"]
+    assert out["processes"] == 2 and out["mesh_shape"] == {"dp": 1, "fsdp": 8, "tp": 1}
+    assert out["per_device_array_bytes_local_max"] == out["per_device_array_bytes_all_processes_max"]
+    assert out["per_device_array_bytes_all_processes_max"] == (total // 8 if mode == "sharded" else total)
+    assert any("fsdp spans 2 hosts" in w for w in out["warnings"])
+
+
+def test_gather_int64_is_64_bit_safe():
+    from grpo.engine.bench_memory import gather_int64
+
+    big = [2**40 + 7, -1, 2**33]
+    np.testing.assert_array_equal(gather_int64(big), np.array([big], np.int64))

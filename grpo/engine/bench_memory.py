@@ -102,11 +102,23 @@ def run_memory_bench(
 @click.option("--target-bytes-gib", type=float, default=5.6, show_default=True,
               help="Buffer size; 5.6 GiB is Qwen2.5-3B in bf16.")
 @click.option("--cols", type=click.IntRange(min=1), default=4096, show_default=True)
-@click.option("--json", "as_json", is_flag=True, help="Print JSON (the only output format; kept for symmetry).")
-def bench_memory(policy, shape, mode, dtype, target_bytes_gib, cols, as_json) -> None:
+@click.option("--json", "as_json", is_flag=True, help="One line of JSON (default: indented JSON).")
+@click.option("--coordinator-address", help="host:port of process 0, to run on several processes (same command on each).")
+@click.option("--num-processes", type=click.IntRange(min=1), help="Process count (with --coordinator-address).")
+@click.option("--process-id", type=click.IntRange(min=0), help="This process's id (with --coordinator-address).")
+def bench_memory(policy, shape, mode, dtype, target_bytes_gib, cols, as_json,
+                 coordinator_address, num_processes, process_id) -> None:
     """FSDP memory: a [rows, cols] buffer sharded over fsdp, or all-gathered."""
     if target_bytes_gib <= 0:
         raise UserError(f"--target-bytes-gib must be > 0, got {target_bytes_gib}")
+    if coordinator_address is not None:
+        from grpo.core.config import DistributedConfig
+        from grpo.engine import distributed
+
+        distributed.initialize(DistributedConfig(
+            mode="explicit", coordinator_address=coordinator_address, num_processes=num_processes,
+            process_id=process_id,
+        ))
     result = run_memory_bench(
         policy=policy, shape=shape, mode=mode, dtype=dtype, target_bytes=int(target_bytes_gib * GIB), cols=cols
     )
