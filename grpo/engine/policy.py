@@ -56,7 +56,7 @@ def stop_token_ids(tokenizer: Any, model_dir: str | None, config_eos: Any) -> tu
     return tuple(seen)
 
 
-def load_tokenizer(cfg: ModelConfig, work_dir: str | Path | None = None) -> tuple[Any, str]:
+def load_tokenizer(cfg: ModelConfig) -> tuple[Any, str]:
     from transformers import AutoTokenizer
 
     if cfg.tokenizer or cfg.source == "hf":
@@ -76,10 +76,10 @@ def load_tokenizer(cfg: ModelConfig, work_dir: str | Path | None = None) -> tupl
     return tok, directory
 
 
-def load_policy(cfg: ModelConfig, mesh: Any, *, seed: int, work_dir: str | Path | None = None) -> Policy:
+def load_policy(cfg: ModelConfig, mesh: Any, *, seed: int) -> Policy:
     from grpo.models.loading import build_model
 
-    tokenizer, tok_dir = load_tokenizer(cfg, work_dir)
+    tokenizer, tok_dir = load_tokenizer(cfg)
     model = build_model(cfg, mesh, seed=seed)
     vocab = model.config.vocab_size
     if len(tokenizer) > vocab:

@@ -72,7 +72,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo.engine._sampling import row_keys, sample_tokens, step_keys
 from grpo.engine.sharding import ACTIVATION_RULES, with_batch_axes
-from grpo.models._sharding import fit_sharding
+from grpo.engine.sharding import fit_sharding
 from grpo.models.qwen2 import CACHE_AXES, KVCache, positions_from_mask
 
 # --------------------------------------------------------------------------- public types

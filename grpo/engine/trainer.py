@@ -92,7 +92,7 @@ class Trainer:
         self.batch_sharding = NamedSharding(self.mesh, P(self.batch_axes))
         self.train_sharding = NamedSharding(self.mesh, P(("dp", "fsdp")))
 
-        self.policy = load_policy(config.model, self.mesh, seed=config.train.seed, work_dir=self.run_dir)
+        self.policy = load_policy(config.model, self.mesh, seed=config.train.seed)
         model = self.policy.model
         self.graphdef, self.params = nnx.split(model)
         self.ref_params = None
@@ -251,9 +251,8 @@ class Trainer:
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
         batch = self._rollout_batch(self.step)
-        prompt_sharding = self.batch_sharding
-        prompts = _to_global(batch.tokens, prompt_sharding)
-        prompt_mask = _to_global(batch.mask, prompt_sharding)
+        prompts = _to_global(batch.tokens, self.batch_sharding)
+        prompt_mask = _to_global(batch.mask, self.batch_sharding)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
         out = self.sampler.generate(self.params, prompts, prompt_mask, rng)
         local_tokens, local_mask = _local_rows(out.tokens), _local_rows(out.mask)

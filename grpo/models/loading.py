@@ -53,7 +53,7 @@ from grpo.models._hf_layout import (
     to_hf,
     write_json,
 )
-from grpo.models._sharding import fit_sharding
+from grpo.engine.sharding import fit_sharding
 from grpo.models.qwen2 import DTYPES, Qwen2, Qwen2Config, _dtype_name
 
 log = logging.getLogger(__name__)

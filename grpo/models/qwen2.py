@@ -361,7 +361,7 @@ LAYER_PARAMS: tuple[str, ...] = (
 def _param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     # Logical names live in flax's standard `out_sharding` metadata; eager sharding is
     # off because the names are logical, not mesh axes — the loaders place each array
-    # in its NamedSharding themselves (grpo.models._sharding.fit_sharding).
+    # in its NamedSharding themselves (grpo.engine.sharding.fit_sharding).
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
@@ -459,7 +459,7 @@ class Qwen2(nnx.Module):
     def _constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
         if self.mesh is None:
             return x
-        from grpo.models._sharding import fit_sharding
+        from grpo.engine.sharding import fit_sharding
 
         return jax.lax.with_sharding_constraint(
             x, fit_sharding(x.shape, names, self.mesh, dict(self.activation_rules))
