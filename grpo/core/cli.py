@@ -25,6 +25,17 @@ LAZY_COMMANDS: dict[str, str] = {
     "model": "grpo.models.cli:model",
     "task": "grpo.plugins.tasks.cli:task",
 }
+# One-line help for lazy commands, so `grpo --help` lists them without importing them.
+LAZY_HELP: dict[str, str] = {
+    "run": "Train with a config (the same command on every host).",
+    "export": "Write a run's trained policy as a Hugging Face directory.",
+    "plot": "Plot reward and throughput of a run.",
+    "model": "Inspect models and checkpoints.",
+    "task": "Score completions with a task's reward functions.",
+    "rollout": "Rollout (sampler) speed: prefill, decode, tokens/s, HBM roofline.",
+    "loss": "Loss value+grad speed and compiled memory: jax vs pallas.",
+    "memory": "FSDP memory: a buffer sharded over fsdp, or all-gathered.",
+}
 LAZY_BENCH: dict[str, str] = {
     "rollout": "grpo.engine.bench_rollout:bench_rollout",
     "loss": "grpo.plugins.losses.bench:bench_loss",
@@ -57,7 +68,7 @@ class LazyGroup(click.Group):
         rows = []
         for name in self.list_commands(ctx):
             cmd = self.commands.get(name)
-            rows.append((name, cmd.get_short_help_str(60) if cmd is not None else ""))
+            rows.append((name, cmd.get_short_help_str(60) if cmd is not None else LAZY_HELP.get(name, "")))
         if rows:
             with formatter.section("Commands"):
                 formatter.write_dl(rows)
