@@ -185,3 +185,35 @@ def test_cli_sigterm_leaves_loadable_checkpoint_and_export(tmp_path):
     ck = Checkpointer(run_dir / "checkpoints", keep=1)
     assert ck.latest_step() == steps[-1]
     ck.close()
+
+
+def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
+    """The real data path: a local HF checkpoint (config + safetensors + tokenizer with a
+    chat template) and GSM8K-format jsonl files loaded through `datasets`."""
+    from grpo.models.tiny import write_tiny_checkpoint
+
+    model_dir = write_tiny_checkpoint(tmp_path / "model", tied=False)
+    (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 2]}))
+    rows = [
+        {"question": f"Tom has {i} apples and buys {i + 2} more. How many?",
+         "answer": f"He has {i} + {i + 2} = {2 * i + 2}.\n#### {2 * i + 2:,}"}
+        for i in range(1, 17)
+    ]
+    for split in ("train", "test"):
+        (tmp_path / f"{split}.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = load_config(TINY, [
+        "model.source=hf", f"model.path={model_dir}",
+        "task.name=gsm8k",
+        "task.options=" + json.dumps({"data_files": {"train": str(tmp_path / "train.jsonl"),
+                                                     "test": str(tmp_path / "test.jsonl")}}),
+        "rollout.max_prompt_length=512", "eval.every_n_steps=1", "eval.num_examples=8", "eval.batch_size=8",
+    ])
+    trainer = Trainer(cfg, tmp_path / "run")
+    # Every EOS id stops a completion: the tokenizer's and the generation config's.
+    assert {1, 2, trainer.policy.tokenizer.eos_token_id} <= set(trainer.policy.eos_ids)
+    prompt = trainer.render(trainer.prompts.examples[0])
+    assert prompt.startswith("<|im_start|>") and "Tom has" in prompt
+    summary = trainer.run()
+    [row] = read_metrics(tmp_path / "run")
+    assert "reward/correct/mean" in row and "reward/format/mean" in row
+    assert summary["eval"]["eval/num_prompts"] == 8
