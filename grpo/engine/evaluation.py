@@ -34,17 +34,17 @@ def evaluate(trainer: "Trainer") -> dict[str, Any]:
     cfg = trainer.config
     ev = cfg.eval
     t0 = time.perf_counter()
-    if not hasattr(trainer, "_eval_prompts"):
+    if trainer.eval_state is None:
         examples = trainer.task.load(split=cfg.task.eval_split, options=trainer.task_options, seed=cfg.train.seed)
         if ev.num_examples is not None:
             examples = examples[: ev.num_examples]
-        trainer._eval_prompts = tokenize_prompts(
+        prompts = tokenize_prompts(
             examples, trainer.render, trainer.policy.tokenizer,
             max_prompt_length=cfg.rollout.max_prompt_length, split=cfg.task.eval_split,
         )
-        trainer._eval_sampler = trainer._make_sampler(greedy=ev.greedy, num_generations=ev.k)
-    prompts = trainer._eval_prompts
-    sampler = trainer._eval_sampler
+        # Built once per run: the eval prompts and a sampler compiled for eval's settings.
+        trainer.eval_state = (prompts, trainer._make_sampler(greedy=ev.greedy, num_generations=ev.k))
+    prompts, sampler = trainer.eval_state
     shards = trainer.layout.axis_size(trainer.batch_axes)
     size = eval_batch_size(min(ev.batch_size, len(prompts)), k=ev.k, shards=shards, processes=jax.process_count())
     width = bucket_for(max(len(t) for t in prompts.token_ids), trainer.buckets)

@@ -137,6 +137,7 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
         self._signal: int | None = None
+        self.eval_state: tuple[Any, Any] | None = None  # (eval prompts, eval sampler), built on first use
 
     # ------------------------------------------------------------------ pieces
 
