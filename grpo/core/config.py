@@ -40,7 +40,7 @@ PRESETS = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
 class RandomModelConfig(Section):
     """A randomly initialised model of a known architecture (quickstart, benchmarks)."""
 
-    preset: Literal["tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b"] = Field(
+    preset: Literal[PRESETS] = Field(  # type: ignore[valid-type]
         "tiny", description="Architecture preset; `tiny` is a few-layer model for CPU."
     )
     overrides: dict[str, Any] = Field(

@@ -197,7 +197,6 @@ def run_rollout_bench(
     mem = decode_c.memory_analysis()
 
     def run_once() -> tuple[float, float, Any, int]:
-        nonlocal pre
         t0 = time.perf_counter()
         p = jax.block_until_ready(prefill_c(params, ptoks, pmask))
         t1 = time.perf_counter()

@@ -113,11 +113,12 @@ def build_batch(
     local: slice,
     buckets: Sequence[int],
     pad_id: int,
+    width: int | None = None,
 ) -> PromptBatch:
-    """Left-pad this process's prompts to the bucket of the longest prompt of the *global*
-    batch, so every process compiles and runs the same shapes."""
-    longest = max(len(prompts.token_ids[i]) for i in indices)
-    width = bucket_for(longest, buckets)
+    """Left-pad this process's prompts to ``width``, by default the bucket of the longest
+    prompt of the *global* batch, so every process compiles and runs the same shapes."""
+    if width is None:
+        width = bucket_for(max(len(prompts.token_ids[i]) for i in indices), buckets)
     mine = indices[local]
     tokens = np.full((len(mine), width), pad_id, dtype=np.int32)
     mask = np.zeros((len(mine), width), dtype=np.int32)

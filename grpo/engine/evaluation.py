@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from grpo.engine.data import bucket_for, process_slice, tokenize_prompts
+from grpo.engine.data import bucket_for, build_batch, process_slice, tokenize_prompts
 
 if TYPE_CHECKING:  # pragma: no cover
     from grpo.engine.trainer import Trainer
@@ -29,6 +29,7 @@ def eval_batch_size(requested: int, *, k: int, shards: int, processes: int) -> i
 
 
 def evaluate(trainer: "Trainer") -> dict[str, Any]:
+    from grpo.engine.trainer import _local_rows, _to_global
     from grpo.plugins.tasks import group_metrics, score_completions
 
     cfg = trainer.config
@@ -55,24 +56,17 @@ def evaluate(trainer: "Trainer") -> dict[str, Any]:
         idx = np.arange(start, start + size)
         real = idx < len(prompts)
         idx = np.minimum(idx, len(prompts) - 1)
-        tokens = np.full((size, width), trainer.policy.pad_id, np.int32)
-        mask = np.zeros((size, width), np.int32)
-        for row, i in enumerate(idx):
-            ids = prompts.token_ids[i]
-            tokens[row, width - len(ids):] = ids
-            mask[row, width - len(ids):] = 1
-        from grpo.engine.trainer import _local_rows, _to_global
-
-        g_tok = _to_global(tokens[local], trainer.batch_sharding)
-        g_mask = _to_global(mask[local], trainer.batch_sharding)
+        batch = build_batch(prompts, idx, local=local, buckets=trainer.buckets, pad_id=trainer.policy.pad_id,
+                            width=width)
+        g_tok = _to_global(batch.tokens, trainer.batch_sharding)
+        g_mask = _to_global(batch.mask, trainer.batch_sharding)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
         out = sampler.generate(trainer.params, g_tok, g_mask, rng)
         texts = trainer.policy.decode(_local_rows(out.tokens), _local_rows(out.mask))
-        mine = idx[local]
-        examples = [prompts.examples[i] for i in mine for _ in range(ev.k)]
+        examples = [ex for ex in batch.examples for _ in range(ev.k)]
         scores = score_completions(trainer.task, trainer.task_options, examples, texts)
         keep = real[local]
-        for p in range(len(mine)):
+        for p in range(len(batch.examples)):
             # Padding rows count as -1 so every process gathers arrays of one length.
             counts.append(int(sum(scores.correct[p * ev.k : (p + 1) * ev.k])) if keep[p] else -1)
             if keep[p]:

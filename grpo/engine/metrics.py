@@ -10,7 +10,6 @@ import collections
 import json
 import math
 
-import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
@@ -195,16 +194,6 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
-
-
-def now() -> float:
-    return time.perf_counter()
-
-
-def is_main_process() -> bool:
-    import jax
-
-    return jax.process_index() == 0
 
 
 __all__ = ["MetricsLogger", "device_memory_metrics", "plot_run", "read_metrics"]

@@ -47,13 +47,10 @@ def stop_token_ids(tokenizer: Any, model_dir: str | None, config_eos: Any) -> tu
         gen = Path(model_dir) / "generation_config.json"
         if gen.is_file():
             ids += _as_list(json.loads(gen.read_text()).get("eos_token_id"))
-    seen: list[int] = []
-    for i in ids:
-        if i not in seen:
-            seen.append(i)
+    seen = tuple(dict.fromkeys(ids))  # unique, in order
     if not seen:
         raise UserError("The tokenizer and model define no EOS token; completions could never stop.")
-    return tuple(seen)
+    return seen
 
 
 def load_tokenizer(cfg: ModelConfig) -> tuple[Any, str]:

@@ -25,14 +25,13 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
-from grpo.core.errors import UserError
 from grpo.engine import distributed
 from grpo.engine.advantages import group_advantages
 from grpo.engine.checkpoint import Checkpointer
 from grpo.engine.data import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
 from grpo.engine.mesh import build_mesh, current_topology
 from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run
-from grpo.engine.optim import make_optimizer
+from grpo.engine.optim import learning_rate_schedule, make_optimizer
 from grpo.engine.policy import load_policy
 from grpo.engine.update import UpdateBatch, UpdateStep, token_logprobs
 
@@ -100,6 +99,7 @@ class Trainer:
             # A frozen copy of the initial policy; never updated, never checkpointed.
             self.ref_params = jax.tree.map(jnp.copy, self.params)
         self.optimizer = make_optimizer(config.train.optimizer, config.train.steps)
+        self.lr_schedule = learning_rate_schedule(config.train.optimizer, config.train.steps)
         # Eager init keeps each moment in its parameter's sharding (a jitted init may
         # choose to replicate); scalars (step counts) are replicated over the mesh.
         replicated = NamedSharding(self.mesh, P())
@@ -327,7 +327,7 @@ class Trainer:
                 "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
-                "learning_rate": float(self._lr(self.step - 1)),
+                "learning_rate": float(self.lr_schedule(self.step - 1)),
                 "time/train/rollout_generate_s": t_rollout,
                 "time/train/update_s": t_update,
                 "time/train/step_s": step_s,
@@ -338,11 +338,6 @@ class Trainer:
             row["entropy"] = m["entropy"]
         row.update(device_memory_metrics(jax.local_devices()))
         return row
-
-    def _lr(self, step: int) -> float:
-        from grpo.engine.optim import learning_rate_schedule
-
-        return learning_rate_schedule(self.config.train.optimizer, self.config.train.steps)(step)
 
     def evaluate(self) -> dict[str, Any]:
         from grpo.engine.evaluation import evaluate
