@@ -1,7 +1,7 @@
 """The ``grpo`` command line.
 
 User errors (:class:`grpo.UserError`) print one paragraph to stderr and exit 2, without
-a traceback. Heavy subcommands (run, bench, model, task, export, plot) live in their own
+a traceback. Heavy subcommands (run, plan, bench, model, task, export, plot) live in their own
 modules and are imported only when used, so ``grpo --help`` and ``grpo plugins list``
 never import JAX.
 """
@@ -22,6 +22,7 @@ LAZY_COMMANDS: dict[str, str] = {
     "run": "grpo.engine.cli:run",
     "export": "grpo.engine.cli:export",
     "plot": "grpo.engine.cli:plot",
+    "plan": "grpo.engine.cli:plan",
     "model": "grpo.models.cli:model",
     "task": "grpo.plugins.tasks.cli:task",
 }
@@ -30,6 +31,7 @@ LAZY_HELP: dict[str, str] = {
     "run": "Train with a config (the same command on every host).",
     "export": "Write a run's trained policy as a Hugging Face directory.",
     "plot": "Plot reward and throughput of a run.",
+    "plan": "Compile a run for a TPU pod without one: memory per chip, fit, roofline.",
     "model": "Inspect models and checkpoints.",
     "task": "Score completions with a task's reward functions.",
     "rollout": "Rollout (sampler) speed: prefill, decode, tokens/s, HBM roofline.",

@@ -15,6 +15,8 @@ implementations import JAX inside their methods or private modules.
 from __future__ import annotations
 
 import abc
+import contextlib
+import contextvars
 import dataclasses
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Sequence
 
@@ -24,6 +26,31 @@ if TYPE_CHECKING:  # pragma: no cover
     import jax
 
 MESH_AXES: tuple[str, str, str] = ("dp", "fsdp", "tp")
+
+# --------------------------------------------------------------------------- compile target
+
+_TARGET_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("grpo_target_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiling_for(platform: str | None):
+    """While tracing a program for a mesh, the platform its devices belong to.
+
+    The engine sets it around plugin code it traces (the loss), so a plugin that picks
+    kernels by platform (Pallas: Mosaic on TPU, Triton on GPU) compiles for the mesh's
+    devices: ``grpo plan`` traces for a TPU topology on a CPU host, where
+    ``jax.default_backend()`` is ``cpu``.
+    """
+    token = _TARGET_PLATFORM.set(platform)
+    try:
+        yield
+    finally:
+        _TARGET_PLATFORM.reset(token)
+
+
+def target_platform() -> str | None:
+    """The platform set by :func:`compiling_for` (None outside it)."""
+    return _TARGET_PLATFORM.get()
 
 
 class PluginOptions(BaseModel):

@@ -108,3 +108,48 @@ def plot(run_dir, output) -> None:
     if not Path(run_dir).is_dir():
         raise UserError(f"{run_dir} is not a run directory.")
     click.echo(str(plot_run(run_dir, output)))
+
+
+@click.command("plan")
+@click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=True, path_type=str))
+@click.option("--topology", required=True, metavar="NAME",
+              help="TPU pod: v6e-8, v6e-16, v6e-64, v5e-8, v5p-8, v4-8, ... or a raw topology such as v6e:2x4.")
+@_set_option
+@click.option("--search", "search_field", metavar="FIELD",
+              help="Find the largest value that fits: train.micro_batch_size or train.prompts_per_step.")
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def plan(config_path, topology, overrides, search_field, as_json) -> None:
+    """Compile CONFIG's programs for a TPU pod (no TPU needed): memory per chip, fit, roofline.
+
+    The programs `grpo run` executes (prefill, decode, the reference pass when beta > 0,
+    the update) are compiled by the TPU compiler (libtpu) on abstract parameters and
+    optimizer state in their real shardings. Nothing is downloaded or allocated. A plan
+    that does not fit is a successful plan (exit status 0).
+    """
+    import json as _json
+
+    from grpo.core.config import load_config
+    from grpo.engine.tpu import parse_topology, require_libtpu
+
+    config = load_config(config_path, list(overrides))
+    topo = parse_topology(topology)  # an unknown name fails before anything heavy
+    require_libtpu()
+    for noisy in ("absl", "jax._src"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    from grpo.engine.plan import Planner, format_report, search
+
+    planner = Planner(topo)
+    if search_field:
+        result = search(config_path, list(overrides), search_field, planner)
+        report = dict(result["plan"])
+        report["search"] = {k: result[k] for k in ("field", "max_fitting", "tried")}
+    else:
+        report = planner.plan(config)
+    if as_json:
+        click.echo(_json.dumps(report, indent=2))
+        return
+    click.echo(format_report(report))
+    if search_field:
+        s = report["search"]
+        tried = ", ".join(f"{v}: {'fits' if ok else 'no'}" for v, ok in s["tried"])
+        click.echo(f"search {s['field']}: largest that fits = {s['max_fitting']} (tried {tried})")

@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
 from grpo.engine import distributed
@@ -31,9 +31,10 @@ from grpo.engine.checkpoint import Checkpointer
 from grpo.engine.data import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
 from grpo.engine.mesh import build_mesh, current_topology
 from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run
-from grpo.engine.optim import learning_rate_schedule, make_optimizer
+from grpo.engine.optim import learning_rate_schedule
 from grpo.engine.policy import load_policy
-from grpo.engine.update import UpdateBatch, UpdateStep, token_logprobs
+from grpo.engine.programs import build_programs
+from grpo.engine.update import UpdateBatch
 
 log = logging.getLogger(__name__)
 
@@ -86,10 +87,6 @@ class Trainer:
         self.plugins = select_plugins(config)
         self.task = self.plugins["task"].plugin
         self.task_options = self.plugins["task"].options
-        style = self.plugins["rollout"]
-        self.batch_axes = tuple(style.plugin.batch_axes(self.layout, style.options))
-        self.batch_sharding = NamedSharding(self.mesh, P(self.batch_axes))
-        self.train_sharding = NamedSharding(self.mesh, P(("dp", "fsdp")))
 
         self.policy = load_policy(config.model, self.mesh, seed=config.train.seed)
         model = self.policy.model
@@ -98,15 +95,17 @@ class Trainer:
         if config.loss.beta > 0:
             # A frozen copy of the initial policy; never updated, never checkpointed.
             self.ref_params = jax.tree.map(jnp.copy, self.params)
-        self.optimizer = make_optimizer(config.train.optimizer, config.train.steps)
-        self.lr_schedule = learning_rate_schedule(config.train.optimizer, config.train.steps)
-        # Eager init keeps each moment in its parameter's sharding (a jitted init may
-        # choose to replicate); scalars (step counts) are replicated over the mesh.
-        replicated = NamedSharding(self.mesh, P())
-        self.opt_state = jax.tree.map(
-            lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
-            self.optimizer.init(self.params),
+        # Every jitted program of a step comes from the one builder `grpo plan` compiles.
+        self.programs = build_programs(
+            config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
+            eos_ids=self.policy.eos_ids, pad_id=self.policy.pad_id, plugins=self.plugins,
         )
+        self.batch_axes = self.programs.batch_axes
+        self.batch_sharding = self.programs.rollout_sharding
+        self.train_sharding = self.programs.train_sharding
+        self.optimizer = self.programs.optimizer
+        self.lr_schedule = learning_rate_schedule(config.train.optimizer, config.train.steps)
+        self.opt_state = self.programs.init_opt_state(self.params)
 
         from grpo.plugins.tasks import render_prompt
 
@@ -118,20 +117,9 @@ class Trainer:
             split=config.task.train_split,
         )
         self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
-        self.sampler = self._make_sampler(greedy=False, num_generations=config.rollout.num_generations)
-        self.update = UpdateStep(
-            graphdef=self.graphdef,
-            loss=self.plugins["loss"].plugin,
-            loss_options=self.plugins["loss"].options,
-            settings=config.loss_settings,
-            optimizer=self.optimizer,
-            micro_batches=config.sequences_per_step // config.micro_batch_size,
-            mesh=self.mesh,
-        ).jit(self.params, self.opt_state)
-        self.ref_logprobs = (
-            jax.jit(lambda p, b: token_logprobs(nnx.merge(self.graphdef, p), b, config.rollout.temperature))
-            if self.ref_params is not None else None
-        )
+        self.sampler = self.programs.sampler()
+        self.update = self.programs.update(self.params, self.opt_state)
+        self.ref_logprobs = self.programs.reference()
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.skipped_nonfinite = 0
@@ -142,21 +130,7 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def _make_sampler(self, *, greedy: bool, num_generations: int):
-        from grpo.engine.sampler import Sampler, SamplingParams
-
-        r = self.config.rollout
-        sampling = SamplingParams(
-            max_new_tokens=r.max_new_tokens,
-            num_generations=num_generations,
-            temperature=r.temperature,
-            top_k=r.top_k,
-            top_p=r.top_p,
-            greedy=greedy,
-            eos_ids=self.policy.eos_ids,
-            pad_id=self.policy.pad_id,
-            early_stop_chunk=r.early_stop_chunk,
-        )
-        return Sampler(self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling)
+        return self.programs.sampler(greedy=greedy, num_generations=num_generations)
 
     def _to_train(self, x: jax.Array) -> jax.Array:
         """Reshard a rollout-layout batch array to the update's (dp, fsdp) batch layout;

@@ -20,7 +20,7 @@ import optax
 from flax import nnx
 from pydantic import BaseModel
 
-from grpo.core.contracts import LossPlugin, LossSettings
+from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
 
 
 class UpdateBatch(NamedTuple):
@@ -88,6 +88,12 @@ class UpdateStep:
     batch_axes: tuple[str, ...] = ("dp", "fsdp")
 
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
+        # The loss plugin compiles for the mesh's devices, not for the host's backend.
+        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else None
+        with compiling_for(platform):
+            return self._loss_and_metrics(params, mb, normalizer)
+
+    def _loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
         model = nnx.merge(self.graphdef, params)
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask)
         args = dict(

@@ -517,8 +517,49 @@ def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -
     return random_init(model_config.random, mesh, seed=seed, **common)
 
 
+def architecture(model_config: Any) -> Qwen2Config:
+    """The architecture of a run config's ``model`` section without reading any weights
+    or downloading anything: a random preset, a local directory's ``config.json``, or the
+    built-in preset of a hub id the project knows (``Qwen/Qwen2.5-3B-Instruct``, ...)."""
+    from grpo.models.presets import HUB_PRESETS, from_random_config, hub_preset, preset_config
+
+    if model_config.source != "hf":
+        return from_random_config(model_config.random)
+    path = Path(os.fspath(model_config.path)).expanduser()
+    if path.is_dir():
+        return read_config(path)
+    preset = hub_preset(model_config.path)
+    if preset is not None:
+        return preset_config(preset)
+    raise UserError(
+        f"model.path={model_config.path!r} is neither a local model directory nor a hub id with a built-in "
+        f"architecture preset ({', '.join(sorted(HUB_PRESETS))}); nothing is downloaded to size a run. Pass a "
+        "local directory holding its config.json, or a preset: --set model.source=random "
+        "--set model.random.preset=qwen2.5-3b."
+    )
+
+
+def abstract_model(model_config: Any, mesh: Mesh) -> tuple[Any, Any, Qwen2Config]:
+    """``(graphdef, params, architecture)`` of the policy ``build_model`` would build on
+    ``mesh``, with every parameter a ``jax.ShapeDtypeStruct`` in its real sharding: no
+    memory, no devices needed (``grpo plan``)."""
+    config = architecture(model_config)
+    kwargs = _model_kwargs(mesh, model_config.param_dtype, model_config.compute_dtype, model_config.remat, "xla", None)
+    graphdef, flat = _abstract(config, **kwargs)
+    shardings = param_shardings(config, mesh)
+    params = nnx.from_flat_state(
+        [
+            (path, var.replace(jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=shardings[_dotted(path)])))
+            for path, var in flat
+        ]
+    )
+    return graphdef, params, config
+
+
 __all__ = [
     "CheckpointError",
+    "abstract_model",
+    "architecture",
     "SafetensorsCheckpoint",
     "build_model",
     "check_checkpoint",

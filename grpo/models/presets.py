@@ -93,6 +93,21 @@ PRESETS: dict[str, dict[str, Any]] = {
     },
 }
 
+# Hugging Face hub ids whose architecture is a preset: `grpo plan` sizes a run on these
+# without downloading anything (the Instruct and base checkpoints share the shapes).
+HUB_PRESETS: dict[str, str] = {
+    f"Qwen/Qwen2.5-{size}{suffix}": f"qwen2.5-{size.lower()}"
+    for size in ("0.5B", "1.5B", "3B", "7B")
+    for suffix in ("", "-Instruct")
+}
+
+
+def hub_preset(hub_id: str) -> str | None:
+    """The preset name of a known hub id (case-insensitive), or None."""
+    lowered = {k.lower(): v for k, v in HUB_PRESETS.items()}
+    return lowered.get(str(hub_id).strip().lower())
+
+
 # Fields an override may set: the architecture, plus the HF switches that from_hf
 # checks (so e.g. `use_sliding_window: true` is refused there, not ignored here).
 OVERRIDABLE: frozenset[str] = frozenset(f.name for f in dataclasses.fields(Qwen2Config)) | {
@@ -130,4 +145,4 @@ def from_random_config(random_config: Any) -> Qwen2Config:
     return preset_config(random_config.preset, random_config.overrides)
 
 
-__all__ = ["OVERRIDABLE", "PRESETS", "from_random_config", "preset_config", "preset_hf_dict"]
+__all__ = ["HUB_PRESETS", "OVERRIDABLE", "PRESETS", "hub_preset", "from_random_config", "preset_config", "preset_hf_dict"]

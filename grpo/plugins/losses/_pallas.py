@@ -631,7 +631,11 @@ def resolve_config(options, *, dtype, hidden_size: int, backend: str | None = No
     """Options + backend -> KernelConfig; raises ``UserError`` naming the bad field."""
     from grpo.core.errors import UserError
 
-    backend = backend or jax.default_backend()
+    from grpo.core.contracts import target_platform
+
+    # The platform compiled for: explicit, else the mesh's (set by the engine while it
+    # traces the loss), else this process's default backend.
+    backend = backend or target_platform() or jax.default_backend()
     kind = "gpu" if backend in GPU_BACKENDS else backend
     if kind not in DEFAULTS:
         raise UserError(f"loss.impl=pallas does not support the {backend!r} backend (TPU, GPU and CPU only).")

@@ -1,0 +1,526 @@
+"""``grpo plan``: compile a run's programs for a TPU pod on any machine.
+
+The programs are the ones ``grpo run`` executes (:mod:`grpo.engine.programs`), lowered on
+abstract state — parameters and optimizer state as ``jax.ShapeDtypeStruct`` in their real
+shardings on a ``Mesh`` of the topology's devices — and compiled by the TPU compiler
+(libtpu). Nothing is allocated, downloaded or run.
+
+Memory (per device, exact, from ``compiled.memory_analysis()``): a program needs
+``argument + output - alias + temp + generated code`` bytes while it runs. Parameters and
+optimizer state stay resident between programs, so a program that does not take some of
+them as arguments (the rollout does not take the optimizer state) still has them beside
+it: ``peak`` is the largest ``program bytes + resident state it does not take``. ``fits``
+is ``peak <= usable HBM`` — the compiler does not always refuse a program that exceeds
+HBM — and when the compiler does refuse one its message is reported.
+
+Time: ``cost_analysis()`` counts the body of a while loop or scan once, whatever its trip
+count (checked: the flops of a 1-, 10- and 100-step ``fori_loop`` are equal), and a Pallas
+custom call reports no flops; the layers are a scan and decode is a loop. So ``flops`` and
+``bytes_accessed`` are counted from the model's shapes (formulas in
+:func:`program_costs`, kernels' matmuls included), and ``xla_flops`` /
+``xla_bytes_accessed`` keep the compiler's figures for reference. ``roofline_s`` is
+``max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)`` per device (per decode step
+for the decode loop, summed): a lower bound that ignores communication and overheads.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import re
+from typing import Any, Callable
+
+from grpo.core.config import RunConfig, load_config, resolve_layout
+from grpo.core.contracts import Topology
+from grpo.core.errors import ConfigError, UserError
+from grpo.engine.tpu import TpuTopology, parse_topology, require_libtpu
+
+SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _bytes_per_device(tree: Any) -> int:
+    import jax
+
+    total = 0
+    for leaf in jax.tree.leaves(tree):
+        shape = tuple(leaf.shape)
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            shape = sharding.shard_shape(shape)
+        total += math.prod(shape) * leaf.dtype.itemsize
+    return total
+
+
+_SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
+
+
+def _first_size(message: str) -> int | None:
+    """The first ``(12.34G)`` size in a compiler OOM message, in bytes."""
+    m = _SIZE.search(message)
+    if not m:
+        return None
+    return int(float(m.group(1)) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)])
+
+
+def _compiler_text(err: Exception) -> str:
+    text = str(err).strip() or type(err).__name__
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return "\n".join(lines[:20])[:4000]
+
+
+# --------------------------------------------------------------------------- costs
+
+
+@dataclasses.dataclass(frozen=True)
+class Cost:
+    flops: float  # per device
+    bytes: float  # per device
+    roofline_s: float
+
+
+def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
+    """Per-device flops, HBM bytes and roofline time of each program of one step.
+
+    With ``D`` hidden, ``F`` MLP width, ``H``/``Hk`` query/KV heads of ``E`` dims, ``V``
+    vocabulary, ``Lyr`` layers, ``Wm = Lyr (2 D H E + 2 D Hk E + 3 D F)`` weight-matmul
+    parameters and ``w`` the compute dtype's bytes:
+
+    - a forward token costs ``2 Wm`` FLOPs plus attention ``4 S H E Lyr`` over ``S``
+      attended slots (XLA computes the full masked square in training and prefill);
+      the head ``2 D V`` per token whose logits are needed;
+    - backward is twice the forward; ``remat: full`` adds one forward, ``dots`` the
+      attention part of one;
+    - the loss's head: ``jax`` 3 matmuls per completion token (forward, two in backward),
+      ``pallas`` 5 (its custom VJP recomputes the logits in both backward kernels);
+    - bytes: every program reads the whole (all-gathered) weights once per forward and
+      twice per backward pass, decode reads them and the live KV cache once per step, and
+      the optimizer reads and writes parameters, gradients and its state (sharded).
+    """
+    cfg = programs.config
+    c = arch
+    D, F, H, Hk, E, V, Lyr = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
+                              c.head_dim, c.vocab_size, c.num_hidden_layers)
+    wm = Lyr * (2 * D * H * E + 2 * D * Hk * E + 3 * D * F)
+    w = 2 if cfg.model.compute_dtype == "bfloat16" else 4
+    weight_bytes = (wm + D * V) * w  # gathered weights read by one pass
+    peak, bw = chip.bf16_flops, chip.hbm_bandwidth
+    if w == 4:
+        peak = peak / 3  # f32 matmuls run as ~3 bf16 passes on the MXU (a generous bound)
+
+    def roof(flops: float, nbytes: float) -> float:
+        return max(flops / peak, nbytes / bw)
+
+    out: dict[str, Cost] = {}
+    layout = programs.layout
+    rollout_shards = layout.axis_size(programs.batch_axes)
+    train_shards = layout.dp * layout.fsdp
+    sampler = programs.sampler()
+    inputs = programs.abstract_rollout_inputs()
+    P, Lp = inputs["prompt_tokens"].shape
+    K = cfg.rollout.num_generations
+    B = P * K
+
+    # prefill: P prompts of Lp tokens; logits of the last position only.
+    rows = P / rollout_shards
+    flops = rows * (Lp * 2 * wm + 4 * Lp * Lp * H * E * Lyr + 2 * D * V)
+    kv_tok = 2 * Lyr * Hk * E * w
+    nbytes = weight_bytes + rows * K * Lp * kv_tok
+    out["prefill"] = Cost(flops, nbytes, roof(flops, nbytes))
+
+    # decode: step 0 samples from the prefill logits; each later step is one token per row.
+    rows = B / rollout_shards
+    f_tot = b_tot = t_tot = 0.0
+    for a, b in sampler.plan():
+        steps = b - a
+        slots = Lp + b  # the segment's cache length, all read every step
+        f = rows * (2 * wm + 2 * D * V + 4 * slots * H * E * Lyr)
+        by = weight_bytes + rows * slots * kv_tok
+        f_tot += steps * f
+        b_tot += steps * by
+        t_tot += steps * roof(f, by)
+    out["decode"] = Cost(f_tot, b_tot, t_tot)
+
+    S = Lp + cfg.rollout.max_new_tokens
+    N = cfg.rollout.max_new_tokens
+    rows = B / train_shards
+    fwd_tok = 2 * wm + 4 * S * H * E * Lyr
+    attn_tok = 4 * S * H * E * Lyr
+    if cfg.loss.beta > 0:
+        flops = rows * (S * fwd_tok + N * 2 * D * V)
+        out["reference"] = Cost(flops, weight_bytes, roof(flops, weight_bytes))
+
+    remat = cfg.model.remat
+    body = 3 * fwd_tok + (fwd_tok if remat == "full" else attn_tok if remat == "dots" else 0)
+    head = (5 if cfg.loss.impl == "pallas" else 3) * 2 * D * V
+    flops = rows * (S * body + N * head)
+    micro = cfg.sequences_per_step // cfg.micro_batch_size
+    passes = 3 + (1 if remat in ("full", "dots") else 0)  # weight reads per micro-batch
+    n_params = c.num_params()
+    p_item = 2 if cfg.model.param_dtype == "bfloat16" else 4
+    shards = layout.size
+    # optimizer: read params + grads (+ f32 copies and two moments) and write them back.
+    opt_bytes = 2 * n_params / shards * (2 * p_item + 3 * 4)
+    nbytes = micro * passes * weight_bytes + opt_bytes
+    out["update"] = Cost(flops, nbytes, roof(flops, nbytes))
+    return out
+
+
+# --------------------------------------------------------------------------- planning
+
+
+@dataclasses.dataclass
+class ProgramResult:
+    name: str
+    memory: dict[str, int] | None
+    xla: dict[str, float]
+    error: str | None
+    takes: tuple[str, ...]  # resident state it takes as arguments
+
+
+class Planner:
+    """Plans one config on one topology; compiled program results are cached by the
+    config fields they depend on, so a search recompiles only what changes."""
+
+    def __init__(self, topology: str | TpuTopology):
+        require_libtpu()
+        self.topology = parse_topology(topology) if isinstance(topology, str) else topology
+        self.devices = self.topology.devices()
+        counts = self.topology.processes(self.devices)
+        self.topo = Topology(
+            process_count=len(counts), local_device_count=counts[0], devices_per_process=counts, platform="tpu"
+        )
+        self._cache: dict[tuple, ProgramResult] = {}
+
+    # ------------------------------------------------------------------ one config
+
+    def build(self, config: RunConfig):
+        from grpo.engine.mesh import build_mesh
+        from grpo.engine.programs import build_programs
+        from grpo.models.loading import abstract_model
+
+        try:
+            layout = resolve_layout(config, self.topo)
+        except ConfigError as err:
+            raise ConfigError(
+                f"The config cannot run on {self.topology.name} ({self.topo.process_count} process(es) x "
+                f"{self.topo.local_device_count} devices):",
+                problems=list(err.problems) if getattr(err, "problems", None) else [str(err)],
+            ) from None
+        mesh = build_mesh(layout, self.devices)
+        graphdef, params, arch = abstract_model(config.model, mesh)
+        eos = arch.eos_token_id if arch.eos_token_id is not None else ()
+        eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+        pad = arch.pad_token_id if arch.pad_token_id is not None else (eos[0] if eos else 0)
+        programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad)
+        return programs, params, arch
+
+    def plan(self, config: RunConfig) -> dict[str, Any]:
+        import jax
+
+        programs, params, arch = self.build(config)
+        opt_state = programs.abstract_opt_state(params)
+        sampler = programs.sampler()
+        inputs = programs.abstract_rollout_inputs()
+        batch = programs.abstract_update_batch()
+        mesh = programs.mesh
+        state = {
+            "parameters": _bytes_per_device(params),
+            "optimizer_state": _bytes_per_device(opt_state),
+            "reference_parameters": _bytes_per_device(params) if config.loss.beta > 0 else 0,
+        }
+
+        from grpo.models.qwen2 import CACHE_AXES
+
+        P, Lp = inputs["prompt_tokens"].shape
+        B = P * config.rollout.num_generations
+        seg = sampler.plan()
+        cache_len = Lp + (seg[-1][1] if seg else 0)
+        cache_shape = (arch.num_hidden_layers, B, cache_len, arch.num_key_value_heads, arch.head_dim)
+        cache_sharding = sampler._sharding(cache_shape, CACHE_AXES)
+        dt = jax.numpy.dtype(config.model.compute_dtype)
+        kv_bytes = 2 * math.prod(cache_sharding.shard_shape(cache_shape)) * dt.itemsize
+        state["kv_cache"] = kv_bytes
+
+        def keyed(name: str, exclude: tuple[str, ...]) -> tuple:
+            data = config.model_dump(mode="json")
+            for path in exclude:
+                sec, _, field = path.partition(".")
+                data.get(sec, {}).pop(field, None)
+            return (name, json.dumps(data, sort_keys=True))
+
+        rollout_only = ("train.micro_batch_size", "train.ppo_epochs")
+        results: list[ProgramResult] = []
+
+        def prefill_lower():
+            return sampler.prefill_jit.lower(params, inputs["prompt_tokens"], inputs["prompt_mask"])
+
+        def decode_lower():
+            from grpo.models.qwen2 import KVCache
+
+            first = Lp + (seg[0][1] if seg else 0)
+            shape = (arch.num_hidden_layers, B, first, arch.num_key_value_heads, arch.head_dim)
+            kv = jax.ShapeDtypeStruct(shape, dt, sharding=sampler._sharding(shape, CACHE_AXES))
+            logits = jax.ShapeDtypeStruct((B, arch.vocab_size), jax.numpy.float32,
+                                          sharding=sampler._sharding((B, arch.vocab_size), ("batch", "vocab")))
+            toks = jax.ShapeDtypeStruct((B, Lp), jax.numpy.int32,
+                                        sharding=sampler._sharding((B, Lp), ("batch", "length")))
+            key = jax.random.key(config.train.seed)
+            impl = jax.random.key_impl(key)
+            data = jax.random.key_data(key)
+            raw = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=programs.replicated)
+            return sampler.decode_jit().lower(params, KVCache(k=kv, v=kv), logits, toks, toks, raw, key_impl=impl)
+
+        def reference_lower():
+            return programs.reference().lower(params, batch)
+
+        def update_lower():
+            return programs.update(params, opt_state).lower(params, opt_state, batch)
+
+        todo: list[tuple[str, Callable, tuple, tuple[str, ...]]] = [
+            ("prefill", prefill_lower, keyed("prefill", rollout_only), ("parameters",)),
+            ("decode", decode_lower, keyed("decode", rollout_only), ("parameters",)),
+        ]
+        if config.loss.beta > 0:
+            todo.append(("reference", reference_lower, keyed("reference", ()), ("reference_parameters",)))
+        todo.append(("update", update_lower, keyed("update", ()), ("parameters", "optimizer_state")))
+        for name, lower, key, takes in todo:
+            if key not in self._cache:
+                self._cache[key] = self._compile(name, lower, takes)
+            results.append(self._cache[key])
+
+        costs = program_costs(programs, arch, self.topology.chip)
+        hbm = self.topology.chip.hbm_bytes
+        resident_total = state["parameters"] + state["optimizer_state"] + state["reference_parameters"]
+        report_programs: dict[str, Any] = {}
+        peaks: list[int] = []
+        errors: list[str] = []
+        for r in results:
+            resident = resident_total - sum(state[t] for t in r.takes)
+            cost = costs[r.name]
+            entry: dict[str, Any] = {
+                "argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
+                "generated_code_bytes": None, "program_bytes": None, "resident_bytes": resident,
+                "peak_bytes": None,
+                "flops": cost.flops, "bytes_accessed": cost.bytes, "roofline_s": cost.roofline_s,
+                "xla_flops": r.xla.get("flops"), "xla_bytes_accessed": r.xla.get("bytes accessed"),
+                "compiler_error": r.error,
+            }
+            if r.memory is not None:
+                entry.update({k: v for k, v in r.memory.items()})
+                entry["peak_bytes"] = r.memory["program_bytes"] + resident
+                peaks.append(entry["peak_bytes"])
+            elif r.error is not None:
+                errors.append(f"{r.name}: {r.error}")
+                need = _first_size(r.error) if "memory" in r.error.lower() or "hbm" in r.error.lower() else None
+                if need is not None:
+                    entry["peak_bytes"] = need + resident
+                    peaks.append(entry["peak_bytes"])
+            report_programs[r.name] = entry
+
+        peak = max(peaks) if peaks else None
+        fits = peak is not None and peak <= hbm and not errors
+        step_roofline = sum(
+            costs[n].roofline_s * (config.train.ppo_epochs if n == "update" else 1) for n in report_programs
+        )
+        layout = programs.layout
+        return {
+            "topology": self.topology.name,
+            "topology_raw": self.topology.raw,
+            "processes": self.topo.process_count,
+            "devices": len(self.devices),
+            "devices_per_process": self.topo.local_device_count,
+            "device_kind": self.devices[0].device_kind,
+            "mesh": layout.shape,
+            "mesh_warnings": list(layout.warnings),
+            "hbm_bytes_per_device": hbm,
+            "state_bytes_per_device": state,
+            "programs": report_programs,
+            "peak_bytes_per_device": peak,
+            "fits": bool(fits),
+            "margin_bytes": (hbm - peak) if peak is not None else None,
+            "compiler_error": "\n".join(errors) if errors else None,
+            "roofline_step_s": step_roofline,
+            "chip": {
+                "generation": self.topology.chip.generation,
+                "bf16_flops": self.topology.chip.bf16_flops,
+                "hbm_bandwidth_bytes_per_s": self.topology.chip.hbm_bandwidth,
+                "source": self.topology.chip.source,
+            },
+            "shape": {
+                "sequences_per_step": config.sequences_per_step,
+                "micro_batch_size": config.micro_batch_size,
+                "prompt_length": Lp,
+                "max_new_tokens": config.rollout.max_new_tokens,
+                "loss": config.loss.impl,
+                "remat": config.model.remat,
+                "param_dtype": config.model.param_dtype,
+            },
+        }
+
+    def _compile(self, name: str, lower: Callable, takes: tuple[str, ...]) -> ProgramResult:
+        try:
+            compiled = lower().compile()
+        except Exception as err:  # noqa: BLE001 - the compiler's verdict is the plan's result
+            return ProgramResult(name, None, {}, _compiler_text(err), takes)
+        ma = compiled.memory_analysis()
+        arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
+                                 ma.temp_size_in_bytes)
+        code = ma.generated_code_size_in_bytes
+        memory = {
+            "argument_bytes": int(arg), "output_bytes": int(out), "alias_bytes": int(alias),
+            "temp_bytes": int(temp), "generated_code_bytes": int(code),
+            "program_bytes": int(arg + out - alias + temp + code),
+        }
+        xla: dict[str, float] = {}
+        try:
+            ca = compiled.cost_analysis()
+            if isinstance(ca, (list, tuple)):
+                ca = ca[0] if ca else {}
+            xla = {k: float(v) for k, v in (ca or {}).items() if k in ("flops", "bytes accessed")}
+        except Exception:  # noqa: BLE001 - cost analysis is optional
+            pass
+        return ProgramResult(name, memory, xla, None, takes)
+
+
+# --------------------------------------------------------------------------- search
+
+
+def _candidates_micro(config: RunConfig, planner: Planner) -> list[int]:
+    seqs = config.sequences_per_step
+    out = []
+    for mb in range(1, seqs + 1):
+        if seqs % mb:
+            continue
+        try:
+            resolve_layout(config.model_copy(update={"train": config.train.model_copy(update={"micro_batch_size": mb})}),
+                           planner.topo)
+        except ConfigError:
+            continue
+        out.append(mb)
+    return out
+
+
+def search(config_path: str, overrides: list[str], field: str, planner: Planner,
+           limit: int = 1 << 16) -> dict[str, Any]:
+    """The largest value of ``field`` whose plan fits: doubling over the valid values,
+    then bisection between the last that fits and the first that does not."""
+    if field not in SEARCH_FIELDS:
+        raise UserError(f"--search {field!r}: searchable fields are {', '.join(SEARCH_FIELDS)}.")
+    base = load_config(config_path, overrides)
+    reports: dict[int, dict[str, Any]] = {}
+    tried: list[list[Any]] = []
+
+    def valid(value: int) -> RunConfig | None:
+        try:
+            cfg = load_config(config_path, list(overrides) + [f"{field}={value}"])
+            resolve_layout(cfg, planner.topo)
+            return cfg
+        except ConfigError:
+            return None
+
+    def fits(value: int) -> bool:
+        cfg = valid(value)
+        rep = planner.plan(cfg)
+        reports[value] = rep
+        tried.append([value, rep["fits"]])
+        return rep["fits"]
+
+    if field == "train.micro_batch_size":
+        values = _candidates_micro(base, planner)
+    else:
+        values = [p for p in range(1, limit + 1) if valid_prompts(base, p, planner)]
+    if not values:
+        raise UserError(f"--search {field}: no value is valid for this config on {planner.topology.name}.")
+    # Doubling: indices of values at least twice the previous value.
+    lo, hi = None, None  # last fitting index, first failing index
+    i = 0
+    while True:
+        if fits(values[i]):
+            lo = i
+            target = values[i] * 2
+            nxt = next((j for j in range(i + 1, len(values)) if values[j] >= target), None)
+            if nxt is None:
+                if i + 1 < len(values) and values[-1] not in reports:
+                    i = len(values) - 1
+                    continue
+                break
+            i = nxt
+        else:
+            hi = i
+            break
+    if lo is not None and hi is not None:
+        a, b = lo, hi
+        while b - a > 1:
+            mid = (a + b) // 2
+            if fits(values[mid]):
+                a = mid
+            else:
+                b = mid
+        lo = a
+    best = values[lo] if lo is not None else None
+    return {
+        "field": field,
+        "max_fitting": best,
+        "tried": tried,
+        "plan": reports[best] if best is not None else reports[values[0]],
+    }
+
+
+def valid_prompts(config: RunConfig, prompts: int, planner: Planner) -> bool:
+    cfg = config.model_copy(update={"train": config.train.model_copy(update={"prompts_per_step": prompts})})
+    mb = cfg.train.micro_batch_size
+    if mb is not None and cfg.sequences_per_step % mb:
+        return False
+    try:
+        resolve_layout(cfg, planner.topo)
+    except ConfigError:
+        return False
+    return True
+
+
+# --------------------------------------------------------------------------- text
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f}"
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    lines = [
+        f"{rep['topology']} ({rep['topology_raw']}): {rep['processes']} process(es) x {rep['devices_per_process']} "
+        f"{rep['device_kind']}; mesh " + ", ".join(f"{k}={v}" for k, v in rep["mesh"].items()),
+        f"shape: {rep['shape']['sequences_per_step']} sequences/step, micro-batch {rep['shape']['micro_batch_size']}, "
+        f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
+        f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
+        "state per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items()),
+        "",
+        f"{'PROGRAM':<10} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
+        f"{'GB READ':>8} {'ROOFLINE':>9}",
+    ]
+    for name, p in rep["programs"].items():
+        lines.append(
+            f"{name:<10} {_gib(p['argument_bytes']):>7} {_gib(p['output_bytes']):>7} {_gib(p['temp_bytes']):>7} "
+            f"{_gib(p['resident_bytes']):>9} {_gib(p['peak_bytes']):>7}  {p['flops'] / 1e12:>8.2f} "
+            f"{p['bytes_accessed'] / 1e9:>8.2f} {p['roofline_s']:>8.3f}s"
+        )
+    lines.append("(GiB per device; TFLOP and GB per device)")
+    lines.append("")
+    verdict = "fits" if rep["fits"] else "DOES NOT FIT"
+    margin = rep["margin_bytes"]
+    lines.append(
+        f"peak {_gib(rep['peak_bytes_per_device'])} GiB of {_gib(rep['hbm_bytes_per_device'])} GiB HBM per device: "
+        f"{verdict}" + (f" (margin {_gib(margin)} GiB)" if margin is not None else "")
+    )
+    lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s")
+    if rep["compiler_error"]:
+        lines.append("compiler: " + rep["compiler_error"])
+    for w in rep.get("mesh_warnings", []):
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+__all__ = ["Planner", "SEARCH_FIELDS", "format_report", "program_costs", "search"]

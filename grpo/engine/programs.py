@@ -1,0 +1,242 @@
+"""The jitted programs of a run, built in one place from (config, mesh, state).
+
+``grpo run`` (the :class:`~grpo.engine.trainer.Trainer`) executes them on real arrays and
+``grpo plan`` lowers and compiles the very same jitted functions on abstract state
+(``jax.ShapeDtypeStruct`` with the real shardings) for a TPU topology it does not have.
+Keeping one builder is the point: a plan that compiled something other than what runs
+would be worse than none.
+
+The programs of one GRPO step, in the order they run:
+
+- ``prefill``: :class:`~grpo.engine.sampler.Sampler` prefill of the step's prompts
+  (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
+- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
+- ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
+- ``update``: :class:`~grpo.engine.update.UpdateStep` — the loss plugin over
+  ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
+  optimizer step (params and optimizer state donated).
+
+The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateStep``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from grpo.core.config import RunConfig, select_plugins
+from grpo.core.contracts import MeshLayout
+
+
+def mesh_platform(mesh: Mesh) -> str:
+    """The platform (``cpu``/``gpu``/``tpu``) the mesh's devices belong to: what programs
+    on this mesh are compiled for, whatever ``jax.default_backend()`` says."""
+    return mesh.devices.flat[0].platform
+
+
+@dataclasses.dataclass
+class RunPrograms:
+    """The jitted programs of a run and the pieces they are made of."""
+
+    config: RunConfig
+    mesh: Mesh
+    layout: MeshLayout
+    graphdef: Any
+    plugins: dict[str, Any]
+    batch_axes: tuple[str, ...]
+    optimizer: Any
+    update_step: Any  # grpo.engine.update.UpdateStep (not jitted)
+    eos_ids: tuple[int, ...]
+    pad_id: int
+    _samplers: dict = dataclasses.field(default_factory=dict)
+
+    # ------------------------------------------------------------------ shardings
+
+    @property
+    def rollout_sharding(self) -> NamedSharding:
+        """Rows of the rollout batch (prompts, completions, rewards)."""
+        return NamedSharding(self.mesh, P(self.batch_axes))
+
+    @property
+    def train_sharding(self) -> NamedSharding:
+        """Rows of the update batch: (dp, fsdp), like the update's activations."""
+        return NamedSharding(self.mesh, P(("dp", "fsdp")))
+
+    @property
+    def replicated(self) -> NamedSharding:
+        return NamedSharding(self.mesh, P())
+
+    # ------------------------------------------------------------------ programs
+
+    def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
+        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k)."""
+        from grpo.engine.sampler import Sampler, SamplingParams
+
+        r = self.config.rollout
+        k = r.num_generations if num_generations is None else num_generations
+        key = (greedy, k)
+        if key not in self._samplers:
+            sampling = SamplingParams(
+                max_new_tokens=r.max_new_tokens,
+                num_generations=k,
+                temperature=r.temperature,
+                top_k=r.top_k,
+                top_p=r.top_p,
+                greedy=greedy,
+                eos_ids=self.eos_ids,
+                pad_id=self.pad_id,
+                early_stop_chunk=r.early_stop_chunk,
+            )
+            self._samplers[key] = Sampler(self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling)
+        return self._samplers[key]
+
+    def update(self, params: Any = None, opt_state: Any = None):
+        """The jitted update ``(params, opt_state, UpdateBatch) -> (params, opt_state,
+        metrics, logprobs)``; with example state its output shardings are pinned."""
+        return self.update_step.jit(params, opt_state)
+
+    def reference(self):
+        """The jitted reference pass ``(ref_params, UpdateBatch) -> [B, N] log-probs``,
+        or None when ``loss.beta == 0`` (no reference model exists then)."""
+        if self.config.loss.beta <= 0:
+            return None
+        method = getattr(self.update_step, "reference_logprobs", None)
+        if method is not None:
+            return jax.jit(method)
+        from grpo.engine.update import token_logprobs
+
+        graphdef, temperature = self.graphdef, self.config.rollout.temperature
+        return jax.jit(lambda p, b: token_logprobs(nnx.merge(graphdef, p), b, temperature))
+
+    def init_opt_state(self, params: Any) -> Any:
+        """The optimizer state of concrete ``params``, each moment in its parameter's
+        sharding (an eager init keeps it; a jitted one may replicate) and scalars
+        replicated."""
+        replicated = self.replicated
+        return jax.tree.map(
+            lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
+            self.optimizer.init(params),
+        )
+
+    # ------------------------------------------------------------------ abstract state (grpo plan)
+
+    def abstract_opt_state(self, params: Any) -> Any:
+        """``init_opt_state`` of abstract ``params``: shapes from ``jax.eval_shape`` of
+        the optimizer's init, shardings matched to the parameter each leaf mirrors (the
+        same path suffix and shape; f32 master copies and moments alike), the rest
+        replicated."""
+        shapes = jax.eval_shape(self.optimizer.init, params)
+        by_path: dict[tuple, Any] = {}
+        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
+            by_path[_path_key(path)] = leaf
+        longest = max((len(k) for k in by_path), default=0)
+
+        def place(path, leaf):
+            key = _path_key(path)
+            for n in range(min(longest, len(key)), 0, -1):
+                match = by_path.get(key[-n:])
+                if match is not None and tuple(match.shape) == tuple(leaf.shape):
+                    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match.sharding)
+            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.replicated)
+
+        return jax.tree_util.tree_map_with_path(place, shapes)
+
+    def abstract_rollout_inputs(self) -> dict[str, Any]:
+        """Abstract prefill inputs of one training step: [P, Lp] prompts at the largest
+        prompt bucket (the worst case ``grpo run`` compiles)."""
+        from grpo.engine.data import default_buckets
+
+        cfg = self.config
+        buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
+        lp = max(buckets)
+        p = cfg.train.prompts_per_step
+        sampler = self.sampler()
+        sharding = sampler._sharding((p, lp), ("batch", "length"))
+        tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=sharding)
+        return {"prompt_tokens": tok, "prompt_mask": tok}
+
+    def abstract_update_batch(self, *, old_logprobs: bool = False):
+        """An abstract :class:`~grpo.engine.update.UpdateBatch` of one step, in the
+        update's row sharding (the first PPO epoch has no old log-probs)."""
+        from grpo.engine.data import default_buckets
+        from grpo.engine.update import UpdateBatch
+
+        cfg = self.config
+        buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
+        b, lp, n = cfg.sequences_per_step, max(buckets), cfg.rollout.max_new_tokens
+        sh = self.train_sharding
+
+        def arr(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
+            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)
+
+        return UpdateBatch(
+            prompt_tokens=arr((b, lp), jnp.int32),
+            prompt_mask=arr((b, lp), jnp.int32),
+            tokens=arr((b, n), jnp.int32),
+            mask=arr((b, n), jnp.int32),
+            advantages=arr((b,), jnp.float32),
+            old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
+            ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
+        )
+
+
+def _path_key(path) -> tuple:
+    out = []
+    for p in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(p, attr):
+                out.append(getattr(p, attr))
+                break
+        else:
+            out.append(str(p))
+    return tuple(out)
+
+
+def build_programs(
+    config: RunConfig,
+    *,
+    mesh: Mesh,
+    layout: MeshLayout,
+    graphdef: Any,
+    eos_ids: Sequence[int],
+    pad_id: int,
+    plugins: dict[str, Any] | None = None,
+) -> RunPrograms:
+    """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
+    ``nnx.split`` of a concrete or an abstract model)."""
+    from grpo.engine.optim import make_optimizer
+    from grpo.engine.update import UpdateStep
+
+    plugins = plugins or select_plugins(config)
+    style = plugins["rollout"]
+    batch_axes = tuple(style.plugin.batch_axes(layout, style.options))
+    optimizer = make_optimizer(config.train.optimizer, config.train.steps)
+    update_step = UpdateStep(
+        graphdef=graphdef,
+        loss=plugins["loss"].plugin,
+        loss_options=plugins["loss"].options,
+        settings=config.loss_settings,
+        optimizer=optimizer,
+        micro_batches=config.sequences_per_step // config.micro_batch_size,
+        mesh=mesh,
+    )
+    return RunPrograms(
+        config=config,
+        mesh=mesh,
+        layout=layout,
+        graphdef=graphdef,
+        plugins=plugins,
+        batch_axes=batch_axes,
+        optimizer=optimizer,
+        update_step=update_step,
+        eos_ids=tuple(int(e) for e in eos_ids),
+        pad_id=int(pad_id),
+    )
+
+
+__all__ = ["RunPrograms", "build_programs", "mesh_platform"]

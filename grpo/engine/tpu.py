@@ -1,0 +1,148 @@
+"""TPU topologies by the names users type, and the chips' published limits.
+
+``grpo plan`` compiles for a TPU pod on any machine: with ``libtpu`` installed,
+``jax.experimental.topologies.get_topology_desc`` describes a pod's devices (with their
+process indices) without any TPU present, and programs lowered on a ``Mesh`` of those
+devices are compiled by the real TPU compiler.
+
+Names: ``v6e-8``, ``v6e-16``, ``v5e-8``, ``v5p-8``, ``v4-8``, ... (Cloud TPU's accelerator
+types) or a raw ``v6e:2x4`` / ``v5p:2x2x2`` topology. The number after a v4/v5p type
+counts TensorCores (two per chip, one JAX device per chip in megacore mode); after a
+v5e/v6e type it counts chips. v5e/v6e hosts hold 8 chips when the slice has at most 8
+(one host), else 4; v4/v5p hosts hold 4 chips.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import importlib.util
+import re
+from typing import Any
+
+from grpo.core.errors import UserError
+
+GiB = 1 << 30
+
+
+@dataclasses.dataclass(frozen=True)
+class ChipSpec:
+    """Per-chip limits used for fits and the roofline.
+
+    ``hbm_bytes`` is the HBM the TPU compiler lets a program use (what its
+    ``exceeds available HBM (...)`` message reports; measured with libtpu 0.0.52 by
+    compiling a program too large for one chip); ``hbm_physical`` the published capacity.
+    ``bf16_flops`` and ``hbm_bandwidth`` are the published peaks (per chip).
+    """
+
+    generation: str
+    bf16_flops: float  # FLOP/s
+    hbm_bandwidth: float  # bytes/s
+    hbm_bytes: int  # usable, as the compiler reports it
+    hbm_physical: int
+    source: str
+
+
+# Published figures: Cloud TPU system architecture pages (cloud.google.com/tpu/docs/<gen>).
+CHIPS: dict[str, ChipSpec] = {
+    "v6e": ChipSpec("v6e", 918e12, 1640e9, int(31.24 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v6e"),
+    "v5p": ChipSpec("v5p", 459e12, 2765e9, int(95.73 * GiB), 95 * GiB, "https://cloud.google.com/tpu/docs/v5p"),
+    "v5e": ChipSpec("v5e", 197e12, 819e9, int(15.75 * GiB), 16 * GiB, "https://cloud.google.com/tpu/docs/v5e"),
+    "v4": ChipSpec("v4", 275e12, 1200e9, int(30.75 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v4"),
+}
+
+# (generation -> sizes users may type after the dash) and the topology of each.
+_GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
+_GRID_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8", 256: "4x8x8",
+            512: "8x8x8"}
+
+
+def _named() -> dict[str, str]:
+    out = {}
+    for gen in ("v6e", "v5e"):
+        for chips, grid in _GRID_2D.items():
+            out[f"{gen}-{chips}"] = f"{gen}:{grid}"
+    for gen in ("v5p", "v4"):
+        for chips, grid in _GRID_3D.items():
+            out[f"{gen}-{2 * chips}"] = f"{gen}:{grid}"  # the type counts TensorCores
+    return out
+
+
+NAMED_TOPOLOGIES: dict[str, str] = _named()
+_RAW = re.compile(r"^(v6e|v5e|v5p|v4):(\d+)x(\d+)(?:x(\d+))?$")
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuTopology:
+    """A resolved topology name."""
+
+    name: str  # as typed
+    raw: str  # e.g. "v6e:2x4"
+    chip: ChipSpec
+    chips: int
+    kwargs: tuple[tuple[str, Any], ...]  # extra get_topology_desc arguments
+
+    def devices(self) -> list[Any]:
+        """The pod's devices (``TpuDevice`` with process indices), from libtpu."""
+        require_libtpu()
+        from jax.experimental import topologies
+
+        try:
+            desc = topologies.get_topology_desc(platform="tpu", topology_name=self.raw, **dict(self.kwargs))
+        except Exception as err:  # noqa: BLE001 - libtpu's own message, one line
+            first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+            raise UserError(f"libtpu cannot describe topology {self.name!r} ({self.raw}): {first}") from None
+        return list(desc.devices)
+
+    def processes(self, devices: list[Any]) -> tuple[int, ...]:
+        per = collections.Counter(d.process_index for d in devices)
+        return tuple(per[p] for p in sorted(per))
+
+
+def valid_names() -> str:
+    return ", ".join(NAMED_TOPOLOGIES) + "; or a raw topology such as v6e:2x4 or v5p:2x2x2"
+
+
+def parse_topology(name: str) -> TpuTopology:
+    """``v6e-8`` / ``v6e:2x4`` -> :class:`TpuTopology`; unknown names list the valid ones."""
+    text = str(name).strip()
+    raw = NAMED_TOPOLOGIES.get(text.lower(), text.lower())
+    m = _RAW.match(raw)
+    if not m:
+        raise UserError(f"Unknown TPU topology {name!r}. Valid names: {valid_names()}.")
+    gen = m.group(1)
+    dims = [int(g) for g in m.groups()[1:] if g is not None]
+    if gen in ("v5p", "v4") and len(dims) != 3 or gen in ("v6e", "v5e") and len(dims) != 2:
+        want = "three dimensions (e.g. v5p:2x2x2)" if gen in ("v5p", "v4") else "two dimensions (e.g. v6e:2x4)"
+        raise UserError(f"TPU topology {name!r}: {gen} topologies have {want}. Valid names: {valid_names()}.")
+    if any(d < 1 for d in dims):
+        raise UserError(f"TPU topology {name!r} has a zero dimension. Valid names: {valid_names()}.")
+    chips = 1
+    for d in dims:
+        chips *= d
+    kwargs: dict[str, Any] = {}
+    if gen in ("v6e", "v5e") and chips <= 8:
+        kwargs["chips_per_host_bounds"] = (dims[0], dims[1], 1)  # one host holds the whole slice
+    if gen in ("v5p", "v4"):
+        kwargs["chip_config_name"] = "megacore"  # one JAX device per chip, as on the pods
+    return TpuTopology(name=text, raw=raw, chip=CHIPS[gen], chips=chips, kwargs=tuple(sorted(kwargs.items())))
+
+
+INSTALL_HINT = 'pip install "grpo-jax[plan]"  (or: pip install libtpu)'
+
+
+def libtpu_available() -> bool:
+    return importlib.util.find_spec("libtpu") is not None
+
+
+def require_libtpu() -> None:
+    if not libtpu_available():
+        raise UserError(
+            "grpo plan compiles with the TPU compiler, which ships in the libtpu package, and libtpu is not "
+            f"installed. Install it with: {INSTALL_HINT}. It needs no TPU and does not change which backend "
+            "`grpo run` uses on a CPU or GPU machine."
+        )
+
+
+__all__ = ["CHIPS", "ChipSpec", "NAMED_TOPOLOGIES", "TpuTopology", "libtpu_available", "parse_topology",
+           "require_libtpu", "valid_names"]

@@ -1,0 +1,179 @@
+"""`grpo plan`: the run's programs compiled by the TPU compiler (libtpu) for a pod this
+machine does not have. Tiny shapes: each plan compiles in seconds."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+pytest.importorskip("libtpu")
+
+from grpo.core.cli import cli  # noqa: E402
+
+TINY = {
+    "model": {"source": "random", "random": {"preset": "tiny"}, "param_dtype": "bfloat16",
+              "compute_dtype": "bfloat16", "remat": "full"},
+    "task": {"name": "arithmetic"},
+    "rollout": {"num_generations": 4, "max_prompt_length": 16, "max_new_tokens": 16},
+    "train": {"prompts_per_step": 8, "micro_batch_size": 8},
+    "loss": {"impl": "jax"},
+}
+
+
+@pytest.fixture
+def tiny_config(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump(TINY))
+    return str(path)
+
+
+def plan(*args: str) -> tuple[int, dict | str]:
+    res = CliRunner().invoke(cli, ["plan", *args], catch_exceptions=False)
+    if res.exit_code == 0 and "--json" in args:
+        return 0, json.loads(res.output)
+    return res.exit_code, res.output  # stdout and stderr together
+
+
+KEYS = {"topology", "processes", "devices", "mesh", "hbm_bytes_per_device", "programs", "peak_bytes_per_device",
+        "fits", "margin_bytes", "compiler_error"}
+PROGRAM_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "flops", "bytes_accessed", "roofline_s"}
+
+
+def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config):
+    code, small = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "train.micro_batch_size=4")
+    assert code == 0, small
+    code, big = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "train.micro_batch_size=32")
+    assert code == 0, big
+    for rep in (small, big):
+        assert KEYS <= set(rep)
+        assert rep["processes"] == 1 and rep["devices"] == 4
+        assert rep["mesh"] == {"dp": 1, "fsdp": 4, "tp": 1}
+        assert rep["fits"] is True and rep["compiler_error"] is None
+        assert rep["margin_bytes"] == rep["hbm_bytes_per_device"] - rep["peak_bytes_per_device"] > 0
+        assert set(rep["programs"]) == {"prefill", "decode", "update"}  # beta = 0: no reference pass
+        for p in rep["programs"].values():
+            assert PROGRAM_KEYS <= set(p)
+            assert p["argument_bytes"] > 0 and p["flops"] > 0 and p["roofline_s"] > 0
+    s, b = small["programs"]["update"], big["programs"]["update"]
+    assert b["temp_bytes"] > s["temp_bytes"]
+    assert big["peak_bytes_per_device"] >= small["peak_bytes_per_device"]
+    # The rollout does not depend on the micro-batch.
+    assert small["programs"]["decode"]["temp_bytes"] == big["programs"]["decode"]["temp_bytes"]
+    # 4 times the rows per micro-batch, the same step: the same flops.
+    assert s["flops"] == pytest.approx(b["flops"])
+
+
+def test_multi_host_plan_with_reference_pass(tiny_config):
+    code, rep = plan(tiny_config, "--topology", "v6e:4x4", "--json", "--set", "train.prompts_per_step=16",
+                     "--set", "train.micro_batch_size=16", "--set", "loss.beta=0.04")
+    assert code == 0, rep
+    assert rep["processes"] == 4 and rep["devices"] == 16
+    assert rep["mesh"] == {"dp": 1, "fsdp": 16, "tp": 1}
+    assert rep["fits"] is True
+    assert set(rep["programs"]) == {"prefill", "decode", "reference", "update"}
+    assert rep["state_bytes_per_device"]["reference_parameters"] == rep["state_bytes_per_device"]["parameters"]
+
+
+def test_pallas_loss_compiles_with_mosaic_for_the_mesh_platform(tiny_config):
+    # On this CPU host jax.default_backend() is cpu; the kernels must compile for the TPU
+    # mesh (Mosaic, not interpret mode) at several block sizes.
+    for bt, bv in ((16, 128), (256, 512)):
+        code, rep = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "loss.impl=pallas",
+                         "--set", f"loss.options={{block_t: {bt}, block_v: {bv}}}")
+        assert code == 0, rep
+        assert rep["fits"] is True and rep["compiler_error"] is None
+        assert rep["programs"]["update"]["temp_bytes"] is not None
+
+
+def test_a_config_too_large_for_the_chip_is_a_successful_plan_that_does_not_fit(tiny_config):
+    # 2 layers with a 64M-wide MLP: ~26 G parameters, far beyond 4 x 31 GiB.
+    code, rep = plan(tiny_config, "--topology", "v6e:2x2", "--json",
+                     "--set", "model.random.overrides={intermediate_size: 67108864}")
+    assert code == 0, rep
+    assert rep["fits"] is False
+    assert rep["margin_bytes"] is None or rep["margin_bytes"] < 0
+    assert rep["compiler_error"] is None or "memory" in rep["compiler_error"].lower() or "hbm" in rep["compiler_error"].lower()
+    if rep["compiler_error"] is None:
+        assert rep["peak_bytes_per_device"] > rep["hbm_bytes_per_device"]
+
+
+def test_search_returns_the_boundary(tiny_config):
+    # A 1M-token vocabulary and the jax loss: ~1 GiB of logits per row per device, so the
+    # largest micro-batch that fits lies well inside the candidates.
+    args = [tiny_config, "--topology", "v6e:2x2", "--json", "--search", "train.micro_batch_size",
+            "--set", "model.random.overrides={vocab_size: 1048576}", "--set", "rollout.max_new_tokens=64",
+            "--set", "train.prompts_per_step=64", "--set", "rollout.num_generations=4"]
+    code, rep = plan(*args)
+    assert code == 0, rep
+    s = rep["search"]
+    assert s["field"] == "train.micro_batch_size"
+    tried = dict((v, ok) for v, ok in s["tried"])
+    best = s["max_fitting"]
+    assert best is not None and tried[best] is True
+    candidates = [m for m in (4, 8, 16, 32, 64, 128, 256)]
+    nxt = candidates[candidates.index(best) + 1]
+    assert tried[nxt] is False  # the next valid value up was tried and does not fit
+    assert rep["shape"]["micro_batch_size"] == best and rep["fits"] is True
+
+
+def test_unknown_topology_lists_the_valid_ones(tiny_config):
+    code, out = plan(tiny_config, "--topology", "v7x-9")
+    assert code == 2
+    assert "Unknown TPU topology 'v7x-9'" in out and "v6e-8" in out and "v6e:2x4" in out
+    assert "Traceback" not in out
+
+
+def test_topology_the_mesh_policy_cannot_lay_out(tiny_config):
+    code, out = plan(tiny_config, "--topology", "v6e:2x2", "--set", "mesh.policy=explicit",
+                     "--set", "mesh.options={shape: '1,3,1'}")
+    assert code == 2
+    assert "v6e:2x2" in out and "mesh" in out and "Traceback" not in out
+
+
+def test_without_libtpu_plan_exits_2_with_the_install_command(tiny_config, monkeypatch):
+    import grpo.engine.tpu as tpu
+
+    monkeypatch.setattr(tpu, "libtpu_available", lambda: False)
+    code, out = plan(tiny_config, "--topology", "v6e-8")
+    assert code == 2
+    assert 'pip install "grpo-jax[plan]"' in out and "Traceback" not in out
+    assert len([ln for ln in out.strip().splitlines() if ln.strip()]) == 1  # one paragraph
+
+
+def test_topology_names():
+    from grpo.core.errors import UserError
+    from grpo.engine.tpu import parse_topology
+
+    t = parse_topology("v6e-8")
+    assert t.raw == "v6e:2x4" and t.chips == 8 and dict(t.kwargs)["chips_per_host_bounds"] == (2, 4, 1)
+    assert parse_topology("v6e-16").raw == "v6e:4x4" and parse_topology("v6e-16").kwargs == ()
+    assert parse_topology("v5p-8").raw == "v5p:2x2x1" and parse_topology("v5p-8").chips == 4
+    assert parse_topology("v4-8").raw == "v4:2x2x1"
+    assert parse_topology("v6e:2x4").chips == 8
+    with pytest.raises(UserError, match="two dimensions"):
+        parse_topology("v6e:2x2x2")
+
+
+@pytest.mark.parametrize("name,processes,per_process", [("v6e-8", 1, 8), ("v6e-16", 4, 4), ("v5p-8", 1, 4)])
+def test_topology_devices(name, processes, per_process):
+    from grpo.engine.tpu import parse_topology
+
+    t = parse_topology(name)
+    devices = t.devices()
+    assert t.processes(devices) == (per_process,) * processes
+    assert all(d.platform == "tpu" for d in devices)
+
+
+def test_known_hub_ids_resolve_to_presets_without_downloads():
+    from grpo.core.config import ModelConfig
+    from grpo.core.errors import UserError
+    from grpo.models.loading import architecture
+    from grpo.models.presets import preset_config
+
+    arch = architecture(ModelConfig(source="hf", path="Qwen/Qwen2.5-3B-Instruct"))
+    assert arch == preset_config("qwen2.5-3b")
+    with pytest.raises(UserError, match="model.source=random"):
+        architecture(ModelConfig(source="hf", path="someone/unknown-model"))
