@@ -117,8 +117,10 @@ def plot(run_dir, output) -> None:
 @_set_option
 @click.option("--search", "search_field", metavar="FIELD",
               help="Find the largest value that fits: train.micro_batch_size or train.prompts_per_step.")
+@click.option("--hbm-limit", type=click.FloatRange(min=0, min_open=True), metavar="GIB",
+              help="Plan against this much HBM per chip (GiB) instead of all of it, to keep headroom.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan(config_path, topology, overrides, search_field, as_json) -> None:
+def plan(config_path, topology, overrides, search_field, hbm_limit, as_json) -> None:
     """Compile CONFIG's programs for a TPU pod (no TPU needed): memory per chip, fit, roofline.
 
     The programs `grpo run` executes (prefill, decode, the reference pass when beta > 0,
@@ -138,7 +140,7 @@ def plan(config_path, topology, overrides, search_field, as_json) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from grpo.engine.plan import Planner, format_report, search
 
-    planner = Planner(topo)
+    planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None)
     if search_field:
         result = search(config_path, list(overrides), search_field, planner)
         report = dict(result["plan"])

@@ -185,7 +185,7 @@ class Planner:
     """Plans one config on one topology; compiled program results are cached by the
     config fields they depend on, so a search recompiles only what changes."""
 
-    def __init__(self, topology: str | TpuTopology):
+    def __init__(self, topology: str | TpuTopology, *, hbm_bytes: int | None = None):
         require_libtpu()
         self.topology = parse_topology(topology) if isinstance(topology, str) else topology
         self.devices = self.topology.devices()
@@ -194,6 +194,13 @@ class Planner:
             process_count=len(counts), local_device_count=counts[0], devices_per_process=counts, platform="tpu"
         )
         self._cache: dict[tuple, ProgramResult] = {}
+        chip_hbm = self.topology.chip.hbm_bytes
+        if hbm_bytes is not None and not 0 < hbm_bytes <= chip_hbm:
+            raise UserError(
+                f"--hbm-limit must be above 0 and at most the {chip_hbm / (1 << 30):.2f} GiB a "
+                f"{self.topology.chip.generation} chip has (got {hbm_bytes / (1 << 30):.3f} GiB)."
+            )
+        self.hbm_bytes = hbm_bytes or chip_hbm
 
     # ------------------------------------------------------------------ one config
 
@@ -293,7 +300,7 @@ class Planner:
             results.append(self._cache[key])
 
         costs = program_costs(programs, arch, self.topology.chip)
-        hbm = self.topology.chip.hbm_bytes
+        hbm = self.hbm_bytes
         resident_total = state["parameters"] + state["optimizer_state"] + state["reference_parameters"]
         report_programs: dict[str, Any] = {}
         peaks: list[int] = []
@@ -337,6 +344,7 @@ class Planner:
             "mesh": layout.shape,
             "mesh_warnings": list(layout.warnings),
             "hbm_bytes_per_device": hbm,
+            "chip_hbm_bytes": self.topology.chip.hbm_bytes,
             "state_bytes_per_device": state,
             "programs": report_programs,
             "peak_bytes_per_device": peak,
@@ -362,10 +370,18 @@ class Planner:
         }
 
     def _compile(self, name: str, lower: Callable, takes: tuple[str, ...]) -> ProgramResult:
+        import jax
+
+        # A compile-only TPU client can neither read nor usefully write the persistent
+        # compilation cache of this host's backend.
+        cache_on = jax.config.jax_enable_compilation_cache
+        jax.config.update("jax_enable_compilation_cache", False)
         try:
             compiled = lower().compile()
         except Exception as err:  # noqa: BLE001 - the compiler's verdict is the plan's result
             return ProgramResult(name, None, {}, _compiler_text(err), takes)
+        finally:
+            jax.config.update("jax_enable_compilation_cache", cache_on)
         ma = compiled.memory_analysis()
         arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                                  ma.temp_size_in_bytes)
@@ -432,40 +448,44 @@ def search(config_path: str, overrides: list[str], field: str, planner: Planner,
     if field == "train.micro_batch_size":
         values = _candidates_micro(base, planner)
     else:
-        values = [p for p in range(1, limit + 1) if valid_prompts(base, p, planner)]
+        values = [p for p in range(1, limit + 1) if valid_prompts(base, p, planner)][:4096]
     if not values:
         raise UserError(f"--search {field}: no value is valid for this config on {planner.topology.name}.")
-    # Doubling: indices of values at least twice the previous value.
-    lo, hi = None, None  # last fitting index, first failing index
-    i = 0
-    while True:
-        if fits(values[i]):
-            lo = i
-            target = values[i] * 2
-            nxt = next((j for j in range(i + 1, len(values)) if values[j] >= target), None)
-            if nxt is None:
-                if i + 1 < len(values) and values[-1] not in reports:
-                    i = len(values) - 1
-                    continue
-                break
-            i = nxt
-        else:
-            hi = i
-            break
-    if lo is not None and hi is not None:
-        a, b = lo, hi
-        while b - a > 1:
-            mid = (a + b) // 2
-            if fits(values[mid]):
-                a = mid
+    # Start at the config's value; double up while it fits (halve down while it does not),
+    # then bisect between the last value that fits and the first that does not.
+    current = base.micro_batch_size if field == "train.micro_batch_size" else base.train.prompts_per_step
+    i = values.index(current) if current in values else 0
+    lo: int | None = None  # index of the largest value known to fit
+    hi: int | None = None  # index of the smallest value known not to fit
+    if fits(values[i]):
+        lo = i
+        while hi is None and lo < len(values) - 1:
+            j = next((k for k in range(lo + 1, len(values)) if values[k] >= 2 * values[lo]), len(values) - 1)
+            if fits(values[j]):
+                lo = j
             else:
-                b = mid
-        lo = a
+                hi = j
+    else:
+        hi = i
+        while lo is None and hi > 0:
+            j = max((k for k in range(hi) if values[k] <= values[hi] // 2), default=0)
+            if fits(values[j]):
+                lo = j
+            else:
+                hi = j
+    if lo is not None and hi is not None:
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if fits(values[mid]):
+                lo = mid
+            else:
+                hi = mid
     best = values[lo] if lo is not None else None
     return {
         "field": field,
         "max_fitting": best,
         "tried": tried,
+        "candidates": values,
         "plan": reports[best] if best is not None else reports[values[0]],
     }
 

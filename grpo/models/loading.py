@@ -549,7 +549,7 @@ def abstract_model(model_config: Any, mesh: Mesh) -> tuple[Any, Any, Qwen2Config
     shardings = param_shardings(config, mesh)
     params = nnx.from_flat_state(
         [
-            (path, var.replace(jax.ShapeDtypeStruct(var.value.shape, var.value.dtype, sharding=shardings[_dotted(path)])))
+            (path, var.replace(jax.ShapeDtypeStruct(var.get_value().shape, var.get_value().dtype, sharding=shardings[_dotted(path)])))
             for path, var in flat
         ]
     )
