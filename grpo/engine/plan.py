@@ -282,7 +282,8 @@ class Planner:
             return sampler.decode_jit().lower(params, KVCache(k=kv, v=kv), logits, toks, toks, raw, key_impl=impl)
 
         def reference_lower():
-            return programs.reference().lower(params, batch)
+            # The trainer runs it before the update, on the batch without ref log-probs.
+            return programs.reference().lower(params, batch._replace(ref_logprobs=None))
 
         def update_lower():
             return programs.update(params, opt_state).lower(params, opt_state, batch)

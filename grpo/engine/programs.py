@@ -101,27 +101,27 @@ class RunPrograms:
         return self.update_step.jit(params, opt_state)
 
     def reference(self):
-        """The jitted reference pass ``(ref_params, UpdateBatch) -> [B, N] log-probs``,
-        or None when ``loss.beta == 0`` (no reference model exists then)."""
+        """The jitted reference pass ``(ref_params, UpdateBatch) -> [B, N] log-probs``
+        (micro-batched, through the loss plugin's log-prob path), or None when
+        ``loss.beta == 0`` (no reference model exists then)."""
         if self.config.loss.beta <= 0:
             return None
-        method = getattr(self.update_step, "reference_logprobs", None)
-        if method is not None:
-            return jax.jit(method)
-        from grpo.engine.update import token_logprobs
-
-        graphdef, temperature = self.graphdef, self.config.rollout.temperature
-        return jax.jit(lambda p, b: token_logprobs(nnx.merge(graphdef, p), b, temperature))
+        return self.update_step.jit_reference()
 
     def init_opt_state(self, params: Any) -> Any:
-        """The optimizer state of concrete ``params``, each moment in its parameter's
-        sharding (an eager init keeps it; a jitted one may replicate) and scalars
-        replicated."""
+        """The optimizer state of concrete ``params`` (with the f32 master copy when the
+        run keeps master weights), each leaf in its parameter's sharding (an eager init
+        keeps it; a jitted one may replicate) and scalars replicated."""
         replicated = self.replicated
         return jax.tree.map(
             lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
-            self.optimizer.init(params),
+            self._init_opt_state(params),
         )
+
+    def _init_opt_state(self, params: Any) -> Any:
+        from grpo.engine.update import init_optimizer_state
+
+        return init_optimizer_state(self.optimizer, params, master_weights=self.config.master_weights)
 
     # ------------------------------------------------------------------ abstract state (grpo plan)
 
@@ -130,7 +130,7 @@ class RunPrograms:
         the optimizer's init, shardings matched to the parameter each leaf mirrors (the
         same path suffix and shape; f32 master copies and moments alike), the rest
         replicated."""
-        shapes = jax.eval_shape(self.optimizer.init, params)
+        shapes = jax.eval_shape(self._init_opt_state, params)
         by_path: dict[tuple, Any] = {}
         for path, leaf in jax.tree_util.tree_leaves_with_path(params):
             by_path[_path_key(path)] = leaf
@@ -182,6 +182,7 @@ class RunPrograms:
             advantages=arr((b,), jnp.float32),
             old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
             ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
+            sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.tis_cap > 0 else None,
         )
 
 
@@ -224,6 +225,7 @@ def build_programs(
         optimizer=optimizer,
         micro_batches=config.sequences_per_step // config.micro_batch_size,
         mesh=mesh,
+        master_weights=config.master_weights,
     )
     return RunPrograms(
         config=config,
