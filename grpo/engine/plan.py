@@ -256,10 +256,15 @@ class Planner:
             data = config.model_dump(mode="json")
             for path in exclude:
                 sec, _, field = path.partition(".")
-                data.get(sec, {}).pop(field, None)
+                if field:
+                    data.get(sec, {}).pop(field, None)
+                else:
+                    data.pop(sec, None)
             return (name, json.dumps(data, sort_keys=True))
 
-        rollout_only = ("train.micro_batch_size", "train.ppo_epochs")
+        # What the rollout programs do not depend on (a search recompiles only the update).
+        rollout_only = ("train.micro_batch_size", "train.ppo_epochs", "train.optimizer", "train.steps", "loss",
+                        "eval", "checkpoint", "logging", "name")
         results: list[ProgramResult] = []
 
         def prefill_lower():

@@ -85,6 +85,12 @@ class TpuTopology:
     def devices(self) -> list[Any]:
         """The pod's devices (``TpuDevice`` with process indices), from libtpu."""
         require_libtpu()
+        import os
+
+        # Describing a topology loads libtpu without claiming any TPU; without this, a
+        # second process (a plan beside a run on a TPU VM, parallel tests) hits libtpu's
+        # single-process lockfile.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         from jax.experimental import topologies
 
         try:

@@ -29,9 +29,13 @@ Two schedules of the same block math (``_online_update``, ``_dlogits``):
 Both schedules run in interpret mode on CPU, which is how they are tested (the grid
 schedule also under the TPU interpreter, with race detection across two cores). The
 tests also lower both for their hardware by cross-platform export (grid -> Mosaic TPU,
-loop -> Triton), which runs the backends' lowering rules (tiling, power-of-two sizes,
-supported ops); the final Mosaic/PTX compilation and execution on a TPU or GPU have not
-been run.
+loop -> Triton), and compile the grid schedule with the real TPU compiler for a v6e
+topology (libtpu, no TPU needed; ``grpo plan`` does the same at the run's shapes), so
+Mosaic's own checks (tiling, VMEM) run; execution on a TPU or GPU has not been run.
+
+The platform compiled for is the mesh's (set by the engine while it traces the loss, see
+:func:`grpo.core.contracts.compiling_for`), not ``jax.default_backend()``: ``grpo plan``
+compiles Mosaic kernels for a TPU mesh on a CPU host.
 
 Numerics: matmuls take the input dtype and accumulate in f32 (f32 inputs use
 ``Precision.HIGHEST``), the log-sum-exp, softmax and entropy run in f32, and ``dlogits``
@@ -623,6 +627,17 @@ DEFAULTS = {  # backend -> (block_t, block_v, block_d)
 }
 
 
+# Scoped VMEM the grid kernels may request (v5e/v6e have 128 MiB per core).
+VMEM_CAP = 100 << 20
+
+
+def _grid_vmem_estimate(bt: int, bv: int, hidden_size: int, dtype) -> int:
+    """VMEM bytes of the largest grid kernel (dW): double-buffered H and W blocks, the f32
+    accumulator and the output block, and the f32 [bt, bv] logits temporaries."""
+    item = jnp.dtype(dtype).itemsize
+    return 2 * (bt * hidden_size + hidden_size * bv) * item + hidden_size * bv * (4 + 2 * item) + 8 * bt * bv * 4
+
+
 def _pow2(x: int) -> bool:
     return x > 0 and x & (x - 1) == 0
 
@@ -673,10 +688,18 @@ def resolve_config(options, *, dtype, hidden_size: int, backend: str | None = No
         raise UserError("The pallas loss cannot tile these block sizes:", problems=problems)
     vmem = None
     if kind == "tpu" and not interpret and schedule == "grid":
-        item = jnp.dtype(dtype).itemsize
-        # dW kernel: double-buffered H and W blocks, f32 accumulator and output block.
-        est = 2 * (bt * hidden_size + hidden_size * bv) * item + hidden_size * bv * (4 + 2 * item) + 8 * bt * bv * 4
-        vmem = int(min(max(est * 3 // 2, 32 << 20), 100 << 20))
+        est = _grid_vmem_estimate(bt, bv, hidden_size, dtype)
+        if est > VMEM_CAP:
+            # Mosaic refuses these at compile time (CompileTimeScopedVmemOom); measured for
+            # v6e with D=2048 bf16: 512 x 2048 (est. 84 MiB) compiles, 1024 x 4096
+            # (est. 232 MiB) does not.
+            raise UserError(
+                "The pallas loss cannot tile these block sizes:",
+                problems=[f"loss.options.block_t={bt} x block_v={bv} needs about {est >> 20} MiB of TPU VMEM at "
+                          f"hidden size {hidden_size} ({jnp.dtype(dtype).name}), more than the "
+                          f"{VMEM_CAP >> 20} MiB the kernels may use; use smaller blocks (default 256 x 512)"],
+            )
+        vmem = int(min(max(est * 3 // 2, 32 << 20), VMEM_CAP))
     return KernelConfig(block_t=bt, block_v=bv, block_d=bd, schedule=schedule, interpret=bool(interpret),
                         backend=kind, vmem_limit_bytes=vmem, opaque=_OPAQUE[-1])
 
