@@ -244,3 +244,14 @@ def test_block_sizes_mosaic_rejects_are_refused_before_compiling():
         _pallas.resolve_config(PallasLossOptions(block_t=24), dtype=jnp.bfloat16, hidden_size=256, backend="tpu")
     # Mosaic's own verdict on such a size (CompileTimeScopedVmemOom) takes minutes to
     # reach on 2 cores, so it is recorded in _pallas.VMEM_CAP's comment, not re-run here.
+
+
+def test_libtpu_does_not_change_the_backend_grpo_run_picks():
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "JAX_PLATFORM_NAME")}
+    out = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().splitlines()[-1] == "cpu"
