@@ -11,7 +11,9 @@ optimizer state stay resident between programs, so a program that does not take 
 them as arguments (the rollout does not take the optimizer state) still has them beside
 it: ``peak`` is the largest ``program bytes + resident state it does not take``. ``fits``
 is ``peak <= usable HBM`` — the compiler does not always refuse a program that exceeds
-HBM — and when the compiler does refuse one its message is reported.
+HBM — and when the compiler does refuse one its message is reported, and the peak is the
+temporaries it names plus the state the program takes and the resident state (a lower
+bound: its other arguments and outputs are not known then).
 
 Time: ``cost_analysis()`` counts the body of a while loop or scan once, whatever its trip
 count (checked: the flops of a 1-, 10- and 100-step ``fori_loop`` are equal), and a Pallas
@@ -330,7 +332,9 @@ class Planner:
                 errors.append(f"{r.name}: {r.error}")
                 need = _first_size(r.error) if "memory" in r.error.lower() or "hbm" in r.error.lower() else None
                 if need is not None:
-                    entry["peak_bytes"] = need + resident
+                    # The message counts the program's temporaries; its state arguments
+                    # (parameters, optimizer state) come on top: a lower bound on the peak.
+                    entry["peak_bytes"] = need + sum(state[t] for t in r.takes) + resident
                     peaks.append(entry["peak_bytes"])
             report_programs[r.name] = entry
 
