@@ -158,6 +158,10 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
         "token_mean", description="How per-token losses become one number (see grpo.LossSettings)."
     )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="Entropy bonus: -entropy_coef x the token entropy joins the loss (keeps exploring); 0 = off.",
+    )
 
 
 class TaskConfig(Section):
@@ -208,6 +212,9 @@ class EvalConfig(Section):
     k: int = Field(1, ge=1, le=1024, description="Samples per prompt for pass@k / mean@k.")
     greedy: bool = Field(True, description="pass@1 by greedy decoding (k must be 1) or by sampling.")
     batch_size: int = Field(64, ge=1, le=1_000_000, description="Prompts per evaluation batch.")
+    at_start: bool = Field(
+        True, description="With every_n_steps > 0, also evaluate before the first step (the step-0 baseline of the curve)."
+    )
 
     @model_validator(mode="after")
     def _greedy(self):
@@ -270,6 +277,7 @@ class RunConfig(Section):
             temperature=self.rollout.temperature,
             aggregation=self.loss.aggregation,
             max_completion_length=self.rollout.max_new_tokens,
+            entropy_coef=self.loss.entropy_coef,
         )
 
     def to_yaml(self) -> str:

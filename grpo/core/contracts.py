@@ -144,6 +144,9 @@ class LossSettings:
     - ``beta``: weight of the k3 KL estimate to the reference policy; 0 disables it and
       the reference log-probs are never needed.
     - ``temperature``: divides the logits before the log-softmax (the sampler's too).
+    - ``entropy_coef``: weight of an entropy bonus: ``- entropy_coef * H`` is added to each
+      valid token's loss (``H`` the entropy of the full next-token distribution at the
+      temperature), aggregated like the policy term; 0 disables it.
     - ``aggregation``: ``token_mean`` (sum over valid tokens / valid-token count),
       ``sequence_mean`` (mean over sequences of each sequence's token mean), ``constant``
       (sum over valid tokens / (sequences * ``max_completion_length``), Dr.GRPO).
@@ -154,6 +157,7 @@ class LossSettings:
     beta: float = 0.0
     temperature: float = 1.0
     aggregation: Aggregation = "token_mean"
+    entropy_coef: float = 0.0
     max_completion_length: int = 1
 
     def normalizer(self, mask: "jax.Array") -> "jax.Array":
@@ -255,6 +259,11 @@ class TaskPlugin(_PluginBase):
         example: check its fields and parse its ground truth, raising
         :class:`grpo.UserError` that names ``where`` when it can't. Default: unchanged."""
         return dict(record)
+
+    def uses_chat_template(self, *, options: BaseModel) -> bool:
+        """Whether prompts go through the tokenizer's chat template (when it has one);
+        false renders the message contents alone. Default: true."""
+        return True
 
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         """Weight of each reward function in the total; default 1.0 each."""

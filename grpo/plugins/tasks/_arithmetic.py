@@ -48,9 +48,11 @@ soonest and is the better choice for a short CPU demo.
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import random
 import re
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Literal, Mapping
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -58,7 +60,7 @@ from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
 from grpo.plugins.tasks._common import merge_weights, require_text
 
-DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "close": 0.5, "length": 0.25, "format": 0.25}
+DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.0, "close": 0.5, "length": 0.25, "format": 0.25}
 
 _MAX_RUN = 18  # longer digit runs are far from any answer; never turn them into huge ints
 _LEADING_DIGITS = re.compile(r"[0-9]*")
@@ -70,6 +72,20 @@ class ArithmeticOptions(PluginOptions):
     num_test_examples: int = Field(200, ge=1, le=10_000_000, description="Test examples to generate.")
     min_operand: int = Field(0, ge=0, le=10**9, description="Smallest operand.")
     max_operand: int = Field(9, ge=0, le=10**9, description="Largest operand (9: single-digit additions, answers of 1-2 digits).")
+    max_sum: int | None = Field(
+        None, ge=0, le=2 * 10**9,
+        description="add: keep only pairs whose sum is at most this (9: one-digit answers); none = every pair.",
+    )
+    operation: Literal["add", "copy"] = Field(
+        "add", description="add: 'a+b=' -> a+b; copy: 'a=' -> a (a trivially routed check that the policy reads its prompt)."
+    )
+    test_fraction: float = Field(
+        0.2, gt=0.0, lt=1.0,
+        description="Share of the distinct prompts held out for the test split; training never sees them.",
+    )
+    chat_template: bool = Field(
+        True, description="Render the prompt through the tokenizer's chat template; false = the bare question text."
+    )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),
         description="Weight of each reward in the total (correct, close, length, format); unnamed ones keep their defaults.",
@@ -95,13 +111,73 @@ def _options(options: Any) -> ArithmeticOptions:
     raise TypeError(f"expected ArithmeticOptions, got {type(options).__name__}")
 
 
-def generate(*, split: str, seed: int, count: int, low: int, high: int) -> list[dict[str, Any]]:
-    """``count`` additions ``a+b=`` with operands in [low, high], deterministic in (seed, split)."""
+_ENUMERATE_LIMIT = 100_000  # prompt spaces up to this size are listed and split exactly
+
+
+def _held_out(key: tuple[int, ...], *, seed: int, fraction: float) -> bool:
+    """Whether the prompt ``key`` belongs to the test split of a space too large to list:
+    a hash of (seed, key) in [0, 1) below ``fraction``."""
+    digest = hashlib.blake2b(f"grpo.arithmetic/{seed}/{key}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") / 2.0**64 < fraction
+
+
+def _allowed(key: tuple[int, ...], max_sum: int | None) -> bool:
+    return max_sum is None or len(key) == 1 or sum(key) <= max_sum
+
+
+def _example(key: tuple[int, ...], *, split: str, index: int) -> dict[str, Any]:
+    if len(key) == 1:  # copy
+        return {"question": f"{key[0]}=", "answer": str(key[0]), "split": split, "index": index}
+    a, b = key
+    return {"question": f"{a}+{b}=", "answer": str(a + b), "split": split, "index": index}
+
+
+def generate(
+    *, split: str, seed: int, count: int, low: int, high: int, operation: str = "add", test_fraction: float = 0.2,
+    max_sum: int | None = None,
+) -> list[dict[str, Any]]:
+    """Examples of ``split``, deterministic in (seed, split), on disjoint sets of prompts.
+
+    The distinct prompts (operand pairs for ``add``, single operands for ``copy``, each
+    operand in [low, high]) are divided once, by ``seed`` alone, into a held-out share
+    ``test_fraction`` and the rest. ``train`` draws ``count`` examples uniformly (with
+    repeats) from the rest; ``test`` lists up to ``count`` *distinct* held-out prompts,
+    so its accuracy is over prompts the policy never trained on.
+    """
+    arity = 1 if operation == "copy" else 2
+    width = high - low + 1
+    space = width**arity
     rng = random.Random(f"grpo.arithmetic/{seed}/{split}")
-    out = []
-    for index in range(count):
-        a, b = rng.randint(low, high), rng.randint(low, high)
-        out.append({"question": f"{a}+{b}=", "answer": str(a + b), "split": split, "index": index})
+    draw = lambda: tuple(rng.randint(low, high) for _ in range(arity))  # noqa: E731
+    if space <= _ENUMERATE_LIMIT:
+        keys = [k for k in itertools.product(range(low, high + 1), repeat=arity) if _allowed(k, max_sum)]
+        random.Random(f"grpo.arithmetic/{seed}/holdout").shuffle(keys)
+        n = len(keys)
+        n_test = min(max(1, round(test_fraction * n)), n - 1) if n > 1 else 0
+        test, train = keys[:n_test], keys[n_test:]
+        if not test or not train:
+            raise UserError(
+                f"The arithmetic task's operands [{low}, {high}] (max_sum {max_sum}) give {n} distinct prompt(s): too few to hold "
+                "some out for the test split. Widen task.options.min_operand/max_operand."
+            )
+        if split == "train":
+            return [_example(rng.choice(train), split=split, index=i) for i in range(count)]
+        return [_example(key, split=split, index=i) for i, key in enumerate(test[:count])]
+    # Too many prompts to list: membership by hash, examples by rejection sampling.
+    want_test = split != "train"
+    out: list[dict[str, Any]] = []
+    seen: set[tuple[int, ...]] = set()
+    # A split with fewer distinct prompts than asked ends after a bounded number of draws.
+    for _ in range(int(20 * count / min(test_fraction, 1 - test_fraction)) + 1000):
+        if len(out) == count:
+            break
+        key = draw()
+        if not _allowed(key, max_sum) or _held_out(key, seed=seed, fraction=test_fraction) != want_test or (
+            want_test and key in seen
+        ):
+            continue
+        seen.add(key)
+        out.append(_example(key, split=split, index=len(out)))
     return out
 
 
@@ -120,7 +196,8 @@ def arithmetic_rewards(completion: str, answer: str, *, scale: int) -> dict[str,
     else:
         close = 0.0
     correct = 1.0 if text == answer else 0.0
-    return {"correct": correct, "close": close, "length": length, "format": fmt}
+    prefix = 1.0 if run == answer else 0.0
+    return {"correct": correct, "prefix": prefix, "close": close, "length": length, "format": fmt}
 
 
 class ArithmeticTask(TaskPlugin):
@@ -139,6 +216,9 @@ class ArithmeticTask(TaskPlugin):
             count=count,
             low=options.min_operand,
             high=options.max_operand,
+            operation=options.operation,
+            test_fraction=options.test_fraction,
+            max_sum=options.max_sum,
         )
 
     def prepare_example(self, record: Mapping[str, Any], *, options: BaseModel, where: str = "row") -> dict[str, Any]:
@@ -155,6 +235,9 @@ class ArithmeticTask(TaskPlugin):
 
     def prompt_messages(self, example: Mapping[str, Any], *, options: BaseModel) -> list[dict[str, str]]:
         return [{"role": "user", "content": str(example["question"])}]
+
+    def uses_chat_template(self, *, options: BaseModel) -> bool:
+        return _options(options).chat_template
 
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
         scale = _scale(_options(options))

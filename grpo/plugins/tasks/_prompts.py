@@ -36,7 +36,10 @@ def render_messages(messages: Sequence[Mapping[str, str]], tokenizer: Any = None
 
 
 def render_prompt(task: TaskPlugin, options: BaseModel, example: Mapping[str, Any], tokenizer: Any = None) -> str:
-    """The prompt text of one example: the task's messages through :func:`render_messages`."""
+    """The prompt text of one example: the task's messages through :func:`render_messages`
+    (without the chat template when the task's ``uses_chat_template`` says so)."""
+    if not task.uses_chat_template(options=options):
+        tokenizer = None
     return render_messages(task.prompt_messages(example, options=options), tokenizer)
 
 
