@@ -132,6 +132,26 @@ def _example(key: tuple[int, ...], *, split: str, index: int) -> dict[str, Any]:
     return {"question": f"{a}+{b}=", "answer": str(a + b), "split": split, "index": index}
 
 
+def _hold_out(keys: list[tuple[int, ...]], n_test: int, *, stratify: bool) -> tuple[list, list]:
+    """The first ``n_test`` of the (shuffled) ``keys`` go to the test split — with
+    ``stratify``, skipping any whose sum no other remaining key shares, so every held-out
+    answer is also the answer of some training prompt (a policy can only learn to emit an
+    answer that some training prompt rewards)."""
+    if not stratify:
+        return keys[:n_test], keys[n_test:]
+    left: dict[int, int] = {}
+    for key in keys:
+        left[sum(key)] = left.get(sum(key), 0) + 1
+    test, train = [], []
+    for key in keys:
+        if len(test) < n_test and left[sum(key)] > 1:
+            test.append(key)
+            left[sum(key)] -= 1
+        else:
+            train.append(key)
+    return test, train
+
+
 def generate(
     *, split: str, seed: int, count: int, low: int, high: int, operation: str = "add", test_fraction: float = 0.2,
     max_sum: int | None = None,
@@ -154,7 +174,7 @@ def generate(
         random.Random(f"grpo.arithmetic/{seed}/holdout").shuffle(keys)
         n = len(keys)
         n_test = min(max(1, round(test_fraction * n)), n - 1) if n > 1 else 0
-        test, train = keys[:n_test], keys[n_test:]
+        test, train = _hold_out(keys, n_test, stratify=operation == "add")
         if not test or not train:
             raise UserError(
                 f"The arithmetic task's operands [{low}, {high}] (max_sum {max_sum}) give {n} distinct prompt(s): too few to hold "
