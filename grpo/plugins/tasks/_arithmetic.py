@@ -1,49 +1,54 @@
 """``arithmetic``: small additions generated from a seed — the quickstart's task.
 
-A prompt is the bare sum, ``"3+4="`` (one user message; with no chat template the
-rendered prompt is exactly that), and the ideal completion is the answer alone,
-``"7"``, then end-of-sequence. Examples are generated on the fly and need no download:
-``num_examples`` training and ``num_test_examples`` test additions of two operands drawn
-uniformly from ``[min_operand, max_operand]`` by a generator seeded with ``seed`` (the
-run's seed when unset) and the split name, so a split is the same on every run and host.
+A prompt is one user message, the bare sum ``"3+4="`` (``operation: copy``: ``"7="``),
+rendered through the tokenizer's chat template unless ``chat_template: false`` (then
+the prompt text is exactly ``"3+4="``). The ideal completion is the answer, ``"7"``.
+Examples are generated on the fly and need no download, deterministic in ``seed`` (the
+run's seed when unset):
 
-Rewards (each in [0, 1]). The completion is read with all whitespace removed, because a
-word-level tokenizer decodes ``1``, ``2`` as ``"1 2"``; its *leading digit run* is the
-model's answer.
+- The distinct prompts (operand pairs in ``[min_operand, max_operand]``, with a sum of at
+  most ``max_sum`` when set) are split once: a share ``test_fraction`` is held out for
+  the ``test`` split, chosen so that every held-out answer is also the answer of some
+  training prompt. ``train`` draws ``num_examples`` examples (with repeats) from the
+  rest; ``test`` lists up to ``num_test_examples`` distinct held-out prompts. So test
+  accuracy is measured on prompts the policy never trained on.
+- ``copy`` (``"7="`` -> ``"7"``) holds out whole operands, whose answers no training
+  prompt rewards; it exists as a conditioning check (does the policy read its prompt?),
+  evaluated on its training prompts (``task.eval_split: train``).
 
-- ``format``: 1 when the completion is only digits, 0.5 when it starts with digits and
-  then goes on (it did not stop), else 0.
+Rewards (each in [0, 1]). The completion is read with whitespace removed (Python's
+``str.split`` whitespace), because a word-level tokenizer decodes ``1``, ``2`` as
+``"1 2"``; its *leading digit run* is the model's answer.
+
+- ``correct``: 1 when the completion is exactly the answer (weight 1 by default).
+- ``prefix``: 1 when the leading digit run is exactly the answer, whatever follows
+  (weight 0.5): credit for the right number before the model has learned to stop.
+- ``close``: ``max(0, 1 - |answer - truth| / S)`` with ``S = max_operand - min_operand + 1``.
 - ``length``: 1 when the digit run has as many digits as the true answer.
-- ``close``: ``max(0, 1 - |answer - truth| / S)`` with ``S = max_operand - min_operand + 1``
-  (10 for single digits): partial credit for being near.
-- ``correct``: 1 when the completion is exactly the answer.
+- ``format``: 1 when the completion is only digits, 0.5 when it starts with digits and
+  then goes on, else 0.
 
-Why GRPO alone can learn this from a random initialisation
------------------------------------------------------------
-GRPO learns only from reward differences *within* a group of completions of one prompt;
-a sparse exact-match reward gives a random model groups of all-zero rewards (zero
-advantage, no gradient) almost every step. This reward is shaped so that the gradient
-is never empty and always points towards the exact answer:
+``close``, ``length`` and ``format`` have weight 0 by default (they are still computed
+and logged); ``reward_weights`` turns them on.
 
-1. ``format`` and ``length`` do not depend on the operands. A random model already puts
-   some probability on digit tokens and on stopping, so in a group of 8 some completions
-   score and some do not: from the first step the model learns to answer with a short
-   digit string and stop. Completions are 1-2 tokens, so credit assignment is trivial.
-2. ``close`` is dense and monotone in the distance to the truth. Once the model emits
-   numbers, two completions of one prompt almost always differ in distance, so the
-   advantage pushes probability towards the nearer one — first towards the typical sum,
-   then, as the operands' tokens start to matter, towards each prompt's own sum. The
-   first digit of a two-digit answer is rewarded through ``close`` too.
-3. Every shaping term is maximised by the exact answer, so no term can be gamed at the
-   expense of ``correct`` (a right-length wrong number still loses ``close`` and
-   ``correct``); ``correct`` adds the last step from "near" to "exact".
-4. The function to learn is tiny: with single-digit operands there are 100 prompts of 4
-   tokens and 19 possible answers, well within a 2-layer, 64-wide transformer.
-
-What limits progress is not the reward but exploration: once the model answers with
-one confident number, groups stop varying and GRPO's signal thins out. A smaller range
-(``max_operand: 4``: 25 prompts, one-digit answers) gets to above-chance accuracy
-soonest and is the better choice for a short CPU demo.
+Why the default reward is only the prompt-specific terms
+---------------------------------------------------------
+Measured with the quickstart's model (random 2-layer, 64-wide Qwen2, 16 samples x 8
+prompts a step, on CPU): with ``format``/``length``/``close`` weighted in (0.25, 0.25,
+0.5), within 100-300 steps GRPO collapses every prompt
+onto one constant answer — even on ``copy``, where the answer is the prompt's own
+digit. The policy gradient raises a sampled token's logit in proportion to its
+probability times its advantage, so a reward that every digit earns alike (``format``,
+``length``) makes the most likely digit grow fastest, for every prompt at once; and
+``close`` rewards the middle of the answer range on average over prompts. Group-std
+normalisation scales a group whose only differences are formatting up to the same
+strength as a group where one sample was right. Those prompt-independent signals win
+long before the policy routes each prompt's operands to its answer, and once every
+sample of a group agrees, the group's advantage is zero. ``correct`` and ``prefix``
+reward only the right answer of each prompt, so nothing pulls all prompts to one answer;
+the quickstart adds ``loss.entropy_coef`` so that a prompt answered wrongly keeps
+sampling other answers, and a larger initialisation so that the answer position sees
+its prompt from the start.
 """
 
 from __future__ import annotations
@@ -60,7 +65,7 @@ from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
 from grpo.plugins.tasks._common import merge_weights, require_text
 
-DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.0, "close": 0.5, "length": 0.25, "format": 0.25}
+DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "close": 0.0, "length": 0.0, "format": 0.0}
 
 _MAX_RUN = 18  # longer digit runs are far from any answer; never turn them into huge ints
 _LEADING_DIGITS = re.compile(r"[0-9]*")
@@ -222,7 +227,7 @@ def arithmetic_rewards(completion: str, answer: str, *, scale: int) -> dict[str,
 
 class ArithmeticTask(TaskPlugin):
     name: ClassVar[str] = "arithmetic"
-    description: ClassVar[str] = "Synthetic small additions ('3+4=' -> '7') with a shaped reward; the CPU quickstart's task."
+    description: ClassVar[str] = "Synthetic small additions ('3+4=' -> '7') with held-out test prompts; the CPU quickstart's task."
     Options: ClassVar[type[BaseModel]] = ArithmeticOptions
 
     def load(self, *, split: str, options: BaseModel, seed: int = 0) -> list[dict[str, Any]]:
