@@ -203,7 +203,9 @@ def test_missing_tensor_in_a_sharded_checkpoint_is_named():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "Unexpected architecture.*llama"),
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
+         r"Unexpected architecture.*'gemma'.*no installed model plugin handles.*llama \(llama\), qwen2 \(qwen2\), qwen3 \(qwen3\)"),
+        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "MoE Qwen3.*not implemented"),
         ({"architectures": ["Qwen2ForSequenceClassification"]}, "Qwen2ForSequenceClassification"),
         ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "sliding-window"),
         ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}, "yarn"),
