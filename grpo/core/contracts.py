@@ -256,6 +256,14 @@ class TaskPlugin(_PluginBase):
         :class:`grpo.UserError` that names ``where`` when it can't. Default: unchanged."""
         return dict(record)
 
+    def chat_template_kwargs(self, *, options: BaseModel) -> dict[str, Any]:
+        """Extra variables for the tokenizer's chat template (``apply_chat_template``
+        keyword arguments). Default: ``{"enable_thinking": options.enable_thinking}``
+        when the options have that field (Qwen3's thinking switch; templates without it
+        ignore it), else nothing."""
+        thinking = getattr(options, "enable_thinking", None)
+        return {} if thinking is None else {"enable_thinking": bool(thinking)}
+
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         """Weight of each reward function in the total; default 1.0 each."""
         return {name: 1.0 for name in self.reward_functions(options=options)}
