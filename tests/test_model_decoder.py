@@ -138,11 +138,12 @@ def test_repeated_cache_decodes_each_copy_like_a_full_forward():
 # --------------------------------------------------------------------------- dtypes, remat
 
 
-def test_bfloat16_compute_is_close_and_keeps_softmax_and_logits_in_float32():
+@pytest.mark.parametrize("name", ["tied", "qwen3_untied"])
+def test_bfloat16_compute_is_close_and_keeps_softmax_and_logits_in_float32(name):
     tokens, mask = padded_batch()
-    ref = logits_of(_model("tied"), tokens, mask)
+    ref = logits_of(_model(name), tokens, mask)
     for kwargs in ({"compute_dtype": "bfloat16"}, {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}):
-        model = _model("tied", **kwargs)
+        model = _model(name, **kwargs)
         assert model.embed[...].dtype == jnp.dtype(kwargs["param_dtype"] if "param_dtype" in kwargs else "float32")
         hidden = nnx.eval_shape(
             lambda m: m(jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask))[0], model

@@ -307,3 +307,30 @@ def test_decoder_config_fields_match_the_presets_field_list():
     from grpo.models.presets import CONFIG_FIELDS
 
     assert tuple(f.name for f in dataclasses.fields(DecoderConfig)) == CONFIG_FIELDS
+
+
+def test_random_init_of_a_family_preset_is_sharded_and_runs():
+    """`model.source: random` with a Qwen3 / Llama preset (shrunk by overrides): parameters
+    are born in their shardings, norms at one, and the forward pass runs."""
+    from jax.sharding import PartitionSpec as P
+
+    from _model_fixtures import mesh
+    from grpo.core.config import ModelConfig, RandomModelConfig
+    from grpo.models.loading import build_model
+
+    small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
+    tokens, mask = padded_batch(vocab=128)
+    for preset, family in (("qwen3-0.6b", "qwen3"), ("llama-3.2-1b", "llama")):
+        cfg = ModelConfig(source="random", architecture=family, random=RandomModelConfig(preset=preset, overrides=small))
+        model = build_model(cfg, mesh(fsdp=8), seed=0)
+        assert model.config.family == family and model.config.head_dim == 8
+        assert model.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
+        if family == "qwen3":
+            np.testing.assert_array_equal(np.asarray(model.layers.k_norm[...]), 1.0)
+        else:
+            assert dict(model.config.rope_scaling)["factor"] == 32.0
+        assert np.isfinite(logits_of(model, np.where(mask, tokens, 0), mask)).all()
+    with pytest.raises(UserError, match="is a qwen3 model"):
+        build_model(ModelConfig(source="random", architecture="llama",
+                                random=RandomModelConfig(preset="qwen3-0.6b", overrides=small)))
