@@ -310,8 +310,9 @@ def test_decoder_config_fields_match_the_presets_field_list():
 
 
 def test_random_init_of_a_family_preset_is_sharded_and_runs():
-    """`model.source: random` with a Qwen3 / Llama preset (shrunk by overrides): parameters
-    are born in their shardings, norms at one, and the forward pass runs."""
+    """`model.source: random` with a Qwen3 preset (shrunk by overrides): parameters are born
+    in their shardings, q/k norms at one, and the forward pass runs (Llama presets go
+    through the same plugin.build; their config is checked in the presets test)."""
     from jax.sharding import PartitionSpec as P
 
     from _model_fixtures import mesh
@@ -321,15 +322,12 @@ def test_random_init_of_a_family_preset_is_sharded_and_runs():
     small = {"vocab_size": 128, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 1,
              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 8}
     tokens, mask = padded_batch(vocab=128)
-    for preset, family in (("qwen3-0.6b", "qwen3"), ("llama-3.2-1b", "llama")):
+    for preset, family in (("qwen3-0.6b", "qwen3"),):
         cfg = ModelConfig(source="random", architecture=family, random=RandomModelConfig(preset=preset, overrides=small))
         model = build_model(cfg, mesh(fsdp=8), seed=0)
         assert model.config.family == family and model.config.head_dim == 8
         assert model.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
-        if family == "qwen3":
-            np.testing.assert_array_equal(np.asarray(model.layers.k_norm[...]), 1.0)
-        else:
-            assert dict(model.config.rope_scaling)["factor"] == 32.0
+        np.testing.assert_array_equal(np.asarray(model.layers.k_norm[...]), 1.0)
         assert np.isfinite(logits_of(model, np.where(mask, tokens, 0), mask)).all()
     with pytest.raises(UserError, match="is a qwen3 model"):
         build_model(ModelConfig(source="random", architecture="llama",
