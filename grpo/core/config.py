@@ -167,6 +167,11 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
         "token_mean", description="How per-token losses become one number (see grpo.LossSettings)."
     )
+    tis_cap: float = Field(
+        0.0, ge=0.0, le=1e6,
+        description="Truncated importance sampling of the sampler/trainer mismatch: weight each token by "
+        "min(exp(trainer - sampler log-prob), tis_cap); 0 = off (2.0 is a common choice).",
+    )
 
 
 class TaskConfig(Section):
@@ -187,6 +192,13 @@ class OptimizerConfig(Section):
     warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of the peak (cosine/linear).")
     max_grad_norm: float = Field(1.0, ge=0.0, le=1e6, description="Global-norm clipping; 0 = off.")
+    master_weights: bool = Field(
+        True,
+        description="With model.param_dtype below float32: keep an f32 master copy of the parameters in the "
+        "optimizer state (moments and gradient accumulation are f32 too); the parameters the model and the "
+        "sampler read are the master rounded. Off, a bf16 AdamW update at lr 1e-6 mostly rounds away. "
+        "No effect with float32 parameters.",
+    )
 
 
 class AdvantageConfig(Section):
@@ -279,7 +291,13 @@ class RunConfig(Section):
             temperature=self.rollout.temperature,
             aggregation=self.loss.aggregation,
             max_completion_length=self.rollout.max_new_tokens,
+            tis_cap=self.loss.tis_cap,
         )
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the update keeps an f32 master copy (parameters stored below f32)."""
+        return self.train.optimizer.master_weights and self.model.param_dtype != "float32"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

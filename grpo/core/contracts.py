@@ -147,6 +147,10 @@ class LossSettings:
     - ``aggregation``: ``token_mean`` (sum over valid tokens / valid-token count),
       ``sequence_mean`` (mean over sequences of each sequence's token mean), ``constant``
       (sum over valid tokens / (sequences * ``max_completion_length``), Dr.GRPO).
+    - ``tis_cap``: truncated importance sampling of the sampler/trainer mismatch; > 0
+      weights each token's policy-gradient term by ``min(exp(logp_old - logp_sampler),
+      tis_cap)`` (no gradient through the weight), where ``logp_old`` is the trainer's
+      log-prob before the update. 0 disables it and the sampler's log-probs are unused.
     """
 
     epsilon_low: float = 0.2
@@ -155,6 +159,7 @@ class LossSettings:
     temperature: float = 1.0
     aggregation: Aggregation = "token_mean"
     max_completion_length: int = 1
+    tis_cap: float = 0.0
 
     def normalizer(self, mask: "jax.Array") -> "jax.Array":
         """The aggregation's denominator for the batch whose completion mask is ``mask``
@@ -180,7 +185,9 @@ class LossPlugin(_PluginBase):
     each position predicts), ``mask`` [B, T] (1 on completion tokens that count),
     ``advantages`` [B], ``old_logprobs`` [B, T] or None (on-policy: the ratio is
     exp(logp - stop_gradient(logp))), ``ref_logprobs`` [B, T] or None (needed iff
-    ``settings.beta > 0``).
+    ``settings.beta > 0``), ``sampler_logprobs`` [B, T] (the sampler's log-probs; passed
+    only when ``settings.tis_cap > 0``, so an implementation without truncated importance
+    sampling may leave the parameter out).
 
     ``normalizer`` makes gradient accumulation exact: the trainer passes the value for the
     *global* batch (valid-token count for ``token_mean``, sequence count for
@@ -189,8 +196,15 @@ class LossPlugin(_PluginBase):
 
     Returns ``(loss, metrics)``. ``metrics`` holds scalars averaged over this call's valid
     tokens — ``clip_frac/low``, ``clip_frac/high``, ``ratio/mean``, ``kl`` (0 when beta
-    is 0), optionally ``entropy`` — plus ``num_tokens`` (valid-token count, to weight
-    micro-batches) and ``logprobs`` [B, T] (per-token log-probs, no gradient).
+    is 0), optionally ``approx_kl``, ``entropy`` and ``tis/*`` — plus ``num_tokens``
+    (valid-token count, to weight micro-batches) and ``logprobs`` [B, T] (per-token
+    log-probs, no gradient).
+
+    ``token_logprobs`` gives the per-token log-probs alone (the reference pass when
+    ``beta > 0``); the default runs ``compute`` with zero advantages and keeps its
+    ``logprobs``, and an implementation overrides it with its forward-only path. Both
+    take the head weight in the compute dtype (the dtype of ``hidden``): the engine casts
+    it, so every path does the head matmul at one precision.
     """
 
     per_shard: ClassVar[bool] = False
@@ -214,7 +228,23 @@ class LossPlugin(_PluginBase):
         settings: LossSettings,
         options: BaseModel,
         normalizer: "jax.Array | float | None" = None,
+        sampler_logprobs: "jax.Array | None" = None,
     ) -> tuple["jax.Array", dict[str, "jax.Array"]]: ...
+
+    def token_logprobs(
+        self, *, hidden: "jax.Array", head_weight: "jax.Array", targets: "jax.Array",
+        settings: LossSettings, options: BaseModel,
+    ) -> "jax.Array":
+        """Per-token log-probs [B, T] (f32, temperature applied) of ``targets``."""
+        import jax.numpy as jnp
+
+        b, t = targets.shape
+        _, metrics = self.compute(
+            hidden=hidden, head_weight=head_weight, targets=targets, mask=jnp.ones((b, t), jnp.int32),
+            advantages=jnp.zeros((b,), jnp.float32), old_logprobs=None, ref_logprobs=None,
+            settings=dataclasses.replace(settings, beta=0.0, tis_cap=0.0), options=options,
+        )
+        return metrics["logprobs"]
 
     def check(self, *, layout: MeshLayout, options: BaseModel) -> list[str]:
         """Problems with running on this layout (e.g. tp > 1 unsupported)."""
