@@ -19,6 +19,17 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
+def pytest_configure(config):  # noqa: ARG001
+    """The parity tests compare against PyTorch transformers: without the [dev] extra the
+    suite stops at once with the install command instead of failing test by test."""
+    from grpo.core.errors import UserError, require
+
+    try:
+        require("torch", purpose="The test suite (model parity against transformers)", install='pip install -e ".[dev]"')
+    except UserError as err:
+        pytest.exit(str(err), returncode=2)
+
+
 def _compilation_cache() -> None:
     """A persistent compilation cache for the session (and the CLI subprocesses it starts,
     which inherit the variables): tests that build the same tiny model in several

@@ -36,6 +36,20 @@ def test_group_advantages_match_reference(baseline, scale):
     np.testing.assert_array_equal(np.asarray(got)[4:8], 0.0)
 
 
+@pytest.mark.parametrize("baseline", ["group_mean", "rloo"])
+@pytest.mark.parametrize("scale", ["group_std", "none"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("value", [1.2, 0.7, 1.0 / 3.0, -2.9])
+def test_equal_rewards_give_exactly_zero_advantage(baseline, scale, dtype, value):
+    """1.2 is the GSM8K recipe's reward for correct + format: a solved group must not be
+    pushed up by a rounding residue (before the fix: 1.19e-3 per member for 8 x 1.2)."""
+    r = jnp.concatenate([jnp.full((8,), value, dtype), jnp.asarray([0.0, 1.2, 1.2, 0.7, 0.0, 0.0, 1.2, 1.2], dtype)])
+    got = np.asarray(group_advantages(r, num_generations=8, baseline=baseline, scale=scale))
+    assert got.dtype == np.float32
+    np.testing.assert_array_equal(got[:8], 0.0)
+    assert np.all(got[8:] != 0.0)  # a mixed group still carries its signal
+
+
 def test_group_advantages_shape_error():
     with pytest.raises(ValueError, match="prompts \\* 4"):
         group_advantages(jnp.ones(6), num_generations=4)

@@ -71,19 +71,36 @@ def test_one_step_every_style_and_loss(tmp_path, example_plugin, style, loss):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 1
 
 
-def test_beta_ppo_epochs_eval_and_wandb_offline(tmp_path):
-    cfg = _config(**{
-        "loss.beta": 0.1, "train.ppo_epochs": 2, "train.steps": 2, "train.micro_batch_size": 8,
+BF16 = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16"}
+
+
+def test_recipe_precision_beta_ppo_epochs_tis_eval_and_wandb_offline(tmp_path, example_plugin):
+    """The recipes' settings: bf16 parameters and compute with f32 master weights, beta > 0,
+    two PPO epochs, truncated IS. A large step makes the second epoch clip: the logged
+    clip fractions, ratio and approx_kl must show it (before: the first, on-policy epoch
+    was logged, so they could never move)."""
+    from grpo.engine.update import MasterWeights
+
+    cfg = _config(**BF16, **{
+        "task": {"name": "length"}, "train.optimizer": {"learning_rate": 0.05},
+        "loss.beta": 0.1, "loss.tis_cap": 2.0, "train.ppo_epochs": 2, "train.steps": 2, "train.micro_batch_size": 8,
         "eval.every_n_steps": 2, "eval.num_examples": 6, "eval.batch_size": 8,
         "logging.wandb": {"mode": "offline", "project": "grpo-test"}, "logging.plot": True,
     })
     trainer = Trainer(cfg, tmp_path)
-    assert trainer.ref_params is not None
+    assert trainer.ref_params is not None and isinstance(trainer.opt_state, MasterWeights)
     summary = trainer.run()
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == [1, 2]
-    # Two updates per rollout: the second sees a moved policy, so the ratio leaves 1.
-    assert all(r["kl"] >= 0 for r in rows)
+    for r in rows:
+        assert r["kl"] >= 0 and r["approx_kl"] > 0
+        assert r["ratio/mean"] != 1.0
+        assert "tis/weight_mean" in r and "is_ratio/sampler_trainer/mean" in r
+    assert max(r["clip_frac/low"] + r["clip_frac/high"] for r in rows) > 0
+    assert rows[1]["kl"] > 0  # the policy left the reference after step 1
+    for p, m in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.opt_state.master)):
+        assert p.dtype == jax.numpy.bfloat16 and m.dtype == jax.numpy.float32
+        np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))
     ev = summary["eval"]
     assert ev["eval/num_prompts"] == 6 and 0.0 <= ev["eval/pass@1"] <= 1.0
     assert (tmp_path / "eval.jsonl").exists()
@@ -92,8 +109,9 @@ def test_beta_ppo_epochs_eval_and_wandb_offline(tmp_path):
     assert (tmp_path / "metrics.png").read_bytes()[:4] == b"\x89PNG"
 
 
-def test_resume_after_sigterm_is_bitwise_identical(tmp_path):
-    steps = {"train.steps": 6}
+@pytest.mark.parametrize("precision", ["f32", "bf16"])
+def test_resume_after_sigterm_is_bitwise_identical(tmp_path, precision):
+    steps = {"train.steps": 6, **(BF16 if precision == "bf16" else {})}
     straight = Trainer(_config(**steps), tmp_path / "straight")
     straight.run()
 
@@ -247,3 +265,44 @@ def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     [row] = read_metrics(tmp_path / "run")
     assert "reward/correct/mean" in row and "reward/format/mean" in row
     assert summary["eval"]["eval/num_prompts"] == 8
+
+
+@pytest.mark.parametrize("loss", ["jax", "pallas"])
+@pytest.mark.parametrize("family", ["qwen3_untied", "llama_tied_rope3"])
+def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, loss):
+    """A Qwen3 and a Llama 3 checkpoint written by transformers: sampler, update with each
+    loss, checkpoint, `grpo export`, and transformers reloads the export with our logits."""
+    from _model_fixtures import checkpoint
+
+    overrides = {
+        "model": {"source": "hf", "path": str(checkpoint(family)), "architecture": family.split("_")[0]},
+        "loss.impl": loss, "task": {"name": "length"}, "checkpoint.at_end": loss == "jax",
+    }
+    if loss == "pallas":
+        overrides["loss.options"] = {"interpret": True}
+    trainer = Trainer(_config(**overrides), tmp_path)
+    assert trainer.policy.model.config.family == family.split("_")[0]
+    before = _params_np(trainer)
+    trainer.run()
+    [row] = read_metrics(tmp_path)
+    assert np.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert row["logprob_gap/sampler_trainer"] < 1e-4
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _params_np(trainer)))
+    if loss != "jax":
+        return
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from grpo.engine.export import export_run
+
+    out = export_run(tmp_path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family.split("_")[0]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = np.array([[5, 17, 42, 99, 3, 250]], np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    trained = nnx.merge(trainer.graphdef, trainer.params)
+    hidden, _ = trained(tokens, np.arange(6, dtype=np.int32)[None])
+    np.testing.assert_allclose(np.asarray(trained.logits(hidden)), ref, atol=1e-4)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 import sys
 from typing import Any
 
@@ -98,6 +99,9 @@ def cli() -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    # transformers advises at import that PyTorch is missing; grpo is a JAX program and
+    # uses transformers only for configs and tokenizers, so that advice is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     cli.main(args=argv, prog_name="grpo")
 
 

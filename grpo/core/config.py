@@ -34,7 +34,11 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-PRESETS = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+PRESETS = (
+    "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+)
 
 
 class RandomModelConfig(Section):
@@ -45,7 +49,7 @@ class RandomModelConfig(Section):
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Qwen2 config fields to override on the preset (e.g. num_hidden_layers: 2).",
+        description="HF config fields to override on the preset (e.g. num_hidden_layers: 2).",
     )
 
 
@@ -55,6 +59,11 @@ class ModelConfig(Section):
     )
     path: str | None = Field(
         None, description="Local HF directory or hub id (e.g. Qwen/Qwen2.5-3B-Instruct); needed for source=hf."
+    )
+    architecture: str = Field(
+        "auto",
+        description="Model plugin (`grpo plugins list`, kind model: qwen2, qwen3, llama, ...); `auto` = the "
+        "plugin for the checkpoint's config.json model_type (or the preset's).",
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer directory or hub id; defaults to `path` (source=random: a tiny local one)."
@@ -162,6 +171,11 @@ class LossConfig(Section):
         0.0, ge=0.0, le=10.0,
         description="Entropy bonus: -entropy_coef x the token entropy joins the loss (keeps exploring); 0 = off.",
     )
+    tis_cap: float = Field(
+        0.0, ge=0.0, le=1e6,
+        description="Truncated importance sampling of the sampler/trainer mismatch: weight each token by "
+        "min(exp(trainer - sampler log-prob), tis_cap); 0 = off (2.0 is a common choice).",
+    )
 
 
 class TaskConfig(Section):
@@ -182,6 +196,13 @@ class OptimizerConfig(Section):
     warmup_steps: int = Field(0, ge=0, le=10_000_000, description="Linear warm-up steps.")
     min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0, description="Final LR as a fraction of the peak (cosine/linear).")
     max_grad_norm: float = Field(1.0, ge=0.0, le=1e6, description="Global-norm clipping; 0 = off.")
+    master_weights: bool = Field(
+        True,
+        description="With model.param_dtype below float32: keep an f32 master copy of the parameters in the "
+        "optimizer state (moments and gradient accumulation are f32 too); the parameters the model and the "
+        "sampler read are the master rounded. Off, a bf16 AdamW update at lr 1e-6 mostly rounds away. "
+        "No effect with float32 parameters.",
+    )
 
 
 class AdvantageConfig(Section):
@@ -278,7 +299,13 @@ class RunConfig(Section):
             aggregation=self.loss.aggregation,
             max_completion_length=self.rollout.max_new_tokens,
             entropy_coef=self.loss.entropy_coef,
+            tis_cap=self.loss.tis_cap,
         )
+
+    @property
+    def master_weights(self) -> bool:
+        """Whether the update keeps an f32 master copy (parameters stored below f32)."""
+        return self.train.optimizer.master_weights and self.model.param_dtype != "float32"
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -447,9 +474,32 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
             problems.extend(validation_problems(err, prefix=f"{section}.options"))
             continue
         selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
+    problems += _model_problems(config, plugins)
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
     return selected
+
+
+def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
+    """``model.architecture`` names an installed model plugin, and a random preset's
+    family when the model is random (a checkpoint's is checked when it is read)."""
+    name = config.model.architecture
+    if name == "auto":
+        return []
+    try:
+        plugins.get("model", name)
+    except PluginError as err:
+        return [f"model.architecture: {err}"]
+    if config.model.source == "random":
+        from grpo.models.presets import preset_family
+
+        family = preset_family(config.model.random.preset)
+        if family != name:
+            return [
+                f"model.architecture={name!r} but model.random.preset={config.model.random.preset!r} is a "
+                f"{family} model; set model.architecture to {family!r} or 'auto'"
+            ]
+    return []
 
 
 def cross_field_problems(config: RunConfig) -> list[str]:

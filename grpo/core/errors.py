@@ -26,3 +26,17 @@ class PluginError(UserError):
 
 class ConfigError(UserError):
     """The run config is invalid. ``problems`` holds one line per field."""
+
+
+def require(module: str, *, purpose: str, install: str) -> object:
+    """Import an optional dependency, or raise a :class:`UserError` that says what needs
+    it and the command that installs it (``install``, e.g. ``pip install "grpo-jax[plan]"``)."""
+    import importlib
+
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise UserError(
+            f"{purpose} needs the Python package {module!r}, which is not installed in this environment "
+            f"({err}). Install it with: {install}"
+        ) from None

@@ -27,14 +27,18 @@ def group_advantages(
     - ``group_std`` divides by (std(group) + epsilon), the population std as in GRPO;
       ``none`` leaves the scale alone (Dr.GRPO, which removes the std's difficulty bias).
 
-    A group whose rewards are all equal gets zero advantages either way.
+    A group whose rewards are all equal gets exactly zero advantages, whatever the
+    options: ``r - mean`` alone leaves a rounding residue when the reward is not exactly
+    representable (1.2 -> ~1e-7), and ``group_std`` would divide it by ``0 + epsilon``
+    into ~1e-3 per member, pushing every fully solved group up.
     """
     k = num_generations
     if rewards.ndim != 1 or rewards.shape[0] % k:
         raise ValueError(f"rewards must be [prompts * {k}], got shape {rewards.shape}")
     r = rewards.astype(jnp.float32).reshape(-1, k)  # P K
     mean = r.mean(axis=1, keepdims=True)
-    adv = r - mean
+    # Equal rewards carry no preference: zero by definition, not by rounding.
+    adv = jnp.where(r.max(axis=1, keepdims=True) == r.min(axis=1, keepdims=True), 0.0, r - mean)
     if baseline == "rloo":
         adv = adv * (k / (k - 1))
     if scale == "group_std":

@@ -18,9 +18,9 @@ _set_option = click.option(
 
 
 def _configure_logging() -> None:
-    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    for noisy in ("absl", "jax._src", "orbax", "etils", "urllib3", "httpx"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
+    # Our own progress at INFO; other libraries' loggers only from WARNING up.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
+    logging.getLogger("grpo").setLevel(logging.INFO)
 
 
 @click.command("run")

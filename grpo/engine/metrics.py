@@ -13,6 +13,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+from grpo.core.errors import UserError
+
 GIB = 1024**3
 
 
@@ -75,17 +77,24 @@ class MetricsLogger:
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             import wandb
 
-            self._wandb = wandb.init(
-                project=wandb_cfg.project,
-                entity=wandb_cfg.entity,
-                name=wandb_cfg.name or run_name,
-                tags=list(wandb_cfg.tags),
-                mode=wandb_cfg.mode,
-                dir=str(self.run_dir),
-                config=dict(config_dict or {}),
-                id=_wandb_id(self.run_dir),
-                resume="allow" if resume else None,
-            )
+            try:
+                self._wandb = wandb.init(
+                    project=wandb_cfg.project,
+                    entity=wandb_cfg.entity,
+                    name=wandb_cfg.name or run_name,
+                    tags=list(wandb_cfg.tags),
+                    mode=wandb_cfg.mode,
+                    dir=str(self.run_dir),
+                    config=dict(config_dict or {}),
+                    id=_wandb_id(self.run_dir),
+                    resume="allow" if resume else None,
+                )
+            except (wandb.errors.Error, OSError) as err:
+                raise UserError(
+                    f"Weights & Biases could not start in logging.wandb.mode={wandb_cfg.mode!r}: {err} "
+                    "For online mode set WANDB_API_KEY (or run `wandb login`) on every host; to log without "
+                    "an account set logging.wandb.mode: offline (sync later with `wandb sync`) or disabled."
+                ) from None
         if progress_bar:
             from tqdm.auto import tqdm
 

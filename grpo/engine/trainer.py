@@ -33,7 +33,7 @@ from grpo.engine.mesh import build_mesh, current_topology
 from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run
 from grpo.engine.optim import learning_rate_schedule, make_optimizer
 from grpo.engine.policy import load_policy
-from grpo.engine.update import UpdateBatch, UpdateStep, token_logprobs
+from grpo.engine.update import UpdateBatch, UpdateStep, init_optimizer_state
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +74,23 @@ class StepTimes:
     total: float = 0.0
 
 
+# Measured against the pre-update policy: exactly on-policy (ratio 1) in the first PPO
+# epoch, so with several epochs they are reported from the later ones, where clipping happens.
+OFF_POLICY_METRICS = ("clip_frac/low", "clip_frac/high", "ratio/mean", "approx_kl")
+
+
+def epoch_summary(epochs: list[dict[str, Any]]) -> dict[str, float]:
+    """One row from the per-epoch update metrics of a step: the mean over the epochs, and
+    for :data:`OFF_POLICY_METRICS` the mean over epochs 2.. when there are several."""
+    out: dict[str, float] = {}
+    for key in epochs[0]:
+        if key == "finite":
+            continue
+        chosen = epochs[1:] if key in OFF_POLICY_METRICS and len(epochs) > 1 else epochs
+        out[key] = float(np.mean([float(e[key]) for e in chosen]))
+    return out
+
+
 class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path):
         self.config = config
@@ -105,7 +122,7 @@ class Trainer:
         replicated = NamedSharding(self.mesh, P())
         self.opt_state = jax.tree.map(
             lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
-            self.optimizer.init(self.params),
+            init_optimizer_state(self.optimizer, self.params, master_weights=config.master_weights),
         )
 
         from grpo.plugins.tasks import render_prompt
@@ -119,7 +136,7 @@ class Trainer:
         )
         self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
         self.sampler = self._make_sampler(greedy=False, num_generations=config.rollout.num_generations)
-        self.update = UpdateStep(
+        self.update_step = UpdateStep(
             graphdef=self.graphdef,
             loss=self.plugins["loss"].plugin,
             loss_options=self.plugins["loss"].options,
@@ -127,11 +144,12 @@ class Trainer:
             optimizer=self.optimizer,
             micro_batches=config.sequences_per_step // config.micro_batch_size,
             mesh=self.mesh,
-        ).jit(self.params, self.opt_state)
-        self.ref_logprobs = (
-            jax.jit(lambda p, b: token_logprobs(nnx.merge(self.graphdef, p), b, config.rollout.temperature))
-            if self.ref_params is not None else None
+            master_weights=config.master_weights,
         )
+        self.update = self.update_step.jit(self.params, self.opt_state)
+        # The reference pass runs micro-batch by micro-batch through the loss plugin's own
+        # log-prob path (fused for pallas): never the whole step's [B, N, V] logits.
+        self.ref_logprobs = self.update_step.jit_reference() if self.ref_params is not None else None
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.skipped_nonfinite = 0
@@ -280,16 +298,19 @@ class Trainer:
             advantages=to_train(advantages),
             old_logprobs=None,
             ref_logprobs=None,
+            sampler_logprobs=to_train(out.logprobs) if cfg.loss.tis_cap > 0 else None,
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub))
-        metrics_first = None
+        epoch_metrics = []
         trainer_logprobs = None
         for epoch in range(cfg.train.ppo_epochs):
             self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub)
+            epoch_metrics.append(m)
             if epoch == 0:
-                metrics_first, trainer_logprobs = m, logprobs
-                # Later epochs measure the ratio against the first update's log-probs.
+                trainer_logprobs = logprobs
+                # Later epochs measure the ratio against the pre-update policy's log-probs
+                # (the first epoch's, computed before its step).
                 ub = ub._replace(old_logprobs=jax.lax.stop_gradient(logprobs))
             if not bool(m["finite"]):
                 self.skipped_nonfinite += 1
@@ -299,19 +320,26 @@ class Trainer:
         step_s = time.perf_counter() - t0
 
         mask_f = out.mask.astype(jnp.float32)
-        gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / jnp.maximum(jnp.sum(mask_f), 1.0)
+        n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
+        valid = out.mask > 0
+        gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
+        # The sampler/trainer mismatch as the importance ratio it is (what loss.tis_cap caps).
+        is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
         scalars = {
             "reward/mean": jnp.mean(rewards),
             "reward/std": jnp.std(rewards),
             "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
             "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
             "logprob_gap/sampler_trainer": gap,
+            "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
+            "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
+            "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
             "valid_tokens": jnp.sum(mask_f),
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
         scalars = {k_: float(v) for k_, v in jax.device_get(scalars).items()}
-        m = {k_: float(v) for k_, v in jax.device_get(metrics_first).items() if k_ != "finite"}
+        m = epoch_summary(jax.device_get(epoch_metrics))
         row: dict[str, Any] = {"step": self.step}
         row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})
         row.update(
@@ -323,8 +351,11 @@ class Trainer:
                 "clip_frac/low": m.get("clip_frac/low"),
                 "clip_frac/high": m.get("clip_frac/high"),
                 "ratio/mean": m.get("ratio/mean"),
+                "approx_kl": m.get("approx_kl"),
                 "kl": m.get("kl", 0.0),
                 "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
+                **{k_: v for k_, v in scalars.items() if k_.startswith("is_ratio/")},
+                **{k_: v for k_, v in m.items() if k_.startswith("tis/")},
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
                 "learning_rate": float(self.lr_schedule(self.step - 1)),

@@ -7,6 +7,20 @@ over the data-parallel devices. Each micro-batch loss is divided by the *global*
 normaliser (valid tokens, sequences, or sequences x max length of the whole batch), so
 summing the micro-batch losses and gradients gives the full-batch ones exactly (up to
 float summation order).
+
+Mixed precision (``master_weights``): the parameters the sampler and the reference pass
+read stay in their storage dtype (bf16 in the recipes); the optimizer state holds an f32
+master copy (:class:`MasterWeights`) and f32 moments. The update's forward and backward
+run on the master (the model casts each weight to the compute dtype where it uses it), so
+its gradients and their accumulation are f32 and equal those of an f32-parameter run
+computing in bf16; after each step the parameters are the new master rounded. An AdamW update at lr 1e-6 is far below
+half a bf16 ulp of a typical weight, so without the master it would round away.
+
+Memory per parameter with AdamW: bf16 params 2 B + f32 master 4 B + two f32 moments 8 B
+(+ 4 B f32 accumulator while micro-batching) = 14 (18) B, sharded like the parameters.
+
+One precision rule for the output head on every path (sampler, policy loss, reference
+pass): both operands of the head matmul in the compute dtype, accumulated in f32.
 """
 
 from __future__ import annotations
@@ -33,6 +47,25 @@ class UpdateBatch(NamedTuple):
     advantages: jax.Array  # B
     old_logprobs: jax.Array | None  # B N
     ref_logprobs: jax.Array | None  # B N
+    sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used when loss.tis_cap > 0
+
+
+class MasterWeights(NamedTuple):
+    """Optimizer state of a mixed-precision run: the f32 master parameters the optimizer
+    updates and the inner optimizer's state (its moments are f32 like the master)."""
+
+    master: Any
+    inner: Any
+
+
+def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, *, master_weights: bool) -> Any:
+    """The optimizer state for ``params``; with ``master_weights`` an f32 master copy too.
+
+    Call it eagerly on sharded params: every array keeps its parameter's sharding."""
+    if not master_weights:
+        return optimizer.init(params)
+    master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+    return MasterWeights(master=master, inner=optimizer.init(master))
 
 
 def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
@@ -49,12 +82,17 @@ def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
     return hidden[:, lp - 1 : -1]  # B N D
 
 
+def head_for(model: Any, hidden: jax.Array) -> jax.Array:
+    """The output head [D, V] in the dtype of ``hidden`` (the compute dtype): the one
+    precision rule of the head matmul, shared with the sampler's ``model.logits``."""
+    return model.head_weight().astype(hidden.dtype)
+
+
 def token_logprobs(model: Any, batch: UpdateBatch, temperature: float) -> jax.Array:
-    """Per-token log-probs [B, N] of the completion under ``model`` (reference model)."""
+    """Per-token log-probs [B, N] of the completion under ``model``, materialising the
+    logits: an independent reference for tests (the engine uses the loss plugin's)."""
     hidden = completion_hidden(model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
-    logits = jnp.einsum(
-        "bnd,dv->bnv", hidden, model.head_weight().astype(hidden.dtype), preferred_element_type=jnp.float32
-    ) / temperature
+    logits = jnp.einsum("bnd,dv->bnv", hidden, head_for(model, hidden), preferred_element_type=jnp.float32) / temperature
     logp = jax.nn.log_softmax(logits, axis=-1)
     out = jnp.take_along_axis(logp, batch.tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return jnp.where(batch.mask > 0, out, 0.0)
@@ -68,6 +106,13 @@ def _split_micro(x: jax.Array | None, m: int) -> jax.Array | None:
     return jnp.swapaxes(x.reshape((b // m, m) + x.shape[1:]), 0, 1)
 
 
+def _axes_size(mesh: Any, axes: tuple[str, ...]) -> int:
+    size = 1
+    for a in axes:
+        size *= mesh.shape[a]
+    return size
+
+
 def _merge_micro(x: jax.Array) -> jax.Array:
     m, mb = x.shape[:2]
     return jnp.swapaxes(x, 0, 1).reshape((m * mb,) + x.shape[2:])
@@ -75,7 +120,8 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 
 @dataclasses.dataclass(frozen=True)
 class UpdateStep:
-    """A jitted update: ``(params, opt_state, batch) -> (params, opt_state, metrics)``."""
+    """A jitted update: ``(params, opt_state, batch) -> (params, opt_state, metrics, logprobs)``,
+    and the reference pass ``(ref_params, batch) -> ref_logprobs`` for ``beta > 0``."""
 
     graphdef: Any
     loss: LossPlugin
@@ -86,77 +132,127 @@ class UpdateStep:
 
     mesh: Any = None
     batch_axes: tuple[str, ...] = ("dp", "fsdp")
+    master_weights: bool = False
 
-    def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
+    # ------------------------------------------------------------------ loss plugin calls
+
+    def _loss_args(self, params, mb: UpdateBatch) -> dict[str, Any]:
         model = nnx.merge(self.graphdef, params)
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask)
-        args = dict(
-            hidden=hidden,
-            head_weight=model.head_weight(),
-            targets=mb.tokens,
+        return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
+
+    def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
+        args = self._loss_args(params, mb)
+        args.update(
             mask=mb.mask,
             advantages=mb.advantages,
             old_logprobs=mb.old_logprobs,
             ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
         )
-        if getattr(self.loss, "per_shard", False) and self.mesh is not None:
-            return self._per_shard_loss(args, normalizer)
+        if self.settings.tis_cap > 0:
+            # Passed only when used, so losses written before TIS existed keep working.
+            args["sampler_logprobs"] = mb.sampler_logprobs
+        if self._per_shard(mb.tokens.shape[0]):
+            loss, metrics, logprobs = self._shard_mapped(
+                self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
+            return loss, dict(metrics, logprobs=logprobs)
         return self.loss.compute(**args, settings=self.settings, options=self.loss_options, normalizer=normalizer)
 
-    def _per_shard_loss(self, args: dict[str, Any], normalizer):
-        """``compute`` on each device's rows (shard_map over the batch axes).
+    def _per_shard(self, rows: int) -> bool:
+        """Run the loss per device? Only for ``per_shard`` losses, and only when the rows
+        divide over the batch axes (config validation ensures that in runs; otherwise
+        the global call stays correct, if slow)."""
+        if not getattr(self.loss, "per_shard", False) or self.mesh is None:
+            return False
+        return rows % _axes_size(self.mesh, self._shard_axes) == 0
 
-        With the *global* normalizer every shard's loss is its share of the global loss,
-        so the psum is exact; the head weight enters replicated, so its gradient is the
-        psum of the shards' (shard_map's transpose does that).
-        """
+    @property
+    def _shard_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.batch_axes if a in self.mesh.shape)
+
+    def _local_loss(self, axes, normalizer, **args):
+        """``compute`` on one device's rows. With the *global* normalizer every shard's loss
+        is its share of the global loss, so the psum is exact; the head weight enters
+        replicated, so its gradient is the psum of the shards' (shard_map's transpose)."""
+        loss, metrics = self.loss.compute(
+            **args, settings=self.settings, options=self.loss_options, normalizer=normalizer
+        )
+        logprobs = metrics.pop("logprobs")
+        n = metrics["num_tokens"].astype(jnp.float32)
+        total = jax.lax.psum(n, axes)
+        combined = {
+            k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
+            for k, v in metrics.items()
+        }
+        return jax.lax.psum(loss, axes), combined, logprobs
+
+    def _shard_mapped(self, fn, args: dict[str, Any], normalizer, *, out_specs):
+        """``fn(axes, normalizer, **args)`` per device under ``shard_map`` over the batch
+        axes (XLA cannot split a Pallas call): rows sharded, the head weight replicated."""
         from jax.sharding import PartitionSpec as P
 
-        axes = tuple(a for a in self.batch_axes if a in self.mesh.shape)
-        shards = 1
-        for a in axes:
-            shards *= self.mesh.shape[a]
-        if args["hidden"].shape[0] % shards:
-            # Config validation prevents this in runs; stay correct (if slow) regardless.
-            return self.loss.compute(**args, settings=self.settings, options=self.loss_options, normalizer=normalizer)
+        axes = self._shard_axes
         names = [k for k, v in args.items() if v is not None]
         row_spec = P(axes)
         in_specs = tuple(P() if k == "head_weight" else row_spec for k in names) + (P(),)
+        specs = {"rep": P(), "rows": row_spec}
+        out = tuple(specs[o] for o in out_specs)
 
         def local(*xs):
             *vals, norm = xs
-            loss, metrics = self.loss.compute(
-                **dict(zip(names, vals)), **{k: None for k in args if k not in names},
-                settings=self.settings, options=self.loss_options, normalizer=norm,
-            )
-            logprobs = metrics.pop("logprobs")
-            n = metrics["num_tokens"].astype(jnp.float32)
-            total = jax.lax.psum(n, axes)
-            combined = {
-                k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
-                for k, v in metrics.items()
-            }
-            return jax.lax.psum(loss, axes), combined, logprobs
+            return fn(axes, norm, **dict(zip(names, vals)), **{k: None for k in args if k not in names})
 
-        norm = jnp.asarray(normalizer, jnp.float32)
-        out_specs = (P(), P(), row_spec)
-        loss, metrics, logprobs = jax.shard_map(
+        norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
+        return jax.shard_map(
             # Pallas calls carry no varying-axes annotations, so the check is off.
-            local, mesh=self.mesh, in_specs=in_specs, out_specs=out_specs, check_vma=False
+            local, mesh=self.mesh, in_specs=in_specs, out_specs=out if len(out) > 1 else out[0], check_vma=False
         )(*(args[k] for k in names), norm)
-        return loss, dict(metrics, logprobs=logprobs)
+
+    # ------------------------------------------------------------------ reference pass
+
+    def _local_logprobs(self, axes, normalizer, **args):  # noqa: ARG002
+        return self.loss.token_logprobs(**args, settings=self.settings, options=self.loss_options)
+
+    def reference_logprobs(self, params, batch: UpdateBatch) -> jax.Array:
+        """Per-token log-probs [B, N] of the completions under ``params`` (the reference
+        model), micro-batch by micro-batch through the loss plugin's own log-prob path
+        (the fused kernel for ``pallas``): never more than one micro-batch of activations,
+        and no ``[B, N, V]`` logits at all with a fused loss."""
+
+        def one(mb: UpdateBatch) -> jax.Array:
+            args = self._loss_args(params, mb)
+            if self._per_shard(mb.tokens.shape[0]):
+                logp = self._shard_mapped(self._local_logprobs, args, None, out_specs=("rows",))
+            else:
+                logp = self.loss.token_logprobs(**args, settings=self.settings, options=self.loss_options)
+            return jnp.where(mb.mask > 0, logp.astype(jnp.float32), 0.0)
+
+        m = self.micro_batches
+        if m == 1:
+            return one(batch)
+        fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
+        micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
+
+        def body(xs):
+            return one(UpdateBatch(**xs, advantages=None, old_logprobs=None, ref_logprobs=None))
+
+        return _merge_micro(jax.lax.map(body, micro))
+
+    # ------------------------------------------------------------------ update
 
     def grads(self, params, batch: UpdateBatch):
-        """Summed loss, accumulated gradients, token-weighted metrics, per-token logprobs."""
+        """Summed loss, accumulated f32 gradients, token-weighted metrics, per-token logprobs."""
         normalizer = self.settings.normalizer(batch.mask)  # of the global batch
         grad_fn = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
+        f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
         m = self.micro_batches
         if m == 1:
             (loss, metrics), grads = grad_fn(params, batch, normalizer)
             logprobs = metrics.pop("logprobs")
-            return loss, grads, metrics, logprobs
+            return loss, f32(grads), metrics, logprobs
         micro = UpdateBatch(*(_split_micro(x, m) for x in batch))
-        zeros = jax.tree.map(jnp.zeros_like, params)
+        # f32 accumulation: bf16 sums of many micro-batch gradients lose their small terms.
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
         def body(carry, mb):
             loss_sum, grad_sum, weighted = carry
@@ -164,7 +260,7 @@ class UpdateStep:
             logprobs = metrics.pop("logprobs")
             n = metrics["num_tokens"].astype(jnp.float32)
             weighted = {k: weighted[k] + (v if k == "num_tokens" else v * n) for k, v in metrics.items()}
-            grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+            grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum, weighted), logprobs
 
         shapes = jax.eval_shape(lambda: grad_fn(params, UpdateBatch(*(None if x is None else x[0] for x in micro)), normalizer))
@@ -175,13 +271,29 @@ class UpdateStep:
         metrics = {k: (v if k == "num_tokens" else v / n) for k, v in weighted.items()}
         return loss, grads, metrics, _merge_micro(logprobs)
 
+    def apply(self, params, opt_state, grads):
+        """One optimizer step on f32 ``grads``: ``(params, opt_state)`` -> new ones.
+
+        With master weights the optimizer sees and updates only the f32 master; the new
+        parameters are the new master rounded to each parameter's dtype."""
+        if not self.master_weights:
+            updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), new_opt_state
+        updates, inner = self.optimizer.update(grads, opt_state.inner, opt_state.master)
+        master = optax.apply_updates(opt_state.master, updates)
+        new_params = jax.tree.map(lambda m_, p: m_.astype(p.dtype), master, params)
+        return new_params, MasterWeights(master=master, inner=inner)
+
     def __call__(self, params, opt_state, batch: UpdateBatch):
-        loss, grads, metrics, logprobs = self.grads(params, batch)
+        # With master weights the model runs on the f32 master itself: every weight is
+        # cast to the compute dtype where it is used, exactly as in an f32-parameter run,
+        # so gradients are f32 through the casts (an embedding's scatter-add included).
+        source = opt_state.master if self.master_weights else params
+        loss, grads, metrics, logprobs = self.grads(source, batch)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
-        updates, new_opt_state = self.optimizer.update(grads, opt_state, params)
-        new_params = optax.apply_updates(params, updates)
-        # A non-finite step changes nothing (params and optimizer moments alike).
+        new_params, new_opt_state = self.apply(params, opt_state, grads)
+        # A non-finite step changes nothing (params, master and optimizer moments alike).
         keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
         params = jax.tree.map(keep, new_params, params)
         opt_state = jax.tree.map(keep, new_opt_state, opt_state)
@@ -197,3 +309,7 @@ class UpdateStep:
             sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
             out_shardings = (sharding_of(params), sharding_of(opt_state), None, None)
         return jax.jit(self.__call__, donate_argnums=(0, 1), out_shardings=out_shardings)
+
+    def jit_reference(self):
+        """The jitted reference pass (no donation: the reference parameters are reused)."""
+        return jax.jit(self.reference_logprobs)

@@ -42,19 +42,29 @@ class JaxLoss(LossPlugin):
     Options = JaxLossOptions
 
     def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
-                settings: LossSettings, options: JaxLossOptions, normalizer=None):  # type: ignore[override]
+                settings: LossSettings, options: JaxLossOptions, normalizer=None,
+                sampler_logprobs=None):  # type: ignore[override]
         from grpo.plugins.losses import _jax
 
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                settings=settings)
+                                settings=settings, sampler_logprobs=sampler_logprobs)
         bonus = settings.entropy_coef > 0
         logp, entropy = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                             temperature=settings.temperature,
                                             with_entropy=options.entropy or bonus, entropy_grad=bonus)
         return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
                                      ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
-                                     entropy=entropy)
+                                     entropy=entropy, sampler_logprobs=sampler_logprobs)
+
+
+    def token_logprobs(self, *, hidden, head_weight, targets, settings: LossSettings,
+                       options: JaxLossOptions):  # type: ignore[override]
+        from grpo.plugins.losses import _jax
+
+        logp, _ = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
+                                      temperature=settings.temperature, with_entropy=False)
+        return logp
 
 
 class PallasLossOptions(PluginOptions):
@@ -117,18 +127,28 @@ class PallasLoss(LossPlugin):
         return []
 
     def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
-                settings: LossSettings, options: PallasLossOptions, normalizer=None):  # type: ignore[override]
+                settings: LossSettings, options: PallasLossOptions, normalizer=None,
+                sampler_logprobs=None):  # type: ignore[override]
         from grpo.plugins.losses import _pallas
 
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                settings=settings)
+                                settings=settings, sampler_logprobs=sampler_logprobs)
         config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])
         logp, entropy = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                                      temperature=settings.temperature, config=config)
         return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
                                      ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
-                                     entropy=entropy)
+                                     entropy=entropy, sampler_logprobs=sampler_logprobs)
+
+    def token_logprobs(self, *, hidden, head_weight, targets, settings: LossSettings,
+                       options: PallasLossOptions):  # type: ignore[override]
+        from grpo.plugins.losses import _pallas
+
+        config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])
+        logp, _ = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
+                                               temperature=settings.temperature, config=config)
+        return logp
 
 
 __all__ = ["JaxLoss", "JaxLossOptions", "PallasLoss", "PallasLossOptions"]

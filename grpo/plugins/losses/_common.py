@@ -13,6 +13,11 @@ Definitions (per token t of row b, ``A = advantages[b]``, ``r = exp(logp - old)`
   ``A > 0 and r > 1 + eps_high`` (``clip_frac/high``) or ``A < 0 and r < 1 - eps_low``
   (``clip_frac/low``); otherwise the value is ``r * A`` with gradient ``r * A * dlogp``.
   A ratio exactly on a bound is not clipped. When ``A == 0`` nothing is clipped.
+- truncated importance sampling (``tis_cap > 0``): the objective of each token is
+  multiplied by ``w = min(exp(old - sampler), tis_cap)`` (no gradient through ``w``),
+  where ``sampler`` is the sampler's log-prob of the token: it corrects for the sampler
+  and the trainer disagreeing (bf16 decode vs the update's numerics) without letting a
+  rare huge ratio dominate the step.
 - per-token loss: ``-objective + beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``
   (Schulman's k3 estimate of KL(pi || ref)); with ``beta == 0`` the term and the reference
   log-probs are never touched.
@@ -26,7 +31,9 @@ Metrics are averaged over this call's valid tokens (0 when there are none):
 ``clip_frac/low``, ``clip_frac/high``, ``ratio/mean``, ``kl`` (mean k3 to the reference,
 0 when beta is 0), ``approx_kl`` (mean ``(r - 1) - log r``: the k3 estimate of
 KL(old || current), the usual PPO drift signal; 0 on-policy), ``entropy`` (when the
-implementation computes it), ``num_tokens``, and ``logprobs`` [B, T] (no gradient).
+implementation computes it), with ``tis_cap > 0`` ``tis/weight_mean`` (mean ``w``) and
+``tis/capped_frac`` (tokens whose ratio hit the cap), ``num_tokens``, and ``logprobs``
+[B, T] (no gradient).
 """
 
 from __future__ import annotations
@@ -65,6 +72,7 @@ def check_inputs(
     old_logprobs: jax.Array | None,
     ref_logprobs: jax.Array | None,
     settings: LossSettings,
+    sampler_logprobs: jax.Array | None = None,
 ) -> None:
     """Shape checks at trace time, with messages that name the argument."""
     if hidden.ndim != 3:
@@ -84,6 +92,11 @@ def check_inputs(
             raise ValueError("settings.beta > 0 needs ref_logprobs [B, T]; got None")
         if ref_logprobs.shape != (b, t):
             raise ValueError(f"ref_logprobs must be [B, T] = {(b, t)}, got shape {ref_logprobs.shape}")
+    if settings.tis_cap > 0:
+        if sampler_logprobs is None:
+            raise ValueError("settings.tis_cap > 0 needs sampler_logprobs [B, T]; got None")
+        if sampler_logprobs.shape != (b, t):
+            raise ValueError(f"sampler_logprobs must be [B, T] = {(b, t)}, got shape {sampler_logprobs.shape}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
 
@@ -98,6 +111,7 @@ def grpo_objective(
     settings: LossSettings,
     normalizer: jax.Array | float | None = None,
     entropy: jax.Array | None = None,
+    sampler_logprobs: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """The GRPO loss from per-token log-probs ``logprobs`` [B, T] (f32, differentiable).
 
@@ -120,6 +134,13 @@ def grpo_objective(
     clipped = clipped_high | clipped_low
     bounded = jnp.clip(ratio, 1.0 - settings.epsilon_low, 1.0 + settings.epsilon_high)
     objective = jnp.where(clipped, jax.lax.stop_gradient(bounded) * adv, ratio * adv)
+    tis_metrics: dict[str, Any] = {}
+    if settings.tis_cap > 0:
+        behaviour = jnp.where(valid, old - sampler_logprobs.astype(jnp.float32), 0.0)  # type: ignore[union-attr]
+        is_ratio = jnp.exp(behaviour)
+        weight = jax.lax.stop_gradient(jnp.minimum(is_ratio, settings.tis_cap))
+        objective = objective * weight
+        tis_metrics = {"tis/weight_mean": weight, "tis/capped_frac": is_ratio > settings.tis_cap}
     per_token = -objective
 
     if settings.beta > 0:
@@ -155,4 +176,5 @@ def grpo_objective(
     }
     if entropy is not None:
         metrics["entropy"] = token_mean(entropy)
+    metrics.update({k: token_mean(v) for k, v in tis_metrics.items()})
     return loss, metrics

@@ -27,7 +27,12 @@ def token_logprobs(
     entropy [B, T] f32 — with its gradient when ``entropy_grad`` (the entropy bonus),
     else without — or None).
     """
-    logits = jnp.einsum("btd,dv->btv", hidden, head_weight, preferred_element_type=jnp.float32)  # B T V
+    # The head matmul's one precision rule (sampler, reference, Pallas alike): operands in
+    # the compute dtype of ``hidden``, f32 accumulation. Promoting a bf16 ``hidden`` to an
+    # f32 head here made policy and sampler log-probs differ at identical weights.
+    logits = jnp.einsum(
+        "btd,dv->btv", hidden, head_weight.astype(hidden.dtype), preferred_element_type=jnp.float32
+    )  # B T V
     if temperature != 1.0:
         logits = logits / temperature
     logz = jax.nn.logsumexp(logits, axis=-1)  # B T
