@@ -133,6 +133,19 @@ def test_metrics_logger_and_plot(tmp_path):
     assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
     png = plot_run(tmp_path)
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    assert Image.open(png).size == (1100, 400)  # reward + throughput
+    # With eval rows (eval.jsonl) the plot gains the eval pass@k panel between them.
+    from grpo.engine.metrics import read_eval
+
+    logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_main=True, run_name="t", progress_bar=False,
+                           resume=True)
+    for s, acc in ((0, 0.0), (2, 0.5), (3, 0.75)):
+        logger.log_eval({"step": s, "eval/pass@1": acc, "eval/num_prompts": 4.0, "eval/greedy": True})
+    logger.close()
+    assert [(r["step"], r["eval/pass@1"]) for r in read_eval(tmp_path)] == [(0, 0.0), (2, 0.5), (3, 0.75)]
+    assert Image.open(plot_run(tmp_path)).size == (1600, 400)
     # Memory keys are omitted (not zero) where a backend reports nothing, as CPU does.
     class Dev:
         def __init__(self, stats):

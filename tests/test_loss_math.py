@@ -358,6 +358,39 @@ def test_jax_loss_is_correct_with_vocab_sharded_head():
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean"])
+def test_entropy_bonus_against_numpy(aggregation):
+    """``entropy_coef`` adds ``-coef * H`` per valid token, aggregated like the policy term;
+    its gradient to the hidden states is ``-coef * w * dH/dz @ W^T / T`` with
+    ``dH/dz_j = -p_j (log p_j + H)`` — both computed here in float64 NumPy."""
+    b, t, d, v, temp, coef = 3, 4, 8, 50, 0.8, 0.3
+    inputs = _inputs(b, t, d, v, seed=11, lengths=[4, 2, 0], temperature=temp)
+    base = LossSettings(aggregation=aggregation, temperature=temp)
+    with_bonus = LossSettings(aggregation=aggregation, temperature=temp, entropy_coef=coef)
+    plugin = JaxLoss()
+    loss0, _, (dh0, dw0) = _run_plugin(plugin, inputs, base, off_policy=False, ref=False)
+    loss1, metrics, (dh1, dw1) = _run_plugin(plugin, inputs, with_bonus, off_policy=False, ref=False)
+
+    h = np.asarray(inputs["hidden"], np.float64)
+    w = np.asarray(inputs["head_weight"], np.float64)
+    mask = np.asarray(inputs["mask"], np.float64)
+    z = h @ w / temp  # B T V
+    logp = z - z.max(-1, keepdims=True)
+    logp = logp - np.log(np.exp(logp).sum(-1, keepdims=True))
+    p = np.exp(logp)
+    ent = -(p * logp).sum(-1)  # B T
+    if aggregation == "token_mean":
+        weights = mask / mask.sum()
+    else:
+        weights = mask / np.maximum(mask.sum(1, keepdims=True), 1) / b
+    np.testing.assert_allclose(float(loss1 - loss0), -coef * float((weights * ent).sum()), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(metrics["entropy"], (ent * mask).sum() / mask.sum(), rtol=1e-5)
+    dz = -coef * weights[..., None] * (-p * (logp + ent[..., None])) / temp  # d bonus / d (h @ w)
+    np.testing.assert_allclose(np.asarray(dh1 - dh0), dz @ w.T, rtol=1e-4, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(dw1 - dw0), np.einsum("btd,btv->dv", h, dz), rtol=1e-4, atol=1e-6)
+    assert np.abs(dz @ w.T).max() > 1e-3  # the bonus really moves the gradient
+
+
 # --------------------------------------------------------------------------- truncated IS
 
 

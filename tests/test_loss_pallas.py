@@ -74,6 +74,15 @@ CASES = {
         3, 5, 16, 200, [5, 3, 0], [0.0, 1.3, -0.7], False,
         LossSettings(aggregation="sequence_mean"),
         {"schedule": "loop", "block_t": 16, "block_v": 128, "block_d": 16}),
+    # The entropy bonus: its gradient flows through the kernels' backward (both schedules).
+    "grid-offpolicy-entropy_bonus": (
+        3, 7, 16, 300, [7, 0, 4], None, True,
+        LossSettings(temperature=0.7, entropy_coef=0.2),
+        {"block_t": 8, "block_v": 128}),
+    "loop-onpolicy-entropy_bonus-zero_adv": (
+        3, 5, 16, 200, [5, 3, 0], [0.0, 0.0, 0.0], False,
+        LossSettings(aggregation="sequence_mean", entropy_coef=0.5),
+        {"schedule": "loop", "block_t": 16, "block_v": 128, "block_d": 16}),
 }
 
 

@@ -177,7 +177,7 @@ def test_topology_devices(name, processes, per_process):
 def test_known_hub_ids_resolve_to_presets_without_downloads():
     from grpo.core.config import ModelConfig
     from grpo.core.errors import UserError
-    from grpo.models.loading import architecture
+    from grpo.models.loading import model_architecture as architecture
     from grpo.models.presets import preset_config
 
     arch = architecture(ModelConfig(source="hf", path="Qwen/Qwen2.5-3B-Instruct"))

@@ -58,7 +58,8 @@ def test_score_from_stdin(tmp_path):
                  input='{"question": "3+4=", "answer": "7", "completion": "7"}\n')
     assert res.exit_code == 0, res.output
     row = json.loads(res.stdout)
-    assert row["rewards"] == {"correct": 1.0, "close": 1.0, "length": 1.0, "format": 1.0} and row["reward"] == 2.0
+    assert row["rewards"] == {"correct": 1.0, "prefix": 1.0, "close": 1.0, "length": 1.0, "format": 1.0}
+    assert row["reward"] == 1.5
 
 
 def test_malformed_lines_are_named(tmp_path):

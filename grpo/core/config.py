@@ -34,7 +34,11 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-PRESETS = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+PRESETS = (
+    "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+)
 
 
 class RandomModelConfig(Section):
@@ -45,7 +49,7 @@ class RandomModelConfig(Section):
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Qwen2 config fields to override on the preset (e.g. num_hidden_layers: 2).",
+        description="HF config fields to override on the preset (e.g. num_hidden_layers: 2).",
     )
 
 
@@ -55,6 +59,11 @@ class ModelConfig(Section):
     )
     path: str | None = Field(
         None, description="Local HF directory or hub id (e.g. Qwen/Qwen2.5-3B-Instruct); needed for source=hf."
+    )
+    architecture: str = Field(
+        "auto",
+        description="Model plugin (`grpo plugins list`, kind model: qwen2, qwen3, llama, ...); `auto` = the "
+        "plugin for the checkpoint's config.json model_type (or the preset's).",
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer directory or hub id; defaults to `path` (source=random: a tiny local one)."
@@ -158,6 +167,10 @@ class LossConfig(Section):
     aggregation: Literal["token_mean", "sequence_mean", "constant"] = Field(
         "token_mean", description="How per-token losses become one number (see grpo.LossSettings)."
     )
+    entropy_coef: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="Entropy bonus: -entropy_coef x the token entropy joins the loss (keeps exploring); 0 = off.",
+    )
     tis_cap: float = Field(
         0.0, ge=0.0, le=1e6,
         description="Truncated importance sampling of the sampler/trainer mismatch: weight each token by "
@@ -220,6 +233,9 @@ class EvalConfig(Section):
     k: int = Field(1, ge=1, le=1024, description="Samples per prompt for pass@k / mean@k.")
     greedy: bool = Field(True, description="pass@1 by greedy decoding (k must be 1) or by sampling.")
     batch_size: int = Field(64, ge=1, le=1_000_000, description="Prompts per evaluation batch.")
+    at_start: bool = Field(
+        True, description="With every_n_steps > 0, also evaluate before the first step (the step-0 baseline of the curve)."
+    )
 
     @model_validator(mode="after")
     def _greedy(self):
@@ -282,6 +298,7 @@ class RunConfig(Section):
             temperature=self.rollout.temperature,
             aggregation=self.loss.aggregation,
             max_completion_length=self.rollout.max_new_tokens,
+            entropy_coef=self.loss.entropy_coef,
             tis_cap=self.loss.tis_cap,
         )
 
@@ -457,9 +474,32 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
             problems.extend(validation_problems(err, prefix=f"{section}.options"))
             continue
         selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
+    problems += _model_problems(config, plugins)
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
     return selected
+
+
+def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
+    """``model.architecture`` names an installed model plugin, and a random preset's
+    family when the model is random (a checkpoint's is checked when it is read)."""
+    name = config.model.architecture
+    if name == "auto":
+        return []
+    try:
+        plugins.get("model", name)
+    except PluginError as err:
+        return [f"model.architecture: {err}"]
+    if config.model.source == "random":
+        from grpo.models.presets import preset_family
+
+        family = preset_family(config.model.random.preset)
+        if family != name:
+            return [
+                f"model.architecture={name!r} but model.random.preset={config.model.random.preset!r} is a "
+                f"{family} model; set model.architecture to {family!r} or 'auto'"
+            ]
+    return []
 
 
 def cross_field_problems(config: RunConfig) -> list[str]:

@@ -164,8 +164,7 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
+def _read_rows(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         return []
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -174,8 +173,19 @@ def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     return [by_step[s] for s in sorted(by_step)]
 
 
+def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The per-step training rows of ``metrics.jsonl``, one per step, in step order."""
+    return _read_rows(Path(run_dir) / "metrics.jsonl")
+
+
+def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
+    """The evaluation rows of ``eval.jsonl`` (``eval/pass@1``, ...), one per step, in step order."""
+    return _read_rows(Path(run_dir) / "eval.jsonl")
+
+
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
-    """Reward and throughput over steps, as a PNG."""
+    """Reward, held-out evaluation (when ``eval.jsonl`` has rows) and throughput over
+    steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -186,23 +196,36 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
         from grpo.core.errors import UserError
 
         raise UserError(f"{run_dir} has no metrics.jsonl rows to plot.")
+    evals = read_eval(run_dir)
     out = Path(out) if out else Path(run_dir) / "metrics.png"
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
     axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward/mean")
     for key in sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")}):
         if key != "reward/mean":
             axes[0].plot(steps, [r.get(key, float("nan")) for r in rows], label=key, alpha=0.6)
     axes[0].set_xlabel("step")
-    axes[0].set_title("reward")
+    axes[0].set_title("reward (training rollouts)")
     axes[0].legend(fontsize=8)
-    axes[1].plot(steps, [r.get("throughput/train/valid_tokens_per_s", float("nan")) for r in rows])
-    axes[1].set_xlabel("step")
-    axes[1].set_title("valid tokens / s")
+    if evals:
+        ax = axes[1]
+        ev_steps = [r["step"] for r in evals]
+        for key in sorted({k for r in evals for k in r if k.startswith("eval/pass@")}, key=lambda k: int(k.split("@")[1])):
+            ax.plot(ev_steps, [r.get(key, float("nan")) for r in evals], marker="o", label=key)
+        greedy = evals[-1].get("eval/greedy")
+        prompts = evals[-1].get("eval/num_prompts")
+        ax.set_ylim(-0.02, 1.02)
+        ax.set_xlim(0, max(steps[-1], ev_steps[-1]))
+        ax.set_xlabel("step")
+        ax.set_title(f"eval: {'greedy ' if greedy else ''}accuracy on {int(prompts) if prompts else '?'} eval prompts")
+        ax.legend(fontsize=8)
+    axes[-1].plot(steps, [r.get("throughput/train/valid_tokens_per_s", float("nan")) for r in rows])
+    axes[-1].set_xlabel("step")
+    axes[-1].set_title("valid tokens / s")
     fig.tight_layout()
     fig.savefig(out, dpi=100)
     plt.close(fig)
     return out
 
 
-__all__ = ["MetricsLogger", "device_memory_metrics", "plot_run", "read_metrics"]
+__all__ = ["MetricsLogger", "device_memory_metrics", "plot_run", "read_eval", "read_metrics"]

@@ -374,6 +374,10 @@ class Trainer:
         last_row: dict[str, Any] = {}
         eval_rows: list[dict[str, Any]] = []
         try:
+            if cfg.eval.every_n_steps and cfg.eval.at_start and self.step == 0:
+                ev = self.evaluate()  # the untrained policy: where the eval curve starts
+                eval_rows.append(ev)
+                logger.log_eval(ev)
             while self.step < cfg.train.steps:
                 row = self.train_step()
                 last_row = row

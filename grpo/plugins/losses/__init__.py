@@ -49,8 +49,10 @@ class JaxLoss(LossPlugin):
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                 settings=settings, sampler_logprobs=sampler_logprobs)
+        bonus = settings.entropy_coef > 0
         logp, entropy = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
-                                            temperature=settings.temperature, with_entropy=options.entropy)
+                                            temperature=settings.temperature,
+                                            with_entropy=options.entropy or bonus, entropy_grad=bonus)
         return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
                                      ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
                                      entropy=entropy, sampler_logprobs=sampler_logprobs)

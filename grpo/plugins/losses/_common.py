@@ -115,7 +115,8 @@ def grpo_objective(
 ) -> tuple[jax.Array, dict[str, Any]]:
     """The GRPO loss from per-token log-probs ``logprobs`` [B, T] (f32, differentiable).
 
-    ``entropy`` [B, T] (optional, no gradient) only feeds the ``entropy`` metric.
+    ``entropy`` [B, T] (optional) feeds the ``entropy`` metric and, with
+    ``settings.entropy_coef > 0``, the entropy bonus (it must then carry its gradient).
     Returns ``(loss, metrics)`` as documented in the module docstring.
     """
     logp = logprobs.astype(jnp.float32)
@@ -148,6 +149,11 @@ def grpo_objective(
         per_token = per_token + settings.beta * k3
     else:
         k3 = None
+
+    if settings.entropy_coef > 0:
+        if entropy is None:
+            raise ValueError("settings.entropy_coef > 0 needs the per-token entropy")
+        per_token = per_token - settings.entropy_coef * entropy.astype(jnp.float32)
 
     weights = token_weights(mask, settings.aggregation)
     norm = default_normalizer(mask, settings) if normalizer is None else jnp.asarray(normalizer, jnp.float32)

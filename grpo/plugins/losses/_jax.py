@@ -19,11 +19,13 @@ def token_logprobs(
     targets: jax.Array,
     temperature: float,
     with_entropy: bool = True,
+    entropy_grad: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
     """``log_softmax(hidden @ head_weight / temperature)[targets]``.
 
     hidden [B, T, D], head_weight [D, V], targets [B, T] -> (logp [B, T] f32,
-    entropy [B, T] f32 without gradient, or None).
+    entropy [B, T] f32 — with its gradient when ``entropy_grad`` (the entropy bonus),
+    else without — or None).
     """
     # The head matmul's one precision rule (sampler, reference, Pallas alike): operands in
     # the compute dtype of ``hidden``, f32 accumulation. Promoting a bf16 ``hidden`` to an
@@ -37,7 +39,10 @@ def token_logprobs(
     picked = jnp.take_along_axis(logits, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]  # B T
     logp = picked - logz
     entropy = None
-    if with_entropy:
+    if entropy_grad:
+        probs = jnp.exp(logits - logz[..., None])  # B T V
+        entropy = logz - jnp.sum(probs * logits, axis=-1)
+    elif with_entropy:
         sg = jax.lax.stop_gradient
         probs = jnp.exp(sg(logits) - sg(logz)[..., None])  # B T V
         entropy = sg(logz) - jnp.sum(probs * sg(logits), axis=-1)

@@ -5,8 +5,9 @@ of ``block_t`` rows and ``block_v`` columns. For each (row, vocab) block the ker
 computes ``logits = hidden_blk @ W_blk / temperature`` ([block_t, block_v], f32) and
 folds it into an online log-sum-exp (running max ``m``, running sum ``s``), the target
 logit and a running entropy term; only those per-row numbers leave the kernel. The
-custom VJP takes ``g = d loss / d logp`` [N] and recomputes each logits block from the
-saved log-sum-exp: ``dlogits = g * (onehot(target) - softmax) / temperature``, then
+custom VJP takes ``g = d loss / d logp`` [N] (and the entropy's cotangent, non-zero with
+an entropy bonus) and recomputes each logits block from the saved log-sum-exp:
+``dlogits = g * (onehot(target) - softmax) / temperature`` (see ``_dlogits``), then
 ``dH += dlogits @ W_blk^T`` and ``dW_blk += H_blk^T @ dlogits``. ``dH`` reduces over the
 vocabulary and ``dW`` over the rows, so they are two kernels, each owning its output
 block while it sweeps the other axis (deterministic; no atomics). The forward pass does
@@ -148,10 +149,15 @@ def _finish(m, s, a, tl):
     return tl - lse, lse, jnp.log(s) - a / s
 
 
-def _dlogits(logits, col_valid, onehot, lse, g, inv_temp):
-    """d loss / d (hidden @ W) for one block: g * (onehot - softmax) / temperature."""
-    p = jnp.where(col_valid, jnp.exp(logits - _col(lse)), 0.0)
-    return (_col(g) * inv_temp) * (onehot.astype(jnp.float32) - p)
+def _dlogits(logits, col_valid, onehot, lse, g, ge, ent, inv_temp):
+    """d loss / d (hidden @ W) for one block, from the cotangents ``g`` of the target's
+    log-prob and ``ge`` of the entropy ``H`` (the entropy bonus):
+    ``(g * (onehot - p) - ge * p * (logits - lse + H)) / temperature``, as
+    ``dH/dz_j = -p_j (log p_j + H)``."""
+    z = jnp.where(col_valid, logits - _col(lse), 0.0)  # log p; 0 on padded columns
+    p = jnp.where(col_valid, jnp.exp(z), 0.0)
+    d = _col(g) * (onehot.astype(jnp.float32) - p) - _col(ge) * p * (z + _col(ent))
+    return d * inv_temp
 
 
 def _dot(a, b, contract: tuple[int, int], precision):
@@ -196,7 +202,7 @@ def _grid_fwd_kernel(h_ref, w_ref, tgt_ref, logp_ref, lse_ref, ent_ref, m_sc, s_
         ent_ref[...] = ent
 
 
-def _grid_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, acc_sc, *,
+def _grid_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, ge_ref, ent_ref, dh_ref, acc_sc, *,
                     n_vocab, block_v, inv_temp, precision):
     j = pl.program_id(1)
 
@@ -208,7 +214,8 @@ def _grid_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, acc_sc, *,
     logits = _dot(h_ref[...], w, (1, 0), precision) * inv_temp  # bt bv
     col = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + j * block_v
     col_valid = col < n_vocab
-    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], inv_temp)
+    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], ge_ref[...], ent_ref[...],
+                  inv_temp)
     # The padded columns of the edge block of W hold unspecified values (NaN in interpret
     # mode) and 0 * NaN = NaN: zero them rather than rely on dl being 0 there.
     w_cols_valid = (lax.broadcasted_iota(jnp.int32, w.shape, 1) + j * block_v) < n_vocab
@@ -220,7 +227,7 @@ def _grid_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, acc_sc, *,
         dh_ref[...] = acc_sc[...].astype(dh_ref.dtype)
 
 
-def _grid_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, acc_sc, *,
+def _grid_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, ge_ref, ent_ref, dw_ref, acc_sc, *,
                     n_vocab, n_rows, block_v, block_t, inv_temp, precision):
     jv, it = pl.program_id(0), pl.program_id(1)
 
@@ -232,7 +239,8 @@ def _grid_dw_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, acc_sc, *,
     logits = _dot(h, w_ref[...], (1, 0), precision) * inv_temp  # bt bv
     col = lax.broadcasted_iota(jnp.int32, logits.shape, 1) + jv * block_v
     col_valid = col < n_vocab
-    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], inv_temp)
+    dl = _dlogits(logits, col_valid, col == tgt_ref[...], lse_ref[...], g_ref[...], ge_ref[...], ent_ref[...],
+                  inv_temp)
     # Rows past N in the edge block are unspecified (NaN in interpret mode): zero both
     # factors so they add nothing to H^T @ dlogits.
     row_ok = (lax.broadcasted_iota(jnp.int32, dl.shape, 0) + it * block_t) < n_rows
@@ -287,12 +295,12 @@ def _grid_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
     return logp[:, 0], lse[:, 0], ent[:, 0]
 
 
-def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
+def _grid_backward(h, w, tgt, lse, g, ge, ent, *, inv_temp, cfg: KernelConfig):
     n, d = h.shape
     v = w.shape[1]
     bt, bv = cfg.block_t, cfg.block_v
     precision = _precision(h.dtype)
-    tgt2, lse2, g2 = tgt[:, None], lse[:, None], g[:, None]  # N 1
+    tgt2, lse2, g2, ge2, ent2 = (x[:, None] for x in (tgt, lse, g, ge, ent))  # N 1
 
     # dH: rows outer ("parallel"), vocab inner ("arbitrary").
     row = pl.BlockSpec((bt, 1), lambda i, j: (i, 0))
@@ -301,14 +309,14 @@ def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
         functools.partial(_grid_dh_kernel, n_vocab=v, block_v=bv, inv_temp=inv_temp, precision=precision),
         grid=(pl.cdiv(n, bt), pl.cdiv(v, bv)),
         in_specs=[pl.BlockSpec((bt, d), lambda i, j: (i, 0)), pl.BlockSpec((d, bv), lambda i, j: (0, j)),
-                  row, row, row],
+                  row, row, row, row, row],
         out_specs=pl.BlockSpec((bt, d), lambda i, j: (i, 0)),
         out_shape=jax.ShapeDtypeStruct((n, d), h.dtype),
         scratch_shapes=[_scratch((bt, d), jnp.float32, cfg)],
         compiler_params=_compiler_params(cfg, ("parallel", "arbitrary")),
         interpret=cfg.interpret,
         name="grpo_fused_logprobs_dh",
-    )(h, w, tgt2, lse2, g2)
+    )(h, w, tgt2, lse2, g2, ge2, ent2)
 
     # dW: vocab outer ("parallel"), rows inner ("arbitrary").
     row_t = pl.BlockSpec((bt, 1), lambda j, i: (i, 0))
@@ -318,14 +326,14 @@ def _grid_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
                           inv_temp=inv_temp, precision=precision),
         grid=(pl.cdiv(v, bv), pl.cdiv(n, bt)),
         in_specs=[pl.BlockSpec((bt, d), lambda j, i: (i, 0)), pl.BlockSpec((d, bv), lambda j, i: (0, j)),
-                  row_t, row_t, row_t],
+                  row_t, row_t, row_t, row_t, row_t],
         out_specs=pl.BlockSpec((d, bv), lambda j, i: (0, j)),
         out_shape=jax.ShapeDtypeStruct((d, v), w.dtype),
         scratch_shapes=[_scratch((d, bv), jnp.float32, cfg)],
         compiler_params=_compiler_params(cfg, ("parallel", "arbitrary")),
         interpret=cfg.interpret,
         name="grpo_fused_logprobs_dw",
-    )(h, w, tgt2, lse2, g2)
+    )(h, w, tgt2, lse2, g2, ge2, ent2)
     return dh, dw
 
 
@@ -402,13 +410,15 @@ def _loop_fwd_kernel(h_ref, w_ref, tgt_ref, logp_ref, lse_ref, ent_ref, *, n_row
         plgpu.store(ref.at[pl.ds(t0, bt)], val, mask=row_ok)
 
 
-def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, *, n_rows, n_vocab, n_hidden,
+def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, ge_ref, ent_ref, dh_ref, *, n_rows, n_vocab, n_hidden,
                     bt, bv, bd, inv_temp, precision, barrier):
     t0 = pl.program_id(0) * bt
     row_ok = t0 + jnp.arange(bt) < n_rows
     tgt = _row_vec(tgt_ref, t0, bt, row_ok, 0)
     lse = _row_vec(lse_ref, t0, bt, row_ok, 0.0)
     g = _row_vec(g_ref, t0, bt, row_ok, 0.0)
+    ge = _row_vec(ge_ref, t0, bt, row_ok, 0.0)
+    ent = _row_vec(ent_ref, t0, bt, row_ok, 0.0)
     n_d = pl.cdiv(n_hidden, bd)
 
     def zero(k, _):
@@ -426,7 +436,7 @@ def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, *, n_rows, n_
         col_ok = cols < n_vocab
         logits = _loop_logits(h_ref, w_ref, t0, v0, row_ok, col_ok, bt=bt, bv=bv, bd=bd, n_hidden=n_hidden,
                               inv_temp=inv_temp, precision=precision)
-        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, inv_temp)
+        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, ge, ent, inv_temp)
 
         def d_body(k, _):
             d0 = k * bd
@@ -444,7 +454,7 @@ def _loop_dh_kernel(h_ref, w_ref, tgt_ref, lse_ref, g_ref, dh_ref, *, n_rows, n_
     lax.fori_loop(0, pl.cdiv(n_vocab, bv), v_body, 0)
 
 
-def _loop_dw_kernel(base_ref, h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, n_rows, n_cols, n_hidden,
+def _loop_dw_kernel(base_ref, h_ref, w_ref, tgt_ref, lse_ref, g_ref, ge_ref, ent_ref, dw_ref, *, n_rows, n_cols, n_hidden,
                     bt, bv, bd, inv_temp, precision, barrier):
     """dW for ``n_cols`` vocab columns starting at ``base_ref[0]``, into an f32 [D, n_cols] output."""
     local = pl.program_id(0) * bv
@@ -468,9 +478,11 @@ def _loop_dw_kernel(base_ref, h_ref, w_ref, tgt_ref, lse_ref, g_ref, dw_ref, *, 
         tgt = _row_vec(tgt_ref, t0, bt, row_ok, 0)
         lse = _row_vec(lse_ref, t0, bt, row_ok, 0.0)
         g = _row_vec(g_ref, t0, bt, row_ok, 0.0)  # 0 on rows past N: they add nothing
+        ge = _row_vec(ge_ref, t0, bt, row_ok, 0.0)
+        ent = _row_vec(ent_ref, t0, bt, row_ok, 0.0)
         logits = _loop_logits(h_ref, w_ref, t0, v0, row_ok, col_ok, bt=bt, bv=bv, bd=bd, n_hidden=n_hidden,
                               inv_temp=inv_temp, precision=precision)
-        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, inv_temp)
+        dl = _dlogits(logits, col_ok[None, :], cols[None, :] == tgt[:, None], lse, g, ge, ent, inv_temp)
 
         def d_body(k, _):
             d0 = k * bd
@@ -516,7 +528,7 @@ def _loop_forward(h, w, tgt, *, inv_temp, cfg: KernelConfig):
     )(h, w, tgt))
 
 
-def _loop_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
+def _loop_backward(h, w, tgt, lse, g, ge, ent, *, inv_temp, cfg: KernelConfig):
     n, d = h.shape
     kw = _loop_kwargs(h, w, cfg, inv_temp)
     dh = _pallas_call(
@@ -527,11 +539,11 @@ def _loop_backward(h, w, tgt, lse, g, *, inv_temp, cfg: KernelConfig):
         compiler_params=_loop_compiler_params(cfg),
         interpret=cfg.interpret,
         name="grpo_fused_logprobs_dh_loop",
-    )(h, w, tgt, lse, g)
-    return dh.astype(h.dtype), _loop_dw(h, w, tgt, lse, g, kw=kw, cfg=cfg)
+    )(h, w, tgt, lse, g, ge, ent)
+    return dh.astype(h.dtype), _loop_dw(h, w, tgt, lse, g, ge, ent, kw=kw, cfg=cfg)
 
 
-def _loop_dw(h, w, tgt, lse, g, *, kw, cfg: KernelConfig):
+def _loop_dw(h, w, tgt, lse, g, ge, ent, *, kw, cfg: KernelConfig):
     """dW [D, V] in w's dtype, through an f32 buffer of at most ``cfg.dw_chunk`` columns.
 
     The loop schedule accumulates dW over row blocks in its (f32) output, read-modify-write;
@@ -557,11 +569,11 @@ def _loop_dw(h, w, tgt, lse, g, *, kw, cfg: KernelConfig):
 
     def one(c, dw):
         start = jnp.minimum(c * chunk, v - chunk).astype(jnp.int32)
-        part = call(start[None], h, w, tgt, lse, g)  # D chunk, f32
+        part = call(start[None], h, w, tgt, lse, g, ge, ent)  # D chunk, f32
         return lax.dynamic_update_slice(dw, part.astype(w.dtype), (jnp.int32(0), start))
 
     if n_chunks == 1:
-        return call(jnp.zeros((1,), jnp.int32), h, w, tgt, lse, g).astype(w.dtype)
+        return call(jnp.zeros((1,), jnp.int32), h, w, tgt, lse, g, ge, ent).astype(w.dtype)
     return lax.fori_loop(0, n_chunks, one, jnp.zeros((d, v), w.dtype))
 
 
@@ -581,14 +593,14 @@ def _fused(h, w, tgt, inv_temp, cfg):
 
 def _fused_fwd(h, w, tgt, inv_temp, cfg):
     logp, lse, ent = _forward(h, w, tgt, inv_temp, cfg)
-    return (logp, ent), (h, w, tgt, lse)
+    return (logp, ent), (h, w, tgt, lse, ent)
 
 
 def _fused_bwd(inv_temp, cfg, res, cts):
-    h, w, tgt, lse = res
-    g, _ = cts  # the entropy output carries no gradient (it is a metric)
+    h, w, tgt, lse, ent = res
+    g, ge = cts  # ge: the entropy's cotangent (zero unless the loss has an entropy bonus)
     fn = _grid_backward if cfg.schedule == "grid" else _loop_backward
-    dh, dw = fn(h, w, tgt, lse, g.astype(jnp.float32), inv_temp=inv_temp, cfg=cfg)
+    dh, dw = fn(h, w, tgt, lse, g.astype(jnp.float32), ge.astype(jnp.float32), ent, inv_temp=inv_temp, cfg=cfg)
     return dh, dw, None
 
 
@@ -605,8 +617,8 @@ def fused_token_logprobs(
 ) -> tuple[jax.Array, jax.Array]:
     """``log_softmax(hidden @ head_weight / temperature)[targets]`` without the logits.
 
-    hidden [B, T, D], head_weight [D, V], targets [B, T] -> (logp [B, T] f32 with a custom
-    VJP to hidden and head_weight, entropy [B, T] f32 without gradient).
+    hidden [B, T, D], head_weight [D, V], targets [B, T] -> (logp [B, T] f32 and entropy
+    [B, T] f32, both with a custom VJP to hidden and head_weight).
     """
     b, t, d = hidden.shape
     h = hidden.reshape(b * t, d)  # N D
@@ -614,7 +626,7 @@ def fused_token_logprobs(
     if head_weight.dtype != h.dtype:
         head_weight = head_weight.astype(h.dtype)
     logp, ent = _fused(h, head_weight, tgt, 1.0 / float(temperature), config)
-    return logp.reshape(b, t), lax.stop_gradient(ent).reshape(b, t)
+    return logp.reshape(b, t), ent.reshape(b, t)
 
 
 # --------------------------------------------------------------------------- configuration
