@@ -120,6 +120,9 @@ def readable_run_dir(run_dir: str | os.PathLike, *, need: str | None = None) -> 
     try:
         if need is not None:
             return (base / need).exists()
+        if not is_remote(run_dir):
+            return base.is_dir()
+        # Object stores have no directories: a run directory is a prefix holding run files.
         return (base / "config.yaml").exists() or has_log(base, "metrics.jsonl")
     except ImportError as err:
         package, extra = _PACKAGES.get(scheme(run_dir) or "", (None, None))
@@ -237,7 +240,10 @@ class JsonlLog:
             return
         if self._session is None:
             self._session = _next_session(self.run_dir / (self.name + SEGMENT_SUFFIX))
-        seg = self.run_dir / (self.name + SEGMENT_SUFFIX) / f"{self._session:05d}-{self._seq:06d}.jsonl"
+        seg_dir = self.run_dir / (self.name + SEGMENT_SUFFIX)
+        if self._seq == 0:
+            mkdir(seg_dir)  # a no-op on object stores; local segments need the folder
+        seg = seg_dir / f"{self._session:05d}-{self._seq:06d}.jsonl"
         seg.write_text("".join(self._rows))
         self._seq += 1
         self._rows = []
