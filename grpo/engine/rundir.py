@@ -59,6 +59,8 @@ def path(p: str | os.PathLike) -> epath.Path:
     if isinstance(p, epath.Path) and is_remote(p):
         return p
     s = os.fspath(p)
+    if scheme(s) == "file":
+        s = s[len("file://"):]
     return epath.Path(s) if is_remote(s) else epath.Path(os.path.abspath(s))
 
 
