@@ -2,7 +2,7 @@
 
 The public surface for plugin authors is small::
 
-    from grpo import hookimpl, MeshPolicy, RolloutStyle, LossPlugin, TaskPlugin
+    from grpo import hookimpl, MeshPolicy, RolloutStyle, LossPlugin, TaskPlugin, ModelPlugin
 
 This module stays import-light (no JAX) so ``grpo --help`` and ``grpo plugins list``
 start fast.
@@ -13,6 +13,7 @@ from grpo.core.contracts import (
     LossSettings,
     MeshLayout,
     MeshPolicy,
+    ModelPlugin,
     NoOptions,
     PluginOptions,
     RolloutStyle,
@@ -29,6 +30,7 @@ __all__ = [
     "LossSettings",
     "MeshLayout",
     "MeshPolicy",
+    "ModelPlugin",
     "NoOptions",
     "PluginOptions",
     "RolloutStyle",

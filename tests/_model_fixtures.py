@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo.core.contracts import MESH_AXES
-from grpo.models.qwen2 import positions_from_mask
+from grpo.models.decoder import positions_from_mask
 from grpo.models.tiny import write_tiny_checkpoint
 
 _ROOT = Path(tempfile.mkdtemp(prefix="grpo-model-tests-"))
@@ -40,7 +40,60 @@ CHECKPOINTS: dict[str, dict] = {
 
 @functools.cache
 def checkpoint(name: str) -> Path:
+    if name in FAMILY_CHECKPOINTS:
+        return family_checkpoint(name)
     return write_tiny_checkpoint(_ROOT / name, **CHECKPOINTS[name])
+
+
+# name -> (transformers config class, its kwargs). Built by transformers itself and saved
+# with save_pretrained, so the HF side (names, layouts, config.json) is transformers' own.
+# Sizes are deliberately odd: head_dim unrelated to hidden/heads, MQA and GQA, 2 and 3
+# layers, a vocabulary of 311; hidden 48 divides over fsdp=8 so sharded loads really shard.
+_LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                # wavelengths of head_dim 16 at theta 5e5 then fall in all three llama3 bands
+                "original_max_position_embeddings": 256}
+_COMMON = dict(vocab_size=311, hidden_size=48, bos_token_id=306, eos_token_id=308, pad_token_id=306)
+FAMILY_CHECKPOINTS: dict[str, tuple[str, dict]] = {
+    "qwen3_tied": ("Qwen3Config", dict(
+        _COMMON, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=10, tie_word_embeddings=True, rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=512)),
+    "qwen3_untied": ("Qwen3Config", dict(
+        _COMMON, intermediate_size=72, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3,
+        head_dim=12, tie_word_embeddings=False, rope_theta=1_000_000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=512)),
+    "llama_untied": ("LlamaConfig", dict(
+        _COMMON, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=2,
+        tie_word_embeddings=False, rope_theta=500_000.0, rms_norm_eps=1e-5, max_position_embeddings=512)),
+    "llama_tied_rope3": ("LlamaConfig", dict(
+        _COMMON, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=1,
+        head_dim=16, tie_word_embeddings=True, rope_theta=500_000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=2048, rope_scaling=_LLAMA3_ROPE)),
+}
+
+
+@functools.cache
+def family_checkpoint(name: str) -> Path:
+    """A random checkpoint of ``FAMILY_CHECKPOINTS[name]`` written by transformers, with
+    the tiny tokenizer beside it (a complete model directory)."""
+    import torch
+    import transformers
+
+    from grpo.models.tiny import write_tiny_tokenizer
+
+    cls_name, kwargs = FAMILY_CHECKPOINTS[name]
+    config = getattr(transformers, cls_name)(**kwargs)
+    torch.manual_seed(sum(map(ord, name)))
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)
+    with torch.no_grad():
+        for pname, param in model.named_parameters():
+            if pname.endswith("norm.weight"):  # not all ones, so a mixed-up norm shows
+                param.copy_(1.0 + 0.1 * torch.randn_like(param))
+            else:  # O(1) activations and logits (transformers' 0.02 init gives ~0 logits)
+                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
+    out = _ROOT / name
+    model.save_pretrained(out)
+    write_tiny_tokenizer(out)
+    return out
 
 
 def scratch_dir(name: str) -> Path:
@@ -85,13 +138,14 @@ def logits_of(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
 @functools.cache
 def _hf_model(path: str):
     import torch
-    from transformers import Qwen2ForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    return Qwen2ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
 
 
 def hf_logits(path: str | Path, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
-    """transformers' Qwen2ForCausalLM logits (PyTorch, CPU, float32)."""
+    """transformers' logits of the checkpoint at ``path`` (its own causal-LM class,
+    PyTorch, CPU, float32)."""
     import torch
 
     model = _hf_model(str(path))

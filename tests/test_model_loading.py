@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from _model_fixtures import checkpoint, hf_logits, logits_of, mesh, padded_batch, scratch_dir
+from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, mesh, padded_batch, scratch_dir
 from grpo.core.config import ModelConfig
 from grpo.core.errors import UserError
 from grpo.models.loading import (
@@ -38,19 +38,28 @@ def _reference_logits(name: str) -> np.ndarray:
 # --------------------------------------------------------------------------- sharded load
 
 
-def test_fsdp8_load_shards_parameters_and_gives_the_same_logits():
-    model = load_hf(checkpoint("untied"), mesh(fsdp=8))
+FAMILIES = list(FAMILY_CHECKPOINTS)  # qwen3 and llama checkpoints written by transformers
+
+
+@pytest.mark.parametrize("name", ["untied", *FAMILIES])
+def test_fsdp8_load_shards_parameters_and_gives_the_same_logits(name):
+    model = load_hf(checkpoint(name), mesh(fsdp=8))
+    c = model.config
     # FSDP over the embed dimension of every large parameter; norms replicated.
     assert model.layers.q_proj[...].sharding.spec == P(None, "fsdp", None, None)
     assert model.layers.down_proj[...].sharding.spec == P(None, None, "fsdp")
     assert model.embed[...].sharding.spec == P(None, "fsdp")
-    assert model.lm_head[...].sharding.spec == P("fsdp", None)
+    if not c.tie_word_embeddings:
+        assert model.lm_head[...].sharding.spec == P("fsdp", None)
     assert model.final_norm[...].sharding.spec == P(None)
+    if c.qk_norm:  # per-head norms are tiny: replicated
+        assert model.layers.q_norm[...].sharding.spec == P(None, None)
     shard = model.layers.gate_proj[...].addressable_shards[0].data
-    assert shard.shape == (3, 64 // 8, 128)  # each device holds 1/8 of it
+    # each device holds 1/8 of it
+    assert shard.shape == (c.num_hidden_layers, c.hidden_size // 8, c.intermediate_size)
     tokens, mask = padded_batch()
     ours = logits_of(model, tokens, mask)
-    np.testing.assert_allclose(ours[mask], _reference_logits("untied")[mask], atol=1e-5)
+    np.testing.assert_allclose(ours[mask], _reference_logits(name)[mask], atol=1e-5)
 
 
 def test_tensor_parallel_load_is_correct_and_replicates_what_does_not_divide():
@@ -91,13 +100,16 @@ def test_bfloat16_checkpoint_converts_to_the_requested_param_dtype():
 # --------------------------------------------------------------------------- export
 
 
-@pytest.mark.parametrize("name", ["tied", "untied"])
+@pytest.mark.parametrize("name", ["tied", "untied", *FAMILIES])
 def test_export_loads_in_transformers_with_the_same_logits(name):
     model = load_hf(checkpoint(name), mesh(fsdp=8))
-    out = save_hf(model, scratch_dir(f"export-{name}"), tokenizer_dir=checkpoint(name), max_shard_bytes=150_000)
+    out = save_hf(model, scratch_dir(f"export-{name}"), tokenizer_dir=checkpoint(name), max_shard_bytes=100_000)
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1
-    assert ("lm_head.weight" in index["weight_map"]) == (name == "untied")
+    assert ("lm_head.weight" in index["weight_map"]) == (not model.config.tie_word_embeddings)
+    exported = json.loads((out / "config.json").read_text())
+    assert exported["model_type"] == model.config.model_type == json.loads(
+        (checkpoint(name) / "config.json").read_text())["model_type"]
     assert (out / "tokenizer.json").is_file() and (out / "tokenizer_config.json").is_file()
     tokens, mask = padded_batch()
     ref = hf_logits(out, tokens, mask)
@@ -203,7 +215,9 @@ def test_missing_tensor_in_a_sharded_checkpoint_is_named():
 @pytest.mark.parametrize(
     "change, message",
     [
-        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "Unexpected architecture.*llama"),
+        ({"model_type": "gemma", "architectures": ["GemmaForCausalLM"]},
+         r"Unexpected architecture.*'gemma'.*no installed model plugin handles.*llama \(llama\), qwen2 \(qwen2\), qwen3 \(qwen3\)"),
+        ({"model_type": "qwen3_moe", "architectures": ["Qwen3MoeForCausalLM"]}, "MoE Qwen3.*not implemented"),
         ({"architectures": ["Qwen2ForSequenceClassification"]}, "Qwen2ForSequenceClassification"),
         ({"use_sliding_window": True, "sliding_window": 64, "max_window_layers": 1}, "sliding-window"),
         ({"rope_scaling": {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}}, "yarn"),

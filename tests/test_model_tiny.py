@@ -78,7 +78,7 @@ def test_overrides_apply_and_unknown_ones_are_refused():
     with pytest.raises(UserError, match="sliding-window"):
         preset_config("tiny", {"use_sliding_window": True})
     with pytest.raises(UserError, match="Unknown model preset"):
-        preset_config("qwen3-8b")
+        preset_config("qwen3-32b")
 
 
 # --------------------------------------------------------------------------- checkpoint writer

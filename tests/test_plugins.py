@@ -17,7 +17,7 @@ from grpo.core.cli import cli
 from grpo.core.errors import PluginError
 from grpo.core.plugins import DEFAULT_PLUGINS, load_plugins
 
-HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_tasks")
+HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_tasks", "register_models")
 
 
 def _module(name, **attrs):
@@ -38,6 +38,7 @@ def test_hook_names_are_public_api():
         assert callable(getattr(hookspecs, name))
     assert [m for m in DEFAULT_PLUGINS] == [
         "grpo.plugins.mesh", "grpo.plugins.rollout", "grpo.plugins.losses", "grpo.plugins.tasks",
+        "grpo.plugins.models",
     ]
 
 
@@ -45,6 +46,7 @@ def test_builtins_registered_through_hooks():
     loaded = load_plugins(entry_points=False)
     assert {"auto", "host_local", "explicit"} <= set(loaded.registry("mesh").names())
     assert {"legacy", "maxtext"} <= set(loaded.registry("rollout").names())
+    assert {"qwen2", "qwen3", "llama"} <= set(loaded.registry("model").names())
     assert all(e.provider == "built-in" for e in loaded.entries())
     assert loaded.failed == []
     # Builtins are plain plugin modules in pluggy, like third-party ones.

@@ -235,3 +235,44 @@ def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     [row] = read_metrics(tmp_path / "run")
     assert "reward/correct/mean" in row and "reward/format/mean" in row
     assert summary["eval"]["eval/num_prompts"] == 8
+
+
+@pytest.mark.parametrize("loss", ["jax", "pallas"])
+@pytest.mark.parametrize("family", ["qwen3_untied", "llama_tied_rope3"])
+def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, loss):
+    """A Qwen3 and a Llama 3 checkpoint written by transformers: sampler, update with each
+    loss, checkpoint, `grpo export`, and transformers reloads the export with our logits."""
+    from _model_fixtures import checkpoint
+
+    overrides = {
+        "model": {"source": "hf", "path": str(checkpoint(family)), "architecture": family.split("_")[0]},
+        "loss.impl": loss, "task": {"name": "length"}, "checkpoint.at_end": loss == "jax",
+    }
+    if loss == "pallas":
+        overrides["loss.options"] = {"interpret": True}
+    trainer = Trainer(_config(**overrides), tmp_path)
+    assert trainer.policy.model.config.family == family.split("_")[0]
+    before = _params_np(trainer)
+    trainer.run()
+    [row] = read_metrics(tmp_path)
+    assert np.isfinite(row["loss"]) and row["grad_norm"] > 0
+    assert row["logprob_gap/sampler_trainer"] < 1e-4
+    assert any(not np.array_equal(a, b) for a, b in zip(before, _params_np(trainer)))
+    if loss != "jax":
+        return
+    import torch
+    from flax import nnx
+    from transformers import AutoModelForCausalLM
+
+    from grpo.engine.export import export_run
+
+    out = export_run(tmp_path, tmp_path / "hf")
+    config = json.loads((out / "config.json").read_text())
+    assert config["model_type"] == family.split("_")[0]
+    hf = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = np.array([[5, 17, 42, 99, 3, 250]], np.int32)
+    with torch.no_grad():
+        ref = hf(torch.tensor(tokens, dtype=torch.long)).logits.numpy()
+    trained = nnx.merge(trainer.graphdef, trainer.params)
+    hidden, _ = trained(tokens, np.arange(6, dtype=np.int32)[None])
+    np.testing.assert_allclose(np.asarray(trained.logits(hidden)), ref, atol=1e-4)

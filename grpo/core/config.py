@@ -34,7 +34,11 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
 
 
-PRESETS = ("tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b")
+PRESETS = (
+    "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
+    "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
+    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+)
 
 
 class RandomModelConfig(Section):
@@ -45,7 +49,7 @@ class RandomModelConfig(Section):
     )
     overrides: dict[str, Any] = Field(
         default_factory=dict,
-        description="Qwen2 config fields to override on the preset (e.g. num_hidden_layers: 2).",
+        description="HF config fields to override on the preset (e.g. num_hidden_layers: 2).",
     )
 
 
@@ -55,6 +59,11 @@ class ModelConfig(Section):
     )
     path: str | None = Field(
         None, description="Local HF directory or hub id (e.g. Qwen/Qwen2.5-3B-Instruct); needed for source=hf."
+    )
+    architecture: str = Field(
+        "auto",
+        description="Model plugin (`grpo plugins list`, kind model: qwen2, qwen3, llama, ...); `auto` = the "
+        "plugin for the checkpoint's config.json model_type (or the preset's).",
     )
     tokenizer: str | None = Field(
         None, description="Tokenizer directory or hub id; defaults to `path` (source=random: a tiny local one)."
@@ -457,9 +466,32 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
             problems.extend(validation_problems(err, prefix=f"{section}.options"))
             continue
         selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
+    problems += _model_problems(config, plugins)
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
     return selected
+
+
+def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
+    """``model.architecture`` names an installed model plugin, and a random preset's
+    family when the model is random (a checkpoint's is checked when it is read)."""
+    name = config.model.architecture
+    if name == "auto":
+        return []
+    try:
+        plugins.get("model", name)
+    except PluginError as err:
+        return [f"model.architecture: {err}"]
+    if config.model.source == "random":
+        from grpo.models.presets import preset_family
+
+        family = preset_family(config.model.random.preset)
+        if family != name:
+            return [
+                f"model.architecture={name!r} but model.random.preset={config.model.random.preset!r} is a "
+                f"{family} model; set model.architecture to {family!r} or 'auto'"
+            ]
+    return []
 
 
 def cross_field_problems(config: RunConfig) -> list[str]:

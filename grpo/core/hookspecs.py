@@ -9,7 +9,7 @@ object it provides::
     def register_mesh_policies(register):
         register(MyPolicy())
 
-The four hook names are public API. Specs only ever gain parameters; implementations
+The five hook names are public API. Specs only ever gain parameters; implementations
 may accept a subset (pluggy passes only the arguments an implementation names).
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from grpo.core.contracts import LossPlugin, MeshPolicy, RolloutStyle, TaskPlugin
+    from grpo.core.contracts import LossPlugin, MeshPolicy, ModelPlugin, RolloutStyle, TaskPlugin
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -48,3 +48,8 @@ def register_losses(register: "Register[LossPlugin]") -> None:
 @hookspec
 def register_tasks(register: "Register[TaskPlugin]") -> None:
     """Register tasks (data, prompts, reward functions, evaluation)."""
+
+
+@hookspec
+def register_models(register: "Register[ModelPlugin]") -> None:
+    """Register model families (HF checkpoints of some ``model_type`` -> a Flax causal LM)."""

@@ -35,6 +35,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo.plugins.rollout",
     "grpo.plugins.losses",
     "grpo.plugins.tasks",
+    "grpo.plugins.models",
 )
 
 

@@ -288,7 +288,7 @@ def run_rollout_bench(
 
 @click.command("rollout")
 @click.option("--model", "model_path", help="Hugging Face model directory or hub id.")
-@click.option("--preset", help="Random weights of a preset architecture (tiny, qwen2.5-3b, ...).")
+@click.option("--preset", help="Random weights of a preset architecture (tiny, qwen2.5-3b, qwen3-1.7b, llama-3.2-1b, ...).")
 @click.option("--batch", type=click.IntRange(min=1), default=128, show_default=True, help="Sequences (prompts x generations).")
 @click.option("--generations", type=click.IntRange(min=1), default=8, show_default=True, help="Samples per prompt.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True)

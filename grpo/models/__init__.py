@@ -1,10 +1,15 @@
-"""Qwen2/Qwen2.5 in Flax NNX and Hugging Face checkpoints in and out.
+"""The built-in model families (Qwen2/Qwen2.5, Qwen3, Llama 3.x) in Flax NNX, and Hugging
+Face checkpoints in and out.
 
-- :mod:`grpo.models.qwen2` — :class:`Qwen2Config`, the :class:`Qwen2` module,
+- :mod:`grpo.models.decoder` — the shared :class:`Decoder` module, :class:`DecoderConfig`,
   :class:`KVCache` and the padding/position helpers.
+- :mod:`grpo.models.qwen2`, :mod:`grpo.models.qwen3`, :mod:`grpo.models.llama` — each
+  family's config (its switches and HF config translation). The model plugins that
+  wrap them are in :mod:`grpo.plugins.models`; :mod:`grpo.models.families` picks one
+  for a checkpoint.
 - :mod:`grpo.models.loading` — :func:`load_hf`, :func:`random_init`, :func:`save_hf`,
   :func:`build_model` (all sharded on a ``jax.sharding.Mesh``).
-- :mod:`grpo.models.presets` — ``tiny`` and the Qwen2.5 sizes.
+- :mod:`grpo.models.presets` — ``tiny`` and the published Qwen2.5, Qwen3 and Llama 3 sizes.
 - :mod:`grpo.models.tiny` — a tiny checkpoint and tokenizer written locally.
 
 Names are imported lazily, so ``grpo.models.cli`` and ``grpo.models.presets`` users do
@@ -17,11 +22,15 @@ import importlib
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
+    "Decoder": "grpo.models.decoder",
+    "DecoderConfig": "grpo.models.decoder",
+    "LlamaConfig": "grpo.models.llama",
+    "Qwen3Config": "grpo.models.qwen3",
     "Qwen2": "grpo.models.qwen2",
     "Qwen2Config": "grpo.models.qwen2",
-    "KVCache": "grpo.models.qwen2",
-    "positions_from_mask": "grpo.models.qwen2",
-    "repeat_batch": "grpo.models.qwen2",
+    "KVCache": "grpo.models.decoder",
+    "positions_from_mask": "grpo.models.decoder",
+    "repeat_batch": "grpo.models.decoder",
     "CheckpointError": "grpo.models.loading",
     "build_model": "grpo.models.loading",
     "load_hf": "grpo.models.loading",

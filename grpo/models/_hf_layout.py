@@ -1,7 +1,9 @@
-"""How transformers' Qwen2 tensors map onto :class:`grpo.models.qwen2.Qwen2` parameters.
+"""How transformers' tensors map onto :class:`grpo.models.decoder.Decoder` parameters.
 
+Qwen2, Qwen3 and Llama name their tensors alike (``model.layers.{i}.self_attn.q_proj``
+...); a family's config says which exist (biases, q/k norms, an untied head).
 transformers stores ``nn.Linear`` weights as [out, in] with heads flattened into the
-out (or in) dimension and one tensor per layer; :class:`Qwen2` stores [in, ..., out]
+out (or in) dimension and one tensor per layer; :class:`Decoder` stores [in, ..., out]
 with explicit head axes, stacked over layers. Each :class:`TensorMap` describes one
 parameter: the HF name (``{i}`` = layer), the HF shape, how HF dims split into ours
 (``groups``) and the transpose from the split HF layout to ours (``perm``). The same
@@ -14,20 +16,21 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
 
-from grpo.models.qwen2 import Qwen2Config
+if TYPE_CHECKING:  # pragma: no cover
+    from grpo.models.decoder import DecoderConfig
 
 TIED_HEAD = "lm_head.weight"
-# Tensors some exporters add that carry nothing a Qwen2 forward pass reads.
+# Tensors some exporters add that carry nothing a forward pass reads.
 IGNORABLE_SUFFIXES = (".rotary_emb.inv_freq",)
 
 
 @dataclasses.dataclass(frozen=True)
 class TensorMap:
-    param: str  # dotted path in Qwen2 ("layers.q_proj")
+    param: str  # dotted path in the module ("layers.q_proj")
     hf: str  # HF tensor name; "{i}" is the layer index when `layered`
     hf_shape: tuple[int, ...]  # per layer
     groups: tuple[tuple[int, ...], ...]  # HF dim j splits into groups[j]
@@ -47,44 +50,51 @@ class TensorMap:
         return tuple(split[p] for p in self.perm)
 
 
-def tensor_maps(cfg: Qwen2Config) -> list[TensorMap]:
+def tensor_maps(cfg: "DecoderConfig") -> list[TensorMap]:
+    """The HF tensor of every parameter of a :class:`Decoder` of ``cfg`` (load and export)."""
     D, F, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
     H, K, E = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     lay = "model.layers.{i}."
-    maps = [
-        TensorMap("embed", "model.embed_tokens.weight", (V, D), ((V,), (D,)), (0, 1), False),
-        TensorMap("layers.attn_norm", lay + "input_layernorm.weight", (D,), ((D,),), (0,), True),
-        TensorMap("layers.q_proj", lay + "self_attn.q_proj.weight", (H * E, D), ((H, E), (D,)), (2, 0, 1), True),
-        TensorMap("layers.q_bias", lay + "self_attn.q_proj.bias", (H * E,), ((H, E),), (0, 1), True),
-        TensorMap("layers.k_proj", lay + "self_attn.k_proj.weight", (K * E, D), ((K, E), (D,)), (2, 0, 1), True),
-        TensorMap("layers.k_bias", lay + "self_attn.k_proj.bias", (K * E,), ((K, E),), (0, 1), True),
-        TensorMap("layers.v_proj", lay + "self_attn.v_proj.weight", (K * E, D), ((K, E), (D,)), (2, 0, 1), True),
-        TensorMap("layers.v_bias", lay + "self_attn.v_proj.bias", (K * E,), ((K, E),), (0, 1), True),
-        TensorMap("layers.o_proj", lay + "self_attn.o_proj.weight", (D, H * E), ((D,), (H, E)), (1, 2, 0), True),
-        TensorMap("layers.mlp_norm", lay + "post_attention_layernorm.weight", (D,), ((D,),), (0,), True),
-        TensorMap("layers.gate_proj", lay + "mlp.gate_proj.weight", (F, D), ((F,), (D,)), (1, 0), True),
-        TensorMap("layers.up_proj", lay + "mlp.up_proj.weight", (F, D), ((F,), (D,)), (1, 0), True),
-        TensorMap("layers.down_proj", lay + "mlp.down_proj.weight", (D, F), ((D,), (F,)), (1, 0), True),
-        TensorMap("final_norm", "model.norm.weight", (D,), ((D,),), (0,), False),
-    ]
+    layer_maps = {
+        "attn_norm": TensorMap("layers.attn_norm", lay + "input_layernorm.weight", (D,), ((D,),), (0,), True),
+        "q_proj": TensorMap("layers.q_proj", lay + "self_attn.q_proj.weight", (H * E, D), ((H, E), (D,)), (2, 0, 1), True),
+        "q_bias": TensorMap("layers.q_bias", lay + "self_attn.q_proj.bias", (H * E,), ((H, E),), (0, 1), True),
+        "k_proj": TensorMap("layers.k_proj", lay + "self_attn.k_proj.weight", (K * E, D), ((K, E), (D,)), (2, 0, 1), True),
+        "k_bias": TensorMap("layers.k_bias", lay + "self_attn.k_proj.bias", (K * E,), ((K, E),), (0, 1), True),
+        "v_proj": TensorMap("layers.v_proj", lay + "self_attn.v_proj.weight", (K * E, D), ((K, E), (D,)), (2, 0, 1), True),
+        "v_bias": TensorMap("layers.v_bias", lay + "self_attn.v_proj.bias", (K * E,), ((K, E),), (0, 1), True),
+        "q_norm": TensorMap("layers.q_norm", lay + "self_attn.q_norm.weight", (E,), ((E,),), (0,), True),
+        "k_norm": TensorMap("layers.k_norm", lay + "self_attn.k_norm.weight", (E,), ((E,),), (0,), True),
+        "o_proj": TensorMap("layers.o_proj", lay + "self_attn.o_proj.weight", (D, H * E), ((D,), (H, E)), (1, 2, 0), True),
+        "mlp_norm": TensorMap("layers.mlp_norm", lay + "post_attention_layernorm.weight", (D,), ((D,),), (0,), True),
+        "gate_proj": TensorMap("layers.gate_proj", lay + "mlp.gate_proj.weight", (F, D), ((F,), (D,)), (1, 0), True),
+        "up_proj": TensorMap("layers.up_proj", lay + "mlp.up_proj.weight", (F, D), ((F,), (D,)), (1, 0), True),
+        "down_proj": TensorMap("layers.down_proj", lay + "mlp.down_proj.weight", (D, F), ((D,), (F,)), (1, 0), True),
+    }
+    maps = [TensorMap("embed", "model.embed_tokens.weight", (V, D), ((V,), (D,)), (0, 1), False)]
+    maps += [layer_maps[name] for name in cfg.layer_params()]
+    maps.append(TensorMap("final_norm", "model.norm.weight", (D,), ((D,),), (0,), False))
     if not cfg.tie_word_embeddings:
         maps.append(TensorMap("lm_head", TIED_HEAD, (V, D), ((V,), (D,)), (1, 0), False))
     return maps
 
 
-def expected_tensors(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
-    """Every HF tensor name a Qwen2ForCausalLM checkpoint of ``cfg`` holds -> its shape."""
+def expected_tensors(cfg: "DecoderConfig", maps: Sequence[TensorMap] | None = None) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor name a checkpoint of ``cfg`` holds -> its shape (``maps``: the
+    family's tensor maps; default :func:`tensor_maps`)."""
     out: dict[str, tuple[int, ...]] = {}
-    for tm in tensor_maps(cfg):
+    for tm in tensor_maps(cfg) if maps is None else maps:
         for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
             out[tm.hf_name(i)] = tm.hf_shape
     return out
 
 
-def check_tensors(cfg: Qwen2Config, found: dict[str, tuple[tuple[int, ...], str]]) -> list[str]:
+def check_tensors(
+    cfg: "DecoderConfig", found: dict[str, tuple[tuple[int, ...], str]], maps: Sequence[TensorMap] | None = None
+) -> list[str]:
     """Problems of a checkpoint's tensors (name -> (shape, safetensors dtype)) against
     ``cfg``, one per tensor, each naming it."""
-    expected = expected_tensors(cfg)
+    expected = expected_tensors(cfg, maps)
     problems = []
     for name, shape in expected.items():
         if name not in found:
@@ -101,7 +111,7 @@ def check_tensors(cfg: Qwen2Config, found: dict[str, tuple[tuple[int, ...], str]
         if name.endswith(IGNORABLE_SUFFIXES):
             continue
         problems.append(
-            f"unexpected tensor {name} {list(found[name][0])} (not part of a Qwen2ForCausalLM with "
+            f"unexpected tensor {name} {list(found[name][0])} (not part of a {cfg.label} with "
             f"{cfg.num_hidden_layers} layers and tie_word_embeddings={cfg.tie_word_embeddings})"
         )
     return problems
@@ -162,11 +172,10 @@ def to_hf(tm: TensorMap, x: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(np.asarray(x).transpose(inverse).reshape(tm.hf_shape))
 
 
-def hf_config_dict(cfg: Qwen2Config, dtype: str) -> dict[str, Any]:
+def hf_config_dict(cfg: Any, dtype: str) -> dict[str, Any]:
     """The ``config.json`` of a checkpoint of ``cfg`` (loads in transformers 4.x and 5.x:
     5.x folds the top-level ``rope_theta`` into ``rope_parameters``)."""
-    d = {"model_type": "qwen2", **cfg.to_hf_dict(), "torch_dtype": dtype}
-    return d
+    return {**cfg.hf_config_dict(), "torch_dtype": dtype}
 
 
 def write_json(path: Any, data: Any) -> None:

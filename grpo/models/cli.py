@@ -12,7 +12,7 @@ import click
 
 @click.group()
 def model() -> None:
-    """Qwen2 checkpoints: inspect."""
+    """Model checkpoints and presets: inspect."""
 
 
 def _human(n: float, unit: str = "B") -> str:
@@ -32,6 +32,7 @@ def _count(n: int) -> str:
 
 def _config_summary(cfg: Any) -> dict[str, Any]:
     return {
+        "family": cfg.family,
         "layers": cfg.num_hidden_layers,
         "hidden_size": cfg.hidden_size,
         "intermediate_size": cfg.intermediate_size,
@@ -43,19 +44,28 @@ def _config_summary(cfg: Any) -> dict[str, Any]:
         "rms_norm_eps": cfg.rms_norm_eps,
         "max_position_embeddings": cfg.max_position_embeddings,
         "tied_embeddings": cfg.tie_word_embeddings,
+        "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if getattr(cfg, "rope_scaling", ()) else None,
     }
 
 
-def inspect_report(path: str) -> dict[str, Any]:
-    """What ``grpo model inspect`` prints, as a dict (a preset name, directory or hub id)."""
+def inspect_report(path: str, *, architecture: str = "auto") -> dict[str, Any]:
+    """What ``grpo model inspect`` prints, as a dict (a preset name, directory or hub id).
+    ``architecture``: ``auto`` or the model plugin that must handle the checkpoint."""
     from grpo.models.presets import PRESETS, preset_config
 
     if path in PRESETS and not Path(path).exists():
         cfg = preset_config(path)
+        if architecture not in ("auto", cfg.family):
+            from grpo.core.errors import UserError
+
+            raise UserError(
+                f"--architecture {architecture} but preset {path!r} is a {cfg.family} model; "
+                f"use --architecture {cfg.family} or auto."
+            )
         n = cfg.num_params()
         return {
             "source": f"preset {path}",
-            "architecture": "Qwen2ForCausalLM",
+            "architecture": cfg.hf_architecture,
             "config": _config_summary(cfg),
             "parameters": n,
             "bytes_by_dtype": {"float32": 4 * n, "bfloat16": 2 * n},
@@ -64,19 +74,19 @@ def inspect_report(path: str) -> dict[str, Any]:
             "problems": [],
         }
     from grpo.models._hf_layout import check_tensors
-    from grpo.models.loading import SafetensorsCheckpoint, read_config, resolve_checkpoint
+    from grpo.models.loading import SafetensorsCheckpoint, read_family, resolve_checkpoint
 
     directory = resolve_checkpoint(path)
-    cfg = read_config(directory)
+    plugin, cfg = read_family(directory, architecture=architecture)
     with SafetensorsCheckpoint(directory) as ckpt:
-        problems = check_tensors(cfg, ckpt.tensors)
+        problems = check_tensors(cfg, ckpt.tensors, plugin.tensor_maps(cfg))
         names = {"F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
         by_dtype = {names.get(k, k): v for k, v in sorted(ckpt.nbytes_by_dtype().items())}
         files = sorted(set(ckpt.file_of.values()))
         stored = sum(math.prod(shape) for shape, _ in ckpt.tensors.values())
     return {
         "source": str(directory),
-        "architecture": "Qwen2ForCausalLM",
+        "architecture": getattr(cfg, "hf_architecture", plugin.name),
         "config": _config_summary(cfg),
         "parameters": cfg.num_params(),
         "stored_parameters": stored,
@@ -90,21 +100,24 @@ def inspect_report(path: str) -> dict[str, Any]:
 @model.command("inspect")
 @click.argument("path")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
-def inspect_cmd(path: str, as_json: bool) -> None:
+@click.option("--architecture", default="auto", show_default=True,
+              help="Model plugin that must handle PATH (as model.architecture in a config).")
+def inspect_cmd(path: str, as_json: bool, architecture: str) -> None:
     """Parameter count, bytes per dtype, config summary and tying of PATH.
 
     PATH is a Hugging Face model directory, a hub id, or a preset name (e.g.
-    qwen2.5-3b). Only headers are read; exits 2 when the checkpoint would not load.
+    qwen2.5-3b, qwen3-1.7b, llama-3.2-1b). Only headers are read; exits 2 when the
+    checkpoint would not load.
     """
     from grpo.models.loading import CheckpointError
 
-    report = inspect_report(path)
+    report = inspect_report(path, architecture=architecture)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
         c = report["config"]
         click.echo(f"source:       {report['source']}")
-        click.echo(f"architecture: {report['architecture']}")
+        click.echo(f"architecture: {report['architecture']} (model plugin {c['family']})")
         click.echo(
             f"layers {c['layers']}, hidden {c['hidden_size']}, mlp {c['intermediate_size']}, heads "
             f"{c['attention_heads']} (kv {c['kv_heads']}, head_dim {c['head_dim']}), vocab {c['vocab_size']}"
@@ -114,6 +127,8 @@ def inspect_cmd(path: str, as_json: bool) -> None:
             f"max_position_embeddings {c['max_position_embeddings']}"
         )
         click.echo(f"tied embeddings: {'yes' if c['tied_embeddings'] else 'no'}")
+        if c["rope_scaling"]:
+            click.echo(f"rope scaling: {c['rope_scaling']}")
         click.echo(f"parameters:   {report['parameters']:,} ({_count(report['parameters'])})")
         if "stored_parameters" in report and report["stored_parameters"] != report["parameters"]:
             click.echo(f"stored:       {report['stored_parameters']:,} (tensors in the files)")

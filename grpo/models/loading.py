@@ -6,12 +6,17 @@
   is read from the safetensors file(s) as a slice (safetensors ``get_slice``), converted
   to ``param_dtype`` and placed, so no host or device ever holds the whole model, and a
   host holds at most one parameter's distinct shards at a time.
-- :func:`random_init` — a preset or :class:`~grpo.models.qwen2.Qwen2Config` initialised
+- :func:`random_init` — a preset or a family config (:class:`~grpo.models.decoder.DecoderConfig`) initialised
   under ``jax.jit`` with ``out_shardings``, so parameters are born sharded.
 - :func:`save_hf` — back to an HF directory (safetensors shards + index, ``config.json``,
   tokenizer files) that ``transformers`` loads; gathers one layer of one parameter at a
   time.
 - :func:`build_model` — the above from a run config's ``model`` section.
+
+Every function works through the checkpoint's model plugin (:class:`grpo.ModelPlugin`,
+chosen by :func:`grpo.models.families.resolve_family` from ``config.json``'s
+``model_type`` or by ``model.architecture``): the plugin reads the config, names the
+parameters' logical axes, maps HF tensor names both ways and builds the module.
 
 Sharding: parameters' logical axis names map to mesh axes through ``rules`` (default
 :data:`grpo.engine.sharding.PARAM_RULES`: FSDP over ``embed``, tp over heads, KV heads,
@@ -47,14 +52,13 @@ from grpo.engine.sharding import PARAM_RULES
 from grpo.models._hf_layout import (
     TensorMap,
     check_tensors,
-    hf_config_dict,
     read_hf_slice,
-    tensor_maps,
     to_hf,
     write_json,
 )
 from grpo.engine.sharding import fit_sharding
-from grpo.models.qwen2 import DTYPES, Qwen2, Qwen2Config, _dtype_name
+from grpo.models.decoder import DTYPES, _dtype_name
+from grpo.models.families import AUTO, family_of, resolve_family
 
 log = logging.getLogger(__name__)
 
@@ -118,8 +122,18 @@ def resolve_checkpoint(path_or_id: str | os.PathLike, *, revision: str | None = 
     return Path(local)
 
 
-def read_config(directory: str | os.PathLike) -> Qwen2Config:
-    """The :class:`Qwen2Config` of an HF directory, after the architecture checks."""
+def read_config(directory: str | os.PathLike, *, architecture: str = AUTO) -> Any:
+    """The family config of an HF directory, after the architecture checks."""
+    return read_family(directory, architecture=architecture)[1]
+
+
+def read_family(directory: str | os.PathLike, *, architecture: str = AUTO) -> tuple[Any, Any]:
+    """``(model plugin, family config)`` of an HF directory.
+
+    ``architecture``: ``auto`` (from ``config.json``'s ``model_type``) or a model plugin
+    name. Raises :class:`CheckpointError` naming the file when no plugin handles the
+    checkpoint, when the named plugin does not, or when the plugin refuses its config.
+    """
     d = Path(directory)
     cfg_path = d / "config.json"
     if not cfg_path.is_file():
@@ -128,27 +142,23 @@ def read_config(directory: str | os.PathLike) -> Qwen2Config:
         raw = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as err:
         raise CheckpointError(f"{str(cfg_path)!r} could not be read as JSON: {err}") from None
-    model_type = raw.get("model_type")
-    archs = raw.get("architectures") or []
-    if model_type != "qwen2":
-        raise CheckpointError(
-            f"Unexpected architecture in {str(cfg_path)!r}: model_type={model_type!r}"
-            + (f", architectures={archs}" if archs else "")
-            + ". grpo implements Qwen2/Qwen2.5 (model_type 'qwen2', Qwen2ForCausalLM) only."
-        )
-    if archs and "Qwen2ForCausalLM" not in archs:
-        raise CheckpointError(
-            f"Unexpected architecture in {str(cfg_path)!r}: architectures={archs}; grpo loads "
-            "Qwen2ForCausalLM checkpoints (a causal-LM head), not other Qwen2 heads."
-        )
+    if not isinstance(raw, dict):
+        raise CheckpointError(f"{str(cfg_path)!r} holds a JSON {type(raw).__name__}, not an object of config fields.")
     try:
-        from transformers import AutoConfig
+        plugin = resolve_family(raw, architecture=architecture, where=repr(str(cfg_path)))
+    except UserError as err:
+        raise CheckpointError(str(err)) from None
+    try:
+        from transformers import AutoConfig, CONFIG_MAPPING
 
-        hf = AutoConfig.from_pretrained(str(d))
+        known = raw.get("model_type") in CONFIG_MAPPING
+        # transformers fills defaults the file leaves out (Qwen3's head_dim=128, ...);
+        # a family transformers does not know gets the plain mapping.
+        hf: Any = AutoConfig.from_pretrained(str(d)) if known else raw
     except Exception as err:
         raise CheckpointError(f"transformers could not read {str(cfg_path)!r}: {type(err).__name__}: {err}") from None
     try:
-        return Qwen2Config.from_hf(hf)
+        return plugin, plugin.config_from_hf(hf)
     except CheckpointError:
         raise
     except UserError as err:
@@ -227,11 +237,11 @@ class SafetensorsCheckpoint:
         self.close()
 
 
-def check_checkpoint(directory: str | os.PathLike) -> tuple[Qwen2Config, list[str]]:
+def check_checkpoint(directory: str | os.PathLike, *, architecture: str = AUTO) -> tuple[Any, list[str]]:
     """The config of an HF directory and every problem of its tensors (empty: loadable)."""
-    cfg = read_config(directory)
+    plugin, cfg = read_family(directory, architecture=architecture)
     with SafetensorsCheckpoint(directory) as ckpt:
-        return cfg, check_tensors(cfg, ckpt.tensors)
+        return cfg, check_tensors(cfg, ckpt.tensors, plugin.tensor_maps(cfg))
 
 
 # --------------------------------------------------------------------------- sharding
@@ -243,16 +253,16 @@ def default_mesh() -> Mesh:
 
 
 def param_shardings(
-    config: Qwen2Config, mesh: Mesh, rules: Mapping[str, Any] = PARAM_RULES
+    config: Any, mesh: Mesh, rules: Mapping[str, Any] = PARAM_RULES
 ) -> dict[str, jax.sharding.NamedSharding]:
-    """``path -> NamedSharding`` of every parameter of a :class:`Qwen2` of ``config``."""
-    return {
-        path: fit_sharding(shape, names, mesh, rules) for path, (shape, names) in config.param_specs().items()
-    }
+    """``path -> NamedSharding`` of every parameter of the model of ``config``."""
+    specs = family_of(config).param_specs(config)
+    return {path: fit_sharding(shape, names, mesh, rules) for path, (shape, names) in specs.items()}
 
 
-def _abstract(config: Qwen2Config, **model_kwargs: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
-    abstract = nnx.eval_shape(lambda: Qwen2(config, rngs=nnx.Rngs(0), **model_kwargs))
+def _abstract(config: Any, **model_kwargs: Any) -> tuple[Any, list[tuple[tuple, Any]]]:
+    plugin = family_of(config)
+    abstract = nnx.eval_shape(lambda: plugin.build(config, rngs=nnx.Rngs(0), **model_kwargs))
     graphdef, state = nnx.split(abstract)
     return graphdef, list(nnx.to_flat_state(state))
 
@@ -285,26 +295,29 @@ def load_hf(
     rules: Mapping[str, Any] = PARAM_RULES,
     activation_rules: Mapping[str, Any] | None = None,
     revision: str | None = None,
-) -> Qwen2:
-    """Load a Qwen2 HF checkpoint (local directory or hub id) into ``mesh``'s shardings.
+    architecture: str = AUTO,
+) -> Any:
+    """Load an HF checkpoint (local directory or hub id) into ``mesh``'s shardings.
 
-    Every tensor is checked (names, shapes, dtypes) before any is read; problems raise
-    :class:`CheckpointError` listing each tensor.
+    ``architecture``: ``auto`` (the model plugin for ``config.json``'s ``model_type``)
+    or a model plugin name. Every tensor is checked (names, shapes, dtypes) before any
+    is read; problems raise :class:`CheckpointError` listing each tensor.
     """
     mesh = mesh if mesh is not None else default_mesh()
     directory = resolve_checkpoint(path_or_id, revision=revision)
-    config = read_config(directory)
+    plugin, config = read_family(directory, architecture=architecture)
     np_dtype = np.dtype(DTYPES[_dtype_name(param_dtype)])
     with SafetensorsCheckpoint(directory) as ckpt:
-        problems = check_tensors(config, ckpt.tensors)
+        tmaps = plugin.tensor_maps(config)
+        problems = check_tensors(config, ckpt.tensors, tmaps)
         if problems:
             raise CheckpointError(
                 f"Checkpoint {str(directory)!r} does not match its config.json "
                 f"({config.num_hidden_layers} layers, hidden {config.hidden_size}):",
                 problems=problems,
             )
-        maps = {tm.param: tm for tm in tensor_maps(config)}
-        specs = config.param_specs()
+        maps = {tm.param: tm for tm in tmaps}
+        specs = plugin.param_specs(config)
         graphdef, flat = _abstract(
             config, **_model_kwargs(mesh, param_dtype, compute_dtype, remat, attention_impl, activation_rules)
         )
@@ -350,7 +363,7 @@ def _load_param(
 
 
 def random_init(
-    config: Qwen2Config | str | Any,
+    config: Any,
     mesh: Mesh | None = None,
     *,
     seed: int = 0,
@@ -360,17 +373,18 @@ def random_init(
     attention_impl: str | None = "xla",
     rules: Mapping[str, Any] = PARAM_RULES,
     activation_rules: Mapping[str, Any] | None = None,
-) -> Qwen2:
-    """A randomly initialised :class:`Qwen2`, each parameter created in its sharding.
+) -> Any:
+    """A randomly initialised model, each parameter created in its sharding.
 
-    ``config``: a :class:`Qwen2Config`, a preset name, or a
-    :class:`grpo.core.config.RandomModelConfig` (preset + overrides).
+    ``config``: a family config (e.g. :class:`~grpo.models.qwen3.Qwen3Config`), a preset
+    name, or a :class:`grpo.core.config.RandomModelConfig` (preset + overrides).
     """
+    from grpo.core.config import RandomModelConfig
     from grpo.models.presets import from_random_config, preset_config
 
     if isinstance(config, str):
         config = preset_config(config)
-    elif not isinstance(config, Qwen2Config):
+    elif isinstance(config, RandomModelConfig):
         config = from_random_config(config)
     mesh = mesh if mesh is not None else default_mesh()
     kwargs = _model_kwargs(mesh, param_dtype, compute_dtype, remat, attention_impl, activation_rules)
@@ -388,7 +402,7 @@ def _freeze(v: Any) -> Any:
 
 
 @functools.lru_cache(maxsize=8)
-def _compiled_init(config: Qwen2Config, frozen_kwargs: tuple, frozen_rules: tuple) -> tuple[Any, Any]:
+def _compiled_init(config: Any, frozen_kwargs: tuple, frozen_rules: tuple) -> tuple[Any, Any]:
     # Cached per (config, options, mesh, rules) so another seed reuses the executable:
     # compiling the random-number generators is the slow part of random init on CPU.
     kwargs = dict(frozen_kwargs)
@@ -398,8 +412,10 @@ def _compiled_init(config: Qwen2Config, frozen_kwargs: tuple, frozen_rules: tupl
     shardings = param_shardings(config, kwargs["mesh"], dict(frozen_rules))
     out_shardings = nnx.from_flat_state([(path, var.replace(shardings[_dotted(path)])) for path, var in flat])
 
+    plugin = family_of(config)
+
     def init(key: jax.Array) -> Any:
-        return nnx.state(Qwen2(config, rngs=nnx.Rngs(params=key), **kwargs))
+        return nnx.state(plugin.build(config, rngs=nnx.Rngs(params=key), **kwargs))
 
     return graphdef, jax.jit(init, out_shardings=out_shardings)
 
@@ -420,13 +436,13 @@ def _to_host(x: jax.Array) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
-def _params_by_path(model: Qwen2) -> dict[str, jax.Array]:
+def _params_by_path(model: Any) -> dict[str, jax.Array]:
     _, state = nnx.split(model)
     return {_dotted(path): var[...] for path, var in nnx.to_flat_state(state)}
 
 
 def save_hf(
-    model: Qwen2,
+    model: Any,
     out_dir: str | os.PathLike,
     tokenizer_dir: str | os.PathLike | None = None,
     *,
@@ -434,7 +450,8 @@ def save_hf(
     max_shard_bytes: int = 4 * 1024**3,
 ) -> Path:
     """Write ``model`` as an HF directory ``transformers`` loads with
-    ``Qwen2ForCausalLM.from_pretrained``.
+    ``AutoModelForCausalLM.from_pretrained`` (names, layout and ``config.json`` from the
+    model's family plugin).
 
     Tensors go in ``dtype`` (default: the parameter dtype) into safetensors files of at
     most ``max_shard_bytes`` (more than one -> ``model-0000k-of-0000n.safetensors`` and
@@ -445,6 +462,7 @@ def save_hf(
     from safetensors.numpy import save_file
 
     cfg = model.config
+    plugin = family_of(cfg)
     dtype = dtype or model.param_dtype
     if dtype not in ("float32", "bfloat16", "float16"):
         raise UserError(f"Export dtype must be float32, bfloat16 or float16 (got {dtype!r}).")
@@ -455,7 +473,7 @@ def save_hf(
         out.mkdir(parents=True, exist_ok=True)
     params = _params_by_path(model)
     entries: list[tuple[str, TensorMap, int | None]] = []
-    for tm in tensor_maps(cfg):
+    for tm in plugin.tensor_maps(cfg):
         for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
             entries.append((tm.hf_name(i), tm, i))
     # Plan the files up front (sizes are static) so names carry the final count.
@@ -488,7 +506,7 @@ def save_hf(
     if writer:
         if len(files) > 1:
             write_json(out / INDEX_FILE, {"metadata": {"total_size": total}, "weight_map": weight_map})
-        write_json(out / "config.json", hf_config_dict(cfg, dtype))
+        write_json(out / "config.json", {**plugin.hf_config(cfg), "torch_dtype": dtype})
         if tokenizer_dir is not None:
             _copy_tokenizer(tokenizer_dir, out)
     return out
@@ -507,14 +525,23 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, out: Path) -> None:
 # --------------------------------------------------------------------------- run config
 
 
-def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -> Qwen2:
+def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -> Any:
     """The policy model of a run config's ``model`` section (:class:`grpo.core.config.ModelConfig`)."""
     common = dict(
         param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat
     )
+    architecture = getattr(model_config, "architecture", AUTO)
     if model_config.source == "hf":
-        return load_hf(model_config.path, mesh, **common)
-    return random_init(model_config.random, mesh, seed=seed, **common)
+        return load_hf(model_config.path, mesh, architecture=architecture, **common)
+    from grpo.models.presets import from_random_config
+
+    config = from_random_config(model_config.random)
+    if architecture not in (AUTO, config.family):
+        raise UserError(
+            f"model.architecture={architecture!r} but model.random.preset={model_config.random.preset!r} is a "
+            f"{config.family} model; set model.architecture to {config.family!r} or 'auto'."
+        )
+    return random_init(config, mesh, seed=seed, **common)
 
 
 __all__ = [
@@ -527,6 +554,7 @@ __all__ = [
     "param_shardings",
     "random_init",
     "read_config",
+    "read_family",
     "resolve_checkpoint",
     "save_hf",
 ]

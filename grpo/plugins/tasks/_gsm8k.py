@@ -83,6 +83,12 @@ class GSM8KOptions(PluginOptions):
         False, description="Skip (and count) rows whose ground truth cannot be read, instead of failing."
     )
     max_examples: int | None = Field(None, ge=1, le=100_000_000, description="Keep the first N examples of a split.")
+    enable_thinking: bool = Field(
+        False,
+        description="Chat-template thinking switch (Qwen3): false renders the prompt with an empty "
+        "<think></think> block so the model answers directly; true lets it think first. Templates without the "
+        "switch (Qwen2.5, Llama 3) ignore it.",
+    )
 
     @field_validator("reward_weights")
     @classmethod

@@ -1,4 +1,8 @@
-"""Qwen2 numerics: parity with transformers, KV-cache decoding, dtypes, remat, config."""
+"""The shared decoder's numerics for every built-in family (Qwen2, Qwen3, Llama 3):
+parity with transformers, KV-cache decoding, dtypes, remat, configs and refusals.
+
+Qwen2 checkpoints are written by grpo's own NumPy writer; Qwen3 and Llama ones by
+transformers itself (``_model_fixtures.FAMILY_CHECKPOINTS``)."""
 
 from __future__ import annotations
 
@@ -10,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _model_fixtures import checkpoint, hf_logits, logits_of, padded_batch
+from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, padded_batch
 from grpo.core.errors import UserError
 from grpo.models.loading import load_hf
 from grpo.models.qwen2 import KVCache, Qwen2Config, positions_from_mask, repeat_batch
@@ -24,12 +28,17 @@ def _model(name: str, **kwargs):
 # --------------------------------------------------------------------------- parity
 
 
-@pytest.mark.parametrize("name", ["tied", "untied", "mqa"])
+FAMILIES = list(FAMILY_CHECKPOINTS)  # qwen3 tied/untied, llama untied, llama tied with llama3 rope
+
+
+@pytest.mark.parametrize("name", ["tied", "untied", "mqa", *FAMILIES])
 def test_logits_match_transformers_on_padded_batch(name):
     tokens, mask = padded_batch()
-    ours = logits_of(_model(name), tokens, mask)
+    model = _model(name)
+    assert model.config.family == (name.split("_")[0] if name in FAMILIES else "qwen2")
+    ours = logits_of(model, tokens, mask)
     ref = hf_logits(checkpoint(name), tokens, mask)
-    assert ours.shape == ref.shape == (4, 9, 320)
+    assert ours.shape == ref.shape == (4, 9, model.config.vocab_size)
     # Padding positions' outputs are never used (and differ by convention); real ones must match.
     diff = np.abs(ours - ref)[mask].max()
     assert diff <= 1e-4, diff
@@ -65,8 +74,10 @@ def _step(graphdef, state, tokens, positions, kv_mask, cache, write_index):
     return model.logits(hidden), cache
 
 
-def test_prefill_then_decode_equals_full_forward():
-    model = _model("untied")
+@pytest.mark.parametrize("name", ["untied", *FAMILIES])
+def test_prefill_then_decode_equals_full_forward(name):
+    model = _model(name)
+    c = model.config
     tokens, mask = padded_batch(seed=3)
     # Left-pad every row (the sampler's layout): move real tokens to the right.
     B, T = tokens.shape
@@ -84,7 +95,8 @@ def test_prefill_then_decode_equals_full_forward():
     positions = positions_from_mask(jnp.asarray(lmask))
     kv_mask = jnp.concatenate([jnp.asarray(lmask[:, :P]), jnp.ones((B, S - P), bool)], axis=1)
     cache = model.init_cache(B, S)
-    assert cache.k.shape == (3, B, S, 2, 16)  # layers, batch, slots, kv heads (not repeated), head_dim
+    # layers, batch, slots, kv heads (not repeated), head_dim
+    assert cache.k.shape == (c.num_hidden_layers, B, S, c.num_key_value_heads, c.head_dim)
     out, cache = _step(graphdef, state, jnp.asarray(left[:, :P]), positions[:, :P], kv_mask, cache, 0)
     steps = [np.asarray(out)]
     for t in range(P, T):
@@ -126,11 +138,12 @@ def test_repeated_cache_decodes_each_copy_like_a_full_forward():
 # --------------------------------------------------------------------------- dtypes, remat
 
 
-def test_bfloat16_compute_is_close_and_keeps_softmax_and_logits_in_float32():
+@pytest.mark.parametrize("name", ["tied", "qwen3_untied"])
+def test_bfloat16_compute_is_close_and_keeps_softmax_and_logits_in_float32(name):
     tokens, mask = padded_batch()
-    ref = logits_of(_model("tied"), tokens, mask)
+    ref = logits_of(_model(name), tokens, mask)
     for kwargs in ({"compute_dtype": "bfloat16"}, {"param_dtype": "bfloat16", "compute_dtype": "bfloat16"}):
-        model = _model("tied", **kwargs)
+        model = _model(name, **kwargs)
         assert model.embed[...].dtype == jnp.dtype(kwargs["param_dtype"] if "param_dtype" in kwargs else "float32")
         hidden = nnx.eval_shape(
             lambda m: m(jnp.asarray(tokens), positions_from_mask(jnp.asarray(mask)), jnp.asarray(mask))[0], model

@@ -1,0 +1,794 @@
+"""The decoder every built-in model family shares (Qwen2/2.5, Qwen3, Llama 3.x), in Flax NNX.
+
+Qwen2, Qwen3 and Llama 3 are one architecture with a few switches: biases on the q/k/v
+projections (Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3), a ``head_dim``
+independent of ``hidden_size / heads`` (Qwen3, and allowed for all), and the ``llama3``
+RoPE frequency scaling (Llama 3.1/3.2). A family is a :class:`DecoderConfig` subclass
+that sets the switches (class variables) and translates its Hugging Face config; the
+attention, KV cache, scan over layers and sharding code below exist once.
+
+What the rest of the framework uses
+-----------------------------------
+
+- :class:`DecoderConfig` — the architecture (HF field names); each family subclass
+  (:class:`grpo.models.qwen2.Qwen2Config`, :class:`grpo.models.qwen3.Qwen3Config`,
+  :class:`grpo.models.llama.LlamaConfig`) builds it from a transformers config with
+  ``from_hf`` (which refuses what is not implemented: sliding-window attention, rope
+  scalings other than the family's, other activations, quantization) and turns it back
+  with ``to_hf_dict``.
+- :class:`Decoder` — the NNX module (``Qwen2`` is the same class). Build it with
+  :func:`grpo.models.loading.load_hf` or :func:`grpo.models.loading.random_init` (both
+  create every parameter directly in its sharding); the constructor here is the
+  unsharded building block they trace.
+
+  ``hidden, cache = model(tokens, positions, kv_mask, cache=None, write_index=None)``
+
+  * ``tokens`` [B, T] int32, ``positions`` [B, T] int32 (RoPE positions; for a padded
+    batch use :func:`positions_from_mask`, so the first real token of every row is at 0).
+  * ``kv_mask`` [B, S] bool, which key slots hold real tokens (``None``: all). It is
+    combined with causality *by slot index*: the query in slot ``i`` sees key slots
+    ``<= i``. Without a cache the slots are the T input tokens (S = T); with a cache they
+    are the cache's S slots and the T queries occupy slots ``write_index + [0, T)``.
+    So a left-padded batch works as is, and a sampler can pass one constant mask for the
+    whole generation: prompt padding as False, every later slot True (slots not yet
+    written are hidden by causality).
+  * ``cache``: a :class:`KVCache` from :meth:`Decoder.init_cache`; ``write_index`` a
+    scalar int (python or traced) — the slot of the first of the T tokens, the same for
+    every row. Keys/values are written with ``lax.dynamic_update_slice`` in place, so a
+    jitted step with the cache donated (``donate_argnames``) does not copy it. The caller
+    keeps ``write_index + T <= max_length`` (XLA clamps out-of-range updates).
+    Attention reads all S slots of the cache it is given, so prefill into a cache of
+    exactly the prompt length and grow it (``jnp.pad`` on the slot axis) for decoding.
+  * Returns the final-normed hidden states [B, T, D] in the compute dtype and the
+    updated cache (``None`` without one).
+
+- :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
+  tied), for losses that fuse the head matmul; :meth:`Decoder.logits` — float32 logits.
+- :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
+  repeated K times in place: rows ``b*K .. b*K+K-1`` come from prompt ``b``); repeat the
+  ``kv_mask`` and positions the same way with :func:`repeat_batch`.
+
+Layout and numerics
+-------------------
+
+Decoder layers are stacked (a leading ``layers`` axis on every layer parameter) and run
+with ``lax.scan``, so compile time does not grow with depth. Every parameter carries its
+logical axis names in the ``out_sharding`` metadata (e.g. ``("layers", "embed", "heads",
+"head_dim")`` for the query projection); :data:`grpo.engine.sharding.PARAM_RULES` maps
+them to mesh axes. Attention keeps K/V at ``num_key_value_heads`` and goes through
+``jax.nn.dot_product_attention``, whose grouped einsum never repeats them. Matmuls run in
+``compute_dtype``; RMSNorm statistics, RoPE and the attention softmax run in float32.
+The residual stream is kept in ``compute_dtype`` (as transformers does). RoPE inverse
+frequencies are computed on the host in float32 in transformers' operation order
+(:func:`rope_inv_freq`), so the ``llama3`` scaling's band edges fall where transformers'
+do.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, ClassVar, Literal, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+from jax.sharding import Mesh
+
+from grpo.core.errors import UserError
+from grpo.engine.sharding import ACTIVATION_RULES
+
+Remat = Literal["none", "full", "dots"]
+REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
+DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+# --------------------------------------------------------------------------- config
+
+
+def _getter(hf: Any):
+    """``get(key, default)`` over a transformers config object or its ``to_dict()``."""
+    if isinstance(hf, Mapping):
+        return hf.get
+    return lambda k, d=None: getattr(hf, k, d)
+
+
+def rope_settings(get: Any) -> tuple[str, dict[str, Any], float]:
+    """(rope type, its parameters, rope_theta) of an HF config, in the 4.x layout
+    (top-level ``rope_theta`` + ``rope_scaling``) or 5.x's (``rope_parameters``)."""
+    rope = get("rope_parameters") or get("rope_scaling") or {}
+    if not isinstance(rope, Mapping):
+        rope = {}
+    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
+    theta = rope.get("rope_theta")
+    if theta is None:
+        theta = get("rope_theta", None)
+    params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
+    return str(rope_type), params, theta
+
+
+LLAMA3_ROPE_KEYS: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecoderConfig:
+    """The shared decoder's architecture. Field names follow transformers' configs.
+
+    A family subclass sets the class variables (the switches and its HF names) and
+    implements :meth:`from_hf` checks through :meth:`_family_problems` and
+    :meth:`_family_fields`. ``head_dim`` 0 means ``hidden_size // num_attention_heads``.
+    ``rope_scaling`` is ``()`` (plain RoPE) or the sorted ``(key, value)`` pairs of a
+    ``llama3`` scaling (:data:`LLAMA3_ROPE_KEYS`). Hashable, so it can be a static jit
+    argument.
+    """
+
+    family: ClassVar[str] = "decoder"
+    """The model plugin that owns this config (``grpo plugins list``, ``model.architecture``)."""
+    model_type: ClassVar[str] = ""
+    """transformers' ``model_type`` written to an exported ``config.json``."""
+    hf_architecture: ClassVar[str] = ""
+    """transformers' causal-LM class name written to ``architectures``."""
+    qkv_bias: ClassVar[bool] = False
+    """Biases on the q, k and v projections (Qwen2)."""
+    qk_norm: ClassVar[bool] = False
+    """RMSNorm over ``head_dim`` of every query and key head, before RoPE (Qwen3)."""
+    rope_types: ClassVar[tuple[str, ...]] = ("default",)
+    """RoPE variants this family implements (``default``; ``llama3`` for Llama)."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int = 0
+    rope_theta: float = 1_000_000.0
+    rms_norm_eps: float = 1e-6
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 32768
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | tuple[int, ...] | None = None
+    pad_token_id: int | None = None
+    rope_scaling: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def label(self) -> str:
+        return self.hf_architecture or self.family
+
+    def __post_init__(self) -> None:
+        problems = []
+        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                  "num_attention_heads", "num_key_value_heads"):
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                problems.append(f"{f} must be a positive integer (got {v!r})")
+        if problems:
+            raise UserError(f"Invalid {self.label} config:", problems=problems)
+        if isinstance(self.eos_token_id, list):
+            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
+        if isinstance(self.rope_scaling, Mapping):
+            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
+        if self.head_dim == 0:
+            if self.hidden_size % self.num_attention_heads:
+                problems.append(
+                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
+                    f"{self.num_attention_heads} and no head_dim is given"
+                )
+            else:
+                object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
+        if self.num_attention_heads % self.num_key_value_heads:
+            problems.append(
+                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
+                f"num_key_value_heads={self.num_key_value_heads}"
+            )
+        if self.head_dim % 2:
+            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
+        if not self.rope_theta > 0:
+            problems.append(f"rope_theta must be > 0 (got {self.rope_theta!r})")
+        if not self.rms_norm_eps > 0:
+            problems.append(f"rms_norm_eps must be > 0 (got {self.rms_norm_eps!r})")
+        if self.rope_scaling:
+            scaling = dict(self.rope_scaling)
+            missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
+            if "llama3" not in self.rope_types:
+                problems.append(f"{self.label} does not implement rope scaling (got {scaling})")
+            elif missing or set(scaling) - set(LLAMA3_ROPE_KEYS):
+                problems.append(f"a llama3 rope scaling needs exactly {', '.join(LLAMA3_ROPE_KEYS)} (got {scaling})")
+            elif not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0 or not scaling["factor"] > 0:
+                problems.append(f"llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0 (got {scaling})")
+        if problems:
+            raise UserError(f"Invalid {self.label} config:", problems=problems)
+
+    # ------------------------------------------------------------------ HF round trip
+
+    model_types: ClassVar[tuple[str, ...]] = ()
+    """``model_type`` values :meth:`from_hf` accepts (default: ``(model_type,)``)."""
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "DecoderConfig":
+        """From a transformers config object of this family (or its ``to_dict()``).
+
+        Raises :class:`UserError` for anything this implementation would get wrong:
+        another ``model_type``, sliding-window attention switched on, a rope scaling the
+        family does not implement, an activation other than SiLU, attention dropout,
+        quantized weights, and the family's own refusals (:meth:`_family_problems`).
+        """
+        get = _getter(hf)
+        model_type = get("model_type")
+        accepted = cls.model_types or (cls.model_type,)
+        if model_type not in accepted:
+            archs = get("architectures")
+            raise UserError(
+                f"Unexpected architecture: model_type={model_type!r}"
+                + (f" (architectures {list(archs)})" if archs else "")
+                + f"; the {cls.family} model plugin implements model_type "
+                + " or ".join(repr(t) for t in accepted) + " only."
+            )
+        problems = []
+        act = get("hidden_act", "silu")
+        if act not in ("silu", "swish"):
+            problems.append(f"hidden_act={act!r}: only 'silu' is implemented")
+        layer_types = get("layer_types") or ()
+        if get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
+            problems.append(
+                f"sliding-window attention is switched on (use_sliding_window="
+                f"{get('use_sliding_window')}, sliding_window={get('sliding_window')}, "
+                f"max_window_layers={get('max_window_layers')}); only full attention is implemented"
+            )
+        rope_type, rope_params, theta = rope_settings(get)
+        scaling: tuple[tuple[str, Any], ...] = ()
+        if rope_type not in cls.rope_types:
+            shown = {"rope_type": rope_type, **rope_params}
+            problems.append(
+                f"rope scaling type {rope_type!r} ({shown}) is not implemented; {cls.family} implements "
+                + " and ".join(repr(t) for t in cls.rope_types) + " RoPE"
+            )
+        elif rope_type == "llama3":
+            missing = [k for k in LLAMA3_ROPE_KEYS if rope_params.get(k) is None]
+            if missing:
+                problems.append(f"rope_scaling of type 'llama3' lacks {', '.join(missing)} ({rope_params})")
+            else:
+                scaling = tuple(sorted(
+                    (k, int(rope_params[k]) if k == "original_max_position_embeddings" else float(rope_params[k]))
+                    for k in LLAMA3_ROPE_KEYS
+                ))
+        if theta is None:
+            theta = 10000.0
+        if float(get("attention_dropout", 0.0) or 0.0) != 0.0:
+            problems.append(f"attention_dropout={get('attention_dropout')} is not implemented (only 0)")
+        if get("quantization_config"):
+            problems.append("quantized checkpoints (quantization_config) are not supported")
+        problems += cls._family_problems(get)
+        if problems:
+            raise UserError(f"Unsupported {cls.label_of()} config:", problems=problems)
+        eos = get("eos_token_id")
+        return cls(
+            vocab_size=get("vocab_size"),
+            hidden_size=get("hidden_size"),
+            intermediate_size=get("intermediate_size"),
+            num_hidden_layers=get("num_hidden_layers"),
+            num_attention_heads=get("num_attention_heads"),
+            num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
+            head_dim=get("head_dim") or 0,
+            rope_theta=float(theta),
+            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
+            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
+            max_position_embeddings=int(get("max_position_embeddings", 32768)),
+            initializer_range=float(get("initializer_range", 0.02)),
+            bos_token_id=get("bos_token_id"),
+            eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos,
+            pad_token_id=get("pad_token_id"),
+            rope_scaling=scaling,
+        )
+
+    @classmethod
+    def label_of(cls) -> str:
+        return cls.hf_architecture or cls.family
+
+    @classmethod
+    def _family_problems(cls, get: Any) -> list[str]:
+        """Family-specific refusals, one sentence each (``get(key, default)`` reads the
+        HF config)."""
+        return []
+
+    def to_hf_dict(self) -> dict[str, Any]:
+        """Keyword arguments for the family's transformers config class (no ``model_type``)."""
+        out: dict[str, Any] = dict(
+            architectures=[self.hf_architecture],
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            hidden_act="silu",
+            max_position_embeddings=self.max_position_embeddings,
+            initializer_range=self.initializer_range,
+            rms_norm_eps=self.rms_norm_eps,
+            # transformers 5 folds rope_theta (and rope_scaling) into rope_parameters;
+            # 4.x reads them directly. Both read this, the published checkpoints' layout.
+            rope_theta=self.rope_theta,
+            tie_word_embeddings=self.tie_word_embeddings,
+            attention_dropout=0.0,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        if self.rope_scaling:
+            out["rope_scaling"] = {"rope_type": "llama3", **dict(self.rope_scaling)}
+        if self.head_dim != self.hidden_size // self.num_attention_heads:
+            out["head_dim"] = self.head_dim
+        return out
+
+    def hf_config_dict(self) -> dict[str, Any]:
+        """``config.json`` contents (``model_type`` first)."""
+        return {"model_type": self.model_type, **self.to_hf_dict()}
+
+    # ------------------------------------------------------------------ shapes
+
+    @property
+    def num_groups(self) -> int:
+        """Query heads per KV head."""
+        return self.num_attention_heads // self.num_key_value_heads
+
+    def layer_params(self) -> tuple[str, ...]:
+        """Names of the stacked per-layer parameters this family has, in a fixed order."""
+        out = ["attn_norm", "q_proj"]
+        if self.qkv_bias:
+            out.append("q_bias")
+        out.append("k_proj")
+        if self.qkv_bias:
+            out.append("k_bias")
+        out.append("v_proj")
+        if self.qkv_bias:
+            out.append("v_bias")
+        if self.qk_norm:
+            out += ["q_norm", "k_norm"]
+        out += ["o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj"]
+        return tuple(out)
+
+    def param_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """``path -> (shape, logical axis names)`` of every parameter of :class:`Decoder`.
+
+        Paths are dotted attribute paths (``layers.q_proj``); layer parameters have a
+        leading ``layers`` axis of size ``num_hidden_layers``.
+        """
+        L, D, F, V = self.num_hidden_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+        H, K, E = self.num_attention_heads, self.num_key_value_heads, self.head_dim
+        every: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+            "layers.attn_norm": ((L, D), ("layers", "norm")),
+            "layers.q_proj": ((L, D, H, E), ("layers", "embed", "heads", "head_dim")),
+            "layers.q_bias": ((L, H, E), ("layers", "heads", "head_dim")),
+            "layers.k_proj": ((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim")),
+            "layers.k_bias": ((L, K, E), ("layers", "kv_heads", "head_dim")),
+            "layers.v_proj": ((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim")),
+            "layers.v_bias": ((L, K, E), ("layers", "kv_heads", "head_dim")),
+            # one weight per head_dim entry, shared by every head (as transformers does)
+            "layers.q_norm": ((L, E), ("layers", "head_dim")),
+            "layers.k_norm": ((L, E), ("layers", "head_dim")),
+            "layers.o_proj": ((L, H, E, D), ("layers", "heads", "head_dim", "embed")),
+            "layers.mlp_norm": ((L, D), ("layers", "norm")),
+            "layers.gate_proj": ((L, D, F), ("layers", "embed", "mlp")),
+            "layers.up_proj": ((L, D, F), ("layers", "embed", "mlp")),
+            "layers.down_proj": ((L, F, D), ("layers", "mlp", "embed")),
+        }
+        specs = {"embed": ((V, D), ("vocab", "embed"))}
+        specs.update({f"layers.{n}": every[f"layers.{n}"] for n in self.layer_params()})
+        specs["final_norm"] = ((D,), ("norm",))
+        if not self.tie_word_embeddings:
+            specs["lm_head"] = ((D, V), ("embed", "vocab"))
+        return specs
+
+    def num_params(self) -> int:
+        return sum(math.prod(shape) for shape, _ in self.param_specs().values())
+
+    def kv_bytes_per_token(self, dtype: Any = jnp.bfloat16) -> int:
+        """KV-cache bytes one token occupies over all layers."""
+        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * jnp.dtype(dtype).itemsize
+
+    def inv_freq(self) -> np.ndarray:
+        """RoPE inverse frequencies [head_dim / 2], float32 (see :func:`rope_inv_freq`)."""
+        return rope_inv_freq(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None)
+
+
+def rope_inv_freq(head_dim: int, theta: float, llama3: Mapping[str, Any] | None = None) -> np.ndarray:
+    """RoPE inverse frequencies [head_dim / 2] in float32, as transformers computes them.
+
+    ``theta ** (-2i / head_dim)``; with ``llama3`` scaling (Llama 3.1/3.2), wavelengths
+    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
+    ``factor``, shorter than ``... / high_freq_factor`` kept, and the band between
+    interpolated smoothly — transformers' ``_compute_llama3_parameters``, step by step in
+    float32 so the band edges fall on the same frequencies.
+    """
+    f32 = np.float32
+    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim)
+    inv_freq = (f32(1.0) / (f32(theta) ** exponent)).astype(f32)
+    if not llama3:
+        return inv_freq
+    factor = f32(llama3["factor"])
+    low = f32(llama3["low_freq_factor"])
+    high = f32(llama3["high_freq_factor"])
+    old_context = f32(llama3["original_max_position_embeddings"])
+    low_freq_wavelen = old_context / low
+    high_freq_wavelen = old_context / high
+    wavelen = (f32(2 * math.pi) / inv_freq).astype(f32)
+    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(f32)
+    smooth = ((old_context / wavelen - low) / (high - low)).astype(f32)
+    smoothed = ((f32(1) - smooth) * scaled / factor + smooth * scaled).astype(f32)
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return np.where(medium, smoothed, scaled).astype(f32)
+
+
+# --------------------------------------------------------------------------- cache
+
+
+class KVCache(NamedTuple):
+    """Keys and values of every layer, ``[layers, batch, max_length, kv_heads, head_dim]``.
+
+    K/V are stored at ``num_key_value_heads`` (no GQA repetition). A plain pytree:
+    jit, donate and ``jax.tree.map`` it freely.
+    """
+
+    k: jax.Array
+    v: jax.Array
+
+    @property
+    def batch_size(self) -> int:
+        return self.k.shape[1]
+
+    @property
+    def max_length(self) -> int:
+        return self.k.shape[2]
+
+    def repeat(self, n: int) -> "KVCache":
+        """Each row repeated ``n`` times in place (row b -> rows b*n .. b*n+n-1)."""
+        return KVCache(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1))
+
+
+CACHE_AXES: tuple[str, ...] = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+
+
+def repeat_batch(x: jax.Array, n: int, *, axis: int = 0) -> jax.Array:
+    """Each row along ``axis`` repeated ``n`` times in place (matches :meth:`KVCache.repeat`)."""
+    return jnp.repeat(x, n, axis=axis)
+
+
+def positions_from_mask(mask: jax.Array) -> jax.Array:
+    """RoPE positions for a padded batch: [B, T] mask -> [B, T] int32.
+
+    Each row counts its real tokens from 0 (left padding shifts nothing); padding slots
+    get the position of the previous real token, or 0 (their outputs are never used).
+    """
+    m = mask.astype(jnp.int32)
+    return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+# --------------------------------------------------------------------------- math
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: Any) -> jax.Array:
+    """RMSNorm over the last axis; statistics in float32, result in ``dtype``."""
+    x32 = x.astype(jnp.float32)
+    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    return y.astype(dtype) * weight.astype(dtype)
+
+
+def rope_tables(
+    positions: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None
+) -> tuple[jax.Array, jax.Array]:
+    """cos, sin [B, T, head_dim] (float32) for integer positions [B, T].
+
+    transformers' convention: frequencies ``theta ** (-2i / head_dim)`` (or the given
+    ``inv_freq`` [head_dim / 2], e.g. llama3-scaled) for the first half, repeated for the
+    second half (paired with :func:`apply_rope`'s rotate-half).
+    """
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    else:
+        inv_freq = jnp.asarray(inv_freq, jnp.float32)
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # B T E/2
+    emb = jnp.concatenate([freqs, freqs], axis=-1)  # B T E
+    return jnp.cos(emb), jnp.sin(emb)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotate x [B, T, N, E] by cos/sin [B, T, E] (rotate-half convention), in float32."""
+    x32 = x.astype(jnp.float32)
+    half = x.shape[-1] // 2
+    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
+    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
+    return out.astype(x.dtype)
+
+
+def attention_mask(kv_mask: jax.Array, q_slots: jax.Array) -> jax.Array:
+    """[B, 1, T, S] bool: key slot s is visible to the query in slot q_slots[t] iff
+    ``s <= q_slots[t]`` and ``kv_mask[b, s]``."""
+    S = kv_mask.shape[-1]
+    causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slots[:, None]  # T S
+    return causal[None, None, :, :] & kv_mask.astype(bool)[:, None, None, :]
+
+
+# --------------------------------------------------------------------------- module
+
+LAYER_PARAMS: tuple[str, ...] = (
+    "attn_norm", "q_proj", "q_bias", "k_proj", "k_bias", "v_proj", "v_bias", "q_norm", "k_norm", "o_proj",
+    "mlp_norm", "gate_proj", "up_proj", "down_proj",
+)
+"""Every per-layer parameter any family has; a config's own are :meth:`DecoderConfig.layer_params`."""
+
+
+def _param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
+    # Logical names live in flax's standard `out_sharding` metadata; eager sharding is
+    # off because the names are logical, not mesh axes — the loaders place each array
+    # in its NamedSharding themselves (grpo.engine.sharding.fit_sharding).
+    return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def _dtype(d: Any) -> Any:
+    if isinstance(d, str):
+        if d not in DTYPES:
+            raise UserError(f"Unknown dtype {d!r}; choose one of {sorted(DTYPES)}.")
+        return DTYPES[d]
+    return jnp.dtype(d).type
+
+
+def _dtype_name(d: Any) -> str:
+    return jnp.dtype(_dtype(d)).name
+
+
+class DecoderLayers(nnx.Module):
+    """The stacked parameters of all decoder layers (leading axis: layer)."""
+
+    def __init__(self, config: DecoderConfig, *, rngs: nnx.Rngs, param_dtype: Any):
+        specs = config.param_specs()
+        std = config.initializer_range
+        for name in config.layer_params():
+            shape, names = specs[f"layers.{name}"]
+            if name.endswith("norm"):
+                value = jnp.ones(shape, param_dtype)
+            elif name.endswith("bias"):
+                value = jnp.zeros(shape, param_dtype)
+            else:
+                value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(param_dtype)
+            setattr(self, name, _param(value, names))
+
+
+class Decoder(nnx.Module):
+    """The shared causal LM of every built-in family (see the module docstring for the
+    call contract).
+
+    Args:
+      config: the architecture.
+      rngs: initialisation randomness (normal(0, ``initializer_range``) matrices, zero
+        biases, unit norms — transformers' init).
+      param_dtype / compute_dtype: ``"float32"``/``"bfloat16"`` (or a dtype).
+      remat: ``none``; ``full`` (recompute each layer in the backward pass); ``dots``
+        (save the weight matmuls, recompute attention and elementwise work).
+      attention_impl: passed to ``jax.nn.dot_product_attention`` (``"xla"``, ``"cudnn"``
+        or None).
+      mesh / activation_rules: when a mesh is given, activations are constrained to the
+        logical-axis ``activation_rules`` (default
+        :data:`grpo.engine.sharding.ACTIVATION_RULES`) on it.
+    """
+
+    def __init__(
+        self,
+        config: DecoderConfig,
+        *,
+        rngs: nnx.Rngs,
+        param_dtype: Any = "float32",
+        compute_dtype: Any = "float32",
+        remat: Remat = "none",
+        attention_impl: str | None = "xla",
+        mesh: Mesh | None = None,
+        activation_rules: Mapping[str, Any] | None = None,
+    ):
+        if remat not in REMAT_POLICIES:
+            raise UserError(f"Unknown remat policy {remat!r}; choose one of {list(REMAT_POLICIES)}.")
+        self.config = config
+        self.param_dtype = _dtype_name(param_dtype)
+        self.compute_dtype = _dtype_name(compute_dtype)
+        self.remat = remat
+        self.attention_impl = attention_impl
+        self.mesh = mesh
+        self.set_activation_rules(activation_rules)
+        pd = _dtype(param_dtype)
+        specs = config.param_specs()
+        std = config.initializer_range
+        shape, names = specs["embed"]
+        self.embed = _param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(pd), names)
+        self.layers = DecoderLayers(config, rngs=rngs, param_dtype=pd)
+        shape, names = specs["final_norm"]
+        self.final_norm = _param(jnp.ones(shape, pd), names)
+        if config.tie_word_embeddings:
+            self.lm_head = None
+        else:
+            shape, names = specs["lm_head"]
+            self.lm_head = _param((jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(pd), names)
+
+    # ------------------------------------------------------------------ sharding
+
+    def set_activation_rules(self, rules: Mapping[str, Any] | None) -> None:
+        """Logical-axis rules for activations (e.g. a rollout style's batch axes via
+        :func:`grpo.engine.sharding.with_batch_axes`). Changing them re-traces jits."""
+        rules = ACTIVATION_RULES if rules is None else rules
+        self.activation_rules = tuple(
+            sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in rules.items())
+        )
+
+    def _constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
+        if self.mesh is None:
+            return x
+        from grpo.engine.sharding import fit_sharding
+
+        return jax.lax.with_sharding_constraint(
+            x, fit_sharding(x.shape, names, self.mesh, dict(self.activation_rules))
+        )
+
+    # ------------------------------------------------------------------ API
+
+    @property
+    def dtype(self) -> Any:
+        """The compute dtype."""
+        return DTYPES[self.compute_dtype]
+
+    def head_weight(self) -> jax.Array:
+        """The output head [D, V] in the parameter dtype (tied: the embedding, transposed)."""
+        if self.lm_head is None:
+            return self.embed[...].T
+        return self.lm_head[...]
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """[B, T, D] hidden states -> [B, T, V] float32 logits (matmul in the compute dtype,
+        float32 accumulation)."""
+        dt = self.dtype
+        out = jnp.einsum(
+            "btd,dv->btv", hidden.astype(dt), self.head_weight().astype(dt), preferred_element_type=jnp.float32
+        )
+        return self._constrain(out, ("batch", "length", "vocab"))
+
+    def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> KVCache:
+        """An all-zero cache for ``batch_size`` rows of ``max_length`` slots (compute dtype
+        by default), sharded by the activation rules when the model has a mesh."""
+        c = self.config
+        shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
+        dt = self.dtype if dtype is None else _dtype(dtype)
+        return KVCache(
+            k=self._constrain(jnp.zeros(shape, dt), CACHE_AXES),
+            v=self._constrain(jnp.zeros(shape, dt), CACHE_AXES),
+        )
+
+    def num_params(self) -> int:
+        return self.config.num_params()
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_mask: jax.Array | None = None,
+        *,
+        cache: KVCache | None = None,
+        write_index: jax.Array | int | None = None,
+    ) -> tuple[jax.Array, KVCache | None]:
+        c = self.config
+        dt = self.dtype
+        B, T = tokens.shape
+        if positions.shape != (B, T):
+            raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+        if cache is None:
+            if write_index is not None:
+                raise ValueError("write_index is only meaningful with a cache")
+            S = T
+            q_slots = jnp.arange(T, dtype=jnp.int32)
+        else:
+            if cache.batch_size != B:
+                raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
+            S = cache.max_length
+            if T > S:
+                raise ValueError(f"{T} tokens do not fit a cache of {S} slots")
+            write_index = jnp.asarray(0 if write_index is None else write_index, jnp.int32)
+            if write_index.ndim != 0:
+                raise ValueError("write_index must be a scalar (one slot for the whole batch)")
+            q_slots = write_index + jnp.arange(T, dtype=jnp.int32)
+        if kv_mask is None:
+            kv_mask = jnp.ones((B, S), bool)
+        if kv_mask.shape != (B, S):
+            raise ValueError(f"kv_mask {kv_mask.shape} must be [batch, {'tokens' if cache is None else 'cache slots'}] = {(B, S)}")
+        mask = attention_mask(kv_mask, q_slots)  # B 1 T S
+        # Plain RoPE keeps its in-graph frequencies; a scaled one is a host constant.
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
+
+        h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # B T D
+        h = self._constrain(h, ("batch", "length", "embed"))
+        stacked = {name: getattr(self.layers, name)[...] for name in c.layer_params()}
+
+        def attend(q, k_new, v_new, kv):
+            """Returns the attention output and the (possibly updated) cache carry."""
+            if kv is None:
+                k_all, v_all = k_new, v_new
+            else:
+                ck, cv, layer = kv
+                start = (layer, jnp.int32(0), write_index, jnp.int32(0), jnp.int32(0))
+                ck = jax.lax.dynamic_update_slice(ck, k_new.astype(ck.dtype)[None], start)
+                cv = jax.lax.dynamic_update_slice(cv, v_new.astype(cv.dtype)[None], start)
+                ck = self._constrain(ck, CACHE_AXES)
+                cv = self._constrain(cv, CACHE_AXES)
+                k_all = jax.lax.dynamic_index_in_dim(ck, layer, axis=0, keepdims=False).astype(dt)
+                v_all = jax.lax.dynamic_index_in_dim(cv, layer, axis=0, keepdims=False).astype(dt)
+                kv = (ck, cv)
+            out = jax.nn.dot_product_attention(
+                q, k_all, v_all, mask=mask, scale=1.0 / math.sqrt(c.head_dim), implementation=self.attention_impl
+            )  # B T H E
+            return out, kv
+
+        def layer_fn(h, p, kv):
+            x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
+            q = jnp.einsum("btd,dhe->bthe", x, p["q_proj"].astype(dt))
+            k = jnp.einsum("btd,dke->btke", x, p["k_proj"].astype(dt))
+            v = jnp.einsum("btd,dke->btke", x, p["v_proj"].astype(dt))
+            if c.qkv_bias:
+                q = q + p["q_bias"].astype(dt)
+                k = k + p["k_bias"].astype(dt)
+                v = v + p["v_bias"].astype(dt)
+            if c.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
+                q = rms_norm(q, p["q_norm"], c.rms_norm_eps, dt)
+                k = rms_norm(k, p["k_norm"], c.rms_norm_eps, dt)
+            q = self._constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
+            k = self._constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
+            v = self._constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+            a, kv = attend(q, k, v, kv)
+            h = h + jnp.einsum("bthe,hed->btd", a, p["o_proj"].astype(dt))
+            x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, dt)
+            g = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
+            u = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
+            y = self._constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+            h = h + jnp.einsum("btf,fd->btd", y, p["down_proj"].astype(dt))
+            return self._constrain(h, ("batch", "length", "embed")), kv
+
+        if self.remat == "full":
+            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
+        elif self.remat == "dots":
+            layer_fn = jax.checkpoint(
+                layer_fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            )
+
+        if cache is None:
+            def body(h, p):
+                h, _ = layer_fn(h, p, None)
+                return h, None
+
+            h, _ = jax.lax.scan(body, h, stacked)
+            new_cache = None
+        else:
+            # The whole cache rides in the carry: each layer writes only its T new slots
+            # in place instead of re-emitting a full per-layer slice as a scan output.
+            def body(carry, xs):
+                h, ck, cv = carry
+                p, layer = xs
+                h, (ck, cv) = layer_fn(h, p, (ck, cv, layer))
+                return (h, ck, cv), None
+
+            layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
+            (h, ck, cv), _ = jax.lax.scan(body, (h, cache.k, cache.v), (stacked, layers))
+            new_cache = KVCache(k=ck, v=cv)
+        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps, dt)
+        return self._constrain(h, ("batch", "length", "embed")), new_cache
+
+
+__all__ = [
+    "CACHE_AXES",
+    "DTYPES",
+    "Decoder",
+    "DecoderConfig",
+    "KVCache",
+    "LAYER_PARAMS",
+    "LLAMA3_ROPE_KEYS",
+    "rope_inv_freq",
+    "apply_rope",
+    "attention_mask",
+    "positions_from_mask",
+    "repeat_batch",
+    "rms_norm",
+    "rope_tables",
+]
