@@ -16,12 +16,16 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
+from grpo.engine import rundir
+
 log = logging.getLogger(__name__)
 
 
 class Checkpointer:
     def __init__(self, directory: str | Path, *, keep: int):
-        self.directory = Path(directory).absolute()
+        # Local paths absolute; gs:// and s3:// kept as URLs (Orbax writes them through
+        # epath for its metadata and TensorStore's cloud drivers for the arrays).
+        self.directory = rundir.path(directory)
         self._manager = ocp.CheckpointManager(
             self.directory,
             options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=False),

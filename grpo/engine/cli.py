@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import sys
-from pathlib import Path
 
 import click
 import yaml
@@ -50,8 +49,13 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
     # The distributed runtime must start before anything asks JAX about devices.
     from grpo.engine import distributed
 
+    from grpo.engine import rundir
+
     distributed.initialize(config.distributed)
-    directory = Path(run_dir) if run_dir else default_run_dir(config, config_path)
+    # A string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x.
+    directory = run_dir if run_dir else str(default_run_dir(config, config_path))
+    # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
+    rundir.probe(directory)
     _warn_if_config_changed(directory, config)
     trainer = Trainer(config, directory)
     try:
@@ -72,8 +76,10 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
         )
 
 
-def _warn_if_config_changed(directory: Path, config) -> None:
-    saved = directory / "config.yaml"
+def _warn_if_config_changed(directory: str, config) -> None:
+    from grpo.engine import rundir
+
+    saved = rundir.path(directory) / "config.yaml"
     if not saved.exists():
         return
     old = yaml.safe_load(saved.read_text())
@@ -103,9 +109,10 @@ def export(run_dir, out_dir, step) -> None:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=str), help="PNG path (default RUN_DIR/metrics.png).")
 def plot(run_dir, output) -> None:
     """Plot reward and throughput over steps from RUN_DIR/metrics.jsonl."""
+    from grpo.engine import rundir
     from grpo.engine.metrics import plot_run
 
-    if not Path(run_dir).is_dir():
+    if not rundir.readable_run_dir(run_dir):
         raise UserError(f"{run_dir} is not a run directory.")
     click.echo(str(plot_run(run_dir, output)))
 

@@ -18,11 +18,14 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     from grpo.engine.policy import load_policy
     from grpo.models.loading import save_hf
 
-    run_dir = Path(run_dir)
-    cfg_path = run_dir / "config.yaml"
-    if not cfg_path.is_file():
+    import yaml
+
+    from grpo.engine import rundir
+
+    if not rundir.readable_run_dir(run_dir, need="config.yaml"):
         raise UserError(f"{run_dir} is not a grpo run directory (no config.yaml).")
-    config = load_config(cfg_path)
+    config = load_config(yaml.safe_load(rundir.read_text(rundir.path(run_dir) / "config.yaml")))
+    run_dir = rundir.path(run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
     if ckpt.latest_step() is None:
         raise UserError(f"{run_dir} holds no checkpoint to export.")

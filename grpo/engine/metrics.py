@@ -7,13 +7,13 @@ omitted, not zero, where the backend reports no memory statistics (e.g. CPU).
 from __future__ import annotations
 
 import collections
-import json
 import math
 
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from grpo.core.errors import UserError
+from grpo.engine import rundir
 
 GIB = 1024**3
 
@@ -53,7 +53,7 @@ class MetricsLogger:
 
     def __init__(
         self,
-        run_dir: Path,
+        run_dir: str | Path,
         *,
         total_steps: int,
         start_step: int,
@@ -64,16 +64,18 @@ class MetricsLogger:
         progress_bar: bool = True,
         resume: bool = False,
     ):
-        self.run_dir = Path(run_dir)
+        self.run_dir = rundir.path(run_dir)
         self.is_main = is_main
         self.total_steps = total_steps
         self.step_times: collections.deque[float] = collections.deque(maxlen=10)
-        self._file = None
+        self._file: rundir.JsonlLog | None = None
+        self._eval_file: rundir.JsonlLog | None = None
         self._wandb = None
         self._bar = None
         if not is_main:
             return
-        self._file = open(self.run_dir / "metrics.jsonl", "a", encoding="utf-8")
+        self._file = rundir.JsonlLog(self.run_dir, "metrics.jsonl")
+        self._eval_file = rundir.JsonlLog(self.run_dir, "eval.jsonl")
         if wandb_cfg is not None and wandb_cfg.mode != "disabled":
             import wandb
 
@@ -84,7 +86,8 @@ class MetricsLogger:
                     name=wandb_cfg.name or run_name,
                     tags=list(wandb_cfg.tags),
                     mode=wandb_cfg.mode,
-                    dir=str(self.run_dir),
+                    # W&B keeps its files on a local disk: ./wandb when the run is in a bucket.
+                    dir=None if rundir.is_remote(self.run_dir) else str(self.run_dir),
                     config=dict(config_dict or {}),
                     id=_wandb_id(self.run_dir),
                     resume="allow" if resume else None,
@@ -112,8 +115,7 @@ class MetricsLogger:
             return
         row = {k: _jsonable(v) for k, v in metrics.items()}
         assert self._file is not None
-        self._file.write(json.dumps(row, sort_keys=False) + "\n")
-        self._file.flush()
+        self._file.append(row)
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in row.items() if isinstance(v, (int, float))}, step=int(row["step"]))
         if self._bar is not None:
@@ -132,22 +134,27 @@ class MetricsLogger:
     def log_eval(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:
             return
-        with open(self.run_dir / "eval.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps({k: _jsonable(v) for k, v in metrics.items()}) + "\n")
+        assert self._eval_file is not None
+        self._eval_file.append({k: _jsonable(v) for k, v in metrics.items()})
         if self._wandb is not None:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
+
+    def flush(self) -> None:
+        """Persist buffered rows (object stores buffer; see ``grpo.engine.rundir``)."""
+        for log in (self._file, self._eval_file):
+            if log is not None:
+                log.flush()
 
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
-        if self._file is not None:
-            self._file.close()
+        self.flush()
         if self._wandb is not None:
             self._wandb.finish()
 
 
-def _wandb_id(run_dir: Path) -> str:
-    path = run_dir / ".wandb_id"
+def _wandb_id(run_dir: str | Path) -> str:
+    path = rundir.path(run_dir) / ".wandb_id"
     if path.exists():
         return path.read_text().strip()
     import uuid
@@ -164,10 +171,9 @@ def _fmt_eta(seconds: float) -> str:
     return f"{h}:{m:02d}:{s:02d}" if h else f"{m}:{s:02d}"
 
 
-def _read_rows(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+def _read_rows(run_dir: str | Path, name: str) -> list[dict[str, Any]]:
+    """Rows of the run-dir log ``name``, from either layout (single file or segments)."""
+    rows = rundir.read_jsonl(run_dir, name)
     # A resumed run appends; keep the last row of each step.
     by_step = {r["step"]: r for r in rows}
     return [by_step[s] for s in sorted(by_step)]
@@ -175,17 +181,17 @@ def _read_rows(path: Path) -> list[dict[str, Any]]:
 
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     """The per-step training rows of ``metrics.jsonl``, one per step, in step order."""
-    return _read_rows(Path(run_dir) / "metrics.jsonl")
+    return _read_rows(run_dir, "metrics.jsonl")
 
 
 def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
     """The evaluation rows of ``eval.jsonl`` (``eval/pass@1``, ...), one per step, in step order."""
-    return _read_rows(Path(run_dir) / "eval.jsonl")
+    return _read_rows(run_dir, "eval.jsonl")
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
+def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
     """Reward, held-out evaluation (when ``eval.jsonl`` has rows) and throughput over
-    steps, as a PNG."""
+    steps, as a PNG (in the run directory, local or in a bucket, by default)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -197,7 +203,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
 
         raise UserError(f"{run_dir} has no metrics.jsonl rows to plot.")
     evals = read_eval(run_dir)
-    out = Path(out) if out else Path(run_dir) / "metrics.png"
+    out = out if out else rundir.path(run_dir) / "metrics.png"
     steps = [r["step"] for r in rows]
     fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
     axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward/mean")
@@ -223,7 +229,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Path:
     axes[-1].set_xlabel("step")
     axes[-1].set_title("valid tokens / s")
     fig.tight_layout()
-    fig.savefig(out, dpi=100)
+    out = rundir.write_figure(fig, out, dpi=100)
     plt.close(fig)
     return out
 

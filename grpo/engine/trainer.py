@@ -25,7 +25,7 @@ from flax import nnx
 from jax.sharding import NamedSharding
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
-from grpo.engine import distributed
+from grpo.engine import distributed, rundir
 from grpo.engine.advantages import group_advantages
 from grpo.engine.checkpoint import Checkpointer
 from grpo.engine.data import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
@@ -95,7 +95,9 @@ def epoch_summary(epochs: list[dict[str, Any]]) -> dict[str, float]:
 class Trainer:
     def __init__(self, config: RunConfig, run_dir: str | Path):
         self.config = config
-        self.run_dir = Path(run_dir)
+        # A local path or a bucket URL (gs://, s3://); probed before anything compiles.
+        self.run_dir = rundir.path(run_dir)
+        rundir.probe(run_dir)
         distributed.initialize(config.distributed)
         self.is_main = jax.process_index() == 0
         self.topology = current_topology()
@@ -146,6 +148,8 @@ class Trainer:
         self.reward_errors: dict[str, int] = {}
         self._signal: int | None = None
         self.eval_state: tuple[Any, Any] | None = None  # (eval prompts, eval sampler), built on first use
+        self._samples: rundir.JsonlLog | None = None
+        self._logger: MetricsLogger | None = None
 
     # ------------------------------------------------------------------ pieces
 
@@ -183,8 +187,15 @@ class Trainer:
             "completions": self.policy.decode(tokens, mask),
             "rewards": [round(float(r), 4) for r in rewards],
         }
-        with open(self.run_dir / "samples.jsonl", "a", encoding="utf-8") as f:
-            f.write(json.dumps(row) + "\n")
+        if self._samples is None:
+            self._samples = rundir.JsonlLog(self.run_dir, "samples.jsonl")
+        self._samples.append(row)
+
+    def _flush_logs(self) -> None:
+        """Persist the rows buffered for an object store (a no-op for local directories)."""
+        for log in (self._samples, self._logger):
+            if log is not None:
+                log.flush()
 
     def _install_signal_handlers(self) -> None:
         if not self.config.checkpoint.on_signal:
@@ -222,6 +233,8 @@ class Trainer:
         }
 
     def save(self) -> None:
+        # Logs first: after a preemption, every row up to the checkpoint's step is stored.
+        self._flush_logs()
         self.checkpointer.save(self.step, self._state(), self._meta())
         if self.is_main:
             log.info("checkpoint saved at step %d in %s", self.step, self.checkpointer.directory)
@@ -229,6 +242,8 @@ class Trainer:
     def maybe_resume(self) -> bool:
         latest = self.checkpointer.latest_step()
         if latest is None:
+            if self.is_main:
+                print(f"Starting fresh: no checkpoint in {self.checkpointer.directory}", flush=True)
             return False
         state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
         self.params, self.opt_state = state["params"], state["opt_state"]
@@ -355,8 +370,8 @@ class Trainer:
         cfg = self.config
         resumed = self.maybe_resume()
         if self.is_main:
-            self.run_dir.mkdir(parents=True, exist_ok=True)
-            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+            rundir.mkdir(self.run_dir)
+            rundir.write_text(self.run_dir / "config.yaml", cfg.to_yaml())
         logger = MetricsLogger(
             self.run_dir,
             total_steps=cfg.train.steps,
@@ -368,6 +383,7 @@ class Trainer:
             progress_bar=cfg.logging.progress_bar,
             resume=resumed,
         )
+        self._logger = logger
         self._install_signal_handlers()
         t_start = time.perf_counter()
         first_step = self.step
@@ -398,6 +414,9 @@ class Trainer:
                 self.save()
         finally:
             logger.close()
+            self._logger = None
+            if self._samples is not None:
+                self._samples.close()
         summary = {
             "steps": self.step,
             "resumed_from": first_step if resumed else None,
@@ -408,7 +427,7 @@ class Trainer:
             "reward_errors": self.reward_errors,
         }
         if self.is_main:
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=float))
+            rundir.write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
             if cfg.logging.plot:
                 plot_run(self.run_dir)
         self.checkpointer.close()
