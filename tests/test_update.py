@@ -12,7 +12,17 @@ from flax import nnx
 from grpo.core.contracts import LossSettings, MeshLayout
 from grpo.core.plugins import load_plugins
 from grpo.engine.mesh import build_mesh
-from grpo.engine.update import UpdateBatch, UpdateStep, token_logprobs
+from grpo.engine.update import UpdateBatch, UpdateStep, completion_hidden, head_for
+
+
+def token_logprobs(model, batch: UpdateBatch, temperature: float) -> jax.Array:
+    """Per-token log-probs [B, N] of the completion under ``model``, materialising the
+    logits: an independent reference for the engine's loss-plugin paths."""
+    hidden = completion_hidden(model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
+    logits = jnp.einsum("bnd,dv->bnv", hidden, head_for(model, hidden), preferred_element_type=jnp.float32) / temperature
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    out = jnp.take_along_axis(logp, batch.tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return jnp.where(batch.mask > 0, out, 0.0)
 
 
 @pytest.fixture(scope="module")

@@ -89,16 +89,6 @@ def head_for(model: Any, hidden: jax.Array) -> jax.Array:
     return model.head_weight().astype(hidden.dtype)
 
 
-def token_logprobs(model: Any, batch: UpdateBatch, temperature: float) -> jax.Array:
-    """Per-token log-probs [B, N] of the completion under ``model``, materialising the
-    logits: an independent reference for tests (the engine uses the loss plugin's)."""
-    hidden = completion_hidden(model, batch.prompt_tokens, batch.prompt_mask, batch.tokens, batch.mask)
-    logits = jnp.einsum("bnd,dv->bnv", hidden, head_for(model, hidden), preferred_element_type=jnp.float32) / temperature
-    logp = jax.nn.log_softmax(logits, axis=-1)
-    out = jnp.take_along_axis(logp, batch.tokens[..., None].astype(jnp.int32), axis=-1)[..., 0]
-    return jnp.where(batch.mask > 0, out, 0.0)
-
-
 def _split_micro(x: jax.Array | None, m: int) -> jax.Array | None:
     if x is None:
         return None
