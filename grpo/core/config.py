@@ -53,6 +53,71 @@ class RandomModelConfig(Section):
     )
 
 
+LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""The decoder projections LoRA can adapt (their parameter paths are ``layers.<name>``)."""
+
+
+class LoraConfig(Section):
+    """Low-rank adapters (LoRA) on the decoder's projections; the base model is frozen.
+
+    Each targeted projection ``W`` becomes ``W + (alpha / rank) * A @ B`` with ``A`` [in, rank]
+    (uniform +-1/sqrt(in), PEFT's init) and ``B`` [rank, out] = 0, so step 0 is the base
+    model exactly. Only ``A`` and ``B`` are trained and have optimizer state.
+    """
+
+    rank: int = Field(16, ge=1, le=65536, description="Adapter rank r (at most each targeted matrix's in and out size).")
+    alpha: float = Field(32.0, gt=0.0, le=1e6, description="Scale numerator: the update is (alpha / rank) * A @ B (PEFT's lora_alpha).")
+    dropout: float = Field(
+        0.0, ge=0.0, lt=1.0, description="Dropout on each adapter's input in the update (PEFT's lora_dropout); the sampler and the reference never drop."
+    )
+    targets: list[str] = Field(
+        default_factory=lambda: list(LORA_PROJECTIONS),
+        min_length=1,
+        description="Projections to adapt: names (q_proj, k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj), "
+        "`all-linear`, or regular expressions searched in the parameter paths `layers.<name>`.",
+    )
+    base_quantization: Literal["none", "nf4", "int8"] = Field(
+        "none",
+        description="QLoRA: store the frozen base projections quantized (`nf4`: 4-bit NormalFloat, `int8`: "
+        "absmax int8), in blocks of `quantization_block` along each matrix's input dimension, dequantized in "
+        "the matmul. Embeddings, norms and the head stay in model.param_dtype.",
+    )
+    quantization_block: int = Field(64, ge=2, le=65536, description="Block size of the base quantization (QLoRA: 64).")
+
+    @model_validator(mode="after")
+    def _targets_match(self):
+        problems = []
+        for pattern in self.targets:
+            if pattern in LORA_PROJECTIONS or pattern == "all-linear":
+                continue
+            try:
+                rx = re.compile(pattern)
+            except re.error as err:
+                problems.append(f"model.lora.targets: {pattern!r} is not a projection name or a valid regular expression ({err})")
+                continue
+            if not any(rx.search(f"layers.{name}") for name in LORA_PROJECTIONS):
+                problems.append(
+                    f"model.lora.targets: {pattern!r} matches no projection; the parameter paths are "
+                    + ", ".join(f"layers.{n}" for n in LORA_PROJECTIONS)
+                )
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+    def projections(self, available: tuple[str, ...] = LORA_PROJECTIONS) -> tuple[str, ...]:
+        """The targeted projection names among ``available``, in decoder order."""
+        chosen = set()
+        for pattern in self.targets:
+            if pattern == "all-linear":
+                chosen.update(available)
+            elif pattern in LORA_PROJECTIONS:
+                chosen.add(pattern)
+            else:
+                rx = re.compile(pattern)
+                chosen.update(n for n in available if rx.search(f"layers.{n}"))
+        return tuple(n for n in available if n in chosen)
+
+
 class ModelConfig(Section):
     source: Literal["hf", "random"] = Field(
         "hf", description="`hf`: load a Hugging Face checkpoint from `path`; `random`: random weights."
@@ -77,6 +142,11 @@ class ModelConfig(Section):
     )
     remat: Literal["none", "full", "dots"] = Field(
         "none", description="Rematerialisation policy of each decoder layer in the update."
+    )
+    lora: LoraConfig | None = Field(
+        None,
+        description="Train low-rank adapters on a frozen base instead of every weight (LoRA; QLoRA with "
+        "lora.base_quantization). Absent: full fine-tuning.",
     )
 
     @model_validator(mode="after")
@@ -305,7 +375,8 @@ class RunConfig(Section):
     @property
     def master_weights(self) -> bool:
         """Whether the update keeps an f32 master copy (parameters stored below f32)."""
-        return self.train.optimizer.master_weights and self.model.param_dtype != "float32"
+        # LoRA adapters are float32 parameters themselves and the base is frozen: no master.
+        return self.train.optimizer.master_weights and self.model.param_dtype != "float32" and self.model.lora is None
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)

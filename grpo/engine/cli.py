@@ -96,11 +96,17 @@ def _warn_if_config_changed(directory: str, config) -> None:
 @click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
 @click.argument("out_dir", type=click.Path(file_okay=False, path_type=str))
 @click.option("--step", type=int, help="Checkpoint step (default: the latest).")
-def export(run_dir, out_dir, step) -> None:
-    """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR."""
+@click.option(
+    "--adapter", is_flag=True,
+    help="LoRA runs: write only the adapters, as a PEFT directory (adapter_config.json + "
+    "adapter_model.safetensors) for peft.PeftModel.from_pretrained. Default: merged full weights.",
+)
+def export(run_dir, out_dir, step, adapter) -> None:
+    """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR (LoRA runs: the
+    adapters merged into the base, or with --adapter the adapters alone in PEFT format)."""
     from grpo.engine.export import export_run
 
-    path = export_run(run_dir, out_dir, step=step)
+    path = export_run(run_dir, out_dir, step=step, adapter=adapter)
     click.echo(f"Exported to {path}")
 
 

@@ -61,7 +61,7 @@ def evaluate(trainer: "Trainer") -> dict[str, Any]:
         g_tok = _to_global(batch.tokens, trainer.batch_sharding)
         g_mask = _to_global(batch.mask, trainer.batch_sharding)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
-        out = sampler.generate(trainer.params, g_tok, g_mask, rng)
+        out = sampler.generate(trainer.policy_params(), g_tok, g_mask, rng)
         texts = trainer.policy.decode(_local_rows(out.tokens), _local_rows(out.mask))
         examples = [ex for ex in batch.examples for _ in range(ev.k)]
         scores = score_completions(trainer.task, trainer.task_options, examples, texts)

@@ -1,4 +1,5 @@
-"""``grpo export``: a run's latest (or chosen) checkpoint as a Hugging Face directory."""
+"""``grpo export``: a run's latest (or chosen) checkpoint as a Hugging Face directory
+(merged full weights), or for a LoRA run with ``adapter=True`` a PEFT adapter directory."""
 
 from __future__ import annotations
 
@@ -9,9 +10,10 @@ from flax import nnx
 
 from grpo.core.config import load_config
 from grpo.core.errors import UserError
+from grpo.models.lora import merge_params, save_peft, split_params
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None) -> Path:
+def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, adapter: bool = False) -> Path:
     from grpo.core.contracts import MeshLayout
     from grpo.engine.checkpoint import Checkpointer
     from grpo.engine.mesh import build_mesh
@@ -31,10 +33,16 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
         raise UserError(f"{run_dir} holds no checkpoint to export.")
     if step is not None and step not in ckpt.all_steps():
         raise UserError(f"{run_dir} has no checkpoint at step {step}; it has {ckpt.all_steps()}.")
+    if adapter and config.model.lora is None:
+        raise UserError(f"{run_dir} is a full fine-tuning run (no model.lora): export it without --adapter.")
     mesh = build_mesh(MeshLayout(dp=1, fsdp=jax.device_count(), tp=1))
     policy = load_policy(config.model, mesh, seed=config.train.seed)
-    graphdef, params = nnx.split(policy.model)
+    graphdef, full = nnx.split(policy.model)
+    params, frozen = split_params(full)  # LoRA: checkpoints hold the adapters only
     state, _meta = ckpt.restore({"params": params}, step)
     ckpt.close()
-    model = nnx.merge(graphdef, state["params"])
+    model = nnx.merge(graphdef, merge_params(state["params"], frozen))
+    if adapter:
+        base = config.model.path if config.model.source == "hf" else None
+        return save_peft(model, out_dir, base_model=base)
     return save_hf(model, out_dir, policy.tokenizer_dir)

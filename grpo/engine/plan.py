@@ -53,8 +53,18 @@ def _bytes_per_device(tree: Any) -> int:
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             shape = sharding.shard_shape(shape)
-        total += math.prod(shape) * leaf.dtype.itemsize
+        total += (math.prod(shape) * _bits(leaf.dtype) + 7) // 8
     return total
+
+
+def _bits(dtype: Any) -> int:
+    """Bits per element (4 for the uint4 codes of an nf4 base, which TPUs store packed)."""
+    import jax.numpy as jnp
+
+    try:
+        return int(jnp.iinfo(dtype).bits)  # integer dtypes, ml_dtypes' int4/uint4 included
+    except ValueError:
+        return jnp.dtype(dtype).itemsize * 8
 
 
 _SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
@@ -230,16 +240,20 @@ class Planner:
     def plan(self, config: RunConfig) -> dict[str, Any]:
         import jax
 
-        programs, params, arch = self.build(config)
+        from grpo.models.lora import split_params
+
+        programs, full, arch = self.build(config)
+        params, frozen = split_params(full)  # LoRA: adapters train, the base is frozen
         opt_state = programs.abstract_opt_state(params)
         sampler = programs.sampler()
         inputs = programs.abstract_rollout_inputs()
         batch = programs.abstract_update_batch()
         mesh = programs.mesh
         state = {
-            "parameters": _bytes_per_device(params),
+            "parameters": _bytes_per_device(full),
             "optimizer_state": _bytes_per_device(opt_state),
-            "reference_parameters": _bytes_per_device(params) if config.loss.beta > 0 else 0,
+            # Full fine-tuning keeps a frozen copy; LoRA's reference is the base itself.
+            "reference_parameters": _bytes_per_device(full) if config.loss.beta > 0 and frozen is None else 0,
         }
 
         from grpo.models.qwen2 import CACHE_AXES
@@ -270,7 +284,7 @@ class Planner:
         results: list[ProgramResult] = []
 
         def prefill_lower():
-            return sampler.prefill_jit.lower(params, inputs["prompt_tokens"], inputs["prompt_mask"])
+            return sampler.prefill_jit.lower(full, inputs["prompt_tokens"], inputs["prompt_mask"])
 
         def decode_lower():
             from grpo.models.qwen2 import KVCache
@@ -286,21 +300,24 @@ class Planner:
             impl = jax.random.key_impl(key)
             data = jax.random.key_data(key)
             raw = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=programs.replicated)
-            return sampler.decode_jit().lower(params, KVCache(k=kv, v=kv), logits, toks, toks, raw, key_impl=impl)
+            return sampler.decode_jit().lower(full, KVCache(k=kv, v=kv), logits, toks, toks, raw, key_impl=impl)
 
         def reference_lower():
             # The trainer runs it before the update, on the batch without ref log-probs.
-            return programs.reference().lower(params, batch._replace(ref_logprobs=None))
+            ref = params if frozen is not None else full
+            return programs.reference().lower(ref, batch._replace(ref_logprobs=None), frozen)
 
         def update_lower():
-            return programs.update(params, opt_state).lower(params, opt_state, batch)
+            return programs.update(params, opt_state).lower(params, opt_state, batch, frozen)
 
         todo: list[tuple[str, Callable, tuple, tuple[str, ...]]] = [
             ("prefill", prefill_lower, keyed("prefill", rollout_only), ("parameters",)),
             ("decode", decode_lower, keyed("decode", rollout_only), ("parameters",)),
         ]
         if config.loss.beta > 0:
-            todo.append(("reference", reference_lower, keyed("reference", ()), ("reference_parameters",)))
+            # LoRA's reference pass reads the policy's own base (adapters off).
+            ref_takes = ("reference_parameters",) if frozen is None else ("parameters",)
+            todo.append(("reference", reference_lower, keyed("reference", ()), ref_takes))
         todo.append(("update", update_lower, keyed("update", ()), ("parameters", "optimizer_state")))
         for name, lower, key, takes in todo:
             if key not in self._cache:

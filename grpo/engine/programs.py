@@ -96,14 +96,16 @@ class RunPrograms:
         return self._samplers[key]
 
     def update(self, params: Any = None, opt_state: Any = None):
-        """The jitted update ``(params, opt_state, UpdateBatch) -> (params, opt_state,
-        metrics, logprobs)``; with example state its output shardings are pinned."""
+        """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,
+        opt_state, metrics, logprobs)``; ``params`` are the trainable parameters (with
+        LoRA the adapters, ``frozen`` the base). With example state its output shardings
+        are pinned."""
         return self.update_step.jit(params, opt_state)
 
     def reference(self):
-        """The jitted reference pass ``(ref_params, UpdateBatch) -> [B, N] log-probs``
-        (micro-batched, through the loss plugin's log-prob path), or None when
-        ``loss.beta == 0`` (no reference model exists then)."""
+        """The jitted reference pass ``(ref_params, UpdateBatch, frozen=None) -> [B, N]
+        log-probs`` (micro-batched, through the loss plugin's log-prob path; with LoRA the
+        base, adapters off), or None when ``loss.beta == 0`` (no reference model then)."""
         if self.config.loss.beta <= 0:
             return None
         return self.update_step.jit_reference()
@@ -183,6 +185,7 @@ class RunPrograms:
             old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
             ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
             sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.tis_cap > 0 else None,
+            dropout_keys=arr((b, 2), jnp.uint32) if cfg.model.lora is not None and cfg.model.lora.dropout > 0 else None,
         )
 
 

@@ -27,6 +27,7 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tp",
     "layers": None,
     "norm": None,
+    "lora_rank": None,  # LoRA adapters: the rank axis is small, replicated
 }
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {

@@ -35,6 +35,7 @@ from grpo.engine.optim import learning_rate_schedule
 from grpo.engine.policy import load_policy
 from grpo.engine.programs import build_programs
 from grpo.engine.update import UpdateBatch
+from grpo.models.lora import merge_params, split_params
 
 log = logging.getLogger(__name__)
 
@@ -109,11 +110,15 @@ class Trainer:
 
         self.policy = load_policy(config.model, self.mesh, seed=config.train.seed)
         model = self.policy.model
-        self.graphdef, self.params = nnx.split(model)
+        # `params` is what trains (and is checkpointed): every weight, or with LoRA only the
+        # adapters; `frozen` is the frozen (maybe quantized) LoRA base, None otherwise.
+        self.graphdef, state = nnx.split(model)
+        self.params, self.frozen = split_params(state)
         self.ref_params = None
         if config.loss.beta > 0:
-            # A frozen copy of the initial policy; never updated, never checkpointed.
-            self.ref_params = jax.tree.map(jnp.copy, self.params)
+            # Full fine-tuning: a frozen copy of the initial policy; never updated, never
+            # checkpointed. LoRA: the base itself with the adapters off (no copy).
+            self.ref_params = jax.tree.map(jnp.copy, self.params) if self.frozen is None else self.params
         # Every jitted program of a step comes from the one builder `grpo plan` compiles.
         self.programs = build_programs(
             config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
@@ -153,6 +158,10 @@ class Trainer:
 
     # ------------------------------------------------------------------ pieces
 
+    def policy_params(self) -> Any:
+        """The whole model's state (base and adapters) for the sampler: no copies."""
+        return merge_params(self.params, self.frozen)
+
     def _make_sampler(self, *, greedy: bool, num_generations: int):
         return self.programs.sampler(greedy=greedy, num_generations=num_generations)
 
@@ -162,6 +171,20 @@ class Trainer:
         if not hasattr(self, "_reshard"):
             self._reshard = jax.jit(lambda a: a, out_shardings=self.train_sharding)
         return self._reshard(x)
+
+    def _dropout_keys(self, rows: int, epoch: int) -> jax.Array | None:
+        """One LoRA-dropout key per row of this step's update epoch (None without dropout),
+        derived from (seed, step, epoch): a resumed run draws the same masks."""
+        lora = self.config.model.lora
+        if lora is None or lora.dropout <= 0:
+            return None
+        if not hasattr(self, "_make_keys"):
+            def make(step, epoch):
+                base = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.train.seed), 0xD80), step)
+                return jax.random.key_data(jax.random.split(jax.random.fold_in(base, epoch), rows))
+
+            self._make_keys = jax.jit(make, out_shardings=self.train_sharding)
+        return self._make_keys(jnp.int32(self.step), jnp.int32(epoch))
 
     def _rollout_batch(self, step: int):
         cfg = self.config
@@ -264,7 +287,7 @@ class Trainer:
         prompts = _to_global(batch.tokens, self.batch_sharding)
         prompt_mask = _to_global(batch.mask, self.batch_sharding)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
-        out = self.sampler.generate(self.params, prompts, prompt_mask, rng)
+        out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
         local_tokens, local_mask = _local_rows(out.tokens), _local_rows(out.mask)
         t_rollout = time.perf_counter() - t0
 
@@ -292,11 +315,12 @@ class Trainer:
             sampler_logprobs=to_train(out.logprobs) if cfg.loss.tis_cap > 0 else None,
         )
         if self.ref_logprobs is not None:
-            ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub))
+            ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
         epoch_metrics = []
         trainer_logprobs = None
         for epoch in range(cfg.train.ppo_epochs):
-            self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub)
+            ub = ub._replace(dropout_keys=self._dropout_keys(ub.tokens.shape[0], epoch))
+            self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub, self.frozen)
             epoch_metrics.append(m)
             if epoch == 0:
                 trainer_logprobs = logprobs

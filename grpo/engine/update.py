@@ -49,6 +49,7 @@ class UpdateBatch(NamedTuple):
     old_logprobs: jax.Array | None  # B N
     ref_logprobs: jax.Array | None  # B N
     sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used when loss.tis_cap > 0
+    dropout_keys: jax.Array | None = None  # B 2 uint32 key data per row; LoRA dropout > 0 only
 
 
 class MasterWeights(NamedTuple):
@@ -69,8 +70,10 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, *
     return MasterWeights(master=master, inner=optimizer.init(master))
 
 
-def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
-    """Hidden states [B, N, D] at the positions that predict each completion token."""
+def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, dropout_keys=None):
+    """Hidden states [B, N, D] at the positions that predict each completion token
+    (``dropout_keys`` [B, 2]: one LoRA-dropout key per row, so a row's mask does not
+    depend on which micro-batch it is in)."""
     from grpo.models.qwen2 import positions_from_mask
 
     lp = prompt_tokens.shape[1]
@@ -78,7 +81,7 @@ def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask):
     # Completion slots after the stop token are padding: mask them out of attention.
     kv_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
     positions = positions_from_mask(kv_mask)
-    hidden, _ = model(full, positions, kv_mask)
+    hidden, _ = model(full, positions, kv_mask, dropout_keys=dropout_keys)
     # Slot lp-1 (the last prompt token) predicts completion token 0, and so on.
     return hidden[:, lp - 1 : -1]  # B N D
 
@@ -127,13 +130,22 @@ class UpdateStep:
 
     # ------------------------------------------------------------------ loss plugin calls
 
-    def _loss_args(self, params, mb: UpdateBatch) -> dict[str, Any]:
-        model = nnx.merge(self.graphdef, params)
-        hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask)
+    def _model(self, params, frozen=None, *, adapters: bool = True):
+        """The model of ``params`` (with LoRA: the adapters) and ``frozen`` (the base, or
+        None); ``adapters=False`` switches LoRA adapters off (the reference model)."""
+        model = nnx.merge(self.graphdef, params) if frozen is None else nnx.merge(self.graphdef, params, frozen)
+        if not adapters:
+            model.lora_enabled = False
+        return model
+
+    def _loss_args(self, params, mb: UpdateBatch, frozen=None, *, adapters: bool = True) -> dict[str, Any]:
+        model = self._model(params, frozen, adapters=adapters)
+        keys = mb.dropout_keys if adapters else None
+        hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys)
         return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
 
-    def loss_and_metrics(self, params, mb: UpdateBatch, normalizer):
-        args = self._loss_args(params, mb)
+    def loss_and_metrics(self, params, mb: UpdateBatch, normalizer, frozen=None):
+        args = self._loss_args(params, mb, frozen)
         args.update(
             mask=mb.mask,
             advantages=mb.advantages,
@@ -204,14 +216,17 @@ class UpdateStep:
     def _local_logprobs(self, axes, normalizer, **args):  # noqa: ARG002
         return self.loss.token_logprobs(**args, settings=self.settings, options=self.loss_options)
 
-    def reference_logprobs(self, params, batch: UpdateBatch) -> jax.Array:
+    def reference_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
         """Per-token log-probs [B, N] of the completions under ``params`` (the reference
         model), micro-batch by micro-batch through the loss plugin's own log-prob path
         (the fused kernel for ``pallas``): never more than one micro-batch of activations,
-        and no ``[B, N, V]`` logits at all with a fused loss."""
+        and no ``[B, N, V]`` logits at all with a fused loss.
+
+        With LoRA (``frozen`` = the base) the reference is the base model: the adapters
+        in ``params`` are switched off, so no second copy of any weight exists."""
 
         def one(mb: UpdateBatch) -> jax.Array:
-            args = self._loss_args(params, mb)
+            args = self._loss_args(params, mb, frozen, adapters=False)
             if self._per_shard(mb.tokens.shape[0]):
                 logp = self._shard_mapped(self._local_logprobs, args, None, out_specs=("rows",))
             else:
@@ -231,10 +246,13 @@ class UpdateStep:
 
     # ------------------------------------------------------------------ update
 
-    def grads(self, params, batch: UpdateBatch):
-        """Summed loss, accumulated f32 gradients, token-weighted metrics, per-token logprobs."""
+    def grads(self, params, batch: UpdateBatch, frozen=None):
+        """Summed loss, accumulated f32 gradients, token-weighted metrics, per-token logprobs.
+
+        Gradients are taken with respect to ``params`` only: with LoRA those are the
+        adapters and the base (``frozen``) is a constant of the differentiation."""
         normalizer = self.settings.normalizer(batch.mask)  # of the global batch
-        grad_fn = jax.value_and_grad(self.loss_and_metrics, has_aux=True)
+        grad_fn = jax.value_and_grad(functools.partial(self.loss_and_metrics, frozen=frozen), has_aux=True)
         f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
         m = self.micro_batches
         if m == 1:
@@ -275,12 +293,12 @@ class UpdateStep:
         new_params = jax.tree.map(lambda m_, p: m_.astype(p.dtype), master, params)
         return new_params, MasterWeights(master=master, inner=inner)
 
-    def __call__(self, params, opt_state, batch: UpdateBatch):
+    def __call__(self, params, opt_state, batch: UpdateBatch, frozen=None):
         # With master weights the model runs on the f32 master itself: every weight is
         # cast to the compute dtype where it is used, exactly as in an f32-parameter run,
         # so gradients are f32 through the casts (an embedding's scatter-add included).
         source = opt_state.master if self.master_weights else params
-        loss, grads, metrics, logprobs = self.grads(source, batch)
+        loss, grads, metrics, logprobs = self.grads(source, batch, frozen)
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         new_params, new_opt_state = self.apply(params, opt_state, grads)
@@ -292,7 +310,8 @@ class UpdateStep:
         return params, opt_state, metrics, logprobs
 
     def jit(self, params: Any = None, opt_state: Any = None):
-        """Jitted, with params and optimizer state donated. Given example ``params`` and
+        """Jitted ``(params, opt_state, batch, frozen=None)``, with params and optimizer
+        state donated (the frozen LoRA base is not). Given example ``params`` and
         ``opt_state``, their shardings are pinned on the outputs, so step 2 sees exactly
         the layouts step 1 saw and never recompiles."""
         out_shardings = None

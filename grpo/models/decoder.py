@@ -601,6 +601,11 @@ class Decoder(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs, param_dtype=pd)
         shape, names = specs["final_norm"]
         self.final_norm = _param(jnp.ones(shape, pd), names)
+        # LoRA / QLoRA (grpo.models.lora.apply_lora sets these after the base is built).
+        self.lora = nnx.data(None)
+        self.lora_spec = None
+        self.lora_enabled = True  # the reference pass (beta > 0) switches the adapters off
+        self.base_quantization = "none"
         if config.tie_word_embeddings:
             self.lm_head = None
         else:
@@ -670,6 +675,7 @@ class Decoder(nnx.Module):
         *,
         cache: KVCache | None = None,
         write_index: jax.Array | int | None = None,
+        dropout_keys: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         c = self.config
         dt = self.dtype
@@ -702,6 +708,46 @@ class Decoder(nnx.Module):
         h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # B T D
         h = self._constrain(h, ("batch", "length", "embed"))
         stacked = {name: getattr(self.layers, name)[...] for name in c.layer_params()}
+        quant = self.base_quantization
+        if quant != "none":
+            from grpo.models.quant import dequantize
+
+            for name in c.layer_params():
+                if hasattr(self.layers, f"{name}_scale"):
+                    stacked[f"{name}_scale"] = getattr(self.layers, f"{name}_scale")[...]
+        spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
+        if spec is not None:
+            for name in spec.targets:
+                stacked[f"{name}_lora_a"] = getattr(self.lora, f"{name}_a")[...]
+                stacked[f"{name}_lora_b"] = getattr(self.lora, f"{name}_b")[...]
+        drop = spec is not None and spec.dropout > 0 and dropout_keys is not None
+
+        def proj(eq: str, x: jax.Array, p: dict, name: str, layer) -> jax.Array:
+            """``x`` through projection ``name``: the (dequantized) base weight plus, when
+            targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``, never merged."""
+            w = p[name]
+            if f"{name}_scale" in p:
+                w = dequantize(w, p[f"{name}_scale"], quant, dt, axis=0)
+            y = jnp.einsum(eq, x, w.astype(dt))
+            if f"{name}_lora_a" not in p:
+                return y
+            ins, out = eq.split("->")
+            xs, ws = ins.split(",")
+            contracted = "".join(ch for ch in ws if ch in xs)
+            kept = "".join(ch for ch in ws if ch not in xs)
+            lead = "".join(ch for ch in out if ch not in kept)
+            if drop:
+                keep = 1.0 - spec.dropout
+                salt = c.layer_params().index(name)
+
+                def row_mask(k):
+                    k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), layer), salt)
+                    return jax.random.bernoulli(k, keep, x.shape[1:])
+
+                x = jnp.where(jax.vmap(row_mask)(dropout_keys), x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
+            t = jnp.einsum(f"{xs},{contracted}r->{lead}r", x, p[f"{name}_lora_a"].astype(dt))
+            d = jnp.einsum(f"{lead}r,r{kept}->{out}", t, p[f"{name}_lora_b"].astype(dt))
+            return y + d * jnp.asarray(spec.scale, dt)
 
         def attend(q, k_new, v_new, kv):
             """Returns the attention output and the (possibly updated) cache carry."""
@@ -722,11 +768,11 @@ class Decoder(nnx.Module):
             )  # B T H E
             return out, kv
 
-        def layer_fn(h, p, kv):
+        def layer_fn(h, p, kv, layer):
             x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
-            q = jnp.einsum("btd,dhe->bthe", x, p["q_proj"].astype(dt))
-            k = jnp.einsum("btd,dke->btke", x, p["k_proj"].astype(dt))
-            v = jnp.einsum("btd,dke->btke", x, p["v_proj"].astype(dt))
+            q = proj("btd,dhe->bthe", x, p, "q_proj", layer)
+            k = proj("btd,dke->btke", x, p, "k_proj", layer)
+            v = proj("btd,dke->btke", x, p, "v_proj", layer)
             if c.qkv_bias:
                 q = q + p["q_bias"].astype(dt)
                 k = k + p["k_bias"].astype(dt)
@@ -738,12 +784,12 @@ class Decoder(nnx.Module):
             k = self._constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
             v = self._constrain(v, ("batch", "length", "kv_heads", "head_dim"))
             a, kv = attend(q, k, v, kv)
-            h = h + jnp.einsum("bthe,hed->btd", a, p["o_proj"].astype(dt))
+            h = h + proj("bthe,hed->btd", a, p, "o_proj", layer)
             x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, dt)
-            g = jnp.einsum("btd,df->btf", x, p["gate_proj"].astype(dt))
-            u = jnp.einsum("btd,df->btf", x, p["up_proj"].astype(dt))
+            g = proj("btd,df->btf", x, p, "gate_proj", layer)
+            u = proj("btd,df->btf", x, p, "up_proj", layer)
             y = self._constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-            h = h + jnp.einsum("btf,fd->btd", y, p["down_proj"].astype(dt))
+            h = h + proj("btf,fd->btd", y, p, "down_proj", layer)
             return self._constrain(h, ("batch", "length", "embed")), kv
 
         if self.remat == "full":
@@ -753,12 +799,14 @@ class Decoder(nnx.Module):
                 layer_fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             )
 
+        layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
         if cache is None:
-            def body(h, p):
-                h, _ = layer_fn(h, p, None)
+            def body(h, xs):
+                p, layer = xs
+                h, _ = layer_fn(h, p, None, layer)
                 return h, None
 
-            h, _ = jax.lax.scan(body, h, stacked)
+            h, _ = jax.lax.scan(body, h, (stacked, layers))
             new_cache = None
         else:
             # The whole cache rides in the carry: each layer writes only its T new slots
@@ -766,10 +814,9 @@ class Decoder(nnx.Module):
             def body(carry, xs):
                 h, ck, cv = carry
                 p, layer = xs
-                h, (ck, cv) = layer_fn(h, p, (ck, cv, layer))
+                h, (ck, cv) = layer_fn(h, p, (ck, cv, layer), layer)
                 return (h, ck, cv), None
 
-            layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
             (h, ck, cv), _ = jax.lax.scan(body, (h, cache.k, cache.v), (stacked, layers))
             new_cache = KVCache(k=ck, v=cv)
         h = rms_norm(h, self.final_norm[...], c.rms_norm_eps, dt)

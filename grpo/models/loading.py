@@ -472,6 +472,10 @@ def save_hf(
     if writer:
         out.mkdir(parents=True, exist_ok=True)
     params = _params_by_path(model)
+    if getattr(model, "lora_spec", None) is not None or getattr(model, "base_quantization", "none") != "none":
+        from grpo.models.lora import merged_params
+
+        params = merged_params(model)  # base (dequantized) + (alpha / r) A @ B
     entries: list[tuple[str, TensorMap, int | None]] = []
     for tm in plugin.tensor_maps(cfg):
         for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
@@ -531,17 +535,29 @@ def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -
         param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat
     )
     architecture = getattr(model_config, "architecture", AUTO)
-    if model_config.source == "hf":
-        return load_hf(model_config.path, mesh, architecture=architecture, **common)
-    from grpo.models.presets import from_random_config
+    lora = getattr(model_config, "lora", None)
+    if lora is not None:
+        from grpo.models.lora import resolve_spec
 
-    config = from_random_config(model_config.random)
-    if architecture not in (AUTO, config.family):
-        raise UserError(
-            f"model.architecture={architecture!r} but model.random.preset={model_config.random.preset!r} is a "
-            f"{config.family} model; set model.architecture to {config.family!r} or 'auto'."
-        )
-    return random_init(config, mesh, seed=seed, **common)
+        # Targets and rank are checked against the architecture before any weight is read.
+        resolve_spec(model_architecture(model_config), lora)
+    if model_config.source == "hf":
+        model = load_hf(model_config.path, mesh, architecture=architecture, **common)
+    else:
+        from grpo.models.presets import from_random_config
+
+        config = from_random_config(model_config.random)
+        if architecture not in (AUTO, config.family):
+            raise UserError(
+                f"model.architecture={architecture!r} but model.random.preset={model_config.random.preset!r} is a "
+                f"{config.family} model; set model.architecture to {config.family!r} or 'auto'."
+            )
+        model = random_init(config, mesh, seed=seed, **common)
+    if lora is not None:
+        from grpo.models.lora import apply_lora
+
+        apply_lora(model, lora, seed=seed)
+    return model
 
 
 def model_architecture(model_config: Any) -> Any:
@@ -580,6 +596,12 @@ def abstract_model(model_config: Any, mesh: Mesh) -> tuple[Any, Any, Any]:
             for path, var in flat
         ]
     )
+    lora = getattr(model_config, "lora", None)
+    if lora is not None:
+        from grpo.models.lora import apply_lora
+
+        model = apply_lora(nnx.merge(graphdef, params), lora, abstract=True)
+        graphdef, params = nnx.split(model)
     return graphdef, params, config
 
 
