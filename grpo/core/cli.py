@@ -177,7 +177,22 @@ def config_validate(file: str, overrides: tuple[str, ...], processes: int | None
         raise UserError("--processes and --local-devices go together.")
     if processes is not None:
         resolve_layout(cfg, Topology(process_count=processes, local_device_count=local_devices))
+    if cfg.model.lora is not None:
+        _check_lora(cfg)
     click.echo("ok")
+
+
+def _check_lora(cfg: Any) -> None:
+    """LoRA targets and rank against the architecture, when it is known without a
+    download (a random preset, a local directory, a hub id with a built-in preset)."""
+    from grpo.models.loading import model_architecture
+    from grpo.models.lora import resolve_spec
+
+    try:
+        arch = model_architecture(cfg.model)
+    except UserError:
+        return  # `grpo run` checks once the checkpoint is there
+    resolve_spec(arch, cfg.model.lora)
 
 
 @config.command("show")

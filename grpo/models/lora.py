@@ -224,7 +224,7 @@ def split_params(state: Any) -> tuple[Any, Any]:
     the base; without, the whole state and ``None``."""
     if not is_lora_state(state):
         return state, None
-    return state.split(nnx.PathContains(LORA_COLLECTION), ...)
+    return nnx.split_state(state, nnx.PathContains(LORA_COLLECTION), ...)
 
 
 def merge_params(trainable: Any, frozen: Any) -> Any:

@@ -1,0 +1,380 @@
+"""LoRA and QLoRA: adapters in the scanned decoder, the adapter-only update, the frozen
+(quantized) base, the reference with adapters off, checkpoints and bad input.
+
+The independent reference for the adapter path is the *merged* model: the base
+architecture with every targeted weight replaced by ``W + (alpha / r) A @ B``, run through
+the ordinary full-fine-tuning update (a different code path: one matmul per projection,
+no adapter einsums, no frozen/trainable split)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from grpo.core.config import LoraConfig, load_config
+from grpo.core.contracts import LossSettings, MeshLayout
+from grpo.core.errors import ConfigError, UserError
+from grpo.core.plugins import load_plugins
+from grpo.engine.mesh import build_mesh
+from grpo.engine.update import UpdateBatch, UpdateStep
+from grpo.models import quant
+from grpo.models.lora import apply_lora, count_params, lora_delta, merge_params, split_params
+
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    return build_mesh(MeshLayout(dp=1, fsdp=8, tp=1))
+
+
+def _model(mesh, lora=None, seed=0):
+    from grpo.models.loading import random_init
+
+    model = random_init("tiny", mesh, seed=seed)
+    if lora is not None:
+        apply_lora(model, lora, seed=seed)
+    return model
+
+
+def _batch(vocab, *, b=8, lp=5, n=6, seed=0, dropout_keys=False):
+    rng = np.random.default_rng(seed)
+    pmask = np.ones((b, lp), np.int32)
+    pmask[::3, :2] = 0
+    lengths = rng.integers(1, n + 1, b)
+    mask = (np.arange(n)[None] < lengths[:, None]).astype(np.int32)
+    keys = None
+    if dropout_keys:
+        keys = jnp.asarray(jax.random.key_data(jax.random.split(jax.random.key(seed + 7), b)))
+    return UpdateBatch(
+        prompt_tokens=jnp.asarray(rng.integers(3, vocab, (b, lp)).astype(np.int32)),
+        prompt_mask=jnp.asarray(pmask),
+        tokens=jnp.asarray(rng.integers(3, vocab, (b, n)).astype(np.int32)),
+        mask=jnp.asarray(mask),
+        advantages=jnp.asarray(rng.normal(size=b).astype(np.float32)),
+        old_logprobs=None,
+        ref_logprobs=None,
+        dropout_keys=keys,
+    )
+
+
+def _step(graphdef, *, micro=1, beta=0.0, optimizer=None, mesh=None):
+    loss = load_plugins(entry_points=False).get("loss", "jax")
+    return UpdateStep(
+        graphdef=graphdef, loss=loss, loss_options=loss.parse_options({}),
+        settings=LossSettings(aggregation="token_mean", max_completion_length=6, temperature=0.7, beta=beta),
+        optimizer=optimizer or optax.sgd(1e-2), micro_batches=micro, mesh=mesh,
+    )
+
+
+def _randomise(adapters, scale=0.05, seed=3):
+    leaves, tree = jax.tree.flatten(adapters)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(tree, [x + scale * jax.random.normal(k, x.shape, x.dtype) for x, k in zip(leaves, keys)])
+
+
+# --------------------------------------------------------------------------- config
+
+
+def test_lora_config_defaults_and_target_patterns():
+    cfg = LoraConfig()
+    assert cfg.rank == 16 and cfg.dropout == 0.0 and cfg.base_quantization == "none"
+    assert cfg.projections() == tuple(ALL)
+    assert LoraConfig(targets=["all-linear"]).projections() == tuple(ALL)
+    assert LoraConfig(targets=[r"layers\.[qv]_proj"]).projections() == ("q_proj", "v_proj")
+    assert LoraConfig(targets=["_proj$"]).projections(("q_proj", "o_proj")) == ("q_proj", "o_proj")
+    # Full fine-tuning of bf16 keeps master weights; LoRA adapters are f32 themselves.
+    base = {"model": {"source": "random", "param_dtype": "bfloat16", "compute_dtype": "bfloat16"}}
+    assert load_config(base).master_weights
+    assert not load_config(base, ["model.lora.rank=4"]).master_weights
+
+
+def test_targets_matching_nothing_are_a_config_error_naming_the_field():
+    with pytest.raises(ConfigError) as err:
+        load_config({"model": {"source": "random"}}, ['model.lora.targets=["attention"]'])
+    text = str(err.value)
+    assert "model.lora.targets" in text and "'attention' matches no projection" in text and "layers.q_proj" in text
+    with pytest.raises(ConfigError, match="not a projection name or a valid regular expression"):
+        load_config({"model": {"source": "random"}}, ['model.lora.targets=["q_proj("]'])
+
+
+def test_rank_too_large_and_missing_family_projections_are_user_errors(mesh):
+    from grpo.models.lora import resolve_spec
+    from grpo.models.presets import preset_config
+
+    tiny = preset_config("tiny")  # hidden 64, 4 heads x 16, kv 2 x 16, mlp 128
+    with pytest.raises(UserError) as err:
+        resolve_spec(tiny, LoraConfig(rank=40, targets=["k_proj", "q_proj"]))
+    text = str(err.value)
+    # k_proj is 64 x 32: rank 40 is too large; q_proj (64 x 64) is fine.
+    assert "model.lora.rank=40" in text and "layers.k_proj" in text and "at most 32" in text
+    assert "layers.q_proj" not in text
+    spec = resolve_spec(tiny, LoraConfig(rank=32, targets=["k_proj", "q_proj"]))
+    assert spec.targets == ("q_proj", "k_proj") and spec.scale == 32.0 / 32
+
+
+def test_cli_reports_bad_lora_input_with_exit_2_and_no_traceback(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {source: random}\n")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for sets, needle in ((['model.lora.targets=["nothing_here"]'], "model.lora.targets"),
+                         (["model.lora.rank=1000"], "model.lora.rank=1000")):
+        args = [sys.executable, "-m", "grpo.core.cli", "config", "validate", str(cfg)]
+        for s in sets:
+            args += ["--set", s]
+        out = subprocess.run(args, capture_output=True, text=True, env=env, timeout=120)
+        assert out.returncode == 2, out.stderr
+        assert needle in out.stderr and "Traceback" not in out.stderr
+
+
+# --------------------------------------------------------------------------- the adapter path
+
+
+@pytest.fixture(scope="module")
+def lora_tiny(mesh):
+    """(mesh, base model, LoRA model, graphdef, adapters, base state) — the same seed, so
+    the LoRA model's base is the base model's weights."""
+    base = _model(mesh)
+    lora = _model(mesh, LoraConfig(rank=4, alpha=8.0, targets=ALL))
+    graphdef, state = nnx.split(lora)
+    adapters, frozen = split_params(state)
+    return mesh, base, lora, graphdef, adapters, frozen
+
+
+def test_step0_log_probs_equal_the_base_model_exactly(lora_tiny):
+    _, base, lora, graphdef, adapters, frozen = lora_tiny
+    batch = _batch(base.config.vocab_size)
+    gd_base, p_base = nnx.split(base)
+    _, _, _, lp_base = jax.jit(_step(gd_base).grads)(p_base, batch)
+    _, _, _, lp_lora = jax.jit(_step(graphdef).grads)(adapters, batch, frozen)
+    np.testing.assert_array_equal(np.asarray(lp_lora), np.asarray(lp_base))
+    # B = 0 at init; A is not.
+    for name in ALL:
+        assert not np.any(np.asarray(getattr(lora.lora, f"{name}_b")[...]))
+        assert np.any(np.asarray(getattr(lora.lora, f"{name}_a")[...]))
+
+
+def _merged_loss_fn(base, step_base, batch, graphdef, frozen):
+    """Loss of the merged model as a function of the adapters: the independent reference
+    (the base architecture's own update on ``W + (alpha / r) A @ B``)."""
+    _, p_base = nnx.split(base)
+    normalizer = step_base.settings.normalizer(batch.mask)
+
+    def loss(adapters):
+        with_adapters = nnx.merge(graphdef, merge_params(adapters, frozen))
+        merged = []
+        for path, var in nnx.to_flat_state(p_base):
+            key = ".".join(map(str, path))
+            name = key.split(".", 1)[1] if key.startswith("layers.") else None
+            delta = lora_delta(with_adapters, name) if name in ALL else None
+            merged.append((path, var if delta is None else var.replace(var[...] + delta)))
+        return step_base.loss_and_metrics(nnx.from_flat_state(merged), batch, normalizer)[0]
+
+    return loss
+
+
+def test_lora_gradients_equal_the_merged_model_and_finite_differences(lora_tiny):
+    _, base, _, graphdef, adapters, frozen = lora_tiny
+    batch = _batch(base.config.vocab_size, seed=1)
+    adapters = _randomise(adapters)
+    gd_base, _ = nnx.split(base)
+    grads_fn = jax.jit(_step(graphdef).grads)
+    # Old log-probs of the current adapters: the ratio is 1 here but moves with them, so
+    # the loss value (not only its gradient) depends on the adapters.
+    batch = batch._replace(old_logprobs=grads_fn(adapters, batch, frozen)[3])
+    loss, grads, _, _ = grads_fn(adapters, batch, frozen)
+    ref_fn = _merged_loss_fn(base, _step(gd_base), batch, graphdef, frozen)
+    ref_loss, ref_grads = jax.jit(jax.value_and_grad(ref_fn))(adapters)
+    np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-5, atol=1e-7)
+    for (path, g), r in zip(jax.tree_util.tree_leaves_with_path(grads), jax.tree.leaves(ref_grads)):
+        assert float(jnp.abs(r).max()) > 0, path
+        np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=2e-4, atol=2e-6, err_msg=str(path))
+    # A directional finite difference of the adapter loss itself (central, f32).
+    lora_loss = lambda a: grads_fn(a, batch, frozen)[0]  # noqa: E731
+    direction = _randomise(jax.tree.map(jnp.zeros_like, adapters), scale=1.0, seed=11)
+    eps = 1e-3
+    plus = lora_loss(jax.tree.map(lambda a, v: a + eps * v, adapters, direction))
+    minus = lora_loss(jax.tree.map(lambda a, v: a - eps * v, adapters, direction))
+    fd = (float(plus) - float(minus)) / (2 * eps)
+    analytic = sum(float(jnp.vdot(g, v)) for g, v in zip(jax.tree.leaves(grads), jax.tree.leaves(direction)))
+    assert abs(fd - analytic) <= 2e-2 * abs(analytic) + 1e-4, (fd, analytic)
+
+
+def test_micro_batched_lora_gradients_with_dropout_equal_the_full_batch(lora_tiny):
+    """Per-row dropout keys: a row's mask does not depend on its micro-batch."""
+    mesh, base, _, _, _, _ = lora_tiny
+    model = _model(mesh, LoraConfig(rank=4, alpha=8.0, dropout=0.3, targets=ALL))
+    graphdef, state = nnx.split(model)
+    adapters, frozen = split_params(state)
+    adapters = _randomise(adapters)
+    batch = _batch(base.config.vocab_size, seed=2, dropout_keys=True)
+    full = jax.jit(_step(graphdef).grads)(adapters, batch, frozen)
+    micro = jax.jit(_step(graphdef, micro=4).grads)(adapters, batch, frozen)
+    np.testing.assert_allclose(float(micro[0]), float(full[0]), rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(micro[1]), jax.tree.leaves(full[1])):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=2e-6)
+    # Dropout is on: other keys give other gradients; no keys (the sampler's path) none.
+    other = batch._replace(dropout_keys=jnp.asarray(jax.random.key_data(jax.random.split(jax.random.key(99), 8))))
+    g_other = jax.jit(_step(graphdef).grads)(adapters, other, frozen)[1]
+    g_none = jax.jit(_step(graphdef).grads)(adapters, batch._replace(dropout_keys=None), frozen)[1]
+    leaf = lambda g: np.asarray(jax.tree.leaves(g)[0])  # noqa: E731
+    assert not np.allclose(leaf(g_other), leaf(full[1]))
+    assert not np.allclose(leaf(g_none), leaf(full[1]))
+
+
+def test_a_step_trains_only_the_adapters_and_the_reference_is_the_base(lora_tiny):
+    _, base, _, graphdef, adapters, frozen = lora_tiny
+    batch = _batch(base.config.vocab_size, seed=4)
+    opt = optax.adam(1e-2)
+    step = _step(graphdef, beta=0.1, optimizer=opt)
+    opt_state = opt.init(adapters)
+    # Optimizer state exists for the adapters only: two moments of each, nothing else.
+    n_adapter = count_params(adapters)
+    assert count_params(opt_state) == 2 * n_adapter + 1  # + the step count
+    assert n_adapter < count_params(frozen) / 10
+    frozen_before = [np.asarray(x).copy() for x in jax.tree.leaves(frozen)]
+    adapters_before = jax.tree.map(lambda x: np.asarray(x).copy(), adapters)
+
+    # Reference = the base: with adapters that differ from zero it still equals the base.
+    moved = _randomise(adapters)
+    ref = jax.jit(step.reference_logprobs)(moved, batch, frozen)
+    gd_base, p_base = nnx.split(base)
+    base_ref = jax.jit(_step(gd_base, beta=0.1).reference_logprobs)(p_base, batch)
+    np.testing.assert_array_equal(np.asarray(ref), np.asarray(base_ref))
+    batch = batch._replace(ref_logprobs=ref)
+
+    new_adapters, new_opt, metrics, _ = jax.jit(step.__call__)(adapters, opt_state, batch, frozen)
+    assert bool(metrics["finite"])
+    for before, after in zip(frozen_before, jax.tree.leaves(frozen)):
+        np.testing.assert_array_equal(before, np.asarray(after))
+    changed = [not np.array_equal(a, np.asarray(b))
+               for a, b in zip(jax.tree.leaves(adapters_before), jax.tree.leaves(new_adapters))]
+    # Every B moves; A's gradient is zero while B is zero (dL/dA = x^T dL/dy B^T).
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(new_adapters)]
+    for path, c in zip(paths, changed):
+        assert c == ("_b" in path), path
+
+
+# --------------------------------------------------------------------------- QLoRA
+
+
+@pytest.mark.parametrize("kind", ["nf4", "int8"])
+def test_quantized_base_matches_the_original_within_the_format_error(kind):
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((2, 96, 5)).astype(np.float32) * 0.02
+    w[0, :64, 0] = 0.0  # an all-zero block
+    codes, scales = quant.quantize(jnp.asarray(w), kind, 64)
+    assert codes.dtype == (jnp.uint4 if kind == "nf4" else jnp.int8)
+    b = quant.block_size(96, 64)
+    assert b == 32 and scales.shape == (2, 3, 5)
+    back = np.asarray(quant.dequantize(codes, scales, kind))
+    # An independent reference: nearest code in numpy, block by block.
+    blocks = w.reshape(2, 3, b, 5)
+    absmax = np.abs(blocks).max(axis=2, keepdims=True)
+    normed = blocks / np.where(absmax > 0, absmax, 1.0)
+    if kind == "nf4":
+        ref = quant.NF4_VALUES[np.abs(normed[..., None] - quant.NF4_VALUES).argmin(-1)]
+    else:
+        ref = np.round(normed * 127) / 127
+    ref = (ref * absmax).reshape(w.shape)
+    np.testing.assert_allclose(back, ref, rtol=1e-6, atol=1e-9)
+    err = np.abs(back - w).reshape(2, 3, b, 5) / np.where(absmax > 0, absmax, 1.0)
+    assert err.max() <= quant.max_error(kind) + 1e-6
+    np.testing.assert_array_equal(back[0, :64, 0], 0.0)
+    # One layer's slice dequantizes the same as the stacked array.
+    np.testing.assert_array_equal(np.asarray(quant.dequantize(codes[1], scales[1], kind, axis=0)), back[1])
+
+
+def test_qlora_nf4_model_runs_a_step_with_a_frozen_quantized_base(mesh):
+    from grpo.models.lora import base_weight
+
+    plain = _model(mesh)
+    model = _model(mesh, LoraConfig(rank=4, base_quantization="nf4", targets=["q_proj", "down_proj"]))
+    assert model.layers.q_proj[...].dtype == jnp.uint4 and model.layers.k_proj[...].dtype == jnp.uint4
+    assert model.embed[...].dtype == jnp.float32  # embeddings/head/norms stay
+    for name in ALL:
+        w = np.asarray(getattr(plain.layers, name)[...])
+        deq = np.asarray(base_weight(model, name))
+        scale = np.repeat(np.asarray(getattr(model.layers, f"{name}_scale")[...]), w.shape[1] // getattr(
+            model.layers, f"{name}_scale")[...].shape[1], axis=1)
+        assert np.all(np.abs(deq - w) <= quant.max_error("nf4") * scale + 1e-7), name
+    graphdef, state = nnx.split(model)
+    adapters, frozen = split_params(state)
+    assert set(adapters["lora"]) == {"q_proj_a", "q_proj_b", "down_proj_a", "down_proj_b"}
+    opt = optax.adam(1e-2)
+    batch = _batch(model.config.vocab_size, seed=5)
+    new, _, metrics, lp = jax.jit(_step(graphdef, optimizer=opt).__call__)(adapters, opt.init(adapters), batch, frozen)
+    assert bool(metrics["finite"]) and np.isfinite(np.asarray(lp)).all()
+    assert not np.array_equal(np.asarray(new["lora"]["q_proj_b"][...]), np.asarray(adapters["lora"]["q_proj_b"][...]))
+
+
+# --------------------------------------------------------------------------- the trainer
+
+
+TINY = {
+    "model": {"source": "random", "random": {"preset": "tiny"},
+              "lora": {"rank": 4, "alpha": 16, "dropout": 0.1}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
+    "task": {"name": "arithmetic", "options": {"max_operand": 9, "num_examples": 64, "num_test_examples": 8,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "train": {"steps": 3, "prompts_per_step": 8, "ppo_epochs": 2, "micro_batch_size": 8,
+              "optimizer": {"learning_rate": 1e-2}},
+    "loss": {"beta": 0.05},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": False},
+}
+
+
+def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
+    """A LoRA run with dropout, beta > 0 and two PPO epochs, preempted by SIGTERM after
+    step 2 and resumed, ends with exactly the adapters of an uninterrupted run; the
+    checkpoint holds the adapters and their optimizer state, not the base."""
+    from grpo.engine.metrics import read_metrics
+    from grpo.engine.trainer import Interrupted, Trainer
+
+    straight = Trainer(load_config(TINY), tmp_path / "straight")
+    assert straight.frozen is not None and straight.ref_params is straight.params
+    base_before = [np.asarray(x).copy() for x in jax.tree.leaves(straight.frozen)]
+    straight.run()
+    for a, b in zip(base_before, jax.tree.leaves(straight.frozen)):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    rows = read_metrics(tmp_path / "straight")
+    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+
+    run_dir = tmp_path / "resumed"
+    first = Trainer(load_config(TINY), run_dir)
+    step_fn = first.train_step
+
+    def preempt_after_two():
+        row = step_fn()
+        if first.step == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    first.train_step = preempt_after_two
+    with pytest.raises(Interrupted):
+        first.run()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    saved = run_dir / "checkpoints" / "2"
+    params_meta = json.loads((saved / "params" / "_METADATA").read_text())
+    names = json.dumps(params_meta)
+    assert "q_proj_a" in names and "embed" not in names and "attn_norm" not in names
+
+    second = Trainer(load_config(TINY), run_dir)
+    second.run()
+    assert second.step == 3
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(second.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rs]  # noqa: E731
+    assert strip(read_metrics(run_dir)) == strip(rows)
