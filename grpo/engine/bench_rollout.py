@@ -95,6 +95,43 @@ def _eos_ids(config: Any, model_dir: Any = None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
+def _bits(dtype: Any) -> int:
+    import jax.numpy as jnp
+
+    try:
+        return int(jnp.iinfo(dtype).bits)  # uint4 codes of an nf4 base: 4 bits
+    except ValueError:
+        return jnp.dtype(dtype).itemsize * 8
+
+
+def _with_adapters(model: Any, rank: int, quantization: str, seed: int) -> dict[str, Any]:
+    """Give ``model`` LoRA adapters (B non-zero, so the adapter path is real work) and/or a
+    quantized base; returns what the JSON reports, with ``merge_s``: the fastest of three
+    jitted merges of base + adapters into full weights (what merging once per step adds)."""
+    import jax
+    from flax import nnx
+
+    from grpo.core.config import LoraConfig
+    from grpo.models.lora import apply_lora, count_params, merged_params, split_params
+
+    apply_lora(model, LoraConfig(rank=max(rank, 1), alpha=2.0 * max(rank, 1), base_quantization=quantization), seed=seed)
+    graphdef, state = nnx.split(model)
+    adapters, frozen = split_params(state)
+    if rank:
+        adapters = jax.tree.map(lambda x: x + 0.01, adapters)
+        nnx.update(model, adapters)
+    info: dict[str, Any] = {"rank": rank, "base_quantization": quantization, "trainable_params": count_params(adapters)}
+    merge = jax.jit(lambda a, f: merged_params(nnx.merge(graphdef, a, f)))
+    jax.block_until_ready(merge(adapters, frozen))
+    best = math.inf
+    for _ in range(3):
+        t = time.perf_counter()
+        jax.block_until_ready(merge(adapters, frozen))
+        best = min(best, time.perf_counter() - t)
+    info["merge_s"] = round(best, 6)
+    return info
+
+
 def _memory_stats() -> dict[str, int]:
     import jax
 
@@ -124,6 +161,8 @@ def run_rollout_bench(
     repeats: int,
     bandwidth: str,
     bandwidth_gbps: float | None,
+    lora_rank: int = 0,
+    base_quantization: str = "none",
 ) -> dict[str, Any]:
     import jax
     from flax import nnx
@@ -158,9 +197,12 @@ def run_rollout_bench(
         eos = _eos_ids(model.config)
         source = f"preset:{preset} (random weights)"
     cfg = model.config
+    lora_info = None
+    if lora_rank or base_quantization != "none":
+        lora_info = _with_adapters(model, lora_rank, base_quantization, seed)
     graphdef, params = nnx.split(model)
     del model
-    weight_bytes = sum(x.nbytes for x in jax.tree.leaves(params))
+    weight_bytes = sum((x.size * _bits(x.dtype) + 7) // 8 for x in jax.tree.leaves(params))
 
     P = batch // generations
     rs = np.random.default_rng(seed)
@@ -254,6 +296,8 @@ def run_rollout_bench(
         if mem is not None
         else None,
     }
+    if lora_info is not None:
+        result["lora"] = lora_info
     result.update(_memory_stats())
     if "peak_bytes_in_use" not in result:
         result["peak_bytes_in_use"] = None
@@ -309,11 +353,16 @@ def run_rollout_bench(
 @click.option("--bandwidth", type=click.Choice(["measured", "nominal"]), default="measured", show_default=True,
               help="HBM bandwidth for the roofline.")
 @click.option("--bandwidth-gbps", type=float, help="Use this HBM bandwidth (GB/s) for the roofline.")
+@click.option("--lora-rank", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Decode through rank-R LoRA adapters on every projection (unmerged, as `grpo run` "
+              "samples); the JSON's lora.merge_s is what merging them into the weights once would cost.")
+@click.option("--base-quantization", type=click.Choice(["none", "nf4", "int8"]), default="none", show_default=True,
+              help="QLoRA: the base projections stored quantized, dequantized per layer in the decode.")
 @click.option("--json", "as_json", is_flag=True, help="One line of JSON (default: indented).")
 def bench_rollout(
     model_path, preset, batch, generations, prompt_len, new_tokens, early_stop, early_stop_chunk, kv_segment,
     style, mesh_policy, mesh_shape, dtype, temperature, top_k, top_p, seed, repeats, bandwidth, bandwidth_gbps,
-    as_json,
+    lora_rank, base_quantization, as_json,
 ) -> None:
     """Rollout speed: prefill + decode of --batch sequences, JSON out."""
     if temperature <= 0:
@@ -323,6 +372,7 @@ def bench_rollout(
         new_tokens=new_tokens, early_stop=early_stop, early_stop_chunk=early_stop_chunk, kv_segment=kv_segment,
         style=style, mesh_policy=mesh_policy, mesh_shape=mesh_shape, dtype=dtype, temperature=temperature,
         top_k=top_k, top_p=top_p, seed=seed, repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps,
+        lora_rank=lora_rank, base_quantization=base_quantization,
     )
     import jax
 
