@@ -83,10 +83,22 @@ class LoraConfig(Section):
         "the matmul. Embeddings, norms and the head stay in model.param_dtype.",
     )
     quantization_block: int = Field(64, ge=2, le=65536, description="Block size of the base quantization (QLoRA: 64).")
+    sampler: Literal["adapters", "merged"] = Field(
+        "adapters",
+        description="How the rollout reads the policy: `adapters` runs base + adapters unmerged (no extra "
+        "memory; the only choice for a quantized base); `merged` merges W + (alpha / r) A @ B once per step into "
+        "a copy of the projections and decodes without adapter matmuls (`grpo bench rollout --lora-rank` "
+        "measures both).",
+    )
 
     @model_validator(mode="after")
     def _targets_match(self):
         problems = []
+        if self.sampler == "merged" and self.base_quantization != "none":
+            problems.append(
+                f"model.lora.sampler=merged needs an unquantized base (model.lora.base_quantization="
+                f"{self.base_quantization}): merging would hold the base again in full precision; use `adapters`"
+            )
         for pattern in self.targets:
             if pattern in LORA_PROJECTIONS or pattern == "all-linear":
                 continue

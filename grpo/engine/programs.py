@@ -54,6 +54,7 @@ class RunPrograms:
     eos_ids: tuple[int, ...]
     pad_id: int
     _samplers: dict = dataclasses.field(default_factory=dict)
+    _merge: Any = None  # the jitted LoRA merge of merged sampling, built on first use
 
     # ------------------------------------------------------------------ shardings
 
@@ -92,8 +93,32 @@ class RunPrograms:
                 pad_id=self.pad_id,
                 early_stop_chunk=r.early_stop_chunk,
             )
-            self._samplers[key] = Sampler(self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling)
+            self._samplers[key] = Sampler(
+                self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling,
+                lora_adapters=not self.merged_sampling,
+            )
         return self._samplers[key]
+
+    @property
+    def merged_sampling(self) -> bool:
+        """LoRA with ``model.lora.sampler: merged``: the rollout reads projections with the
+        adapters merged in (once per step), not base + adapters."""
+        lora = self.config.model.lora
+        return lora is not None and lora.sampler == "merged"
+
+    def sampler_state(self, params: Any, frozen: Any) -> Any:
+        """What the sampler reads for trainable ``params`` and the ``frozen`` base: the
+        whole state as is (no copy), or with ``merged_sampling`` a state whose targeted
+        projections are ``W + (alpha / r) A @ B`` (one jitted merge; a new array per
+        projection, in the base's sharding)."""
+        from grpo.models.lora import merge_params, merge_into_state
+
+        if frozen is None or not self.merged_sampling:
+            return merge_params(params, frozen)
+        if self._merge is None:
+            shardings = jax.tree.map(lambda x: x.sharding, merge_params(params, frozen))
+            self._merge = jax.jit(lambda p, f: merge_into_state(self.graphdef, p, f), out_shardings=shardings)
+        return self._merge(params, frozen)
 
     def update(self, params: Any = None, opt_state: Any = None):
         """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,

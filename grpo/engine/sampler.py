@@ -213,6 +213,8 @@ class Sampler:
       activation_rules: base logical-axis rules for activations (default
         :data:`grpo.engine.sharding.ACTIVATION_RULES`); their ``batch`` entry is
         replaced by ``batch_axes``.
+      lora_adapters: False runs a LoRA model without its adapter matmuls (the
+        ``model.lora.sampler: merged`` rollout, whose projections already hold them).
 
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
@@ -227,6 +229,7 @@ class Sampler:
         cache_dtype: Any = None,
         kv_segment: int = 256,
         activation_rules: Mapping[str, Any] | None = None,
+        lora_adapters: bool = True,
     ):
         if kv_segment < 0:
             raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
@@ -239,6 +242,7 @@ class Sampler:
         self.sampling = sampling
         self.cache_dtype = cache_dtype
         self.kv_segment = int(kv_segment)
+        self.lora_adapters = bool(lora_adapters)
         self.rules = with_batch_axes(ACTIVATION_RULES if activation_rules is None else activation_rules, self.batch_axes)
         self.prefill_jit = jax.jit(self._prefill_impl)
         # Donation only helps when decode can hand the same buffer back (one segment);
@@ -337,6 +341,8 @@ class Sampler:
         model = nnx.merge(self.graphdef, params)
         model.mesh = self.mesh
         model.set_activation_rules(self.rules)
+        if not self.lora_adapters:
+            model.lora_enabled = False
         return model
 
     def _cache_dtype(self, model) -> Any:

@@ -35,7 +35,7 @@ from grpo.engine.optim import learning_rate_schedule
 from grpo.engine.policy import load_policy
 from grpo.engine.programs import build_programs
 from grpo.engine.update import UpdateBatch
-from grpo.models.lora import merge_params, split_params
+from grpo.models.lora import split_params
 
 log = logging.getLogger(__name__)
 
@@ -159,8 +159,9 @@ class Trainer:
     # ------------------------------------------------------------------ pieces
 
     def policy_params(self) -> Any:
-        """The whole model's state (base and adapters) for the sampler: no copies."""
-        return merge_params(self.params, self.frozen)
+        """What the sampler reads: the whole model's state (base and adapters, no copies),
+        or for ``model.lora.sampler: merged`` the projections with the adapters merged in."""
+        return self.programs.sampler_state(self.params, self.frozen)
 
     def _make_sampler(self, *, greedy: bool, num_generations: int):
         return self.programs.sampler(greedy=greedy, num_generations=num_generations)

@@ -232,6 +232,25 @@ def merge_params(trainable: Any, frozen: Any) -> Any:
     return trainable if frozen is None else nnx.merge_state(trainable, frozen)
 
 
+def merge_into_state(graphdef: Any, trainable: Any, frozen: Any) -> Any:
+    """The full state with every targeted projection replaced by ``W + (alpha / r) A @ B``
+    in the parameter dtype (a new array per projection; everything else shared). Run it
+    under ``jax.jit``; read with the adapters switched off it is the merged model (the
+    ``model.lora.sampler: merged`` rollout)."""
+    model = nnx.merge(graphdef, trainable, frozen)
+    full = merge_params(trainable, frozen)
+    flat = []
+    for path, var in nnx.to_flat_state(full):
+        key = ".".join(str(p) for p in path)
+        name = key.split(".", 1)[1] if key.startswith("layers.") else None
+        delta = lora_delta(model, name) if name in PROJECTIONS else None
+        if delta is not None:
+            w = var[...]
+            var = var.replace((w.astype(jnp.float32) + delta).astype(w.dtype))
+        flat.append((path, var))
+    return nnx.from_flat_state(flat)
+
+
 def count_params(tree: Any) -> int:
     return int(sum(math.prod(x.shape) for x in jax.tree.leaves(tree)))
 
