@@ -35,7 +35,7 @@ from grpo.engine.optim import learning_rate_schedule
 from grpo.engine.policy import load_policy
 from grpo.engine.programs import build_programs
 from grpo.engine.update import UpdateBatch
-from grpo.models.lora import split_params
+from grpo.models.lora import count_params, split_params
 
 log = logging.getLogger(__name__)
 
@@ -114,6 +114,15 @@ class Trainer:
         # adapters; `frozen` is the frozen (maybe quantized) LoRA base, None otherwise.
         self.graphdef, state = nnx.split(model)
         self.params, self.frozen = split_params(state)
+        if self.frozen is not None and self.is_main:
+            n_train, n_base = count_params(self.params), count_params(self.frozen)
+            lora = config.model.lora
+            log.info(
+                "LoRA rank %d on %s: %s trainable parameters beside a frozen base of %s (%.3f%%)%s",
+                lora.rank, ",".join(model.lora_spec.targets), f"{n_train:,}", f"{n_base:,}",
+                100.0 * n_train / max(n_base, 1),
+                f", base quantized {lora.base_quantization}" if lora.base_quantization != "none" else "",
+            )
         self.ref_params = None
         if config.loss.beta > 0:
             # Full fine-tuning: a frozen copy of the initial policy; never updated, never
