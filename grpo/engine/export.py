@@ -43,6 +43,11 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     ckpt.close()
     model = nnx.merge(graphdef, merge_params(state["params"], frozen))
     if adapter:
-        base = config.model.path if config.model.source == "hf" else None
+        base = None
+        if config.model.source == "hf":
+            # A local base as an absolute path: a relative one (to where `grpo run` was
+            # started) in adapter_config.json would not load from anywhere else.
+            local = Path(config.model.path).expanduser()
+            base = str(local.resolve()) if local.is_dir() else config.model.path
         return save_peft(model, out_dir, base_model=base)
     return save_hf(model, out_dir, policy.tokenizer_dir)
