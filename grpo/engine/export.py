@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import jax
@@ -43,6 +44,13 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     ckpt.close()
     model = nnx.merge(graphdef, merge_params(state["params"], frozen))
     if adapter:
+        if config.model.lora.base_quantization != "none":
+            logging.getLogger(__name__).warning(
+                "these adapters were trained against a %s-quantized base; on the float base (what PEFT loads "
+                "unless it quantizes the base the same way) the model differs slightly from the trained one, "
+                "which the merged export (without --adapter) reproduces exactly",
+                config.model.lora.base_quantization,
+            )
         base = None
         if config.model.source == "hf":
             # A local base as an absolute path: a relative one (to where `grpo run` was

@@ -37,6 +37,7 @@ trains, the rest is the frozen base. The optimizer (and checkpoints) see only th
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -161,13 +162,28 @@ def _init_adapters(spec: LoraSpec, shapes: Mapping[str, tuple[tuple[int, ...], A
     return out
 
 
+# Cached per (format, shapes, shardings): a second model of the same structure (tests,
+# export after a run) reuses the executables instead of recompiling them.
+@functools.lru_cache(maxsize=32)
+def _jitted_quantize(kind: str, block: int, out_shardings: Any) -> Any:
+    from grpo.models.quant import quantize
+
+    return jax.jit(lambda w: quantize(w, kind, block), out_shardings=out_shardings)
+
+
+@functools.lru_cache(maxsize=16)
+def _jitted_init(spec: LoraSpec, shapes: tuple, out_shardings: tuple | None) -> Any:
+    table = dict(shapes)
+    return jax.jit(lambda key: _init_adapters(spec, table, key),
+                   out_shardings=None if out_shardings is None else dict(out_shardings))
+
+
 def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = False) -> Any:
     """Give ``model`` (a :class:`~grpo.models.decoder.Decoder`, sharded on its mesh) the
     adapters of ``lora_cfg`` (a :class:`~grpo.core.config.LoraConfig`) and, for QLoRA, a
     quantized base. Every new array is created in its sharding on the model's mesh;
     ``abstract`` makes them ``jax.ShapeDtypeStruct`` (``grpo plan``). Returns the model."""
     from grpo.engine.sharding import PARAM_RULES, fit_sharding
-    from grpo.models.quant import quantize
 
     config = model.config
     spec = resolve_spec(config, lora_cfg)
@@ -187,8 +203,7 @@ def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = Fal
                 codes = jax.ShapeDtypeStruct(shape, code_dtype, sharding=out_sh[0])
                 scales = jax.ShapeDtypeStruct(s_shape, jnp.float32, sharding=out_sh[1])
             else:
-                fn = jax.jit(lambda w: quantize(w, kind, lora_cfg.quantization_block),
-                             out_shardings=out_sh if mesh is not None else None)
+                fn = _jitted_quantize(kind, lora_cfg.quantization_block, out_sh if mesh is not None else None)
                 codes, scales = fn(getattr(model.layers, name)[...])
             setattr(model.layers, name, nnx.Param(codes, out_sharding=tuple(names), eager_sharding=False))
             setattr(model.layers, f"{name}_scale", nnx.Param(scales, out_sharding=tuple(names), eager_sharding=False))
@@ -204,8 +219,9 @@ def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = Fal
         out_sh = None
         if mesh is not None:
             out_sh = {path.split(".", 1)[1]: sharding(shape, names) for path, (shape, names) in shapes.items()}
-        init = jax.jit(lambda key: _init_adapters(spec, shapes, key), out_shardings=out_sh)
-        values = init(jax.random.fold_in(jax.random.key(seed), 0x10A))
+        frozen_shapes = tuple(sorted((k, (tuple(v[0]), tuple(v[1]))) for k, v in shapes.items()))
+        frozen_sh = None if out_sh is None else tuple(sorted(out_sh.items()))
+        values = _jitted_init(spec, frozen_shapes, frozen_sh)(jax.random.fold_in(jax.random.key(seed), 0x10A))
     names_of = {path.split(".", 1)[1]: names for path, (_, names) in shapes.items()}
     model.lora = nnx.data(LoraAdapters({attr: (values[attr], names_of[attr]) for attr in names_of}))
     model.lora_spec = spec
