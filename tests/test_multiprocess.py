@@ -107,6 +107,41 @@ def test_two_processes_match_single_process(tmp_path, single_process_reference, 
             np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
 
 
+def test_lora_with_dropout_two_processes_match_single_process(tmp_path):
+    """LoRA (adapters sharded over both processes' devices, per-row dropout keys, the
+    frozen base beside them) gives the single-process metrics, and the adapters the two
+    processes checkpointed export (PEFT) to the single-process run's."""
+    from grpo.core.config import load_config
+    from grpo.engine.trainer import Trainer
+
+    # Shaping rewards give the random policy non-zero advantages, so the adapters train.
+    shaped = {"max_operand": 4, "num_examples": 64, "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}
+    config = _write_config(tmp_path, model={"lora": {"rank": 4, "alpha": 8, "dropout": 0.2}},
+                           task={"options": shaped}, checkpoint={"at_end": True})
+    single_dir = tmp_path / "single"
+    Trainer(load_config(config), single_dir).run()
+    run_dir = tmp_path / "run"
+    for code, _out, err in _wait(_launch(config, run_dir)):
+        assert code == 0, err[-3000:]
+    rows, want = read_metrics(run_dir), read_metrics(single_dir)
+    assert [r["step"] for r in rows] == [1, 2]
+    for got, ref in zip(rows, want):
+        for key in ("reward/mean", "loss", "grad_norm", "kl"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    assert rows[-1]["grad_norm"] > 0
+    from safetensors.numpy import load_file
+
+    from grpo.engine.export import export_run
+
+    exported = {}
+    for name, d in (("single", single_dir), ("multi", run_dir)):
+        out = export_run(d, tmp_path / f"peft_{name}", adapter=True)
+        exported[name] = load_file(str(out / "adapter_model.safetensors"))
+    assert exported["multi"].keys() == exported["single"].keys()
+    for key, value in exported["single"].items():
+        np.testing.assert_allclose(exported["multi"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+
+
 def test_require_process_count_fails_fast_on_every_process(tmp_path):
     config = _write_config(tmp_path, distributed={"require_process_count": 3})
     start = time.time()
