@@ -4,6 +4,7 @@ machine does not have. Tiny shapes: each plan compiles in seconds."""
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 import yaml
@@ -79,6 +80,95 @@ def test_multi_host_plan_with_reference_pass(tiny_config):
     assert rep["fits"] is True
     assert set(rep["programs"]) == {"prefill", "decode", "reference", "update"}
     assert rep["state_bytes_per_device"]["reference_parameters"] == rep["state_bytes_per_device"]["parameters"]
+
+
+# --------------------------------------------------------------------------- LoRA
+
+
+def _tiny_dims():
+    from grpo.models.presets import preset_config
+
+    c = preset_config("tiny")
+    return c, (c.num_hidden_layers, c.hidden_size, c.intermediate_size, c.num_attention_heads,
+               c.num_key_value_heads, c.head_dim)
+
+
+def _projections():
+    """(elements, input size along the quantization axis, in + out) of each projection of
+    the tiny preset, from its HF dims (o_proj is [L, heads, head_dim, hidden]: its
+    blocked axis is the heads)."""
+    _, (L, D, F, H, Hk, E) = _tiny_dims()
+    return {
+        "q_proj": (L * D * H * E, D, D + H * E), "k_proj": (L * D * Hk * E, D, D + Hk * E),
+        "v_proj": (L * D * Hk * E, D, D + Hk * E), "o_proj": (L * H * E * D, H, H * E + D),
+        "gate_proj": (L * D * F, D, D + F), "up_proj": (L * D * F, D, D + F), "down_proj": (L * F * D, F, F + D),
+    }
+
+
+def test_lora_plan_state_is_the_adapters_f32_moments_and_the_bf16_base(tiny_config):
+    # One chip: per-device bytes are the whole model's, so they follow from the shapes.
+    r = 4
+    code, rep = plan(tiny_config, "--topology", "v6e:1x1", "--json", "--set", "loss.beta=0.04",
+                     "--set", f"model.lora={{rank: {r}, alpha: {2 * r}}}")
+    assert code == 0, rep
+    arch, (L, *_) = _tiny_dims()
+    adapters = sum(L * r * io for _, _, io in _projections().values())  # A [L, in, r] + B [L, r, out]
+    assert rep["trainable_params"] == adapters
+    assert rep["frozen_params"] == arch.num_params()
+    state = rep["state_bytes_per_device"]
+    # AdamW's two f32 moments of the adapters (no master copy: the adapters are f32) and
+    # two int32 step counters (the moments' and the schedule's).
+    assert state["optimizer_state"] == 2 * 4 * adapters + 2 * 4
+    assert state["parameters"] == 2 * arch.num_params() + 4 * adapters  # bf16 base, f32 adapters
+    # The reference pass runs the policy's base with the adapters off: no second copy.
+    assert state["reference_parameters"] == 0
+    assert set(rep["programs"]) == {"prefill", "decode", "reference", "update"}
+    assert rep["programs"]["reference"]["resident_bytes"] == state["optimizer_state"]
+    assert rep["programs"]["update"]["resident_bytes"] == 0
+    assert rep["lora"]["rank"] == r and rep["lora"]["alpha"] == 2 * r
+    assert rep["lora"]["targets"] == list(_projections()) and rep["lora"]["base_quantization"] == "none"
+    assert rep["lora"]["adapter_bytes"] + rep["lora"]["base_bytes"] == state["parameters"]
+    assert rep["fits"] is True
+
+
+def test_qlora_nf4_base_is_4_bit_codes_and_f32_block_scales(tiny_config):
+    base = ["--topology", "v6e:1x1", "--json", "--set", "model.lora={rank: 4, alpha: 8}"]
+    code, bf16 = plan(tiny_config, *base)
+    assert code == 0, bf16
+    code, nf4 = plan(tiny_config, *base, "--set", "model.lora.base_quantization=nf4")
+    assert code == 0, nf4
+    # Every projection (targeted or not) is quantized in blocks of 64 along its input
+    # axis, or of gcd(64, size) where 64 does not divide it (o_proj's 4 heads: blocks of 4).
+    proj = sum(n for n, _, _ in _projections().values())
+    scales = sum(n // math.gcd(64, k) for n, k, _ in _projections().values())
+    assert nf4["lora"]["quantization_scales"] == scales
+    assert sorted(nf4["lora"]["quantized"]) == sorted(_projections())
+    saved = proj * 2 - (proj // 2 + 4 * scales)  # bf16 -> uint4 codes + f32 scales
+    p16, p4 = bf16["state_bytes_per_device"]["parameters"], nf4["state_bytes_per_device"]["parameters"]
+    assert p16 - p4 == saved > 0
+    assert nf4["trainable_params"] == bf16["trainable_params"] and nf4["frozen_params"] == bf16["frozen_params"]
+    assert nf4["state_bytes_per_device"]["optimizer_state"] == bf16["state_bytes_per_device"]["optimizer_state"]
+    assert nf4["fits"] is True
+
+
+def test_the_tpu_compiler_stores_uint4_codes_packed_as_the_plan_counts_them():
+    # The plan counts an nf4 base's uint4 codes at 4 bits; libtpu's own argument size for
+    # a program taking them must agree (1 byte per code would double the base).
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from grpo.engine.plan import _bytes_per_device
+    from grpo.engine.tpu import parse_topology
+
+    devices = parse_topology("v6e:2x2").devices()
+    mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
+    for dtype in (jnp.uint4, jnp.int8, jnp.bfloat16):
+        codes = jax.ShapeDtypeStruct((4, 1024, 768), dtype, sharding=NamedSharding(mesh, P(None, "fsdp")))
+        compiled = jax.jit(lambda w: w.astype(jnp.float32).sum(axis=1)).lower(codes).compile()
+        assert compiled.memory_analysis().argument_size_in_bytes == _bytes_per_device(codes)
+    assert _bytes_per_device(codes.update(dtype=jnp.uint4)) == 4 * 1024 * 768 // 2 // 4
 
 
 def test_pallas_loss_compiles_with_mosaic_for_the_mesh_platform(tiny_config):

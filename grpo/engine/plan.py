@@ -67,6 +67,20 @@ def _bits(dtype: Any) -> int:
         return jnp.dtype(dtype).itemsize * 8
 
 
+def _scales(tree: Any) -> dict[str, int]:
+    """``projection -> elements`` of a QLoRA base's block scales (``layers.<proj>_scale``)
+    in ``tree``: what the model actually quantized."""
+    import jax
+
+    out: dict[str, int] = {}
+    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        for k in path:
+            name = str(getattr(k, "key", ""))
+            if name.endswith("_scale"):
+                out[name[: -len("_scale")]] = out.get(name[: -len("_scale")], 0) + math.prod(leaf.shape)
+    return out
+
+
 _SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
 
 
@@ -111,6 +125,14 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
     - bytes: every program reads the whole (all-gathered) weights once per forward and
       twice per backward pass, decode reads them and the live KV cache once per step, and
       the optimizer reads and writes parameters, gradients and its state (sharded).
+
+    LoRA (``Na`` adapter parameters, ``r (in + out)`` per targeted projection and layer):
+    a forward token adds ``2 Na``; backward computes the frozen base's input gradients
+    only (``2 Wm``, no weight gradients, so the base is read once, not twice) and the
+    adapters' input and weight gradients (``4 Na``); the reference pass runs the base
+    alone. QLoRA's base projections are read as their codes (4 or 8 bits) plus one f32
+    scale per block. The optimizer reads and writes the f32 adapters, their gradients and
+    two moments (no master copy).
     """
     cfg = programs.config
     c = arch
@@ -118,7 +140,13 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
                               c.head_dim, c.vocab_size, c.num_hidden_layers)
     wm = Lyr * (2 * D * H * E + 2 * D * Hk * E + 3 * D * F)
     w = 2 if cfg.model.compute_dtype == "bfloat16" else 4
-    weight_bytes = (wm + D * V) * w  # gathered weights read by one pass
+    lora = cfg.model.lora
+    na = _adapter_count(c, lora) if lora is not None else 0
+    proj_bytes = float(w)  # bytes per projection weight read by one pass
+    if lora is not None and lora.base_quantization != "none":
+        proj_bytes = (4 if lora.base_quantization == "nf4" else 8) / 8 + 4 / lora.quantization_block
+    base_bytes = wm * proj_bytes + D * V * w
+    weight_bytes = base_bytes + na * 4  # gathered weights (+ f32 adapters) read by one pass
     peak, bw = chip.bf16_flops, chip.hbm_bandwidth
     if w == 4:
         peak = peak / 3  # f32 matmuls run as ~3 bf16 passes on the MXU (a generous bound)
@@ -138,7 +166,7 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
 
     # prefill: P prompts of Lp tokens; logits of the last position only.
     rows = P / rollout_shards
-    flops = rows * (Lp * 2 * wm + 4 * Lp * Lp * H * E * Lyr + 2 * D * V)
+    flops = rows * (Lp * 2 * (wm + na) + 4 * Lp * Lp * H * E * Lyr + 2 * D * V)
     kv_tok = 2 * Lyr * Hk * E * w
     nbytes = weight_bytes + rows * K * Lp * kv_tok
     out["prefill"] = Cost(flops, nbytes, roof(flops, nbytes))
@@ -149,7 +177,7 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
     for a, b in sampler.plan():
         steps = b - a
         slots = Lp + b  # the segment's cache length, all read every step
-        f = rows * (2 * wm + 2 * D * V + 4 * slots * H * E * Lyr)
+        f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr)
         by = weight_bytes + rows * slots * kv_tok
         f_tot += steps * f
         b_tot += steps * by
@@ -159,26 +187,44 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
     S = Lp + cfg.rollout.max_new_tokens
     N = cfg.rollout.max_new_tokens
     rows = B / train_shards
-    fwd_tok = 2 * wm + 4 * S * H * E * Lyr
     attn_tok = 4 * S * H * E * Lyr
+    fwd_tok = 2 * (wm + na) + attn_tok
     if cfg.loss.beta > 0:
-        flops = rows * (S * fwd_tok + N * 2 * D * V)
-        out["reference"] = Cost(flops, weight_bytes, roof(flops, weight_bytes))
+        ref_tok = 2 * wm + attn_tok  # LoRA: the base alone
+        ref_bytes = base_bytes if lora is not None else weight_bytes
+        flops = rows * (S * ref_tok + N * 2 * D * V)
+        out["reference"] = Cost(flops, ref_bytes, roof(flops, ref_bytes))
 
     remat = cfg.model.remat
-    body = 3 * fwd_tok + (fwd_tok if remat == "full" else attn_tok if remat == "dots" else 0)
+    # Backward: input and weight gradients of every trained matmul, input gradients only
+    # through a frozen base; attention's two matmuls have no weights.
+    bwd_tok = (2 * wm + 4 * na if lora is not None else 4 * wm) + 2 * attn_tok
+    body = fwd_tok + bwd_tok + (fwd_tok if remat == "full" else attn_tok if remat == "dots" else 0)
     head = (5 if cfg.loss.impl == "pallas" else 3) * 2 * D * V
     flops = rows * (S * body + N * head)
     micro = cfg.sequences_per_step // cfg.micro_batch_size
-    passes = 3 + (1 if remat in ("full", "dots") else 0)  # weight reads per micro-batch
-    n_params = c.num_params()
-    p_item = 2 if cfg.model.param_dtype == "bfloat16" else 4
+    # Weight reads per micro-batch: forward, backward (twice for weight gradients; once for
+    # LoRA's frozen base, input gradients only), remat's recomputed forward.
+    passes = (2 if lora is not None else 3) + (1 if remat in ("full", "dots") else 0)
     shards = layout.size
-    # optimizer: read params + grads (+ f32 copies and two moments) and write them back.
-    opt_bytes = 2 * n_params / shards * (2 * p_item + 3 * 4)
+    if lora is not None:
+        # f32 adapters and gradients, two f32 moments, read and written.
+        opt_bytes = 2 * na / shards * (2 * 4 + 2 * 4)
+    else:
+        n_params = c.num_params()
+        p_item = 2 if cfg.model.param_dtype == "bfloat16" else 4
+        # optimizer: read params + grads (+ f32 copies and two moments) and write them back.
+        opt_bytes = 2 * n_params / shards * (2 * p_item + 3 * 4)
     nbytes = micro * passes * weight_bytes + opt_bytes
     out["update"] = Cost(flops, nbytes, roof(flops, nbytes))
     return out
+
+
+def _adapter_count(arch: Any, lora: Any) -> int:
+    """Parameters of the adapters ``lora`` (a ``model.lora`` section) gives ``arch``."""
+    from grpo.models.lora import adapter_specs, resolve_spec
+
+    return sum(math.prod(shape) for shape, _ in adapter_specs(arch, resolve_spec(arch, lora)).values())
 
 
 # --------------------------------------------------------------------------- planning
@@ -240,10 +286,30 @@ class Planner:
     def plan(self, config: RunConfig) -> dict[str, Any]:
         import jax
 
-        from grpo.models.lora import split_params
+        from grpo.models.lora import count_params, split_params
 
         programs, full, arch = self.build(config)
         params, frozen = split_params(full)  # LoRA: adapters train, the base is frozen
+        lora = config.model.lora
+        lora_report = None
+        if lora is not None:
+            from grpo.models.lora import resolve_spec
+
+            resolved = resolve_spec(arch, lora)
+            scales = _scales(frozen)
+            lora_report = {
+                "rank": resolved.rank,
+                "alpha": resolved.alpha,
+                "targets": list(resolved.targets),
+                "base_quantization": lora.base_quantization,
+                # nf4/int8 quantize every projection of the base, targeted or not.
+                "quantized": list(scales),
+                "quantization_block": lora.quantization_block,
+                "quantization_scales": sum(scales.values()),
+                # Per device, as state_bytes_per_device counts them (uint4 codes at 4 bits).
+                "adapter_bytes": _bytes_per_device(params),
+                "base_bytes": _bytes_per_device(frozen),
+            }
         opt_state = programs.abstract_opt_state(params)
         sampler = programs.sampler()
         inputs = programs.abstract_rollout_inputs()
@@ -361,6 +427,8 @@ class Planner:
             costs[n].roofline_s * (config.train.ppo_epochs if n == "update" else 1) for n in report_programs
         )
         layout = programs.layout
+        n_trainable = count_params(params)
+        n_frozen = count_params(frozen) - sum(_scales(frozen).values()) if frozen is not None else 0
         return {
             "topology": self.topology.name,
             "topology_raw": self.topology.raw,
@@ -379,6 +447,11 @@ class Planner:
             "margin_bytes": (hbm - peak) if peak is not None else None,
             "compiler_error": "\n".join(errors) if errors else None,
             "roofline_step_s": step_roofline,
+            # Whole-model counts (not per device); a quantized base counts one code per
+            # weight, its block scales are lora.quantization_scales.
+            "trainable_params": n_trainable,
+            "frozen_params": n_frozen,
+            "lora": lora_report,
             "chip": {
                 "generation": self.topology.chip.generation,
                 "bf16_flops": self.topology.chip.bf16_flops,
@@ -544,6 +617,20 @@ def format_report(rep: dict[str, Any]) -> str:
         f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
         f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
         "state per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items()),
+    ]
+    lora = rep.get("lora")
+    if lora:
+        base = f"{rep['shape']['param_dtype'] if lora['base_quantization'] == 'none' else lora['base_quantization']} base"
+        lines.append(
+            f"LoRA r={lora['rank']} alpha={lora['alpha']:g} on {', '.join(lora['targets'])}; {base}: "
+            f"{rep['trainable_params'] / 1e6:,.2f} M trainable "
+            f"({100 * rep['trainable_params'] / max(1, rep['trainable_params'] + rep['frozen_params']):.2f}%), "
+            f"{rep['frozen_params'] / 1e6:,.1f} M frozen; per device: adapters {_gib(lora['adapter_bytes'])} GiB, "
+            f"base {_gib(lora['base_bytes'])} GiB"
+        )
+    elif "trainable_params" in rep:
+        lines.append(f"full fine-tuning: {rep['trainable_params'] / 1e6:,.1f} M trainable parameters")
+    lines += [
         "",
         f"{'PROGRAM':<10} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
         f"{'GB READ':>8} {'ROOFLINE':>9}",
