@@ -131,6 +131,22 @@ def test_lora_plan_state_is_the_adapters_f32_moments_and_the_bf16_base(tiny_conf
     assert rep["fits"] is True
 
 
+def test_merged_lora_sampling_counts_a_copy_of_the_targeted_projections(tiny_config):
+    """model.lora.sampler=merged: the rollout holds a merged copy of each targeted
+    projection beside the base (no compile needed to count it)."""
+    from grpo.core.config import load_config
+    from grpo.engine.plan import Planner, _merged_projection_bytes
+
+    planner = Planner("v6e:1x1")
+    sets = ["model.lora={rank: 4, alpha: 8, targets: [q_proj, down_proj], sampler: merged}"]
+    programs, full, _ = planner.build(load_config(tiny_config, sets))
+    assert programs.merged_sampling and not programs.sampler().lora_adapters
+    proj = _projections()
+    assert _merged_projection_bytes(full) == 2 * (proj["q_proj"][0] + proj["down_proj"][0])  # bf16
+    programs, full, _ = planner.build(load_config(tiny_config, [sets[0].replace("merged", "adapters")]))
+    assert not programs.merged_sampling and programs.sampler().lora_adapters
+
+
 def test_qlora_nf4_base_is_4_bit_codes_and_f32_block_scales(tiny_config):
     base = ["--topology", "v6e:1x1", "--json", "--set", "model.lora={rank: 4, alpha: 8}"]
     code, bf16 = plan(tiny_config, *base)

@@ -95,15 +95,6 @@ def _eos_ids(config: Any, model_dir: Any = None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _bits(dtype: Any) -> int:
-    import jax.numpy as jnp
-
-    try:
-        return int(jnp.iinfo(dtype).bits)  # uint4 codes of an nf4 base: 4 bits
-    except ValueError:
-        return jnp.dtype(dtype).itemsize * 8
-
-
 def _with_adapters(model: Any, rank: int, quantization: str, seed: int) -> dict[str, Any]:
     """Give ``model`` LoRA adapters (B non-zero, so the adapter path is real work) and/or a
     quantized base; returns what the JSON reports, with ``merge_s``: the fastest of three
@@ -202,7 +193,9 @@ def run_rollout_bench(
         lora_info = _with_adapters(model, lora_rank, base_quantization, seed)
     graphdef, params = nnx.split(model)
     del model
-    weight_bytes = sum((x.size * _bits(x.dtype) + 7) // 8 for x in jax.tree.leaves(params))
+    from grpo.models.quant import bits_per_element
+
+    weight_bytes = sum((x.size * bits_per_element(x.dtype) + 7) // 8 for x in jax.tree.leaves(params))
 
     P = batch // generations
     rs = np.random.default_rng(seed)

@@ -47,24 +47,28 @@ SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
 def _bytes_per_device(tree: Any) -> int:
     import jax
 
+    from grpo.models import quant
+
     total = 0
     for leaf in jax.tree.leaves(tree):
         shape = tuple(leaf.shape)
         sharding = getattr(leaf, "sharding", None)
         if sharding is not None:
             shape = sharding.shard_shape(shape)
-        total += (math.prod(shape) * _bits(leaf.dtype) + 7) // 8
+        total += (math.prod(shape) * quant.bits_per_element(leaf.dtype) + 7) // 8
     return total
 
 
-def _bits(dtype: Any) -> int:
-    """Bits per element (4 for the uint4 codes of an nf4 base, which TPUs store packed)."""
-    import jax.numpy as jnp
+def _merged_projection_bytes(full: Any) -> int:
+    """Per-device bytes of the LoRA-targeted projections (what a merged copy holds)."""
+    from flax import nnx
 
-    try:
-        return int(jnp.iinfo(dtype).bits)  # integer dtypes, ml_dtypes' int4/uint4 included
-    except ValueError:
-        return jnp.dtype(dtype).itemsize * 8
+    from grpo.models.lora import LORA_COLLECTION
+
+    targets = {path[1].removesuffix("_a") for path, _ in nnx.to_flat_state(full)
+               if path[0] == LORA_COLLECTION and str(path[1]).endswith("_a")}
+    return sum(_bytes_per_device(var.get_value()) for path, var in nnx.to_flat_state(full)
+               if path[0] == "layers" and path[1] in targets)
 
 
 def _scales(tree: Any) -> dict[str, int]:
@@ -321,6 +325,10 @@ class Planner:
             # Full fine-tuning keeps a frozen copy; LoRA's reference is the base itself.
             "reference_parameters": _bytes_per_device(full) if config.loss.beta > 0 and frozen is None else 0,
         }
+        # model.lora.sampler=merged: the rollout reads a merged copy of every targeted
+        # projection, made once per step and dropped before the update; the programs take
+        # the merged state, and the base's own projections stay resident beside it.
+        state["merged_projections"] = _merged_projection_bytes(full) if programs.merged_sampling else 0
 
         from grpo.models.qwen2 import CACHE_AXES
 
@@ -398,6 +406,8 @@ class Planner:
         errors: list[str] = []
         for r in results:
             resident = resident_total - sum(state[t] for t in r.takes)
+            if r.name in ("prefill", "decode"):
+                resident += state["merged_projections"]
             cost = costs[r.name]
             entry: dict[str, Any] = {
                 "argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
@@ -616,7 +626,8 @@ def format_report(rep: dict[str, Any]) -> str:
         f"shape: {rep['shape']['sequences_per_step']} sequences/step, micro-batch {rep['shape']['micro_batch_size']}, "
         f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
         f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
-        "state per device (GiB): " + ", ".join(f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items()),
+        "state per device (GiB): " + ", ".join(
+            f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items() if v or k != "merged_projections"),
     ]
     lora = rep.get("lora")
     if lora:

@@ -27,7 +27,9 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "mlp": "tp",
     "layers": None,
     "norm": None,
-    "lora_rank": None,  # LoRA adapters: the rank axis is small, replicated
+    # LoRA adapters: the rank axis takes fsdp where the matrix has no embed dim (B of
+    # q/k/v/gate/up, A of o/down), so every adapter is split over the chips, not copied.
+    "lora_rank": "fsdp",
 }
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {

@@ -97,8 +97,13 @@ def max_error(kind: str) -> float:
     return float(np.max(np.diff(NF4_VALUES)) / 2)
 
 
-def bits(kind: str) -> int:
-    return {"nf4": 4, "int8": 8}[kind]
+def bits_per_element(dtype: Any) -> int:
+    """Storage bits of one element: 4 for the uint4 codes of an nf4 base (TPUs and GPUs
+    store them packed, two per byte; libtpu's memory analysis agrees), else the itemsize."""
+    try:
+        return int(jnp.iinfo(dtype).bits)  # integer dtypes, ml_dtypes' int4/uint4 included
+    except ValueError:
+        return jnp.dtype(dtype).itemsize * 8
 
 
-__all__ = ["KINDS", "NF4_VALUES", "block_size", "dequantize", "max_error", "quantize", "scale_shape"]
+__all__ = ["KINDS", "NF4_VALUES", "bits_per_element", "block_size", "dequantize", "max_error", "quantize", "scale_shape"]
