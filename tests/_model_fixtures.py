@@ -146,9 +146,14 @@ def _hf_model(path: str):
 def hf_logits(path: str | Path, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
     """transformers' logits of the checkpoint at ``path`` (its own causal-LM class,
     PyTorch, CPU, float32)."""
+    return torch_logits(_hf_model(str(path)), tokens, mask)
+
+
+def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """Float32 logits of a PyTorch causal LM (transformers' or a PEFT wrapper) on a
+    padded batch, with grpo's positions (the first real token of each row at 0)."""
     import torch
 
-    model = _hf_model(str(path))
     positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
     with torch.no_grad():
         out = model(

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp

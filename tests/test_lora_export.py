@@ -22,9 +22,8 @@ import yaml
 from click.testing import CliRunner
 from flax import nnx
 
-from _model_fixtures import checkpoint, hf_logits, logits_of, padded_batch, scratch_dir
+from _model_fixtures import checkpoint, hf_logits, logits_of, padded_batch, scratch_dir, torch_logits
 from grpo.core.config import LoraConfig, load_config
-from grpo.models.decoder import positions_from_mask
 from grpo.models.loading import load_hf, save_hf
 from grpo.models.lora import PROJECTIONS, apply_lora, merge_params, merged_params, save_peft, split_params
 
@@ -59,14 +58,7 @@ def _peft_logits(base_dir, adapter_dir, tokens, mask) -> np.ndarray:
 
     base = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     model = peft.PeftModel.from_pretrained(base, str(adapter_dir)).eval()
-    positions = np.asarray(positions_from_mask(jnp.asarray(mask)))
-    with torch.no_grad():
-        out = model(
-            input_ids=torch.tensor(tokens, dtype=torch.long),
-            attention_mask=torch.tensor(mask, dtype=torch.long),
-            position_ids=torch.tensor(positions, dtype=torch.long),
-        )
-    return out.logits.float().numpy()
+    return torch_logits(model, tokens, mask)
 
 
 def _maxdiff(a, b, mask) -> float:
