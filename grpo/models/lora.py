@@ -254,17 +254,21 @@ def merge_into_state(graphdef: Any, trainable: Any, frozen: Any) -> Any:
     under ``jax.jit``; read with the adapters switched off it is the merged model (the
     ``model.lora.sampler: merged`` rollout)."""
     model = nnx.merge(graphdef, trainable, frozen)
-    full = merge_params(trainable, frozen)
+    targets = model.lora_spec.targets
     flat = []
-    for path, var in nnx.to_flat_state(full):
-        key = ".".join(str(p) for p in path)
-        name = key.split(".", 1)[1] if key.startswith("layers.") else None
-        delta = lora_delta(model, name) if name in PROJECTIONS else None
-        if delta is not None:
-            w = var[...]
-            var = var.replace((w.astype(jnp.float32) + delta).astype(w.dtype))
+    for path, var in nnx.to_flat_state(merge_params(trainable, frozen)):
+        name = _projection(path)
+        if name in targets:
+            var = var.replace(effective_weight(model, name, var[...].dtype))
         flat.append((path, var))
     return nnx.from_flat_state(flat)
+
+
+def _projection(path: tuple) -> str | None:
+    """The projection name of a flat-state path ``("layers", "<name>")``, else None."""
+    if len(path) == 2 and path[0] == "layers" and path[1] in PROJECTIONS:
+        return str(path[1])
+    return None
 
 
 def count_params(tree: Any) -> int:
@@ -302,6 +306,14 @@ def lora_delta(model: Any, name: str) -> jax.Array | None:
     return (d * spec.scale).reshape(a.shape[:-1] + b.shape[2:])
 
 
+def effective_weight(model: Any, name: str, dtype: Any) -> jax.Array:
+    """``layers.<name>`` as the model computes with it: the base (dequantized) plus the
+    adapters' ``(alpha / r) A @ B`` when targeted, summed in float32, cast to ``dtype``."""
+    w = base_weight(model, name)
+    d = lora_delta(model, name)
+    return (w if d is None else w + d).astype(dtype)
+
+
 def merged_params(model: Any) -> dict[str, jax.Array]:
     """``path -> array`` of the model's *effective* weights (base, dequantized, plus the
     adapters' product) in the parameter dtype: what ``grpo export`` writes."""
@@ -312,15 +324,10 @@ def merged_params(model: Any) -> dict[str, jax.Array]:
     out: dict[str, jax.Array] = {}
     for path, var in nnx.to_flat_state(state):
         key = ".".join(str(p) for p in path)
-        if key.startswith(LORA_COLLECTION + ".") or key.endswith("_scale"):
+        if path[0] == LORA_COLLECTION or key.endswith("_scale"):
             continue
-        name = key.split(".", 1)[1] if key.startswith("layers.") else None
-        if name in PROJECTIONS:
-            w = base_weight(model, name)
-            d = lora_delta(model, name)
-            out[key] = (w if d is None else w + d).astype(dtype)
-        else:
-            out[key] = var[...]
+        name = _projection(path)
+        out[key] = var[...] if name is None else effective_weight(model, name, dtype)
     return out
 
 
@@ -385,6 +392,7 @@ __all__ = [
     "apply_lora",
     "base_weight",
     "count_params",
+    "effective_weight",
     "lora_delta",
     "merge_params",
     "merged_params",
