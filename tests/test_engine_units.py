@@ -9,8 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo.engine.advantages import group_advantages
-from grpo.engine.data import bucket_for, build_batch, default_buckets, process_slice, step_indices, PromptSet
+from grpo.engine.rollout.prompts import (
+    PromptSet,
+    bucket_for,
+    build_batch,
+    default_buckets,
+    process_slice,
+    step_indices,
+)
+from grpo.engine.training.advantages import group_advantages
 
 
 def _np_reference(r, k, baseline, scale, eps):
@@ -83,7 +90,7 @@ def test_buckets_and_left_padding():
 
 def test_optimizer_schedule_and_clipping():
     from grpo.core.config import OptimizerConfig
-    from grpo.engine.optim import learning_rate_schedule, make_optimizer
+    from grpo.engine.training.optim import learning_rate_schedule, make_optimizer
 
     cfg = OptimizerConfig(learning_rate=1.0, warmup_steps=3, schedule="linear", min_lr_ratio=0.1)
     sched = learning_rate_schedule(cfg, total_steps=13)
@@ -96,11 +103,12 @@ def test_optimizer_schedule_and_clipping():
 
 
 def test_checkpoint_roundtrip_with_sharding(tmp_path):
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from grpo.core.contracts import MeshLayout
-    from grpo.engine.checkpoint import Checkpointer
-    from grpo.engine.mesh import build_mesh
+    from grpo.engine.parallel.mesh import build_mesh
+    from grpo.engine.runs.checkpoint import Checkpointer
 
     mesh = build_mesh(MeshLayout(dp=1, fsdp=8, tp=1))
     sh = NamedSharding(mesh, P("fsdp"))
@@ -119,7 +127,12 @@ def test_checkpoint_roundtrip_with_sharding(tmp_path):
 
 
 def test_metrics_logger_and_plot(tmp_path):
-    from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run, read_metrics
+    from grpo.engine.runs.metrics import (
+        MetricsLogger,
+        device_memory_metrics,
+        plot_run,
+        read_metrics,
+    )
 
     logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_main=True, run_name="t", progress_bar=False)
     for s in (1, 2, 3):
@@ -137,7 +150,7 @@ def test_metrics_logger_and_plot(tmp_path):
 
     assert Image.open(png).size == (1100, 400)  # reward + throughput
     # With eval rows (eval.jsonl) the plot gains the eval pass@k panel between them.
-    from grpo.engine.metrics import read_eval
+    from grpo.engine.runs.metrics import read_eval
 
     logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_main=True, run_name="t", progress_bar=False,
                            resume=True)

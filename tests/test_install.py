@@ -93,7 +93,7 @@ def test_require_names_the_install_command():
 def test_wandb_online_without_credentials_is_a_user_error(tmp_path, monkeypatch):
     from grpo.core.config import WandbConfig
     from grpo.core.errors import UserError
-    from grpo.engine.metrics import MetricsLogger
+    from grpo.engine.runs.metrics import MetricsLogger
 
     for var in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_SILENT"):
         monkeypatch.delenv(var, raising=False)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -25,10 +24,16 @@ from grpo.core.config import LoraConfig, load_config
 from grpo.core.contracts import LossSettings, MeshLayout
 from grpo.core.errors import ConfigError, UserError
 from grpo.core.plugins import load_plugins
-from grpo.engine.mesh import build_mesh
-from grpo.engine.update import UpdateBatch, UpdateStep
+from grpo.engine.parallel.mesh import build_mesh
+from grpo.engine.training.update import UpdateBatch, UpdateStep
 from grpo.models import quant
-from grpo.models.lora import apply_lora, count_params, lora_delta, merge_params, split_params
+from grpo.models.lora import (
+    apply_lora,
+    count_params,
+    lora_delta,
+    merge_params,
+    split_params,
+)
 
 ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -339,8 +344,10 @@ def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
     """A LoRA run with dropout, beta > 0 and two PPO epochs, preempted by SIGTERM after
     step 2 and resumed, ends with exactly the adapters of an uninterrupted run; the
     checkpoint holds the adapters and their optimizer state, not the base."""
-    from grpo.engine.metrics import read_metrics
-    from grpo.engine.trainer import Interrupted, Trainer
+    from _runs import assert_same_run, preempted_and_resumed
+
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.trainer import Trainer
 
     straight = Trainer(load_config(TINY), tmp_path / "straight")
     assert straight.frozen is not None and straight.ref_params is straight.params
@@ -351,38 +358,20 @@ def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
     rows = read_metrics(tmp_path / "straight")
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
 
-    run_dir = tmp_path / "resumed"
-    first = Trainer(load_config(TINY), run_dir)
-    step_fn = first.train_step
+    def only_adapters(first):
+        saved = tmp_path / "resumed" / "checkpoints" / "2"
+        names = json.dumps(json.loads((saved / "params" / "_METADATA").read_text()))
+        assert "q_proj_a" in names and "embed" not in names and "attn_norm" not in names
 
-    def preempt_after_two():
-        row = step_fn()
-        if first.step == 2:
-            os.kill(os.getpid(), signal.SIGTERM)
-        return row
-
-    first.train_step = preempt_after_two
-    with pytest.raises(Interrupted):
-        first.run()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    saved = run_dir / "checkpoints" / "2"
-    params_meta = json.loads((saved / "params" / "_METADATA").read_text())
-    names = json.dumps(params_meta)
-    assert "q_proj_a" in names and "embed" not in names and "attn_norm" not in names
-
-    second = Trainer(load_config(TINY), run_dir)
-    second.run()
+    second = preempted_and_resumed(load_config(TINY), tmp_path / "resumed", after=2, after_preempt=only_adapters)
     assert second.step == 3
-    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(second.params)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
-    strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rs]  # noqa: E731
-    assert strip(read_metrics(run_dir)) == strip(rows)
+    assert_same_run(straight, second)
 
 
 def test_merged_sampling_equals_sampling_through_the_adapters(lora_tiny):
     """``model.lora.sampler: merged`` decodes the merged projections with the adapter
     matmuls off; it samples what base + adapters sample."""
-    from grpo.engine.sampler import Sampler, SamplingParams
+    from grpo.engine.rollout.sampler import Sampler, SamplingParams
     from grpo.models.lora import merge_into_state
 
     mesh, base, _, graphdef, adapters, frozen = lora_tiny

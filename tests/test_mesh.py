@@ -138,7 +138,7 @@ def test_preview_current_devices():
 def test_build_mesh_on_8_cpu_devices():
     import jax
 
-    from grpo.engine.mesh import build_mesh, current_topology
+    from grpo.engine.parallel.mesh import build_mesh, current_topology
 
     topo = current_topology()
     assert topo.device_count == 8 and topo.process_count == 1
@@ -151,7 +151,12 @@ def test_build_mesh_on_8_cpu_devices():
 def test_logical_rules():
     from jax.sharding import PartitionSpec as P
 
-    from grpo.engine.sharding import ACTIVATION_RULES, PARAM_RULES, logical_to_spec, with_batch_axes
+    from grpo.sharding import (
+        ACTIVATION_RULES,
+        PARAM_RULES,
+        logical_to_spec,
+        with_batch_axes,
+    )
 
     assert logical_to_spec(("embed", "mlp"), PARAM_RULES) == P("fsdp", "tp")
     assert logical_to_spec(("vocab", "embed"), PARAM_RULES) == P("tp", "fsdp")

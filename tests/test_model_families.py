@@ -14,9 +14,16 @@ import shutil
 
 import numpy as np
 import pytest
+from _model_fixtures import (
+    FAMILY_CHECKPOINTS,
+    checkpoint,
+    hf_logits,
+    logits_of,
+    padded_batch,
+    scratch_dir,
+)
 from click.testing import CliRunner
 
-from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, padded_batch, scratch_dir
 from grpo.core.cli import cli
 from grpo.core.config import load_config
 from grpo.core.errors import ConfigError, UserError
@@ -29,7 +36,8 @@ from grpo.models.qwen3 import Qwen3Config
 
 
 def test_family_configs_round_trip_through_transformers():
-    from transformers import LlamaConfig as HFLlama, Qwen3Config as HFQwen3
+    from transformers import LlamaConfig as HFLlama
+    from transformers import Qwen3Config as HFQwen3
 
     q = Qwen3Config(vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, head_dim=24, tie_word_embeddings=False, eos_token_id=(3, 4))
@@ -287,7 +295,7 @@ def test_gsm8k_thinking_switch_reaches_the_chat_template(tmp_path):
 def test_llama3_instruct_stops_on_every_generation_config_eos(tmp_path):
     from types import SimpleNamespace
 
-    from grpo.engine.policy import stop_token_ids
+    from grpo.models.policy import stop_token_ids
 
     # meta-llama/Llama-3.2-1B-Instruct: tokenizer eos <|eot_id|>, generation_config.json
     # eos_token_id [128001 <|end_of_text|>, 128008 <|eom_id|>, 128009 <|eot_id|>]
@@ -313,9 +321,9 @@ def test_random_init_of_a_family_preset_is_sharded_and_runs():
     """`model.source: random` with a Qwen3 preset (shrunk by overrides): parameters are born
     in their shardings, q/k norms at one, and the forward pass runs (Llama presets go
     through the same plugin.build; their config is checked in the presets test)."""
+    from _model_fixtures import mesh
     from jax.sharding import PartitionSpec as P
 
-    from _model_fixtures import mesh
     from grpo.core.config import ModelConfig, RandomModelConfig
     from grpo.models.loading import build_model
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from grpo.engine.metrics import read_metrics
+from grpo.engine.runs.metrics import read_metrics
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -77,69 +77,71 @@ def _wait(procs, timeout=600):
     return outs
 
 
+# Shaping rewards give the random policy non-zero advantages, so the adapters train.
+LORA = {
+    "model": {"lora": {"rank": 4, "alpha": 8, "dropout": 0.2}},
+    "task": {"options": {"max_operand": 4, "num_examples": 64,
+                         "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "checkpoint": {"at_end": True},
+}
+
+
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory):
-    """The same config in this process: 1 process x 8 devices."""
+    """Each config run in this process, 1 process x 8 devices (once per module):
+    ``name -> run directory``."""
     from grpo.core.config import load_config
     from grpo.engine.trainer import Trainer
 
-    run_dir = tmp_path_factory.mktemp("single")
-    Trainer(load_config(CONFIG), run_dir).run()
-    return read_metrics(run_dir)
+    runs: dict[str, Path] = {}
+
+    def run(name: str, config: Path) -> Path:
+        if name not in runs:
+            runs[name] = tmp_path_factory.mktemp(f"single_{name}")
+            Trainer(load_config(config), runs[name]).run()
+        return runs[name]
+
+    return run
+
+
+def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
+    from safetensors.numpy import load_file
+
+    from grpo.engine.runs.export import export_run
+
+    return load_file(str(export_run(run_dir, out, adapter=True) / "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize(
-    "mesh, style",
-    [("auto", "legacy"), ("host_local", "legacy"), ("host_local", "maxtext")],
+    "mesh, style, model",
+    [("auto", "legacy", "full"), ("host_local", "legacy", "full"), ("host_local", "maxtext", "lora")],
 )
-def test_two_processes_match_single_process(tmp_path, single_process_reference, mesh, style):
-    config = _write_config(tmp_path, mesh={"policy": mesh}, rollout={"style": style})
+def test_two_processes_match_single_process(tmp_path, single_process_reference, mesh, style, model):
+    """2 processes x 4 devices give the single-process metrics for each mesh and rollout
+    style. The ``lora`` case trains LoRA with dropout (adapters sharded over both
+    processes' devices, per-row dropout keys, the frozen base beside them), and the
+    adapters the two processes checkpointed export (PEFT) to the single-process run's."""
+    extra = LORA if model == "lora" else {}
+    single_dir = single_process_reference(model, _write_config(tmp_path, **extra))
+    config = _write_config(tmp_path, mesh={"policy": mesh}, rollout={"style": style}, **extra)
     run_dir = tmp_path / "run"
     results = _wait(_launch(config, run_dir))
     for code, out, err in results:
         assert code == 0, err[-3000:]
     assert "Done: 2 steps" in results[0][1]
     assert "Done" not in results[1][1]  # only process 0 reports
-    rows = read_metrics(run_dir)
-    assert [r["step"] for r in rows] == [1, 2]
-    for got, want in zip(rows, single_process_reference):
-        for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean"):
-            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=key)
-
-
-def test_lora_with_dropout_two_processes_match_single_process(tmp_path):
-    """LoRA (adapters sharded over both processes' devices, per-row dropout keys, the
-    frozen base beside them) gives the single-process metrics, and the adapters the two
-    processes checkpointed export (PEFT) to the single-process run's."""
-    from grpo.core.config import load_config
-    from grpo.engine.trainer import Trainer
-
-    # Shaping rewards give the random policy non-zero advantages, so the adapters train.
-    shaped = {"max_operand": 4, "num_examples": 64, "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}
-    config = _write_config(tmp_path, model={"lora": {"rank": 4, "alpha": 8, "dropout": 0.2}},
-                           task={"options": shaped}, checkpoint={"at_end": True})
-    single_dir = tmp_path / "single"
-    Trainer(load_config(config), single_dir).run()
-    run_dir = tmp_path / "run"
-    for code, _out, err in _wait(_launch(config, run_dir)):
-        assert code == 0, err[-3000:]
     rows, want = read_metrics(run_dir), read_metrics(single_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    for got, ref in zip(rows, want):
-        for key in ("reward/mean", "loss", "grad_norm", "kl"):
-            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert rows[-1]["grad_norm"] > 0
-    from safetensors.numpy import load_file
-
-    from grpo.engine.export import export_run
-
-    exported = {}
-    for name, d in (("single", single_dir), ("multi", run_dir)):
-        out = export_run(d, tmp_path / f"peft_{name}", adapter=True)
-        exported[name] = load_file(str(out / "adapter_model.safetensors"))
-    assert exported["multi"].keys() == exported["single"].keys()
-    for key, value in exported["single"].items():
-        np.testing.assert_allclose(exported["multi"][key], value, rtol=1e-5, atol=1e-6, err_msg=key)
+    for got, ref in zip(rows, want):
+        for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean", "kl"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    if model == "lora":
+        multi = _export_adapters(run_dir, tmp_path / "peft_multi")
+        single = _export_adapters(single_dir, tmp_path / "peft_single")
+        assert multi.keys() == single.keys()
+        for key, value in single.items():
+            np.testing.assert_allclose(multi[key], value, rtol=1e-5, atol=1e-6, err_msg=key)
 
 
 def test_require_process_count_fails_fast_on_every_process(tmp_path):
@@ -222,7 +224,7 @@ def test_bench_memory_two_processes(mode):
 
 
 def test_gather_int64_is_64_bit_safe():
-    from grpo.engine.bench_memory import gather_int64
+    from grpo.engine.bench.memory import gather_int64
 
     big = [2**40 + 7, -1, 2**33]
     np.testing.assert_array_equal(gather_int64(big), np.array([big], np.int64))

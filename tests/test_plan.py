@@ -135,7 +135,7 @@ def test_merged_lora_sampling_counts_a_copy_of_the_targeted_projections(tiny_con
     """model.lora.sampler=merged: the rollout holds a merged copy of each targeted
     projection beside the base (no compile needed to count it)."""
     from grpo.core.config import load_config
-    from grpo.engine.plan import Planner, _merged_projection_bytes
+    from grpo.engine.planning.plan import Planner, _merged_projection_bytes
 
     planner = Planner("v6e:1x1")
     sets = ["model.lora={rank: 4, alpha: 8, targets: [q_proj, down_proj], sampler: merged}"]
@@ -173,10 +173,11 @@ def test_the_tpu_compiler_stores_uint4_codes_packed_as_the_plan_counts_them():
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from grpo.engine.plan import _bytes_per_device
-    from grpo.engine.tpu import parse_topology
+    from grpo.engine.planning.plan import _bytes_per_device
+    from grpo.engine.planning.tpu import parse_topology
 
     devices = parse_topology("v6e:2x2").devices()
     mesh = Mesh(np.array(devices).reshape(4), ("fsdp",))
@@ -247,7 +248,7 @@ def test_topology_the_mesh_policy_cannot_lay_out(tiny_config):
 
 
 def test_without_libtpu_plan_exits_2_with_the_install_command(tiny_config, monkeypatch):
-    import grpo.engine.tpu as tpu
+    import grpo.engine.planning.tpu as tpu
 
     monkeypatch.setattr(tpu, "libtpu_available", lambda: False)
     code, out = plan(tiny_config, "--topology", "v6e-8")
@@ -258,7 +259,7 @@ def test_without_libtpu_plan_exits_2_with_the_install_command(tiny_config, monke
 
 def test_topology_names():
     from grpo.core.errors import UserError
-    from grpo.engine.tpu import parse_topology
+    from grpo.engine.planning.tpu import parse_topology
 
     t = parse_topology("v6e-8")
     assert t.raw == "v6e:2x4" and t.chips == 8 and dict(t.kwargs)["chips_per_host_bounds"] == (2, 4, 1)
@@ -272,7 +273,7 @@ def test_topology_names():
 
 @pytest.mark.parametrize("name,processes,per_process", [("v6e-8", 1, 8), ("v6e-16", 4, 4), ("v5p-8", 1, 4)])
 def test_topology_devices(name, processes, per_process):
-    from grpo.engine.tpu import parse_topology
+    from grpo.engine.planning.tpu import parse_topology
 
     t = parse_topology(name)
     devices = t.devices()
@@ -300,9 +301,10 @@ def _mosaic_compile(cfg, *, n=512, d=256, v=4096):
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from grpo.engine.tpu import parse_topology
+    from grpo.engine.planning.tpu import parse_topology
     from grpo.plugins.losses import _pallas
 
     devices = parse_topology("v6e:1x1").devices()

@@ -27,18 +27,18 @@ import time
 import urllib.request
 from pathlib import Path
 
-import jax
 import numpy as np
 import pytest
 import yaml
 from click.testing import CliRunner
 
+from _runs import assert_same_run, preempted_and_resumed
+
 from grpo.core.cli import cli
 from grpo.core.config import load_config
-from grpo.core.errors import UserError
-from grpo.engine import rundir
-from grpo.engine.metrics import MetricsLogger, read_metrics
-from grpo.engine.trainer import Interrupted, Trainer
+from grpo.engine.runs import rundir
+from grpo.engine.runs.metrics import MetricsLogger, read_metrics
+from grpo.engine.trainer import Trainer
 
 ROOT = Path(__file__).parent.parent
 BUCKET = "grpo-test"
@@ -237,7 +237,7 @@ def test_unusable_bucket_exits_2_naming_the_path_before_compiling(gcs, tmp_path,
 def test_missing_gcsfs_is_a_user_error_with_the_install_command():
     code = (
         "import sys; sys.modules['gcsfs'] = None  # as if not installed\n"
-        "from grpo.engine import rundir\n"
+        "from grpo.engine.runs import rundir\n"
         "from grpo.core.errors import UserError\n"
         # The epath layer's probe (the TensorStore one runs first in `probe` and needs no gcsfs).
         "try:\n    rundir._probe_epath('gs://some-bucket/runs/x', '.probe')\nexcept UserError as e:\n    print(e)\n"
@@ -249,43 +249,20 @@ def test_missing_gcsfs_is_a_user_error_with_the_install_command():
 # ------------------------------------------------------------------ preemption and resume from a bucket
 
 
-def _params_np(trainer):
-    return [np.asarray(x) for x in jax.tree.leaves(trainer.params)]
-
-
 def test_bucket_run_preempted_and_resumed_equals_a_local_run_bit_for_bit(gcs, tmp_path):
     cfg = load_config(TINY)
     straight = Trainer(cfg, tmp_path / "straight")
     straight.run()
 
     run_dir = f"gs://{BUCKET}/runs/resume-{time.time_ns()}"
-    first = Trainer(cfg, run_dir)
-    assert str(first.checkpointer.directory) == run_dir + "/checkpoints"  # a URL, not gs:/grpo-test/...
-    step_fn = first.train_step
 
-    def train_step_then_preempt():
-        row = step_fn()
-        if first.step == 3:
-            os.kill(os.getpid(), signal.SIGTERM)  # a real signal, as on a preempted spot TPU
-        return row
+    def in_the_bucket(first):
+        assert str(first.checkpointer.directory) == run_dir + "/checkpoints"  # a URL, not gs:/grpo-test/...
+        # The preempted process's rows up to its checkpoint are in the bucket.
+        assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
 
-    first.train_step = train_step_then_preempt
-    with pytest.raises(Interrupted) as stop:
-        first.run()
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
-    signal.signal(signal.SIGINT, signal.default_int_handler)
-    assert stop.value.step == 3
-    # The preempted process's rows up to its checkpoint are in the bucket.
-    assert [r["step"] for r in read_metrics(run_dir)] == [1, 2, 3]
-
-    second = Trainer(cfg, run_dir)
-    assert second.maybe_resume() and second.step == 3
-    second.run()
-    for a, b in zip(_params_np(straight), _params_np(second)):
-        np.testing.assert_array_equal(a, b)
-    timing = ("time/", "throughput/")
-    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows]  # noqa: E731
-    assert strip(read_metrics(run_dir)) == strip(read_metrics(tmp_path / "straight"))
+    second = preempted_and_resumed(cfg, run_dir, after=3, after_preempt=in_the_bucket)
+    assert_same_run(straight, second)
     samples = lambda d: [(r["step"], r["completions"]) for r in rundir.read_jsonl(d, "samples.jsonl")]  # noqa: E731
     assert samples(run_dir) == samples(tmp_path / "straight")
 
@@ -307,9 +284,9 @@ def test_bucket_run_preempted_and_resumed_equals_a_local_run_bit_for_bit(gcs, tm
     out_dir = tmp_path / "hf"
     result = CliRunner().invoke(cli, ["export", run_dir, str(out_dir)])
     assert result.exit_code == 0, result.output
-    from grpo.models.loading import load_hf
-
     from flax import nnx
+
+    from grpo.models.loading import load_hf
 
     exported = load_hf(out_dir)
     trained = nnx.merge(second.graphdef, second.params)

@@ -15,8 +15,8 @@ from flax import nnx
 
 from grpo.core.cli import cli
 from grpo.core.contracts import MeshLayout, NoOptions
-from grpo.engine.mesh import build_mesh, current_topology
-from grpo.engine.sampler import RolloutOutput, Sampler, SamplingParams
+from grpo.engine.parallel.mesh import build_mesh, current_topology
+from grpo.engine.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.qwen2 import positions_from_mask
 from grpo.models.tiny import write_tiny_checkpoint
@@ -286,6 +286,38 @@ def test_bench_rollout_cli():
         assert key in data, key
     assert data["batch"] == 8 and data["new_tokens"] == 4 and data["prompts"] == 4
     assert data["decode_s"] > 0 and data["tokens_per_s"] > 0 and 1 <= data["decode_steps"] <= 4
+
+
+def test_bench_rollout_measures_the_run_sampler_and_the_builder_merge(tmp_path):
+    """The bench's settings are a run config, and its sampler is the one the program
+    builder makes for `grpo run` (kv_segment and early stop included)."""
+    from grpo.engine.bench.rollout import bench_config
+    from grpo.engine.programs import build_programs
+
+    cfg = bench_config(model_path=None, preset="tiny", dtype="float32", batch=8, generations=2, prompt_len=8,
+                       new_tokens=4, early_stop=False, early_stop_chunk=2, kv_segment=64, style="maxtext",
+                       mesh_policy="auto", mesh_shape=None, temperature=0.7, top_k=5, top_p=0.9, seed=3)
+    assert cfg.train.prompts_per_step == 4 and cfg.rollout.num_generations == 2
+    assert cfg.rollout.kv_segment == 64 and cfg.rollout.early_stop_chunk == 0 and cfg.rollout.prompt_buckets == [8]
+    layout = MeshLayout(dp=1, fsdp=8, tp=1)
+    model = load_hf(write_tiny_checkpoint(tmp_path / "m"), build_mesh(layout))
+    programs = build_programs(cfg, mesh=build_mesh(layout), layout=layout, graphdef=nnx.split(model)[0],
+                              eos_ids=(7,), pad_id=0)
+    sampler = programs.sampler()
+    assert sampler.kv_segment == 64 and sampler.batch_axes == ("dp",)
+    assert (sampler.sampling.temperature, sampler.sampling.top_k, sampler.sampling.top_p) == (0.7, 5, 0.9)
+    assert sampler.sampling.early_stop_chunk == 0 and sampler.sampling.num_generations == 2
+
+    # LoRA: the decode reads base + adapters, and merge_s times the builder's merge.
+    args = ["bench", "rollout", "--preset", "tiny", "--batch", "8", "--generations", "2", "--prompt-len", "8",
+            "--new-tokens", "2", "--repeats", "1", "--lora-rank", "2", "--json"]
+    result = CliRunner().invoke(cli, args)
+    assert result.exit_code == 0, result.output
+    lora = json.loads(result.output.strip().splitlines()[-1])["lora"]
+    assert lora["rank"] == 2 and lora["trainable_params"] > 0 and lora["merge_s"] > 0
+    bad = CliRunner().invoke(cli, ["bench", "rollout", "--preset", "tiny", "--temperature", "0.5", "--top-p", "1",
+                                   "--batch", "8", "--generations", "2", "--mesh", "explicit", "--shape", "3,-1,1"])
+    assert bad.exit_code == 2 and "mesh" in bad.output and "Traceback" not in bad.output
 
 
 def test_bench_rollout_refuses_maxtext_without_dp_per_process():

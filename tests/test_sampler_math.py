@@ -9,8 +9,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo.engine._sampling import filter_threshold, row_keys, sample_tokens, step_keys
-from grpo.engine.sampler import SamplingParams, effective_chunk, segment_plan
+from grpo.engine.rollout._sampling import (
+    filter_threshold,
+    row_keys,
+    sample_tokens,
+    step_keys,
+)
+from grpo.engine.rollout.sampler import SamplingParams, effective_chunk, segment_plan
 
 ROWS = 20000  # same logits in every row: empirical frequencies vs the intended distribution
 

@@ -11,8 +11,13 @@ from flax import nnx
 
 from grpo.core.contracts import LossSettings, MeshLayout
 from grpo.core.plugins import load_plugins
-from grpo.engine.mesh import build_mesh
-from grpo.engine.update import UpdateBatch, UpdateStep, completion_hidden, head_for
+from grpo.engine.parallel.mesh import build_mesh
+from grpo.engine.training.update import (
+    UpdateBatch,
+    UpdateStep,
+    completion_hidden,
+    head_for,
+)
 
 
 def token_logprobs(model, batch: UpdateBatch, temperature: float) -> jax.Array:
@@ -151,7 +156,7 @@ def test_master_weights_train_bf16_at_recipe_lr_exactly_like_f32(tiny_bf16):
     """AdamW at lr 1e-6 on bf16 parameters: the f32 master moves exactly as an f32 run of
     the same model does; the bf16 parameters are the master rounded. Without the master,
     almost every bf16 update rounds away (the bug the master fixes)."""
-    from grpo.engine.update import MasterWeights, init_optimizer_state
+    from grpo.engine.training.update import MasterWeights, init_optimizer_state
 
     _, model, graphdef, params = tiny_bf16
     batch = _batch(model.config.vocab_size, seed=4)
@@ -262,7 +267,7 @@ def test_one_head_precision_rule_under_mixed_precision(impl):
     """f32 parameters, bf16 compute: the policy loss, the reference pass and the sampler
     take the head matmul at one precision, so at identical weights their log-probs agree
     (before: the jax loss promoted the head to f32, 7.6e-4 apart, a non-zero KL at step 0)."""
-    from grpo.engine.sampler import Sampler, SamplingParams
+    from grpo.engine.rollout.sampler import Sampler, SamplingParams
     from grpo.models.loading import random_init
 
     mesh = build_mesh(MeshLayout(dp=1, fsdp=8, tp=1))

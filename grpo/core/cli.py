@@ -40,9 +40,9 @@ LAZY_HELP: dict[str, str] = {
     "memory": "FSDP memory: a buffer sharded over fsdp, or all-gathered.",
 }
 LAZY_BENCH: dict[str, str] = {
-    "rollout": "grpo.engine.bench_rollout:bench_rollout",
-    "loss": "grpo.plugins.losses.bench:bench_loss",
-    "memory": "grpo.engine.bench_memory:bench_memory",
+    "rollout": "grpo.engine.bench.rollout:bench_rollout",
+    "loss": "grpo.engine.bench.loss:bench_loss",
+    "memory": "grpo.engine.bench.memory:bench_memory",
 }
 
 
@@ -250,7 +250,7 @@ def mesh_preview(
     except ValidationError as err:
         raise UserError(f"Invalid options for mesh policy {policy!r}:", problems=validation_problems(err, "options")) from None
     if processes is None and local_devices is None:
-        from grpo.engine.mesh import current_topology
+        from grpo.engine.parallel.mesh import current_topology
 
         topology = current_topology()
     elif processes is None or local_devices is None:

@@ -227,6 +227,11 @@ class RolloutConfig(Section):
     early_stop_chunk: int = Field(
         32, ge=0, le=131072, description="Check every N tokens whether all sequences finished; 0 = never stop early."
     )
+    kv_segment: int = Field(
+        256, ge=0, le=131072,
+        description="Decode tokens per KV-cache growth segment: the cache holds only the slots the current segment "
+        "can reach, so attention reads the live cache, not the final one; 0 = the whole cache from the start.",
+    )
 
     @model_validator(mode="after")
     def _buckets(self):

@@ -375,7 +375,7 @@ class ModelPlugin(_PluginBase):
     - :meth:`param_specs` — ``dotted path -> (shape, logical axis names)`` of every
       parameter, with names from the sharding tables (``embed``, ``vocab``, ``heads``,
       ``kv_heads``, ``head_dim``, ``mlp``, ``layers``, ``norm``). The loaders place each
-      parameter by these names (:data:`grpo.engine.sharding.PARAM_RULES`), so FSDP, tp
+      parameter by these names (:data:`grpo.sharding.PARAM_RULES`), so FSDP, tp
       and memory planning need nothing else from the family.
     - :meth:`tensor_maps` — one :class:`grpo.models._hf_layout.TensorMap` per parameter:
       its HF tensor name (``{i}`` = layer for stacked layer parameters), HF shape, and

@@ -1,2 +1,25 @@
-"""The machinery plugins plug into: mesh building, distributed start-up, sampler,
-trainer, advantages, metrics, checkpoints, data. Imports JAX."""
+"""The machinery plugins plug into. Imports JAX.
+
+Rooms follow the data: prompts -> rollout -> rewards/advantages -> update ->
+checkpoints/metrics, plus parallelism, planning and benchmarks. Each room's ``__init__``
+says what it holds and what it may import (``tests/test_architecture.py`` enforces it):
+
+- ``parallel/``: the mesh, multi-process start-up, rows of batch-sharded arrays.
+- ``rollout/``: prompts in, completions out (prompt batches, the sampler).
+- ``training/``: advantages, the update step (loss, gradients, optimizer), the optimizer.
+- ``runs/``: the run directory, metrics, checkpoints, export.
+- ``planning/``: ``grpo plan`` (the TPU compiler on abstract state).
+- ``bench/``: ``grpo bench`` (rollout, loss, memory), JSON out.
+
+One floor above the rooms, the modules that wire them together:
+
+- ``programs``: the program builder, every jitted program of a step; ``grpo run``,
+  ``grpo plan`` and ``grpo bench`` all build theirs here.
+- ``trainer``: the GRPO loop (one :class:`~grpo.engine.trainer.Trainer` per process).
+- ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.
+- ``cli``: ``grpo run``, ``export``, ``plot``, ``plan``.
+
+Below the engine: ``grpo.core`` (config, contracts, plugins), ``grpo.sharding`` (logical
+axis rules), ``grpo.models`` (the decoder families) and ``grpo.plugins`` (built-ins).
+Nothing below imports the engine.
+"""

@@ -44,12 +44,10 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
     config = load_config(config_path, flags)
     _configure_logging()
 
-    from grpo.engine.trainer import Interrupted, Trainer, default_run_dir
-
     # The distributed runtime must start before anything asks JAX about devices.
-    from grpo.engine import distributed
-
-    from grpo.engine import rundir
+    from grpo.engine.parallel import distributed
+    from grpo.engine.runs import rundir
+    from grpo.engine.trainer import Interrupted, Trainer, default_run_dir
 
     distributed.initialize(config.distributed)
     # A string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x.
@@ -77,7 +75,7 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
 
 
 def _warn_if_config_changed(directory: str, config) -> None:
-    from grpo.engine import rundir
+    from grpo.engine.runs import rundir
 
     saved = rundir.path(directory) / "config.yaml"
     if not saved.exists():
@@ -104,7 +102,7 @@ def _warn_if_config_changed(directory: str, config) -> None:
 def export(run_dir, out_dir, step, adapter) -> None:
     """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR (LoRA runs: the
     adapters merged into the base, or with --adapter the adapters alone in PEFT format)."""
-    from grpo.engine.export import export_run
+    from grpo.engine.runs.export import export_run
 
     path = export_run(run_dir, out_dir, step=step, adapter=adapter)
     click.echo(f"Exported to {path}")
@@ -115,8 +113,8 @@ def export(run_dir, out_dir, step, adapter) -> None:
 @click.option("--output", type=click.Path(dir_okay=False, path_type=str), help="PNG path (default RUN_DIR/metrics.png).")
 def plot(run_dir, output) -> None:
     """Plot reward and throughput over steps from RUN_DIR/metrics.jsonl."""
-    from grpo.engine import rundir
-    from grpo.engine.metrics import plot_run
+    from grpo.engine.runs import rundir
+    from grpo.engine.runs.metrics import plot_run
 
     if not rundir.readable_run_dir(run_dir):
         raise UserError(f"{run_dir} is not a run directory.")
@@ -144,14 +142,14 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json) -> 
     import json as _json
 
     from grpo.core.config import load_config
-    from grpo.engine.tpu import parse_topology, require_libtpu
+    from grpo.engine.planning.tpu import parse_topology, require_libtpu
 
     config = load_config(config_path, list(overrides))
     topo = parse_topology(topology)  # an unknown name fails before anything heavy
     require_libtpu()
     for noisy in ("absl", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from grpo.engine.plan import Planner, format_report, search
+    from grpo.engine.planning.plan import Planner, format_report, search
 
     planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None)
     if search_field:

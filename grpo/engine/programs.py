@@ -3,16 +3,18 @@
 ``grpo run`` (the :class:`~grpo.engine.trainer.Trainer`) executes them on real arrays and
 ``grpo plan`` lowers and compiles the very same jitted functions on abstract state
 (``jax.ShapeDtypeStruct`` with the real shardings) for a TPU topology it does not have.
-Keeping one builder is the point: a plan that compiled something other than what runs
-would be worse than none.
+``grpo bench rollout`` makes a run config of its flags and times this builder's sampler,
+and ``grpo bench loss`` times :func:`loss_program`, the loss called the way the update
+calls it. Keeping one builder is the point: a plan or a bench that measured something
+other than what runs would be worse than none.
 
 The programs of one GRPO step, in the order they run:
 
-- ``prefill``: :class:`~grpo.engine.sampler.Sampler` prefill of the step's prompts
+- ``prefill``: :class:`~grpo.engine.rollout.sampler.Sampler` prefill of the step's prompts
   (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
 - ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
-- ``update``: :class:`~grpo.engine.update.UpdateStep` — the loss plugin over
+- ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated).
 
@@ -26,8 +28,8 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
@@ -50,7 +52,7 @@ class RunPrograms:
     plugins: dict[str, Any]
     batch_axes: tuple[str, ...]
     optimizer: Any
-    update_step: Any  # grpo.engine.update.UpdateStep (not jitted)
+    update_step: Any  # grpo.engine.training.update.UpdateStep (not jitted)
     eos_ids: tuple[int, ...]
     pad_id: int
     _samplers: dict = dataclasses.field(default_factory=dict)
@@ -76,7 +78,7 @@ class RunPrograms:
 
     def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
         """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k)."""
-        from grpo.engine.sampler import Sampler, SamplingParams
+        from grpo.engine.rollout.sampler import Sampler, SamplingParams
 
         r = self.config.rollout
         k = r.num_generations if num_generations is None else num_generations
@@ -95,7 +97,7 @@ class RunPrograms:
             )
             self._samplers[key] = Sampler(
                 self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling,
-                lora_adapters=not self.merged_sampling,
+                kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
             )
         return self._samplers[key]
 
@@ -111,7 +113,7 @@ class RunPrograms:
         whole state as is (no copy), or with ``merged_sampling`` a state whose targeted
         projections are ``W + (alpha / r) A @ B`` (one jitted merge; a new array per
         projection, in the base's sharding)."""
-        from grpo.models.lora import merge_params, merge_into_state
+        from grpo.models.lora import merge_into_state, merge_params
 
         if frozen is None or not self.merged_sampling:
             return merge_params(params, frozen)
@@ -146,7 +148,7 @@ class RunPrograms:
         )
 
     def _init_opt_state(self, params: Any) -> Any:
-        from grpo.engine.update import init_optimizer_state
+        from grpo.engine.training.update import init_optimizer_state
 
         return init_optimizer_state(self.optimizer, params, master_weights=self.config.master_weights)
 
@@ -176,7 +178,7 @@ class RunPrograms:
     def abstract_rollout_inputs(self) -> dict[str, Any]:
         """Abstract prefill inputs of one training step: [P, Lp] prompts at the largest
         prompt bucket (the worst case ``grpo run`` compiles)."""
-        from grpo.engine.data import default_buckets
+        from grpo.engine.rollout.prompts import default_buckets
 
         cfg = self.config
         buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
@@ -188,10 +190,10 @@ class RunPrograms:
         return {"prompt_tokens": tok, "prompt_mask": tok}
 
     def abstract_update_batch(self, *, old_logprobs: bool = False):
-        """An abstract :class:`~grpo.engine.update.UpdateBatch` of one step, in the
+        """An abstract :class:`~grpo.engine.training.update.UpdateBatch` of one step, in the
         update's row sharding (the first PPO epoch has no old log-probs)."""
-        from grpo.engine.data import default_buckets
-        from grpo.engine.update import UpdateBatch
+        from grpo.engine.rollout.prompts import default_buckets
+        from grpo.engine.training.update import UpdateBatch
 
         cfg = self.config
         buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
@@ -226,6 +228,42 @@ def _path_key(path) -> tuple:
     return tuple(out)
 
 
+def loss_program(
+    plugin: Any,
+    options: Any,
+    settings: Any,
+    *,
+    old_logprobs: bool,
+    ref_logprobs: bool,
+    mesh: Mesh | None = None,
+) -> Any:
+    """The loss plugin's value and gradient with respect to ``(hidden, head_weight)``,
+    called exactly as the update calls it (:class:`~grpo.engine.training.update.LossCall`:
+    the global normaliser of the batch's mask, shard_map for a ``per_shard`` loss on a
+    mesh, traced for the mesh's platform). ``grpo bench loss`` measures this program.
+
+    Jitted ``(hidden [B, N, D], head_weight [D, V], targets [B, N], mask [B, N],
+    advantages [B], old [B, N], ref [B, N]) -> (loss, (d_hidden, d_head_weight))``;
+    ``old``/``ref`` are read only when ``old_logprobs``/``ref_logprobs``."""
+    from grpo.engine.training.update import LossCall
+
+    call = LossCall(plugin, options, settings, mesh)
+
+    def step(hidden, head_weight, targets, mask, advantages, old, ref):
+        def loss_fn(h, w):
+            args = dict(
+                hidden=h, head_weight=w, targets=targets, mask=mask, advantages=advantages,
+                old_logprobs=old if old_logprobs else None, ref_logprobs=ref if ref_logprobs else None,
+            )
+            loss, metrics = call(args, settings.normalizer(mask))
+            return loss, metrics["ratio/mean"]
+
+        (loss, _), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(hidden, head_weight)
+        return loss, grads
+
+    return jax.jit(call.for_mesh(step))
+
+
 def build_programs(
     config: RunConfig,
     *,
@@ -238,8 +276,8 @@ def build_programs(
 ) -> RunPrograms:
     """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
     ``nnx.split`` of a concrete or an abstract model)."""
-    from grpo.engine.optim import make_optimizer
-    from grpo.engine.update import UpdateStep
+    from grpo.engine.training.optim import make_optimizer
+    from grpo.engine.training.update import UpdateStep
 
     plugins = plugins or select_plugins(config)
     style = plugins["rollout"]
@@ -269,4 +307,4 @@ def build_programs(
     )
 
 
-__all__ = ["RunPrograms", "build_programs", "mesh_platform"]
+__all__ = ["RunPrograms", "build_programs", "loss_program", "mesh_platform"]

@@ -22,20 +22,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
-from grpo.engine import distributed, rundir
-from grpo.engine.advantages import group_advantages
-from grpo.engine.checkpoint import Checkpointer
-from grpo.engine.data import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
-from grpo.engine.mesh import build_mesh, current_topology
-from grpo.engine.metrics import MetricsLogger, device_memory_metrics, plot_run
-from grpo.engine.optim import learning_rate_schedule
-from grpo.engine.policy import load_policy
+from grpo.engine.evaluation import Evaluator
+from grpo.engine.parallel import distributed
+from grpo.engine.parallel.mesh import build_mesh, current_topology
+from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.programs import build_programs
-from grpo.engine.update import UpdateBatch
+from grpo.engine.rollout.prompts import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
+from grpo.engine.runs import rundir
+from grpo.engine.runs.checkpoint import Checkpointer
+from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_run
+from grpo.engine.training.advantages import group_advantages
+from grpo.engine.training.optim import learning_rate_schedule
+from grpo.engine.training.update import UpdateBatch
 from grpo.models.lora import count_params, split_params
+from grpo.models.policy import load_policy
 
 log = logging.getLogger(__name__)
 
@@ -48,25 +50,6 @@ class Interrupted(Exception):
         self.signum = signum
         self.step = step
         self.exit_code = 128 + signum
-
-
-def _to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    return jax.make_array_from_process_local_data(sharding, local)
-
-
-def _local_rows(x: jax.Array) -> np.ndarray:
-    """This process's rows of a batch-sharded global array, in global row order."""
-    if jax.process_count() == 1:
-        return np.asarray(x)
-    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
-    rows, seen = [], set()
-    for s in shards:
-        start = s.index[0].start or 0
-        if start in seen:  # replicated over other mesh axes
-            continue
-        seen.add(start)
-        rows.append(np.asarray(s.data))
-    return np.concatenate(rows, axis=0)
 
 
 @dataclasses.dataclass
@@ -161,7 +144,10 @@ class Trainer:
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
         self._signal: int | None = None
-        self.eval_state: tuple[Any, Any] | None = None  # (eval prompts, eval sampler), built on first use
+        self.evaluator = Evaluator(
+            config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
+            render=self.render, buckets=self.buckets,
+        )
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
 
@@ -171,9 +157,6 @@ class Trainer:
         """What the sampler reads: the whole model's state (base and adapters, no copies),
         or for ``model.lora.sampler: merged`` the projections with the adapters merged in."""
         return self.programs.sampler_state(self.params, self.frozen)
-
-    def _make_sampler(self, *, greedy: bool, num_generations: int):
-        return self.programs.sampler(greedy=greedy, num_generations=num_generations)
 
     def _to_train(self, x: jax.Array) -> jax.Array:
         """Reshard a rollout-layout batch array to the update's (dp, fsdp) batch layout;
@@ -294,19 +277,19 @@ class Trainer:
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
         batch = self._rollout_batch(self.step)
-        prompts = _to_global(batch.tokens, self.batch_sharding)
-        prompt_mask = _to_global(batch.mask, self.batch_sharding)
+        prompts = to_global(batch.tokens, self.batch_sharding)
+        prompt_mask = to_global(batch.mask, self.batch_sharding)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
         out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
-        local_tokens, local_mask = _local_rows(out.tokens), _local_rows(out.mask)
+        local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)
         t_rollout = time.perf_counter() - t0
 
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
         rewards_local, per_fn_local = self._score(examples, local_tokens, local_mask)
         if self.is_main and self.step % self.config.logging.every_n_steps == 0:
             self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
-        rewards = _to_global(rewards_local, self.batch_sharding)
-        per_fn = {n: _to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
+        rewards = to_global(rewards_local, self.batch_sharding)
+        per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
         advantages = group_advantages(
             rewards, num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
@@ -396,9 +379,7 @@ class Trainer:
         return row
 
     def evaluate(self) -> dict[str, Any]:
-        from grpo.engine.evaluation import evaluate
-
-        return evaluate(self)
+        return self.evaluator(self.step, self.policy_params())
 
     def run(self) -> dict[str, Any]:
         cfg = self.config

@@ -54,7 +54,7 @@ Layout and numerics
 Decoder layers are stacked (a leading ``layers`` axis on every layer parameter) and run
 with ``lax.scan``, so compile time does not grow with depth. Every parameter carries its
 logical axis names in the ``out_sharding`` metadata (e.g. ``("layers", "embed", "heads",
-"head_dim")`` for the query projection); :data:`grpo.engine.sharding.PARAM_RULES` maps
+"head_dim")`` for the query projection); :data:`grpo.sharding.PARAM_RULES` maps
 them to mesh axes. Attention keeps K/V at ``num_key_value_heads`` and goes through
 ``jax.nn.dot_product_attention``, whose grouped einsum never repeats them. Matmuls run in
 ``compute_dtype``; RMSNorm statistics, RoPE and the attention softmax run in float32.
@@ -77,7 +77,7 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo.core.errors import UserError
-from grpo.engine.sharding import ACTIVATION_RULES
+from grpo.sharding import ACTIVATION_RULES
 
 Remat = Literal["none", "full", "dots"]
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
@@ -521,7 +521,7 @@ LAYER_PARAMS: tuple[str, ...] = (
 def _param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     # Logical names live in flax's standard `out_sharding` metadata; eager sharding is
     # off because the names are logical, not mesh axes — the loaders place each array
-    # in its NamedSharding themselves (grpo.engine.sharding.fit_sharding).
+    # in its NamedSharding themselves (grpo.sharding.fit_sharding).
     return nnx.Param(value, out_sharding=tuple(names), eager_sharding=False)
 
 
@@ -569,7 +569,7 @@ class Decoder(nnx.Module):
         or None).
       mesh / activation_rules: when a mesh is given, activations are constrained to the
         logical-axis ``activation_rules`` (default
-        :data:`grpo.engine.sharding.ACTIVATION_RULES`) on it.
+        :data:`grpo.sharding.ACTIVATION_RULES`) on it.
     """
 
     def __init__(
@@ -616,7 +616,7 @@ class Decoder(nnx.Module):
 
     def set_activation_rules(self, rules: Mapping[str, Any] | None) -> None:
         """Logical-axis rules for activations (e.g. a rollout style's batch axes via
-        :func:`grpo.engine.sharding.with_batch_axes`). Changing them re-traces jits."""
+        :func:`grpo.sharding.with_batch_axes`). Changing them re-traces jits."""
         rules = ACTIVATION_RULES if rules is None else rules
         self.activation_rules = tuple(
             sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in rules.items())
@@ -625,7 +625,7 @@ class Decoder(nnx.Module):
     def _constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
         if self.mesh is None:
             return x
-        from grpo.engine.sharding import fit_sharding
+        from grpo.sharding import fit_sharding
 
         return jax.lax.with_sharding_constraint(
             x, fit_sharding(x.shape, names, self.mesh, dict(self.activation_rules))

@@ -19,7 +19,7 @@ chosen by :func:`grpo.models.families.resolve_family` from ``config.json``'s
 parameters' logical axes, maps HF tensor names both ways and builds the module.
 
 Sharding: parameters' logical axis names map to mesh axes through ``rules`` (default
-:data:`grpo.engine.sharding.PARAM_RULES`: FSDP over ``embed``, tp over heads, KV heads,
+:data:`grpo.sharding.PARAM_RULES`: FSDP over ``embed``, tp over heads, KV heads,
 mlp and vocab). With tp > 1 every layout is numerically correct — the model runs under
 XLA's SPMD partitioner — and a dimension that does not divide over its mesh axes (e.g.
 2 KV heads on tp=4) is replicated rather than split (logged once).
@@ -48,7 +48,6 @@ from jax.sharding import Mesh
 
 from grpo.core.contracts import MESH_AXES
 from grpo.core.errors import UserError
-from grpo.engine.sharding import PARAM_RULES
 from grpo.models._hf_layout import (
     TensorMap,
     check_tensors,
@@ -56,9 +55,10 @@ from grpo.models._hf_layout import (
     to_hf,
     write_json,
 )
-from grpo.engine.sharding import fit_sharding
+from grpo.models._host import take_layer, to_host
 from grpo.models.decoder import DTYPES, _dtype_name
 from grpo.models.families import AUTO, family_of, resolve_family
+from grpo.sharding import PARAM_RULES, fit_sharding
 
 log = logging.getLogger(__name__)
 
@@ -149,7 +149,7 @@ def read_family(directory: str | os.PathLike, *, architecture: str = AUTO) -> tu
     except UserError as err:
         raise CheckpointError(str(err)) from None
     try:
-        from transformers import AutoConfig, CONFIG_MAPPING
+        from transformers import CONFIG_MAPPING, AutoConfig
 
         known = raw.get("model_type") in CONFIG_MAPPING
         # transformers fills defaults the file leaves out (Qwen3's head_dim=128, ...);
@@ -423,19 +423,6 @@ def _compiled_init(config: Any, frozen_kwargs: tuple, frozen_rules: tuple) -> tu
 # --------------------------------------------------------------------------- export
 
 
-@jax.jit
-def _take_layer(x: jax.Array, i: jax.Array) -> jax.Array:
-    return jax.lax.dynamic_index_in_dim(x, i, axis=0, keepdims=False)
-
-
-def _to_host(x: jax.Array) -> np.ndarray:
-    if x.is_fully_addressable:
-        return np.asarray(x)
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-
-
 def _params_by_path(model: Any) -> dict[str, jax.Array]:
     _, state = nnx.split(model)
     return {_dotted(path): var[...] for path, var in nnx.to_flat_state(state)}
@@ -500,8 +487,8 @@ def save_hf(
         for hf_name, tm, layer in group:
             x = params[tm.param]
             if layer is not None:
-                x = _take_layer(x, np.int32(layer))
-            tensors[hf_name] = to_hf(tm, _to_host(x)).astype(np_dtype)
+                x = take_layer(x, np.int32(layer))
+            tensors[hf_name] = to_hf(tm, to_host(x)).astype(np_dtype)
             weight_map[hf_name] = fname
             total += tensors[hf_name].nbytes
         if writer:
@@ -564,7 +551,12 @@ def model_architecture(model_config: Any) -> Any:
     """The architecture of a run config's ``model`` section without reading any weights
     or downloading anything: a random preset, a local directory's ``config.json``, or the
     built-in preset of a hub id the project knows (``Qwen/Qwen2.5-3B-Instruct``, ...)."""
-    from grpo.models.presets import HUB_PRESETS, from_random_config, hub_preset, preset_config
+    from grpo.models.presets import (
+        HUB_PRESETS,
+        from_random_config,
+        hub_preset,
+        preset_config,
+    )
 
     if model_config.source != "hf":
         return from_random_config(model_config.random)

@@ -183,7 +183,7 @@ def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = Fal
     adapters of ``lora_cfg`` (a :class:`~grpo.core.config.LoraConfig`) and, for QLoRA, a
     quantized base. Every new array is created in its sharding on the model's mesh;
     ``abstract`` makes them ``jax.ShapeDtypeStruct`` (``grpo plan``). Returns the model."""
-    from grpo.engine.sharding import PARAM_RULES, fit_sharding
+    from grpo.sharding import PARAM_RULES, fit_sharding
 
     config = model.config
     spec = resolve_spec(config, lora_cfg)
@@ -341,7 +341,7 @@ def save_peft(model: Any, out_dir: str | os.PathLike, *, base_model: str | None 
     ``lora_B.weight`` [out, r] with transformers' flattening of heads (ours, in order)."""
     from safetensors.numpy import save_file
 
-    from grpo.models.loading import _take_layer, _to_host
+    from grpo.models._host import take_layer, to_host
 
     spec = getattr(model, "lora_spec", None)
     if spec is None:
@@ -354,8 +354,8 @@ def save_peft(model: Any, out_dir: str | os.PathLike, *, base_model: str | None 
         a_all = getattr(model.lora, f"{name}_a")[...]
         b_all = getattr(model.lora, f"{name}_b")[...]
         for i in range(L):
-            a = _to_host(_take_layer(a_all, np.int32(i))).astype(np.float32)
-            b = _to_host(_take_layer(b_all, np.int32(i))).astype(np.float32)
+            a = to_host(take_layer(a_all, np.int32(i))).astype(np.float32)
+            b = to_host(take_layer(b_all, np.int32(i))).astype(np.float32)
             prefix = f"base_model.model.model.layers.{i}.{PEFT_MODULES[name]}"
             tensors[f"{prefix}.lora_A.weight"] = np.ascontiguousarray(a.reshape(-1, spec.rank).T)
             tensors[f"{prefix}.lora_B.weight"] = np.ascontiguousarray(b.reshape(spec.rank, -1).T)

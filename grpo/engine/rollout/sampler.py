@@ -38,7 +38,7 @@ How a rollout runs
    decode and updated in place throughout (within a segment it always is: the cache is
    loop state).
 
-Sampling semantics (see :mod:`grpo.engine._sampling`): the temperature divides the
+Sampling semantics (see :mod:`grpo.engine.rollout._sampling`): the temperature divides the
 logits; top-k then top-p restrict which tokens can be drawn; ``greedy`` takes the argmax.
 The reported log-prob of each sampled token is ``log_softmax(logits / temperature)`` over
 the *full* (unfiltered) vocabulary, i.e. exactly what the trainer's loss computes — so
@@ -70,10 +70,9 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo.engine._sampling import row_keys, sample_tokens, step_keys
-from grpo.engine.sharding import ACTIVATION_RULES, with_batch_axes
-from grpo.engine.sharding import fit_sharding
+from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
 from grpo.models.qwen2 import CACHE_AXES, KVCache, positions_from_mask
+from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
 
@@ -211,7 +210,7 @@ class Sampler:
       kv_segment: decode tokens per cache-growth segment (see the module docstring);
         0 = the full cache from the start.
       activation_rules: base logical-axis rules for activations (default
-        :data:`grpo.engine.sharding.ACTIVATION_RULES`); their ``batch`` entry is
+        :data:`grpo.sharding.ACTIVATION_RULES`); their ``batch`` entry is
         replaced by ``batch_axes``.
       lora_adapters: False runs a LoRA model without its adapter matmuls (the
         ``model.lora.sampler: merged`` rollout, whose projections already hold them).

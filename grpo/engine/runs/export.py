@@ -15,15 +15,14 @@ from grpo.models.lora import merge_params, save_peft, split_params
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, adapter: bool = False) -> Path:
-    from grpo.core.contracts import MeshLayout
-    from grpo.engine.checkpoint import Checkpointer
-    from grpo.engine.mesh import build_mesh
-    from grpo.engine.policy import load_policy
-    from grpo.models.loading import save_hf
-
     import yaml
 
-    from grpo.engine import rundir
+    from grpo.core.contracts import MeshLayout
+    from grpo.engine.parallel.mesh import build_mesh
+    from grpo.engine.runs import rundir
+    from grpo.engine.runs.checkpoint import Checkpointer
+    from grpo.models.loading import save_hf
+    from grpo.models.policy import load_policy
 
     if not rundir.readable_run_dir(run_dir, need="config.yaml"):
         raise UserError(f"{run_dir} is not a grpo run directory (no config.yaml).")

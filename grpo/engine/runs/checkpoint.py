@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 
-from grpo.engine import rundir
+from grpo.engine.runs import rundir
 
 log = logging.getLogger(__name__)
 

@@ -1,4 +1,5 @@
-"""``grpo bench loss``: value+grad time and compiled memory of a loss implementation.
+"""``grpo bench loss``: value+grad time and compiled memory of a loss implementation,
+called as the update calls it (:func:`grpo.engine.programs.loss_program`).
 
 Prints one JSON object. Memory comes from XLA's compiled-memory analysis
 (``jax.jit(step).lower(...).compile().memory_analysis()``), which is exact and repeatable
@@ -70,6 +71,7 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
     from grpo.core.config import validation_problems
     from grpo.core.contracts import LossSettings
     from grpo.core.plugins import get_plugins
+    from grpo.engine.programs import loss_program
 
     if opaque_kernels and (impl != "pallas" or not compile_only):
         raise UserError("--opaque-kernels goes with --impl pallas and --compile-only (opaque kernels cannot run).")
@@ -83,18 +85,6 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
     dt = jnp.dtype(DTYPES[dtype])
     b, t, d, v = batch, time_, hidden, vocab
     off_policy = mode == "off_policy"
-
-    def step(hidden_, head_weight, targets, mask, advantages, old, ref):
-        def loss_fn(h, w):
-            loss, metrics = plugin.compute(
-                hidden=h, head_weight=w, targets=targets, mask=mask, advantages=advantages,
-                old_logprobs=old if off_policy else None, ref_logprobs=ref if beta > 0 else None,
-                settings=settings, options=options,
-            )
-            return loss, metrics["ratio/mean"]
-
-        (loss, _), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(hidden_, head_weight)
-        return loss, grads
 
     shapes = (
         jax.ShapeDtypeStruct((b, t, d), dt),
@@ -124,7 +114,8 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
         result["kernel"] = {"block_t": cfg.block_t, "block_v": cfg.block_v, "block_d": cfg.block_d,
                             "schedule": cfg.schedule, "interpret": cfg.interpret}
 
-    jitted = jax.jit(step)
+    # The program the update runs for this loss (the builder's), not a copy of it.
+    jitted = loss_program(plugin, options, settings, old_logprobs=off_policy, ref_logprobs=beta > 0)
     t0 = time.perf_counter()
     if opaque_kernels:
         from grpo.plugins.losses import _pallas

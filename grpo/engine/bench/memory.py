@@ -42,10 +42,11 @@ def run_memory_bench(
 ) -> dict:
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
     from grpo.core.plugins import get_plugins
-    from grpo.engine.mesh import build_mesh, current_topology
+    from grpo.engine.parallel.mesh import build_mesh, current_topology
 
     plugin = get_plugins().get("mesh", policy)
     options = plugin.parse_options({"shape": shape} if shape else {})
@@ -113,7 +114,7 @@ def bench_memory(policy, shape, mode, dtype, target_bytes_gib, cols, as_json,
         raise UserError(f"--target-bytes-gib must be > 0, got {target_bytes_gib}")
     if coordinator_address is not None:
         from grpo.core.config import DistributedConfig
-        from grpo.engine import distributed
+        from grpo.engine.parallel import distributed
 
         distributed.initialize(DistributedConfig(
             mode="explicit", coordinator_address=coordinator_address, num_processes=num_processes,

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import collections
 import math
-
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 from grpo.core.errors import UserError
-from grpo.engine import rundir
+from grpo.engine.runs import rundir
 
 GIB = 1024**3
 
@@ -140,7 +139,7 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in metrics.items() if k != "step"}, step=int(metrics["step"]))
 
     def flush(self) -> None:
-        """Persist buffered rows (object stores buffer; see ``grpo.engine.rundir``)."""
+        """Persist buffered rows (object stores buffer; see ``grpo.engine.runs.rundir``)."""
         for log in (self._file, self._eval_file):
             if log is not None:
                 log.flush()

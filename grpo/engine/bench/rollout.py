@@ -95,45 +95,11 @@ def _eos_ids(config: Any, model_dir: Any = None) -> tuple[int, ...]:
     return tuple(sorted(ids))
 
 
-def _with_adapters(model: Any, rank: int, quantization: str, seed: int) -> dict[str, Any]:
-    """Give ``model`` LoRA adapters (B non-zero, so the adapter path is real work) and/or a
-    quantized base; returns what the JSON reports, with ``merge_s``: the fastest of three
-    jitted merges of base + adapters into full weights (what merging once per step adds)."""
-    import jax
-    from flax import nnx
-
-    from grpo.core.config import LoraConfig
-    from grpo.models.lora import apply_lora, count_params, merged_params, split_params
-
-    apply_lora(model, LoraConfig(rank=max(rank, 1), alpha=2.0 * max(rank, 1), base_quantization=quantization), seed=seed)
-    graphdef, state = nnx.split(model)
-    adapters, frozen = split_params(state)
-    if rank:
-        adapters = jax.tree.map(lambda x: x + 0.01, adapters)
-        nnx.update(model, adapters)
-    info: dict[str, Any] = {"rank": rank, "base_quantization": quantization, "trainable_params": count_params(adapters)}
-    merge = jax.jit(lambda a, f: merged_params(nnx.merge(graphdef, a, f)))
-    jax.block_until_ready(merge(adapters, frozen))
-    best = math.inf
-    for _ in range(3):
-        t = time.perf_counter()
-        jax.block_until_ready(merge(adapters, frozen))
-        best = min(best, time.perf_counter() - t)
-    info["merge_s"] = round(best, 6)
-    return info
-
-
-def _memory_stats() -> dict[str, int]:
-    import jax
-
-    peak = [int((d.memory_stats() or {}).get("peak_bytes_in_use", -1)) for d in jax.local_devices()]
-    return {"peak_bytes_in_use": max(peak)} if max(peak, default=-1) >= 0 else {}
-
-
-def run_rollout_bench(
+def bench_config(
     *,
     model_path: str | None,
     preset: str | None,
+    dtype: str,
     batch: int,
     generations: int,
     prompt_len: int,
@@ -144,57 +110,139 @@ def run_rollout_bench(
     style: str,
     mesh_policy: str,
     mesh_shape: str | None,
-    dtype: str,
     temperature: float,
     top_k: int,
     top_p: float,
     seed: int,
-    repeats: int,
-    bandwidth: str,
-    bandwidth_gbps: float | None,
     lora_rank: int = 0,
     base_quantization: str = "none",
-) -> dict[str, Any]:
+    lora_sampler: str = "adapters",
+) -> Any:
+    """The run config whose rollout the bench measures: ``--batch / --generations`` prompts
+    per step of ``--prompt-len`` tokens (one bucket), the bench's sampling settings, mesh
+    and rollout style. Validated like a config file; a problem names the config field."""
+    from grpo.core.config import load_config
+    from grpo.core.errors import ConfigError
+
+    model: dict[str, Any] = {"param_dtype": dtype, "compute_dtype": dtype}
+    if model_path is not None:
+        model.update(source="hf", path=model_path)
+    else:
+        model.update(source="random", random={"preset": preset})
+    if lora_rank or base_quantization != "none":
+        rank = max(lora_rank, 1)
+        model["lora"] = {"rank": rank, "alpha": 2.0 * rank, "base_quantization": base_quantization, "sampler": lora_sampler}
+    raw = {
+        "model": model,
+        "mesh": {"policy": mesh_policy, "options": {"shape": mesh_shape} if mesh_shape else {}},
+        "rollout": {
+            "style": style, "num_generations": generations, "max_prompt_length": prompt_len,
+            "prompt_buckets": [prompt_len], "max_new_tokens": new_tokens, "temperature": temperature,
+            "top_k": top_k, "top_p": top_p, "early_stop_chunk": early_stop_chunk if early_stop else 0,
+            "kv_segment": kv_segment,
+        },
+        "train": {"prompts_per_step": batch // generations, "seed": seed},
+    }
+    try:
+        return load_config(raw)
+    except ConfigError as err:
+        raise UserError(
+            "The bench's settings do not make a valid run (--batch / --generations is train.prompts_per_step, "
+            "the sampling flags are rollout.*, --mesh/--shape is mesh.*):",
+            problems=err.problems,
+        ) from None
+
+
+def _best_of(fn: Any, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed call)."""
+    import jax
+
+    jax.block_until_ready(fn())
+    best = math.inf
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
+def _memory_stats() -> dict[str, int]:
+    import jax
+
+    peak = [int((d.memory_stats() or {}).get("peak_bytes_in_use", -1)) for d in jax.local_devices()]
+    return {"peak_bytes_in_use": max(peak)} if max(peak, default=-1) >= 0 else {}
+
+
+def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | None, **settings: Any) -> dict[str, Any]:
+    """Build the run config of ``settings`` (:func:`bench_config`'s keywords), its policy
+    and its sampler through the program builder, then time prefill + decode."""
     import jax
     from flax import nnx
 
     from grpo.core.plugins import get_plugins
-    from grpo.engine.mesh import build_mesh, current_topology
-    from grpo.engine.sampler import Sampler, SamplingParams
-    from grpo.models.loading import load_hf, random_init, resolve_checkpoint
+    from grpo.engine.parallel.mesh import build_mesh, current_topology
+    from grpo.engine.programs import build_programs
+    from grpo.models.loading import build_model, resolve_checkpoint
+    from grpo.models.lora import count_params, split_params
+    from grpo.models.quant import bits_per_element
 
+    model_path, preset = settings["model_path"], settings["preset"]
+    batch, generations = settings["batch"], settings["generations"]
+    prompt_len, new_tokens, seed = settings["prompt_len"], settings["new_tokens"], settings["seed"]
+    dtype, style, kv_segment = settings["dtype"], settings["style"], settings["kv_segment"]
+    lora_rank, base_quantization = settings.get("lora_rank", 0), settings.get("base_quantization", "none")
     if (model_path is None) == (preset is None):
         raise UserError("Give exactly one of --model PATH and --preset NAME.")
     if batch % generations:
         raise UserError(f"--batch {batch} must be a multiple of --generations {generations}.")
+    config = bench_config(**settings)
     plugins = get_plugins()
     topology = current_topology()
-    mesh_plugin = plugins.get("mesh", mesh_policy)
-    layout = mesh_plugin.resolve(topology, mesh_plugin.parse_options({"shape": mesh_shape} if mesh_shape else {}))
-    style_plugin = plugins.get("rollout", style)
-    style_options = style_plugin.parse_options({})
-    problems = style_plugin.check(layout=layout, topology=topology, options=style_options)
+    # The layout of `grpo run`, with the rollout style's own checks; the batch-divisibility
+    # checks of a run are left out so the bench can measure any batch (a dimension that
+    # does not divide over the mesh is replicated).
+    mesh_plugin = plugins.get("mesh", config.mesh.policy)
+    layout = mesh_plugin.resolve(topology, mesh_plugin.parse_options(config.mesh.options))
+    style_plugin = plugins.get("rollout", config.rollout.style)
+    problems = style_plugin.check(
+        layout=layout, topology=topology, options=style_plugin.parse_options(config.rollout.options)
+    )
     if problems:
         raise UserError("The rollout style does not fit this mesh:", problems=problems)
-    batch_axes = style_plugin.batch_axes(layout, style_options)
     mesh = build_mesh(layout)
 
-    if model_path is not None:
-        model = load_hf(model_path, mesh, param_dtype=dtype, compute_dtype=dtype)
-        eos = _eos_ids(model.config, resolve_checkpoint(model_path))
-        source = f"model:{model_path}"
-    else:
-        model = random_init(preset, mesh, seed=seed, param_dtype=dtype, compute_dtype=dtype)
-        eos = _eos_ids(model.config)
-        source = f"preset:{preset} (random weights)"
+    # The policy as `grpo run` builds it (model.lora included), then split the same way.
+    model = build_model(config.model, mesh, seed=seed)
+    eos = _eos_ids(model.config, resolve_checkpoint(model_path) if model_path is not None else None)
+    source = f"model:{model_path}" if model_path is not None else f"preset:{preset} (random weights)"
     cfg = model.config
-    lora_info = None
-    if lora_rank or base_quantization != "none":
-        lora_info = _with_adapters(model, lora_rank, base_quantization, seed)
-    graphdef, params = nnx.split(model)
+    graphdef, state = nnx.split(model)
     del model
-    from grpo.models.quant import bits_per_element
-
+    adapters, frozen = split_params(state)
+    lora_info = None
+    if frozen is not None:
+        if lora_rank:
+            # B = 0 at init: make the adapters non-zero so their matmuls are real work.
+            adapters = jax.tree.map(lambda x: x + 0.01, adapters)
+        lora_info = {"rank": lora_rank, "base_quantization": base_quantization,
+                     "trainable_params": count_params(adapters)}
+    pad = int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0))
+    programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad,
+                              plugins=None)
+    batch_axes = programs.batch_axes
+    sampler = programs.sampler()
+    params = programs.sampler_state(adapters, frozen)
+    if lora_info is not None:
+        if base_quantization == "none":
+            # What `model.lora.sampler: merged` adds per step: the builder's own merge.
+            merged = build_programs(
+                bench_config(**settings, lora_sampler="merged"), mesh=mesh, layout=layout, graphdef=graphdef,
+                eos_ids=eos, pad_id=pad,
+            )
+            lora_info["merge_s"] = round(_best_of(lambda: merged.sampler_state(adapters, frozen)), 6)
+        else:
+            lora_info["merge_s"] = None
+            lora_info["merge_note"] = "model.lora.sampler=merged needs an unquantized base"
     weight_bytes = sum((x.size * bits_per_element(x.dtype) + 7) // 8 for x in jax.tree.leaves(params))
 
     P = batch // generations
@@ -205,17 +253,6 @@ def run_rollout_bench(
     mask = (np.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).astype(np.int32)
     tokens = np.where(mask == 1, tokens, 0).astype(np.int32)
 
-    sampling = SamplingParams(
-        max_new_tokens=new_tokens,
-        num_generations=generations,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        eos_ids=eos,
-        pad_id=int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0)),
-        early_stop_chunk=early_stop_chunk if early_stop else 0,
-    )
-    sampler = Sampler(graphdef, mesh=mesh, batch_axes=batch_axes, sampling=sampling, kv_segment=kv_segment)
     ptoks, pmask = sampler.place_prompts(tokens, mask)
     raw_key, impl = sampler.place_key(jax.random.key(seed))
 
@@ -268,7 +305,7 @@ def run_rollout_bench(
         "generations": generations,
         "prompt_len": prompt_len,
         "new_tokens": new_tokens,
-        "early_stop": early_stop,
+        "early_stop": settings["early_stop"],
         "early_stop_chunk": sampler.chunk(),
         "kv_segment": kv_segment,
         "decode_steps": steps,
@@ -327,7 +364,7 @@ def run_rollout_bench(
 @click.option("--model", "model_path", help="Hugging Face model directory or hub id.")
 @click.option("--preset", help="Random weights of a preset architecture (tiny, qwen2.5-3b, qwen3-1.7b, llama-3.2-1b, ...).")
 @click.option("--batch", type=click.IntRange(min=1), default=128, show_default=True, help="Sequences (prompts x generations).")
-@click.option("--generations", type=click.IntRange(min=1), default=8, show_default=True, help="Samples per prompt.")
+@click.option("--generations", type=click.IntRange(min=2), default=8, show_default=True, help="Samples per prompt.")
 @click.option("--prompt-len", type=click.IntRange(min=1), default=256, show_default=True)
 @click.option("--new-tokens", type=click.IntRange(min=1), default=1024, show_default=True)
 @click.option("--early-stop/--no-early-stop", default=True, show_default=True, help="Stop when every row has stopped.")
@@ -361,10 +398,10 @@ def bench_rollout(
     if temperature <= 0:
         raise UserError(f"--temperature must be > 0, got {temperature}")
     result = run_rollout_bench(
-        model_path=model_path, preset=preset, batch=batch, generations=generations, prompt_len=prompt_len,
-        new_tokens=new_tokens, early_stop=early_stop, early_stop_chunk=early_stop_chunk, kv_segment=kv_segment,
-        style=style, mesh_policy=mesh_policy, mesh_shape=mesh_shape, dtype=dtype, temperature=temperature,
-        top_k=top_k, top_p=top_p, seed=seed, repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps,
+        repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps, model_path=model_path, preset=preset,
+        batch=batch, generations=generations, prompt_len=prompt_len, new_tokens=new_tokens, early_stop=early_stop,
+        early_stop_chunk=early_stop_chunk, kv_segment=kv_segment, style=style, mesh_policy=mesh_policy,
+        mesh_shape=mesh_shape, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         lora_rank=lora_rank, base_quantization=base_quantization,
     )
     import jax

@@ -36,7 +36,7 @@ from typing import Any, Callable
 from grpo.core.config import RunConfig, load_config, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError, UserError
-from grpo.engine.tpu import TpuTopology, parse_topology, require_libtpu
+from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
 SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
 
@@ -267,7 +267,7 @@ class Planner:
     # ------------------------------------------------------------------ one config
 
     def build(self, config: RunConfig):
-        from grpo.engine.mesh import build_mesh
+        from grpo.engine.parallel.mesh import build_mesh
         from grpo.engine.programs import build_programs
         from grpo.models.loading import abstract_model
 

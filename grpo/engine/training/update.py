@@ -113,6 +113,107 @@ def _merge_micro(x: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
+class LossCall:
+    """The loss plugin called the one way every program calls it: the update, the
+    reference pass and ``grpo bench loss``.
+
+    ``args`` are the plugin's keyword arguments (``hidden`` [B, N, D], ``head_weight``
+    [D, V], ``targets``, ``mask``, ``advantages``, ``old_logprobs``, ``ref_logprobs``,
+    maybe ``sampler_logprobs``). A ``per_shard`` loss (a Pallas kernel XLA cannot split)
+    runs per device under ``shard_map`` over the batch axes; any other loss is one global
+    call that XLA partitions. Programs trace it inside :meth:`for_mesh`."""
+
+    loss: LossPlugin
+    options: BaseModel
+    settings: LossSettings
+    mesh: Any = None
+    batch_axes: tuple[str, ...] = ("dp", "fsdp")
+
+    def __call__(self, args: dict[str, Any], normalizer=None):
+        """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs."""
+        if self._per_shard(args["targets"].shape[0]):
+            loss, metrics, logprobs = self._shard_mapped(
+                self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
+            return loss, dict(metrics, logprobs=logprobs)
+        return self.loss.compute(**args, settings=self.settings, options=self.options, normalizer=normalizer)
+
+    def token_logprobs(self, args: dict[str, Any]) -> jax.Array:
+        """Per-token log-probs [B, N] through the plugin's own log-prob path."""
+        if self._per_shard(args["targets"].shape[0]):
+            return self._shard_mapped(self._local_logprobs, args, None, out_specs=("rows",))
+        return self.loss.token_logprobs(**args, settings=self.settings, options=self.options)
+
+    def for_mesh(self, fn):
+        """``fn`` traced with the mesh's platform as the compile target (forward and
+        backward alike: jit traces the whole of ``fn`` inside it), so the loss plugin
+        compiles for the mesh's devices, not for ``jax.default_backend()``."""
+
+        @functools.wraps(fn)
+        def traced(*args, **kwargs):
+            with compiling_for(self.platform):
+                return fn(*args, **kwargs)
+
+        return traced
+
+    @property
+    def platform(self) -> str | None:
+        """What the plugin compiles for: the mesh's devices (``grpo plan`` traces for a
+        TPU mesh on a CPU host), not ``jax.default_backend()``."""
+        return self.mesh.devices.flat[0].platform if self.mesh is not None else None
+
+    def _per_shard(self, rows: int) -> bool:
+        """Run the loss per device? Only for ``per_shard`` losses, and only when the rows
+        divide over the batch axes (config validation ensures that in runs; otherwise
+        the global call stays correct, if slow)."""
+        if not getattr(self.loss, "per_shard", False) or self.mesh is None:
+            return False
+        return rows % _axes_size(self.mesh, self._shard_axes) == 0
+
+    @property
+    def _shard_axes(self) -> tuple[str, ...]:
+        return tuple(a for a in self.batch_axes if a in self.mesh.shape)
+
+    def _local_loss(self, axes, normalizer, **args):
+        """``compute`` on one device's rows. With the *global* normalizer every shard's loss
+        is its share of the global loss, so the psum is exact; the head weight enters
+        replicated, so its gradient is the psum of the shards' (shard_map's transpose)."""
+        loss, metrics = self.loss.compute(**args, settings=self.settings, options=self.options, normalizer=normalizer)
+        logprobs = metrics.pop("logprobs")
+        n = metrics["num_tokens"].astype(jnp.float32)
+        total = jax.lax.psum(n, axes)
+        combined = {
+            k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
+            for k, v in metrics.items()
+        }
+        return jax.lax.psum(loss, axes), combined, logprobs
+
+    def _local_logprobs(self, axes, normalizer, **args):  # noqa: ARG002
+        return self.loss.token_logprobs(**args, settings=self.settings, options=self.options)
+
+    def _shard_mapped(self, fn, args: dict[str, Any], normalizer, *, out_specs):
+        """``fn(axes, normalizer, **args)`` per device under ``shard_map`` over the batch
+        axes (XLA cannot split a Pallas call): rows sharded, the head weight replicated."""
+        from jax.sharding import PartitionSpec as P
+
+        axes = self._shard_axes
+        names = [k for k, v in args.items() if v is not None]
+        row_spec = P(axes)
+        in_specs = tuple(P() if k == "head_weight" else row_spec for k in names) + (P(),)
+        specs = {"rep": P(), "rows": row_spec}
+        out = tuple(specs[o] for o in out_specs)
+
+        def local(*xs):
+            *vals, norm = xs
+            return fn(axes, norm, **dict(zip(names, vals)), **{k: None for k in args if k not in names})
+
+        norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
+        return jax.shard_map(
+            # Pallas calls carry no varying-axes annotations, so the check is off.
+            local, mesh=self.mesh, in_specs=in_specs, out_specs=out if len(out) > 1 else out[0], check_vma=False
+        )(*(args[k] for k in names), norm)
+
+
+@dataclasses.dataclass(frozen=True)
 class UpdateStep:
     """A jitted update: ``(params, opt_state, batch) -> (params, opt_state, metrics, logprobs)``,
     and the reference pass ``(ref_params, batch) -> ref_logprobs`` for ``beta > 0``."""
@@ -129,6 +230,10 @@ class UpdateStep:
     master_weights: bool = False
 
     # ------------------------------------------------------------------ loss plugin calls
+
+    @property
+    def loss_call(self) -> LossCall:
+        return LossCall(self.loss, self.loss_options, self.settings, self.mesh, self.batch_axes)
 
     def _model(self, params, frozen=None, *, adapters: bool = True):
         """The model of ``params`` (with LoRA: the adapters) and ``frozen`` (the base, or
@@ -155,66 +260,9 @@ class UpdateStep:
         if self.settings.tis_cap > 0:
             # Passed only when used, so losses written before TIS existed keep working.
             args["sampler_logprobs"] = mb.sampler_logprobs
-        if self._per_shard(mb.tokens.shape[0]):
-            loss, metrics, logprobs = self._shard_mapped(
-                self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
-            return loss, dict(metrics, logprobs=logprobs)
-        return self.loss.compute(**args, settings=self.settings, options=self.loss_options, normalizer=normalizer)
-
-    def _per_shard(self, rows: int) -> bool:
-        """Run the loss per device? Only for ``per_shard`` losses, and only when the rows
-        divide over the batch axes (config validation ensures that in runs; otherwise
-        the global call stays correct, if slow)."""
-        if not getattr(self.loss, "per_shard", False) or self.mesh is None:
-            return False
-        return rows % _axes_size(self.mesh, self._shard_axes) == 0
-
-    @property
-    def _shard_axes(self) -> tuple[str, ...]:
-        return tuple(a for a in self.batch_axes if a in self.mesh.shape)
-
-    def _local_loss(self, axes, normalizer, **args):
-        """``compute`` on one device's rows. With the *global* normalizer every shard's loss
-        is its share of the global loss, so the psum is exact; the head weight enters
-        replicated, so its gradient is the psum of the shards' (shard_map's transpose)."""
-        loss, metrics = self.loss.compute(
-            **args, settings=self.settings, options=self.loss_options, normalizer=normalizer
-        )
-        logprobs = metrics.pop("logprobs")
-        n = metrics["num_tokens"].astype(jnp.float32)
-        total = jax.lax.psum(n, axes)
-        combined = {
-            k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
-            for k, v in metrics.items()
-        }
-        return jax.lax.psum(loss, axes), combined, logprobs
-
-    def _shard_mapped(self, fn, args: dict[str, Any], normalizer, *, out_specs):
-        """``fn(axes, normalizer, **args)`` per device under ``shard_map`` over the batch
-        axes (XLA cannot split a Pallas call): rows sharded, the head weight replicated."""
-        from jax.sharding import PartitionSpec as P
-
-        axes = self._shard_axes
-        names = [k for k, v in args.items() if v is not None]
-        row_spec = P(axes)
-        in_specs = tuple(P() if k == "head_weight" else row_spec for k in names) + (P(),)
-        specs = {"rep": P(), "rows": row_spec}
-        out = tuple(specs[o] for o in out_specs)
-
-        def local(*xs):
-            *vals, norm = xs
-            return fn(axes, norm, **dict(zip(names, vals)), **{k: None for k in args if k not in names})
-
-        norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
-        return jax.shard_map(
-            # Pallas calls carry no varying-axes annotations, so the check is off.
-            local, mesh=self.mesh, in_specs=in_specs, out_specs=out if len(out) > 1 else out[0], check_vma=False
-        )(*(args[k] for k in names), norm)
+        return self.loss_call(args, normalizer)
 
     # ------------------------------------------------------------------ reference pass
-
-    def _local_logprobs(self, axes, normalizer, **args):  # noqa: ARG002
-        return self.loss.token_logprobs(**args, settings=self.settings, options=self.loss_options)
 
     def reference_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
         """Per-token log-probs [B, N] of the completions under ``params`` (the reference
@@ -226,11 +274,7 @@ class UpdateStep:
         in ``params`` are switched off, so no second copy of any weight exists."""
 
         def one(mb: UpdateBatch) -> jax.Array:
-            args = self._loss_args(params, mb, frozen, adapters=False)
-            if self._per_shard(mb.tokens.shape[0]):
-                logp = self._shard_mapped(self._local_logprobs, args, None, out_specs=("rows",))
-            else:
-                logp = self.loss.token_logprobs(**args, settings=self.settings, options=self.loss_options)
+            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=False))
             return jnp.where(mb.mask > 0, logp.astype(jnp.float32), 0.0)
 
         m = self.micro_batches
@@ -318,21 +362,8 @@ class UpdateStep:
         if params is not None and opt_state is not None:
             sharding_of = lambda tree: jax.tree.map(lambda x: x.sharding, tree)  # noqa: E731
             out_shardings = (sharding_of(params), sharding_of(opt_state), None, None)
-        return jax.jit(self._for_mesh(self.__call__), donate_argnums=(0, 1), out_shardings=out_shardings)
+        return jax.jit(self.loss_call.for_mesh(self.__call__), donate_argnums=(0, 1), out_shardings=out_shardings)
 
     def jit_reference(self):
         """The jitted reference pass (no donation: the reference parameters are reused)."""
-        return jax.jit(self._for_mesh(self.reference_logprobs))
-
-    def _for_mesh(self, fn):
-        """``fn`` traced with the mesh's platform as the compile target, so the loss
-        plugin compiles for the mesh's devices (``grpo plan`` traces for a TPU mesh on a
-        CPU host), not for ``jax.default_backend()``."""
-        platform = self.mesh.devices.flat[0].platform if self.mesh is not None else None
-
-        @functools.wraps(fn)
-        def traced(*args, **kwargs):
-            with compiling_for(platform):
-                return fn(*args, **kwargs)
-
-        return traced
+        return jax.jit(self.loss_call.for_mesh(self.reference_logprobs))

@@ -1,0 +1,13 @@
+"""``grpo bench``: speed and memory as JSON (measured here, never asserted in tests).
+
+- ``rollout``: prefill + decode of the sampler that ``grpo run`` builds
+  (:meth:`grpo.engine.programs.RunPrograms.sampler`), tokens/s and the HBM roofline.
+- ``loss``: value+grad of a loss plugin as the update calls it
+  (:meth:`grpo.engine.training.update.UpdateStep.head_loss` through the builder's
+  :func:`grpo.engine.programs.loss_program`), and its compiled memory.
+- ``memory``: an FSDP-sharded buffer against its all-gathered copy.
+
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.plugins``,
+``grpo.engine.programs`` and the rooms it builds on: ``grpo.engine.parallel``,
+``grpo.engine.rollout``, ``grpo.engine.training``.
+"""

@@ -1,0 +1,9 @@
+"""Parallelism: the device mesh, JAX's multi-controller start-up, and the rows of
+batch-sharded arrays that each process owns.
+
+- ``mesh``: the topology of this runtime and the ``Mesh`` a mesh policy's layout asks for.
+- ``distributed``: ``jax.distributed.initialize`` from the ``distributed`` config section.
+- ``rows``: process-local rows <-> global batch-sharded arrays.
+
+May import: ``grpo.core``, ``grpo.sharding``. Nothing else of ``grpo.engine``.
+"""

@@ -1,0 +1,36 @@
+"""Rows of a batch-sharded array: each process holds its own slice of the rows
+(JAX's multi-controller model), and the programs take one global array.
+
+``to_global`` makes the global array from every process's local rows; ``local_rows``
+hands a process back the rows it owns, in global row order. On one process both are
+plain conversions.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding
+
+
+def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
+    """The global array whose rows are every process's ``local`` rows, in process order."""
+    return jax.make_array_from_process_local_data(sharding, local)
+
+
+def local_rows(x: jax.Array) -> np.ndarray:
+    """This process's rows of a batch-sharded global array, in global row order."""
+    if jax.process_count() == 1:
+        return np.asarray(x)
+    shards = sorted(x.addressable_shards, key=lambda s: s.index[0].start or 0)
+    rows, seen = [], set()
+    for s in shards:
+        start = s.index[0].start or 0
+        if start in seen:  # replicated over other mesh axes
+            continue
+        seen.add(start)
+        rows.append(np.asarray(s.data))
+    return np.concatenate(rows, axis=0)
+
+
+__all__ = ["local_rows", "to_global"]

@@ -1,0 +1,9 @@
+"""The rollout: prompts in, K completions per prompt out.
+
+- ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
+  each process's slice of them (the rollout's inputs).
+- ``sampler``: the jitted prefill + KV-cache decode (:class:`Sampler`).
+- ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).
+
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.parallel``.
+"""

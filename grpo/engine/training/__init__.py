@@ -1,0 +1,10 @@
+"""The update: rewards -> advantages -> loss -> gradients -> optimizer step.
+
+- ``advantages``: group-relative advantages (GRPO, Dr. GRPO, RLOO).
+- ``update``: :class:`UpdateStep` (the loss plugin over micro-batches, exact gradient
+  accumulation, master weights, the reference pass) and :class:`UpdateBatch`.
+- ``optim``: the optimizer and its learning-rate schedule.
+
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``. Nothing else of
+``grpo.engine``: the loop that drives these pieces is the trainer, one floor up.
+"""

@@ -1,0 +1,51 @@
+"""Helpers for tests that preempt a trainer and resume it."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import jax
+import numpy as np
+import pytest
+
+from grpo.engine.runs.metrics import read_eval, read_metrics
+from grpo.engine.trainer import Interrupted, Trainer
+
+
+def preempted_and_resumed(config, run_dir, *, after: int, after_preempt=None) -> Trainer:
+    """Run ``config`` in ``run_dir`` (a path or a bucket URL) with a real SIGTERM after step
+    ``after`` (as on a preempted TPU), then resume it in a new trainer to the end; returns
+    that trainer. ``after_preempt(trainer)`` looks at what the preempted trainer left."""
+    first = Trainer(config, run_dir)
+    step_fn = first.train_step
+
+    def train_step_then_preempt():
+        row = step_fn()
+        if first.step == after:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return row
+
+    first.train_step = train_step_then_preempt
+    with pytest.raises(Interrupted) as stop:
+        first.run()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert stop.value.step == after and stop.value.exit_code == 128 + signal.SIGTERM
+    assert first.checkpointer.latest_step() == after
+    if after_preempt is not None:
+        after_preempt(first)
+    second = Trainer(config, run_dir)
+    assert second.maybe_resume() and second.step == after
+    second.run()
+    return second
+
+
+def assert_same_run(a: Trainer, b: Trainer) -> None:
+    """Bitwise the same trained parameters, and the same metrics and evaluations, timings aside."""
+    for x, y in zip(jax.tree.leaves(a.params), jax.tree.leaves(b.params)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    timing = ("time/", "throughput/")
+    strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows]  # noqa: E731
+    assert strip(read_metrics(b.run_dir)) == strip(read_metrics(a.run_dir))
+    assert strip(read_eval(b.run_dir)) == strip(read_eval(a.run_dir))

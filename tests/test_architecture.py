@@ -1,0 +1,182 @@
+"""The import graph of the ``grpo`` package, read from the source (AST, lazy imports
+inside functions included): no cycles, nothing below the engine imports it, and each
+room of ``grpo.engine`` imports only what its ``__init__`` docstring allows."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import grpo
+
+ROOT = Path(grpo.__file__).parent
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+MODULES = _modules()
+
+
+def _owner(name: str) -> str | None:
+    """The grpo module an imported name lives in (``a.b.c`` -> ``a.b`` if c is an attribute)."""
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    """Every grpo module ``module`` imports, at module level or lazily in a function."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                source = ".".join(base + ([node.module] if node.module else []))
+            else:
+                source = node.module or ""
+            # `from pkg import sub` imports the submodule pkg.sub when there is one.
+            names = [f"{source}.{a.name}" if f"{source}.{a.name}" in MODULES else source for a in node.names]
+        else:
+            continue
+        for name in names:
+            if name == "grpo" or name.startswith("grpo."):
+                owner = _owner(name)
+                if owner and owner != module:
+                    found.add(owner)
+    return found
+
+
+GRAPH = {m: _imports(m, p) for m, p in MODULES.items()}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan, iterative)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+    counter = 0
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            v, edges = work[-1]
+            for w in edges:
+                if w not in index:
+                    index[w] = low[w] = counter
+                    counter += 1
+                    stack.append(w)
+                    on_stack.add(w)
+                    work.append((w, iter(sorted(graph.get(w, ())))))
+                    break
+                if w in on_stack:
+                    low[v] = min(low[v], index[w])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[v])
+                if low[v] == index[v]:
+                    comp = []
+                    while True:
+                        w = stack.pop()
+                        on_stack.discard(w)
+                        comp.append(w)
+                        if w == v:
+                            break
+                    if len(comp) > 1:
+                        out.append(sorted(comp))
+    return out
+
+
+def _within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+def test_the_graph_is_read():
+    # The reader sees lazy imports inside functions and `from pkg import submodule`.
+    assert "grpo.engine.evaluation" in GRAPH["grpo.engine.trainer"]
+    assert "grpo.engine.runs.rundir" in GRAPH["grpo.engine.trainer"]  # from grpo.engine.runs import rundir
+    assert "grpo.plugins.tasks" in GRAPH["grpo.engine.trainer"]  # imported inside a method
+    assert len(MODULES) > 60
+
+
+def test_cycle_finder_finds_cycles():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_no_import_cycles():
+    assert _cycles(GRAPH) == []
+
+
+@pytest.mark.parametrize("below", ["grpo.models", "grpo.plugins", "grpo.sharding", "grpo.core"])
+def test_nothing_below_the_engine_imports_it(below):
+    # grpo.core.cli dispatches `grpo <command>` to the engine's commands: the one way up.
+    offenders = {
+        m: sorted(d for d in deps if _within(d, "grpo.engine"))
+        for m, deps in GRAPH.items()
+        if _within(m, below) and m != "grpo.core.cli"
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+def _rooms() -> dict[str, set[str]]:
+    """Each ``grpo.engine`` room and the prefixes its docstring's ``May import:`` lists."""
+    rooms = {}
+    for init in sorted((ROOT / "engine").glob("*/__init__.py")):
+        name = f"grpo.engine.{init.parent.name}"
+        doc = ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) or ""
+        assert "May import:" in doc, f"{name}'s docstring does not say what it may import"
+        allowed = doc.split("May import:", 1)[1]
+        rooms[name] = set(re.findall(r"``(grpo[\w.]*)``", allowed))
+    return rooms
+
+
+ROOMS = _rooms()
+
+
+def test_engine_has_rooms_and_few_loose_modules():
+    assert set(ROOMS) >= {
+        "grpo.engine.parallel", "grpo.engine.rollout", "grpo.engine.training", "grpo.engine.runs",
+        "grpo.engine.planning", "grpo.engine.bench",
+    }
+    loose = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
+    assert len(loose) <= 8, loose
+    for room in ROOMS:
+        doc = ast.get_docstring(ast.parse(MODULES[room].read_text(encoding="utf-8")))
+        # The docstring names every module the room holds.
+        for path in MODULES[room].parent.glob("*.py"):
+            if path.name != "__init__.py":
+                assert f"``{path.stem}``" in doc, f"{room}'s docstring does not mention {path.stem}"
+
+
+@pytest.mark.parametrize("room", sorted(ROOMS))
+def test_rooms_import_only_what_they_declare(room):
+    allowed = ROOMS[room] | {room}
+    bad = {
+        m: sorted(d for d in deps if not any(_within(d, a) for a in allowed))
+        for m, deps in GRAPH.items()
+        if _within(m, room)
+    }
+    assert {m: d for m, d in bad.items() if d} == {}, f"{room} may import only {sorted(allowed)}"
