@@ -132,11 +132,11 @@ def test_two_processes_match_single_process(tmp_path, single_process_reference, 
     assert "Done" not in results[1][1]  # only process 0 reports
     rows, want = read_metrics(run_dir), read_metrics(single_dir)
     assert [r["step"] for r in rows] == [1, 2]
-    assert rows[-1]["grad_norm"] > 0
     for got, ref in zip(rows, want):
         for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean", "kl"):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
     if model == "lora":
+        assert rows[-1]["grad_norm"] > 0  # the adapters trained
         multi = _export_adapters(run_dir, tmp_path / "peft_multi")
         single = _export_adapters(single_dir, tmp_path / "peft_single")
         assert multi.keys() == single.keys()
