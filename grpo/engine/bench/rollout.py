@@ -68,14 +68,20 @@ def measure_bandwidth(nbytes: int = 2 * 1024**3, repeats: int = 5) -> float:
     n = nbytes // 2
     x = jax.device_put(jnp.zeros((n,), jnp.bfloat16), dev)
     f = jax.jit(lambda a: a + jnp.bfloat16(1))
-    f(x).block_until_ready()
+    return 2 * n * 2 / _best_of(lambda: f(x), repeats)
+
+
+def _best_of(fn: Any, repeats: int = 3) -> float:
+    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed call)."""
+    import jax
+
+    jax.block_until_ready(fn())
     best = math.inf
     for _ in range(repeats):
         t = time.perf_counter()
-        f(x).block_until_ready()
+        jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t)
-    del x
-    return 2 * n * 2 / best
+    return best
 
 
 def _eos_ids(config: Any, model_dir: Any = None) -> tuple[int, ...]:
@@ -153,19 +159,6 @@ def bench_config(
         ) from None
 
 
-def _best_of(fn: Any, repeats: int = 3) -> float:
-    """The fastest of ``repeats`` timed calls of ``fn`` (after one untimed call)."""
-    import jax
-
-    jax.block_until_ready(fn())
-    best = math.inf
-    for _ in range(repeats):
-        t = time.perf_counter()
-        jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t)
-    return best
-
-
 def _memory_stats() -> dict[str, int]:
     import jax
 
@@ -227,8 +220,7 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
         lora_info = {"rank": lora_rank, "base_quantization": base_quantization,
                      "trainable_params": count_params(adapters)}
     pad = int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0))
-    programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad,
-                              plugins=None)
+    programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad)
     batch_axes = programs.batch_axes
     sampler = programs.sampler()
     params = programs.sampler_state(adapters, frozen)
