@@ -93,8 +93,10 @@ def fit_spec(
 ) -> PartitionSpec:
     """The PartitionSpec of ``rules`` for an array of ``shape`` on ``mesh``.
 
-    Mesh axes the mesh does not have are dropped; dimensions that do not divide evenly
-    over their mesh axes are replicated (logged once).
+    Mesh axes the mesh does not have are dropped; a dimension that does not divide evenly
+    over its mesh axes is sharded over the longest leading part of them it divides (e.g.
+    12 prompts over ``("dp", "fsdp")`` of sizes 2 x 8: over ``dp`` only), replicated when
+    there is none (logged once).
     """
     if len(shape) != len(names):
         raise ValueError(f"logical names {tuple(names)} do not match shape {tuple(shape)}")
@@ -109,18 +111,21 @@ def fit_spec(
         size = math.prod(mesh.shape[a] for a in tup)
         if not tup:
             out.append(None)
-        elif dim % size:
+            continue
+        fitted = tup
+        while fitted and dim % math.prod(mesh.shape[a] for a in fitted):
+            fitted = fitted[:-1]  # the longest leading part of the axes that divides
+        if fitted != tup:
             key = (tuple(shape), tuple(names), tup)
             if key not in _warned:
                 _warned.add(key)
                 log.warning(
                     "dimension %r of size %d does not divide over mesh axes %s (size %d); "
-                    "replicating it for shape %s",
-                    name, dim, tup, size, tuple(shape),
+                    "%s for shape %s",
+                    name, dim, tup, size,
+                    f"sharding it over {fitted} only" if fitted else "replicating it", tuple(shape),
                 )
-            out.append(None)
-        else:
-            out.append(tup[0] if len(tup) == 1 else tup)
+        out.append(None if not fitted else fitted[0] if len(fitted) == 1 else fitted)
     return PartitionSpec(*out)
 
 

@@ -654,7 +654,7 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
     loss = selected["loss"]
     problems += loss.plugin.check(layout=layout, options=loss.options)
-    shards = layout.axis_size(style.plugin.batch_axes(layout, style.options))
+    shards = style.plugin.rollout_shards(layout=layout, topology=topology, options=style.options)
     seqs = config.sequences_per_step
     if seqs % shards:
         problems.append(
@@ -662,12 +662,15 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
             f"rollout.num_generations={config.rollout.num_generations}) must divide evenly over the {shards} "
             f"rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape}"
         )
+    # The prompts themselves need not divide over the rollout shards: prefill shards them
+    # over the largest part of the batch axes they divide (replicated at worst), and the
+    # decode batch of prompts x generations is what is split. Each process feeds its own
+    # prompts, though.
     prompts = config.train.prompts_per_step
-    if prompts % shards:
+    if prompts % topology.process_count:
         problems.append(
-            f"train.prompts_per_step={prompts} must divide evenly over the {shards} rollout shards of "
-            f"rollout.style={config.rollout.style} on mesh {layout.shape}: each prompt is prefilled once, "
-            "sharded like the rollout batch, before its num_generations samples share its KV cache"
+            f"train.prompts_per_step={prompts} must divide evenly over the {topology.process_count} processes: "
+            "each process reads and scores its own prompts"
         )
     train_shards = layout.dp * layout.fsdp
     mb = config.micro_batch_size

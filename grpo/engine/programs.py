@@ -18,6 +18,11 @@ The programs of one GRPO step, in the order they run:
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated).
 
+Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
+on the training layout (``legacy``, ``maxtext``), or in the style's own layout
+(``serving``), into which :meth:`RunPrograms.sampler_state` reshards the policy once per
+step — the ``reshard`` program, before prefill.
+
 The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateStep``.
 """
 
@@ -55,6 +60,7 @@ class RunPrograms:
     update_step: Any  # grpo.engine.training.update.UpdateStep (not jitted)
     eos_ids: tuple[int, ...]
     pad_id: int
+    rollout: Any = None  # grpo.engine.rollout.layout.RolloutPlacement
     _samplers: dict = dataclasses.field(default_factory=dict)
     _merge: Any = None  # the jitted LoRA merge of merged sampling, built on first use
 
@@ -62,8 +68,15 @@ class RunPrograms:
 
     @property
     def rollout_sharding(self) -> NamedSharding:
-        """Rows of the rollout batch (prompts, completions, rewards)."""
-        return NamedSharding(self.mesh, P(self.batch_axes))
+        """Rows of the rollout batch (completions, rewards), on the rollout's mesh."""
+        return NamedSharding(self.rollout.mesh, P(self.batch_axes))
+
+    def prompt_sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """Rows of ``shape``-shaped prompts as prefill takes them: over the rollout batch
+        axes they divide (:func:`grpo.sharding.fit_spec`; replicated at worst)."""
+        from grpo.sharding import fit_sharding
+
+        return fit_sharding(shape, ("batch", "length"), self.rollout.mesh, self.rollout.activation_rules)
 
     @property
     def train_sharding(self) -> NamedSharding:
@@ -95,9 +108,11 @@ class RunPrograms:
                 pad_id=self.pad_id,
                 early_stop_chunk=r.early_stop_chunk,
             )
+            ro = self.rollout
             self._samplers[key] = Sampler(
-                self.graphdef, mesh=self.mesh, batch_axes=self.batch_axes, sampling=sampling,
+                self.graphdef, mesh=ro.mesh, batch_axes=ro.batch_axes, sampling=sampling,
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
+                activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
         return self._samplers[key]
 
@@ -109,18 +124,41 @@ class RunPrograms:
         return lora is not None and lora.sampler == "merged"
 
     def sampler_state(self, params: Any, frozen: Any) -> Any:
-        """What the sampler reads for trainable ``params`` and the ``frozen`` base: the
-        whole state as is (no copy), or with ``merged_sampling`` a state whose targeted
-        projections are ``W + (alpha / r) A @ B`` (one jitted merge; a new array per
-        projection, in the base's sharding)."""
-        from grpo.models.lora import merge_into_state, merge_params
+        """What the sampler reads for trainable ``params`` and the ``frozen`` base.
 
-        if frozen is None or not self.merged_sampling:
+        On the training layout: the whole state as is (no copy), or with
+        ``merged_sampling`` a state whose targeted projections are ``W + (alpha / r) A @ B``
+        (one jitted merge; a new array per projection, in the base's sharding). In a
+        rollout style's own layout: one jitted program (:meth:`reshard_jit`) copies the
+        state into it, merging on the way when ``merged_sampling``; the copy lives until
+        the caller drops it (after decode)."""
+        from grpo.models.lora import merge_params
+
+        if self.rollout.resharded:
+            state = merge_params(params, frozen)
+            fn = self.reshard_jit(state)
+            return fn(params, frozen) if self._merging(frozen) else fn(state)
+        if not self._merging(frozen):
             return merge_params(params, frozen)
         if self._merge is None:
             shardings = jax.tree.map(lambda x: x.sharding, merge_params(params, frozen))
-            self._merge = jax.jit(lambda p, f: merge_into_state(self.graphdef, p, f), out_shardings=shardings)
+            self._merge = jax.jit(self._merged, out_shardings=shardings)
         return self._merge(params, frozen)
+
+    def reshard_jit(self, state: Any):
+        """The jitted once-per-step reshard into the rollout layout: ``fn(state)``, or
+        ``fn(params, frozen)`` merging LoRA adapters on the way (``merged_sampling``).
+        ``state``: the full sampler state (concrete or abstract), for its shardings."""
+        merging = self.merged_sampling and self.config.model.lora is not None
+        return self.rollout.reshard_jit(state, self._merged if merging else None)
+
+    def _merging(self, frozen: Any) -> bool:
+        return frozen is not None and self.merged_sampling
+
+    def _merged(self, params: Any, frozen: Any) -> Any:
+        from grpo.models.lora import merge_into_state
+
+        return merge_into_state(self.graphdef, params, frozen)
 
     def update(self, params: Any = None, opt_state: Any = None):
         """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,
@@ -184,9 +222,7 @@ class RunPrograms:
         buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
         lp = max(buckets)
         p = cfg.train.prompts_per_step
-        sampler = self.sampler()
-        sharding = sampler._sharding((p, lp), ("batch", "length"))
-        tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=sharding)
+        tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=self.prompt_sharding((p, lp)))
         return {"prompt_tokens": tok, "prompt_mask": tok}
 
     def abstract_update_batch(self, *, old_logprobs: bool = False):
@@ -273,15 +309,25 @@ def build_programs(
     eos_ids: Sequence[int],
     pad_id: int,
     plugins: dict[str, Any] | None = None,
+    arch: Any = None,
+    topology: Any = None,
+    state: Any = None,
+    chip: Any = None,
 ) -> RunPrograms:
     """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
-    ``nnx.split`` of a concrete or an abstract model)."""
+    ``nnx.split`` of a concrete or an abstract model).
+
+    A rollout style with its own layouts needs the model's config ``arch`` and the
+    ``topology``; to pick among several (``tensor_parallel: auto``) it uses the chip
+    figures ``chip`` (None: the smallest valid one) and the full model ``state``
+    (concrete or abstract: its bytes)."""
     from grpo.engine.training.optim import make_optimizer
     from grpo.engine.training.update import UpdateStep
 
     plugins = plugins or select_plugins(config)
-    style = plugins["rollout"]
-    batch_axes = tuple(style.plugin.batch_axes(layout, style.options))
+    placement = rollout_placement(
+        config, plugins["rollout"], mesh=mesh, layout=layout, arch=arch, topology=topology, state=state, chip=chip
+    )
     optimizer = make_optimizer(config.train.optimizer, config.train.steps)
     update_step = UpdateStep(
         graphdef=graphdef,
@@ -299,12 +345,57 @@ def build_programs(
         layout=layout,
         graphdef=graphdef,
         plugins=plugins,
-        batch_axes=batch_axes,
+        batch_axes=placement.batch_axes,
         optimizer=optimizer,
         update_step=update_step,
         eos_ids=tuple(int(e) for e in eos_ids),
         pad_id=int(pad_id),
+        rollout=placement,
     )
 
 
-__all__ = ["RunPrograms", "build_programs", "loss_program", "mesh_platform"]
+def rollout_placement(
+    config: RunConfig, style: Any, *, mesh: Mesh, layout: MeshLayout, arch: Any = None, topology: Any = None,
+    state: Any = None, chip: Any = None,
+) -> Any:
+    """Where the rollout programs run for the rollout style ``style`` (a selected plugin):
+    the training layout, or the style's own (the fastest that fits of its candidates)."""
+    from grpo.core.contracts import ModelDims, Topology
+    from grpo.core.errors import UserError
+    from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_bytes
+
+    batch_axes = tuple(style.plugin.batch_axes(layout, style.options))
+    if arch is None:
+        return RolloutPlacement.training(mesh, batch_axes)
+    if topology is None:
+        topology = Topology(process_count=1, local_device_count=layout.size)
+    dims = ModelDims.of(arch)
+    candidates = style.plugin.rollout_layouts(layout=layout, topology=topology, options=style.options, model=dims)
+    if not candidates:
+        return RolloutPlacement.training(mesh, batch_axes)
+    rows = config.sequences_per_step
+    if not any(rows % c.shards == 0 for c in candidates):
+        raise UserError(
+            f"rollout.style={config.rollout.style}: no layout it offers splits the {rows} sequences of a step "
+            f"(train.prompts_per_step x rollout.num_generations); its layouts split the batch "
+            + " or ".join(str(c.shards) for c in candidates) + " ways."
+        )
+    estimate: dict[str, Any] = {}
+    if chip is not None and state is not None:
+        from grpo.engine.rollout.prompts import default_buckets
+
+        r = config.rollout
+        lp = max(r.prompt_buckets or default_buckets(r.max_prompt_length))
+        itemsize = 2 if config.model.compute_dtype == "bfloat16" else 4
+        total = state_bytes(state)
+        # Resident beside the rollout: the training state's shard per chip (parameters,
+        # and with full fine-tuning an optimizer state of about two f32 moments each).
+        per_chip = total / layout.size
+        opt = 0.0 if config.model.lora is not None else per_chip * 8 / itemsize
+        estimate = dict(cache_slots=lp + r.max_new_tokens, weight_bytes=total, compute_itemsize=itemsize,
+                        resident_bytes=per_chip + opt)
+    chosen, estimates = choose_layout(candidates, dims, rows=rows, chip=chip if estimate else None, **estimate)
+    return RolloutPlacement.of_layout(mesh, chosen, estimates)
+
+
+__all__ = ["RunPrograms", "build_programs", "loss_program", "mesh_platform", "rollout_placement"]

@@ -28,6 +28,7 @@ from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
 from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.planning.tpu import chip_of
 from grpo.engine.programs import build_programs
 from grpo.engine.rollout.prompts import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
 from grpo.engine.runs import rundir
@@ -115,7 +116,10 @@ class Trainer:
         self.programs = build_programs(
             config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
             eos_ids=self.policy.eos_ids, pad_id=self.policy.pad_id, plugins=self.plugins,
+            arch=model.config, topology=self.topology, state=state, chip=chip_of(self.mesh.devices.flat[0]),
         )
+        if self.is_main and self.programs.rollout.resharded:
+            log.info("rollout layout: %s", self.programs.rollout.describe())
         self.batch_axes = self.programs.batch_axes
         self.batch_sharding = self.programs.rollout_sharding
         self.train_sharding = self.programs.train_sharding
@@ -277,8 +281,9 @@ class Trainer:
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
         batch = self._rollout_batch(self.step)
-        prompts = to_global(batch.tokens, self.batch_sharding)
-        prompt_mask = to_global(batch.mask, self.batch_sharding)
+        shape = (cfg.train.prompts_per_step, batch.tokens.shape[1])
+        prompts = to_global(batch.tokens, self.programs.prompt_sharding(shape))
+        prompt_mask = to_global(batch.mask, self.programs.prompt_sharding(shape))
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
         out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
         local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)

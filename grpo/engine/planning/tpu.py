@@ -134,6 +134,22 @@ def parse_topology(name: str) -> TpuTopology:
     return TpuTopology(name=text, raw=raw, chip=CHIPS[gen], chips=chips, kwargs=tuple(sorted(kwargs.items())))
 
 
+_KINDS = (("v6 lite", "v6e"), ("v6e", "v6e"), ("v5 lite", "v5e"), ("v5e", "v5e"), ("v5p", "v5p"), ("v5", "v5p"),
+          ("v4", "v4"))
+
+
+def chip_of(device: Any) -> ChipSpec | None:
+    """The chip figures of a JAX device (its ``device_kind``, e.g. ``TPU v6 lite``); None
+    for a device that is not a TPU in the table (CPU, GPU)."""
+    if getattr(device, "platform", None) != "tpu":
+        return None
+    kind = str(getattr(device, "device_kind", "")).lower()
+    for needle, gen in _KINDS:
+        if needle in kind:
+            return CHIPS[gen]
+    return None
+
+
 INSTALL_HINT = 'pip install "grpo-jax[plan]"  (or: pip install libtpu)'
 
 
@@ -150,5 +166,5 @@ def require_libtpu() -> None:
         )
 
 
-__all__ = ["CHIPS", "ChipSpec", "NAMED_TOPOLOGIES", "TpuTopology", "libtpu_available", "parse_topology",
+__all__ = ["CHIPS", "ChipSpec", "chip_of", "NAMED_TOPOLOGIES", "TpuTopology", "libtpu_available", "parse_topology",
            "require_libtpu", "valid_names"]

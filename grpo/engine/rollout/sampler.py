@@ -52,9 +52,12 @@ later slots hold ``pad_id`` with mask 0 and log-prob 0. ``truncated`` marks rows
 reached ``max_new_tokens`` without a stop token.
 
 Sharding: the batch dimension of every rollout array (and of the cache) is sharded over
-``batch_axes`` (a rollout style's ``batch_axes``) on ``mesh``; a dimension that does not
-divide is replicated. Parameters stay in whatever sharding they have (FSDP); the model's
-activation constraints are switched to the same batch axes while sampling. Prompt-length
+``batch_axes`` on ``mesh``; a dimension that does not divide is sharded over the longest
+leading part of them it divides (:func:`grpo.sharding.fit_spec`): 12 prompts on 8 shards
+prefill replicated, and their 96 samples decode split 8 ways. Parameters stay in whatever
+sharding they are handed (the training layout's FSDP, or a rollout style's serving
+layout: :mod:`grpo.engine.rollout.layout`); the model's activation constraints follow
+``activation_rules`` with the batch over ``batch_axes`` while sampling. Prompt-length
 bucketing is the caller's job (one compilation per distinct ``(P, Lp)``).
 """
 
@@ -214,6 +217,7 @@ class Sampler:
         replaced by ``batch_axes``.
       lora_adapters: False runs a LoRA model without its adapter matmuls (the
         ``model.lora.sampler: merged`` rollout, whose projections already hold them).
+      cache_rules: logical-axis rules of the KV cache (default: the activation rules).
 
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
@@ -229,6 +233,7 @@ class Sampler:
         kv_segment: int = 256,
         activation_rules: Mapping[str, Any] | None = None,
         lora_adapters: bool = True,
+        cache_rules: Mapping[str, Any] | None = None,
     ):
         if kv_segment < 0:
             raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
@@ -243,6 +248,7 @@ class Sampler:
         self.kv_segment = int(kv_segment)
         self.lora_adapters = bool(lora_adapters)
         self.rules = with_batch_axes(ACTIVATION_RULES if activation_rules is None else activation_rules, self.batch_axes)
+        self.cache_rules = self.rules if cache_rules is None else with_batch_axes(cache_rules, self.batch_axes)
         self.prefill_jit = jax.jit(self._prefill_impl)
         # Donation only helps when decode can hand the same buffer back (one segment);
         # with several segments the first growth copies the cache anyway.
@@ -347,8 +353,12 @@ class Sampler:
     def _cache_dtype(self, model) -> Any:
         return model.dtype if self.cache_dtype is None else jnp.dtype(self.cache_dtype)
 
+    def cache_sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """The sharding of a KV-cache array (``k`` or ``v``) of ``shape``."""
+        return fit_sharding(shape, CACHE_AXES, self.mesh, self.cache_rules)
+
     def _constrain_cache(self, cache: KVCache) -> KVCache:
-        return KVCache(k=self._constrain(cache.k, CACHE_AXES), v=self._constrain(cache.v, CACHE_AXES))
+        return KVCache(*(jax.lax.with_sharding_constraint(x, self.cache_sharding(x.shape)) for x in cache))
 
     def _grow(self, cache: KVCache, length: int) -> KVCache:
         extra = length - cache.max_length
