@@ -112,7 +112,9 @@ class Cost:
     roofline_s: float
 
 
-def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
+def program_costs(
+    programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None, train_state_bytes: float = 0.0,
+) -> dict[str, Cost]:
     """Per-device flops, HBM bytes and roofline time of each program of one step.
 
     With ``D`` hidden, ``F`` MLP width, ``H``/``Hk`` query/KV heads of ``E`` dims, ``V``
@@ -129,6 +131,11 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
     - bytes: every program reads the whole (all-gathered) weights once per forward and
       twice per backward pass, decode reads them and the live KV cache once per step, and
       the optimizer reads and writes parameters, gradients and its state (sharded).
+    - a rollout in its own layout (``serving``, ``rollout_weight_bytes`` per chip) reads
+      its shard of the weights instead of all of them, its prefill/decode FLOPs split
+      ``tp`` ways, and its KV cache too when the KV heads divide over ``tp``; the
+      ``reshard`` program reads the training shard (``train_state_bytes``) and writes
+      the copy once per step.
 
     LoRA (``Na`` adapter parameters, ``r (in + out)`` per targeted projection and layer):
     a forward token adds ``2 Na``; backward computes the frozen base's input gradients
@@ -160,8 +167,15 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
 
     out: dict[str, Cost] = {}
     layout = programs.layout
-    rollout_shards = layout.axis_size(programs.batch_axes)
+    ro = programs.rollout
+    rollout_shards = math.prod(ro.mesh.shape[a] for a in programs.batch_axes)
     train_shards = layout.dp * layout.fsdp
+    # The rollout's weights per chip: on the training layout all of them (FSDP gathers
+    # every layer for each pass); in a serving layout its shard (1/tp of the split
+    # matrices), which is also all the matmul work a chip does.
+    tp = ro.tensor_parallel if ro.resharded else 1
+    kv_split = tp if Hk % tp == 0 else 1
+    rollout_weights = rollout_weight_bytes if rollout_weight_bytes is not None else weight_bytes
     sampler = programs.sampler()
     inputs = programs.abstract_rollout_inputs()
     P, Lp = inputs["prompt_tokens"].shape
@@ -170,9 +184,9 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
 
     # prefill: P prompts of Lp tokens; logits of the last position only.
     rows = P / rollout_shards
-    flops = rows * (Lp * 2 * (wm + na) + 4 * Lp * Lp * H * E * Lyr + 2 * D * V)
-    kv_tok = 2 * Lyr * Hk * E * w
-    nbytes = weight_bytes + rows * K * Lp * kv_tok
+    flops = rows * (Lp * 2 * (wm + na) + 4 * Lp * Lp * H * E * Lyr + 2 * D * V) / tp
+    kv_tok = 2 * Lyr * Hk * E * w / kv_split
+    nbytes = rollout_weights + rows * K * Lp * kv_tok
     out["prefill"] = Cost(flops, nbytes, roof(flops, nbytes))
 
     # decode: step 0 samples from the prefill logits; each later step is one token per row.
@@ -181,12 +195,16 @@ def program_costs(programs: Any, arch: Any, chip: Any) -> dict[str, Cost]:
     for a, b in sampler.plan():
         steps = b - a
         slots = Lp + b  # the segment's cache length, all read every step
-        f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr)
-        by = weight_bytes + rows * slots * kv_tok
+        f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr) / tp
+        by = rollout_weights + rows * slots * kv_tok
         f_tot += steps * f
         b_tot += steps * by
         t_tot += steps * roof(f, by)
     out["decode"] = Cost(f_tot, b_tot, t_tot)
+    if ro.resharded:
+        # The once-per-step reshard reads the training shard and writes the rollout copy.
+        nbytes = (rollout_weight_bytes or 0) + train_state_bytes
+        out["reshard"] = Cost(0.0, nbytes, roof(0.0, nbytes))
 
     S = Lp + cfg.rollout.max_new_tokens
     N = cfg.rollout.max_new_tokens
@@ -284,7 +302,15 @@ class Planner:
         eos = arch.eos_token_id if arch.eos_token_id is not None else ()
         eos = tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
         pad = arch.pad_token_id if arch.pad_token_id is not None else (eos[0] if eos else 0)
-        programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad)
+        try:
+            programs = build_programs(
+                config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad, arch=arch,
+                topology=self.topo, state=params, chip=self.topology.chip,
+            )
+        except UserError as err:
+            raise ConfigError(
+                f"The config cannot run on {self.topology.name}:", problems=[str(err)]
+            ) from None
         return programs, params, arch
 
     def plan(self, config: RunConfig) -> dict[str, Any]:
@@ -318,7 +344,6 @@ class Planner:
         sampler = programs.sampler()
         inputs = programs.abstract_rollout_inputs()
         batch = programs.abstract_update_batch()
-        mesh = programs.mesh
         state = {
             "parameters": _bytes_per_device(full),
             "optimizer_state": _bytes_per_device(opt_state),
@@ -328,7 +353,17 @@ class Planner:
         # model.lora.sampler=merged: the rollout reads a merged copy of every targeted
         # projection, made once per step and dropped before the update; the programs take
         # the merged state, and the base's own projections stay resident beside it.
-        state["merged_projections"] = _merged_projection_bytes(full) if programs.merged_sampling else 0
+        ro = programs.rollout
+        state["merged_projections"] = (
+            _merged_projection_bytes(full) if programs.merged_sampling and not ro.resharded else 0)
+        # A rollout in its own layout reads a copy of the policy made once per step
+        # (merged on the way with model.lora.sampler=merged), dropped before the update.
+        rollout_state = None
+        if ro.resharded:
+            rollout_state = jax.tree.map(
+                lambda leaf, sh: jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=sh), full, ro.shardings(full))
+        state["rollout_parameters"] = _bytes_per_device(rollout_state) if rollout_state is not None else 0
+        sampler_args = rollout_state if rollout_state is not None else full
 
         from grpo.models.qwen2 import CACHE_AXES
 
@@ -337,7 +372,7 @@ class Planner:
         seg = sampler.plan()
         cache_len = Lp + (seg[-1][1] if seg else 0)
         cache_shape = (arch.num_hidden_layers, B, cache_len, arch.num_key_value_heads, arch.head_dim)
-        cache_sharding = sampler._sharding(cache_shape, CACHE_AXES)
+        cache_sharding = sampler.cache_sharding(cache_shape)
         dt = jax.numpy.dtype(config.model.compute_dtype)
         kv_bytes = 2 * math.prod(cache_sharding.shard_shape(cache_shape)) * dt.itemsize
         state["kv_cache"] = kv_bytes
@@ -357,15 +392,19 @@ class Planner:
                         "eval", "checkpoint", "logging", "name")
         results: list[ProgramResult] = []
 
+        def reshard_lower():
+            fn = programs.reshard_jit(full)
+            return fn.lower(params, frozen) if programs.merged_sampling and frozen is not None else fn.lower(full)
+
         def prefill_lower():
-            return sampler.prefill_jit.lower(full, inputs["prompt_tokens"], inputs["prompt_mask"])
+            return sampler.prefill_jit.lower(sampler_args, inputs["prompt_tokens"], inputs["prompt_mask"])
 
         def decode_lower():
             from grpo.models.qwen2 import KVCache
 
             first = Lp + (seg[0][1] if seg else 0)
             shape = (arch.num_hidden_layers, B, first, arch.num_key_value_heads, arch.head_dim)
-            kv = jax.ShapeDtypeStruct(shape, dt, sharding=sampler._sharding(shape, CACHE_AXES))
+            kv = jax.ShapeDtypeStruct(shape, dt, sharding=sampler.cache_sharding(shape))
             logits = jax.ShapeDtypeStruct((B, arch.vocab_size), jax.numpy.float32,
                                           sharding=sampler._sharding((B, arch.vocab_size), ("batch", "vocab")))
             toks = jax.ShapeDtypeStruct((B, Lp), jax.numpy.int32,
@@ -373,8 +412,9 @@ class Planner:
             key = jax.random.key(config.train.seed)
             impl = jax.random.key_impl(key)
             data = jax.random.key_data(key)
-            raw = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=programs.replicated)
-            return sampler.decode_jit().lower(full, KVCache(k=kv, v=kv), logits, toks, toks, raw, key_impl=impl)
+            raw = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=ro.replicated())
+            return sampler.decode_jit().lower(sampler_args, KVCache(k=kv, v=kv), logits, toks, toks, raw,
+                                              key_impl=impl)
 
         def reference_lower():
             # The trainer runs it before the update, on the batch without ref log-probs.
@@ -384,9 +424,13 @@ class Planner:
         def update_lower():
             return programs.update(params, opt_state).lower(params, opt_state, batch, frozen)
 
-        todo: list[tuple[str, Callable, tuple, tuple[str, ...]]] = [
-            ("prefill", prefill_lower, keyed("prefill", rollout_only), ("parameters",)),
-            ("decode", decode_lower, keyed("decode", rollout_only), ("parameters",)),
+        rollout_takes = ("rollout_parameters",) if ro.resharded else ("parameters",)
+        todo: list[tuple[str, Callable, tuple, tuple[str, ...]]] = []
+        if ro.resharded:
+            todo.append(("reshard", reshard_lower, keyed("reshard", rollout_only), ("parameters",)))
+        todo += [
+            ("prefill", prefill_lower, keyed("prefill", rollout_only), rollout_takes),
+            ("decode", decode_lower, keyed("decode", rollout_only), rollout_takes),
         ]
         if config.loss.beta > 0:
             # LoRA's reference pass reads the policy's own base (adapters off).
@@ -398,14 +442,18 @@ class Planner:
                 self._cache[key] = self._compile(name, lower, takes)
             results.append(self._cache[key])
 
-        costs = program_costs(programs, arch, self.topology.chip)
+        costs = program_costs(programs, arch, self.topology.chip,
+                              rollout_weight_bytes=state["rollout_parameters"] if ro.resharded else None,
+                              train_state_bytes=state["parameters"])
         hbm = self.hbm_bytes
+        # Resident between programs: the training state (the rollout copy only while the
+        # rollout programs run, which take it as their argument).
         resident_total = state["parameters"] + state["optimizer_state"] + state["reference_parameters"]
         report_programs: dict[str, Any] = {}
         peaks: list[int] = []
         errors: list[str] = []
         for r in results:
-            resident = resident_total - sum(state[t] for t in r.takes)
+            resident = resident_total - sum(state[t] for t in r.takes if t != "rollout_parameters")
             if r.name in ("prefill", "decode"):
                 resident += state["merged_projections"]
             cost = costs[r.name]
@@ -457,6 +505,11 @@ class Planner:
             "margin_bytes": (hbm - peak) if peak is not None else None,
             "compiler_error": "\n".join(errors) if errors else None,
             "roofline_step_s": step_roofline,
+            "rollout_style": config.rollout.style,
+            "rollout_layout": ro.describe() if ro.resharded else {
+                "mesh": dict(layout.shape), "batch_axes": list(programs.batch_axes), "tensor_parallel": layout.tp,
+                "resharded": False,
+            },
             # Whole-model counts (not per device); a quantized base counts one code per
             # weight, its block scales are lora.quantization_scales.
             "trainable_params": n_trainable,
@@ -627,8 +680,14 @@ def format_report(rep: dict[str, Any]) -> str:
         f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
         f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
         "state per device (GiB): " + ", ".join(
-            f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items() if v or k != "merged_projections"),
+            f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items()
+            if v or k not in ("merged_projections", "rollout_parameters")),
     ]
+    ro = rep.get("rollout_layout")
+    if ro:
+        how = ("resharded once per step into mesh " + ", ".join(f"{k}={v}" for k, v in ro["mesh"].items())
+               if ro.get("resharded") else "on the training layout (weights gathered per token)")
+        lines.append(f"rollout: style {rep.get('rollout_style')}, tensor_parallel {ro['tensor_parallel']}, {how}")
     lora = rep.get("lora")
     if lora:
         base = f"{rep['shape']['param_dtype'] if lora['base_quantization'] == 'none' else lora['base_quantization']} base"
