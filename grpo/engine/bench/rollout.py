@@ -123,6 +123,7 @@ def bench_config(
     lora_rank: int = 0,
     base_quantization: str = "none",
     lora_sampler: str = "adapters",
+    tensor_parallel: str | int = "auto",
 ) -> Any:
     """The run config whose rollout the bench measures: ``--batch / --generations`` prompts
     per step of ``--prompt-len`` tokens (one bucket), the bench's sampling settings, mesh
@@ -146,6 +147,7 @@ def bench_config(
             "prompt_buckets": [prompt_len], "max_new_tokens": new_tokens, "temperature": temperature,
             "top_k": top_k, "top_p": top_p, "early_stop_chunk": early_stop_chunk if early_stop else 0,
             "kv_segment": kv_segment,
+            **({"options": {"tensor_parallel": tensor_parallel}} if style == "serving" else {}),
         },
         "train": {"prompts_per_step": batch // generations, "seed": seed},
     }
@@ -220,10 +222,19 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
         lora_info = {"rank": lora_rank, "base_quantization": base_quantization,
                      "trainable_params": count_params(adapters)}
     pad = int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0))
-    programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad)
+    from grpo.engine.planning.tpu import chip_of
+
+    programs = build_programs(
+        config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad, arch=cfg, topology=topology,
+        state=state, chip=chip_of(jax.devices()[0]),
+    )
     batch_axes = programs.batch_axes
     sampler = programs.sampler()
-    params = programs.sampler_state(adapters, frozen)
+    params = jax.block_until_ready(programs.sampler_state(adapters, frozen))
+    # A serving layout's once-per-step reshard (timed like the rest: best of --repeats).
+    reshard_s = None
+    if programs.rollout.resharded:
+        reshard_s = round(_best_of(lambda: programs.sampler_state(adapters, frozen), repeats), 6)
     if lora_info is not None:
         if base_quantization == "none":
             # What `model.lora.sampler: merged` adds per step: the builder's own merge.
@@ -291,6 +302,8 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
         "dtype": dtype,
         "style": style,
         "mesh_shape": layout.shape,
+        "rollout_layout": programs.rollout.describe(),
+        "reshard_s": reshard_s,
         "batch_axes": list(batch_axes),
         "batch": batch,
         "prompts": P,
@@ -363,7 +376,10 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
 @click.option("--early-stop-chunk", type=click.IntRange(min=1), default=32, show_default=True)
 @click.option("--kv-segment", type=click.IntRange(min=0), default=256, show_default=True,
               help="Decode tokens per cache-growth segment; 0 = full cache from the start.")
-@click.option("--style", type=click.Choice(["legacy", "maxtext"]), default="legacy", show_default=True)
+@click.option("--style", type=click.Choice(["legacy", "maxtext", "serving"]), default="legacy", show_default=True,
+              help="Rollout style: legacy/maxtext decode on the training layout, serving in its own.")
+@click.option("--tensor-parallel", default="auto", show_default=True,
+              help="With --style serving: rollout.options.tensor_parallel (auto or an integer).")
 @click.option("--mesh", "mesh_policy", default="auto", show_default=True, help="Mesh policy name.")
 @click.option("--shape", "mesh_shape", help="Mesh shape for --mesh explicit, e.g. 1,-1,1.")
 @click.option("--dtype", type=click.Choice(["bfloat16", "float32"]), default="bfloat16", show_default=True)
@@ -384,7 +400,7 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
 def bench_rollout(
     model_path, preset, batch, generations, prompt_len, new_tokens, early_stop, early_stop_chunk, kv_segment,
     style, mesh_policy, mesh_shape, dtype, temperature, top_k, top_p, seed, repeats, bandwidth, bandwidth_gbps,
-    lora_rank, base_quantization, as_json,
+    lora_rank, base_quantization, as_json, tensor_parallel,
 ) -> None:
     """Rollout speed: prefill + decode of --batch sequences, JSON out."""
     if temperature <= 0:
@@ -395,6 +411,7 @@ def bench_rollout(
         early_stop_chunk=early_stop_chunk, kv_segment=kv_segment, style=style, mesh_policy=mesh_policy,
         mesh_shape=mesh_shape, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         lora_rank=lora_rank, base_quantization=base_quantization,
+        tensor_parallel=int(tensor_parallel) if str(tensor_parallel).isdigit() else tensor_parallel,
     )
     import jax
 

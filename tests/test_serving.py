@@ -1,0 +1,216 @@
+"""The ``serving`` rollout style on 8 CPU devices: the policy resharded once per step into a
+tensor-parallel layout samples exactly what ``legacy`` samples on the FSDP training
+layout (same keys, f32), with 12 prompts that do not divide the 8 devices; the reshard
+round trip is bit-exact; LoRA and QLoRA states follow the layout; tensor parallelism
+stays inside a host; bad ``tensor_parallel`` values exit 2 naming the field; and a
+trainer step in the serving layout scores its own samples with the trainer's forward."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import yaml
+from click.testing import CliRunner
+from flax import nnx
+from jax.sharding import PartitionSpec
+
+from grpo.core.cli import cli
+from grpo.core.contracts import MeshLayout, ModelDims, Topology
+from grpo.engine.parallel.mesh import build_mesh
+from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_shardings
+from grpo.engine.rollout.sampler import Sampler, SamplingParams
+from grpo.models.loading import load_hf
+from grpo.models.tiny import write_tiny_checkpoint
+from grpo.plugins.rollout import SERVING_PARAM_RULES, ServingOptions, ServingStyle, serving_layout
+
+P, LP, K, N = 12, 8, 2, 6
+SAMPLING = SamplingParams(max_new_tokens=N, num_generations=K, temperature=0.7, top_k=0, eos_ids=(308,), pad_id=306)
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    # 8 attention heads (so tp=8 splits them), 2 KV heads (replicated on tp > 2).
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("serving_ckpt"), seed=1, tokenizer=False,
+                                      num_attention_heads=8)
+    mesh = build_mesh(MeshLayout(dp=1, fsdp=8, tp=1))
+    model = load_hf(directory, mesh)
+    graphdef, state = nnx.split(model)
+    rs = np.random.default_rng(0)
+    lengths = rs.integers(1, LP + 1, size=P)
+    mask = (np.arange(LP)[None, :] >= LP - lengths[:, None]).astype(np.int32)
+    tokens = np.where(mask == 1, rs.integers(0, 300, size=(P, LP)), 306).astype(np.int32)
+    legacy = Sampler(graphdef, mesh=mesh, batch_axes=("dp", "fsdp", "tp"), sampling=SAMPLING)
+    ref = legacy.generate(state, tokens, mask, jax.random.key(7))
+    return graphdef, state, mesh, model.config, tokens, mask, ref
+
+
+def _serving(graphdef, mesh, tp):
+    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, tp))
+    sampler = Sampler(graphdef, mesh=placement.mesh, batch_axes=placement.batch_axes, sampling=SAMPLING,
+                      activation_rules=placement.activation_rules, cache_rules=placement.cache_rules)
+    return placement, sampler
+
+
+@pytest.mark.parametrize("tp", [1, 2, 8])
+def test_serving_samples_what_legacy_samples(setup, tp):
+    graphdef, state, mesh, _, tokens, mask, ref = setup
+    placement, sampler = _serving(graphdef, mesh, tp)
+    served = placement.reshard_jit(state)(state)
+    # The copy is in the serving layout: heads split tp ways, no FSDP on embed.
+    q = served["layers"]["q_proj"].get_value()
+    assert q.sharding.mesh.shape["tp"] == tp
+    assert q.sharding.spec == PartitionSpec(None, None, "tp" if tp > 1 else None, None)
+    out = sampler.generate(served, tokens, mask, jax.random.key(7))
+    assert np.asarray(out.tokens).shape == (P * K, N)
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
+    np.testing.assert_array_equal(np.asarray(out.mask), np.asarray(ref.mask))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(ref.logprobs), atol=1e-5, rtol=0)
+    assert np.asarray(ref.mask).sum() > P * K  # not all stopped at once: the loop ran
+    # The round trip back to the training layout is bit-exact.
+    back = jax.jit(lambda s: s, out_shardings=jax.tree.map(lambda x: x.sharding, state))(served)
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(back)):
+        assert a.sharding == b.sharding
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_serving_decode_gathers_no_weights(setup):
+    """The decode loop's collectives in the serving layout move activations only: nothing
+    as large as a weight matrix, while legacy's gathers weights (the tiny vocab x hidden
+    embedding is 320 x 64)."""
+    import re
+
+    graphdef, state, mesh, cfg, tokens, mask, _ = setup
+
+    def collective_shapes(sampler, params):
+        pre = sampler.prefill(params, tokens, mask)
+        raw, impl = sampler.place_key(jax.random.key(0))
+        text = sampler.decode_jit().lower(params, pre.cache, pre.logits, pre.prompt_tokens, pre.prompt_mask, raw,
+                                          key_impl=impl).compile().as_text()
+        return re.findall(r"= (\w+)\[([\d,]*)\][^ ]* (all-gather|all-reduce|reduce-scatter|all-to-all)", text)
+
+    def elements(dims):
+        return int(np.prod([int(d) for d in dims.split(",") if d]))
+
+    legacy = Sampler(graphdef, mesh=mesh, batch_axes=("dp", "fsdp", "tp"), sampling=SAMPLING)
+    legacy_ops = collective_shapes(legacy, state)
+    # FSDP: a layer's [hidden, mlp] gate/up projection is gathered inside the decode loop.
+    assert ("all-gather", f"{cfg.hidden_size},{cfg.intermediate_size}") in {(op, d) for _, d, op in legacy_ops}
+    placement, sampler = _serving(graphdef, mesh, 2)
+    ops = collective_shapes(sampler, placement.reshard_jit(state)(state))
+    assert {op for _, _, op in ops} <= {"all-reduce", "all-gather"}
+    # Activations only: nothing larger than [rows per shard, hidden] (24 x 64 here).
+    per_shard = P * K // placement.layout.shards
+    assert max(elements(d) for _, d, _ in ops) <= per_shard * cfg.hidden_size, ops
+
+
+def test_lora_and_qlora_states_follow_the_layout(setup):
+    from grpo.core.config import LoraConfig
+    from grpo.models.lora import apply_lora
+
+    graphdef, state, mesh, cfg, *_ = setup
+    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, 2))
+    for quant in ("none", "int8"):
+        model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
+        apply_lora(model, LoraConfig(rank=4, alpha=8, base_quantization=quant), abstract=True)
+        _, full = nnx.split(model)
+        shardings = state_shardings(full, placement.mesh, SERVING_PARAM_RULES)
+        flat = dict(nnx.to_flat_state(shardings))
+        for path, var in flat.items():
+            sh = var.get_value()
+            assert sh.mesh.shape == placement.mesh.shape
+            assert "fsdp" not in str(sh.spec)  # no FSDP in the serving layout
+        assert flat[("layers", "q_proj")].get_value().spec[2] == "tp"  # codes or weights: heads over tp
+        assert flat[("lora", "q_proj_b")].get_value().spec == PartitionSpec(None, None, "tp", None)
+        assert all(a is None for a in flat[("lora", "q_proj_a")].get_value().spec)
+
+
+def test_serving_candidates_stay_inside_a_host():
+    style = ServingStyle()
+    dims = ModelDims(num_attention_heads=16, num_key_value_heads=2, head_dim=128, hidden_size=2048,
+                     intermediate_size=11008, vocab_size=151936, num_hidden_layers=36)
+    layout = MeshLayout(dp=1, fsdp=16, tp=1)
+    four_hosts = Topology(process_count=4, local_device_count=4)
+    auto = style.rollout_layouts(layout=layout, topology=four_hosts, options=ServingOptions(), model=dims)
+    assert [c.tensor_parallel for c in auto] == [1, 2, 4]
+    assert style.rollout_shards(layout=layout, topology=four_hosts, options=ServingOptions()) == 4
+    problems = style.check(layout=layout, topology=four_hosts, options=ServingOptions(tensor_parallel=8))
+    assert problems and "span hosts" in problems[0] and "rollout.options.tensor_parallel" in problems[0]
+
+
+def test_auto_picks_by_the_roofline():
+    """With chip figures auto weighs weights per chip (1/tp) against a KV cache replicated
+    once tp exceeds the KV heads; without them (CPU) it takes the smallest valid tp."""
+    from grpo.engine.planning.tpu import CHIPS
+
+    dims = ModelDims(num_attention_heads=16, num_key_value_heads=2, head_dim=128, hidden_size=2048,
+                     intermediate_size=11008, vocab_size=151936, num_hidden_layers=36)
+    cands = [serving_layout(8, t) for t in (1, 2, 4, 8)]
+    est = dict(cache_slots=1280, weight_bytes=6.2e9, compute_itemsize=2, resident_bytes=6e9)
+    chosen, table = choose_layout(cands, dims, rows=128, chip=CHIPS["v6e"], **est)
+    assert chosen.tensor_parallel == 2
+    # Weights per chip shrink with tp, the replicated cache grows past tp = 2 KV heads.
+    assert table[1]["hbm_s"] > table[2]["hbm_s"] < table[4]["hbm_s"]
+    assert choose_layout(cands, dims, rows=128)[0].tensor_parallel == 1
+    # Rows that only some layouts split: tp=8 leaves one shard, which takes any batch.
+    assert choose_layout(cands[:2], dims, rows=4)[0].tensor_parallel == 2
+
+
+def _write(tmp_path, overrides: dict) -> str:
+    from pathlib import Path
+
+    raw = yaml.safe_load(Path("configs/quickstart.yaml").read_text())
+    raw["train"]["steps"] = 2
+    raw["eval"] = {"every_n_steps": 0}
+    raw["checkpoint"] = {"every_n_steps": 0}
+    for key, value in overrides.items():
+        sec, field = key.split(".", 1)
+        if "." in field:
+            field, sub = field.split(".")
+            raw[sec].setdefault(field, {})[sub] = value
+        else:
+            raw[sec][field] = value
+    path = tmp_path / "serving.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    return str(path)
+
+
+@pytest.mark.parametrize("tp, args, needle", [
+    (3, ["--processes", "1", "--local-devices", "8"], "does not divide the 8 devices"),
+    (8, ["--processes", "2", "--local-devices", "4"], "span hosts"),
+])
+def test_bad_tensor_parallel_exits_2_naming_the_field(tmp_path, tp, args, needle):
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": tp})
+    result = CliRunner().invoke(cli, ["config", "validate", path, *args])
+    assert result.exit_code == 2, result.output
+    assert "rollout.options.tensor_parallel" in result.output and needle in result.output
+    assert "Traceback" not in result.output
+
+
+def test_tensor_parallel_must_divide_the_heads(tmp_path):
+    # The tiny quickstart model has 4 heads; tp=8 divides the devices but not the heads.
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": 8})
+    result = CliRunner().invoke(cli, ["plan", path, "--topology", "v6e:2x4"])
+    assert result.exit_code == 2, result.output
+    assert "rollout.options.tensor_parallel=8" in result.output and "4 attention heads" in result.output
+
+
+def test_trainer_step_in_the_serving_layout(tmp_path):
+    """12 prompts x 16 samples on 8 devices (12 does not divide 8) through a serving
+    rollout at tp=2: the trainer's own forward pass gives the sampler's log-probs back."""
+    from grpo.core.config import load_config
+    from grpo.engine.trainer import Trainer
+
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": 2,
+                             "train.prompts_per_step": 12})
+    trainer = Trainer(load_config(path), tmp_path / "run")
+    assert trainer.programs.rollout.describe()["mesh"] == {"dp": 4, "fsdp": 1, "tp": 2}
+    trainer.run()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert 0 < r["completion/length_mean"] <= 2
+        assert r["logprob_gap/sampler_trainer"] < 1e-5
