@@ -9,5 +9,6 @@
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.plugins``,
 ``grpo.engine.programs`` and the rooms it builds on: ``grpo.engine.parallel``,
-``grpo.engine.rollout``, ``grpo.engine.training``.
+``grpo.engine.rollout``, ``grpo.engine.training``; ``grpo.engine.planning`` (the chip
+figures a serving layout's ``auto`` weighs).
 """

@@ -390,6 +390,9 @@ class Planner:
         # What the rollout programs do not depend on (a search recompiles only the update).
         rollout_only = ("train.micro_batch_size", "train.ppo_epochs", "train.optimizer", "train.steps", "loss",
                         "eval", "checkpoint", "logging", "name")
+        # What the reference pass and the update do not depend on (comparing rollout layouts
+        # recompiles only the rollout programs).
+        rollout_layout_only = ("rollout.style", "rollout.options")
         results: list[ProgramResult] = []
 
         def reshard_lower():
@@ -435,8 +438,8 @@ class Planner:
         if config.loss.beta > 0:
             # LoRA's reference pass reads the policy's own base (adapters off).
             ref_takes = ("reference_parameters",) if frozen is None else ("parameters",)
-            todo.append(("reference", reference_lower, keyed("reference", ()), ref_takes))
-        todo.append(("update", update_lower, keyed("update", ()), ("parameters", "optimizer_state")))
+            todo.append(("reference", reference_lower, keyed("reference", rollout_layout_only), ref_takes))
+        todo.append(("update", update_lower, keyed("update", rollout_layout_only), ("parameters", "optimizer_state")))
         for name, lower, key, takes in todo:
             if key not in self._cache:
                 self._cache[key] = self._compile(name, lower, takes)

@@ -3,6 +3,8 @@
 - ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
   each process's slice of them (the rollout's inputs).
 - ``sampler``: the jitted prefill + KV-cache decode (:class:`Sampler`).
+- ``layout``: where the rollout runs: the training layout or a rollout style's own
+  (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.parallel``.
