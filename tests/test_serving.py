@@ -214,3 +214,24 @@ def test_trainer_step_in_the_serving_layout(tmp_path):
     for r in rows:
         assert 0 < r["completion/length_mean"] <= 2
         assert r["logprob_gap/sampler_trainer"] < 1e-5
+
+
+@pytest.mark.parametrize("tp", ["auto", 4])
+def test_multi_host_plan_keeps_tensor_parallel_inside_a_host(tmp_path, tp):
+    """On v6e:4x4 (4 hosts x 4 chips) every tensor-parallel group of the rollout mesh is
+    one host's chips (the programs are built as `grpo plan` builds them, not compiled)."""
+    pytest.importorskip("libtpu")
+    from grpo.core.config import load_config
+    from grpo.engine.planning.plan import Planner
+
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": tp,
+                             "train.prompts_per_step": 16})
+    planner = Planner("v6e:4x4")
+    programs, _, _ = planner.build(load_config(path))
+    mesh = programs.rollout.mesh
+    assert mesh.shape["tp"] in (1, 2, 4) and mesh.shape["dp"] * mesh.shape["tp"] == 16
+    if tp == 4:
+        assert mesh.shape["tp"] == 4
+    for group in np.asarray(mesh.devices).reshape(-1, mesh.shape["tp"]):
+        assert len({d.process_index for d in group}) == 1
+    assert all(int(t) <= 4 for t in (programs.rollout.estimates or {}))
