@@ -235,3 +235,39 @@ def test_multi_host_plan_keeps_tensor_parallel_inside_a_host(tmp_path, tp):
     for group in np.asarray(mesh.devices).reshape(-1, mesh.shape["tp"]):
         assert len({d.process_index for d in group}) == 1
     assert all(int(t) <= 4 for t in (programs.rollout.estimates or {}))
+
+
+@pytest.mark.parametrize("style", ["legacy", "serving"])
+def test_twelve_prompts_times_eight_on_eight_devices_is_valid(tmp_path, style):
+    """The replaced system's shape: 12 prompts do not split over 8 prefill shards, their
+    96 samples do; prefill shards the prompts over what they divide."""
+    path = _write(tmp_path, {"rollout.style": style, "rollout.num_generations": 8, "train.prompts_per_step": 12})
+    result = CliRunner().invoke(cli, ["config", "validate", path, "--processes", "1", "--local-devices", "8"])
+    assert result.exit_code == 0, result.output
+    result = CliRunner().invoke(cli, ["config", "validate", path, "--processes", "5", "--local-devices", "1"])
+    assert result.exit_code == 2 and "train.prompts_per_step=12" in result.output, result.output
+
+
+def test_merged_lora_is_merged_on_the_way_into_the_serving_layout(setup, tmp_path):
+    """``model.lora.sampler: merged`` + serving: one program merges the adapters and
+    reshards; the projections equal the training-layout merge, in the serving layout."""
+    from grpo.core.config import load_config
+    from grpo.engine.programs import build_programs
+    from grpo.models.lora import apply_lora, merge_into_state, split_params
+
+    graphdef, state, mesh, cfg, *_ = setup
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": 2,
+                             "model.lora": {"rank": 4, "alpha": 8, "sampler": "merged"}})
+    config = load_config(path)
+    model = apply_lora(nnx.merge(graphdef, jax.tree.map(jnp.copy, state)), config.model.lora)
+    g2, full = nnx.split(model)
+    params, frozen = split_params(full)
+    params = jax.tree.map(lambda x: x + 0.01, params)  # B = 0 at init: make the merge matter
+    programs = build_programs(config, mesh=mesh, layout=MeshLayout(dp=1, fsdp=8, tp=1), graphdef=g2,
+                              eos_ids=(308,), pad_id=306, arch=cfg, state=full)
+    served = programs.sampler_state(params, frozen)
+    expected = jax.jit(lambda p, f: merge_into_state(g2, p, f))(params, frozen)
+    q = served["layers"]["q_proj"].get_value()
+    assert q.sharding.mesh.shape["tp"] == 2 and q.sharding.spec[2] == "tp"
+    np.testing.assert_allclose(np.asarray(q), np.asarray(expected["layers"]["q_proj"].get_value()), atol=1e-6)
+    assert not np.allclose(np.asarray(q), np.asarray(state["layers"]["q_proj"].get_value()))
