@@ -785,9 +785,11 @@ def format_report(rep: dict[str, Any]) -> str:
                  "over half its ICI bandwidth)")
     dec = rep["programs"].get("decode", {})
     if dec.get("collective_bytes_per_step") is not None:
-        kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in dec["collective_bytes_per_step"].items() if v)
+        total = sum(dec["collective_bytes_per_step"].values())
+        kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in dec["collective_bytes_per_step"].items()
+                          if v and v >= 1e-3 * total)
         lines.append(
-            f"decode per generated token: {sum(dec['collective_bytes_per_step'].values()) / 1e9:.3f} GB per chip "
+            f"decode per generated token: {total / 1e9:.3f} GB per chip "
             f"({kinds or 'none'}), ICI {dec['ici_s_per_step'] * 1e3:.2f} ms"
         )
     lines.append("")
