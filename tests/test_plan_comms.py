@@ -9,6 +9,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
+from grpo.core.cli import cli
 from grpo.engine.planning import hlo
 
 # --------------------------------------------------------------------------- the parser
@@ -131,6 +132,24 @@ ENTRY %e (x: f32[64]) -> (s32[], f32[64]) {
     assert ops["collective-permute"].loops[0].source == "backend_config"
 
 
+def test_a_collective_wrapped_in_async_start_and_done_counts_once():
+    text = """HloModule m, num_partitions=4
+
+%wrapped (x: f32[8]) -> f32[32] {
+  %x = f32[8]{0} parameter(0)
+  ROOT %ag = f32[32]{0} all-gather(%x), replica_groups={{0,1,2,3}}, dimensions={0}
+}
+
+ENTRY %e (p: f32[8]) -> f32[32] {
+  %p = f32[8]{0} parameter(0)
+  %s = ((f32[8]{0}), f32[32]{0}) async-start(%p), calls=%wrapped
+  ROOT %d = f32[32]{0} async-done(%s), calls=%wrapped
+}
+"""
+    (op,) = hlo.collectives(text)
+    assert op.executions == 1 and op.computation == "wrapped" and op.received_bytes == 3 / 4 * 32 * 4
+
+
 def test_replica_group_forms_and_shapes():
     assert hlo.replica_groups("replica_groups={{0,2},{1,3}}, dimensions={0}", 4) == (2, [[0, 2], [1, 3]])
     assert hlo.replica_groups("replica_groups=[2,4]<=[8], x", 8) == (4, [[0, 1, 2, 3], [4, 5, 6, 7]])
@@ -149,10 +168,6 @@ def test_replica_group_forms_and_shapes():
 
 
 # --------------------------------------------------------------------------- a plan
-
-pytest.importorskip("libtpu")
-
-from grpo.core.cli import cli  # noqa: E402
 
 TINY = {
     "model": {"source": "random", "random": {"preset": "tiny"}, "param_dtype": "bfloat16",

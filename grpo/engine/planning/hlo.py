@@ -17,7 +17,8 @@ copies) and step (``add`` of a constant in the body) are read from the while's o
 and the body's root; an initial value or step that cannot be read counts as 0 and 1.
 A condition with more terms (``i < N & !all(done)``, the decode's early stop) gives the
 upper bound ``N``. A loop whose count cannot be read at all counts once and is listed in
-:attr:`Collective.unknown_trips`. Both branches of a conditional are counted.
+:attr:`Collective.unknown_trips`. Both branches of a conditional are counted. A
+collective wrapped in ``async-start`` / ``async-done`` is counted once, where it sits.
 
 What one chip receives per execution (``received_bytes``), for a group of ``n`` devices
 and the op's buffers (bytes of every array of the shape, tuples summed; sub-byte types
@@ -457,6 +458,8 @@ def collectives(text: str) -> list[Collective]:
                     if c:
                         out += [(n, cc, times * e, (lp,) + ls) for n, cc, e, ls in inside(c.group(1))]
                 continue
+            if ins.opcode in ("async-update", "async-done"):
+                continue  # the same wrapped computation as its async-start: counted there
             for c in re.findall(r"(?:calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)", ins.attrs):
                 out += inside(c)
             b = re.search(r"branch_computations=\{([^}]*)\}", ins.attrs)
