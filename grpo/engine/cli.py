@@ -131,8 +131,11 @@ def plot(run_dir, output) -> None:
 @click.option("--hbm-limit", type=click.FloatRange(min=0, min_open=True), metavar="GIB",
               help="Plan against this much HBM per chip (GiB) instead of all of it, to keep headroom.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
-def plan(config_path, topology, overrides, search_field, hbm_limit, as_json) -> None:
-    """Compile CONFIG's programs for a TPU pod (no TPU needed): memory per chip, fit, roofline.
+@click.option("--dump-hlo", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
+              help="Write each compiled program's optimized HLO text to DIR/<program>.hlo.txt.")
+def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dump_hlo) -> None:
+    """Compile CONFIG's programs for a TPU pod (no TPU needed): memory per chip, fit,
+    communication, roofline.
 
     The programs `grpo run` executes (prefill, decode, the reference pass when beta > 0,
     the update) are compiled by the TPU compiler (libtpu) on abstract parameters and
@@ -151,7 +154,7 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json) -> 
         logging.getLogger(noisy).setLevel(logging.ERROR)
     from grpo.engine.planning.plan import Planner, format_report, search
 
-    planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None)
+    planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None, dump_hlo=dump_hlo)
     if search_field:
         result = search(config_path, list(overrides), search_field, planner)
         report = dict(result["plan"])

@@ -20,9 +20,18 @@ count (checked: the flops of a 1-, 10- and 100-step ``fori_loop`` are equal), an
 custom call reports no flops; the layers are a scan and decode is a loop. So ``flops`` and
 ``bytes_accessed`` are counted from the model's shapes (formulas in
 :func:`program_costs`, kernels' matmuls included), and ``xla_flops`` /
-``xla_bytes_accessed`` keep the compiler's figures for reference. ``roofline_s`` is
-``max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth)`` per device (per decode step
-for the decode loop, summed): a lower bound that ignores communication and overheads.
+``xla_bytes_accessed`` keep the compiler's figures for reference.
+
+Communication is read from each compiled program's optimized HLO
+(:mod:`grpo.engine.planning.hlo`): every collective, with the trip counts of the loops
+around it, as the bytes one chip receives (``collective_bytes`` by kind per program
+execution; for decode also ``collective_bytes_per_step``, per generated token), and
+``ici_s = ici_bytes / (ICI bidirectional bandwidth / 2)``. ``roofline_s`` is
+``max(flops / peak bf16 FLOP/s, bytes / HBM bandwidth, ici_s)`` per device (per decode
+step for the decode loop, summed, plus the ICI time of what runs once): a lower bound
+that ignores overheads and assumes communication overlaps nothing it does not have to.
+``roofline_no_comm_s`` (and ``roofline_step_no_comm_s``) keep the figure without
+communication. ``grpo plan --dump-hlo DIR`` writes the HLO the counts come from.
 """
 
 from __future__ import annotations
@@ -102,6 +111,66 @@ def _compiler_text(err: Exception) -> str:
     return "\n".join(lines[:20])[:4000]
 
 
+def _read_dump(directory: str) -> str | None:
+    """The optimized HLO text XLA dumped into ``directory`` (one module), or None."""
+    import glob
+    import os
+
+    files = sorted(glob.glob(os.path.join(directory, "*.after_optimizations.txt")))
+    if not files:
+        return None
+    with open(files[-1]) as f:
+        return f.read()
+
+
+def _communication(r: Any, cost: Cost, chip: Any, slice_of: list[int]) -> dict[str, Any]:
+    """A program's collectives (see :mod:`grpo.engine.planning.hlo`) and its roofline with
+    them: ``max(compute, HBM, ICI)``, per decode step for the decode loop.
+
+    ICI time is the bytes one chip receives over ``ici_bandwidth / 2`` (a chip takes in at
+    most half of its published bidirectional figure). Collectives whose groups span TPU
+    slices go over the data-center network instead: ``dcn_bytes``, reported as bytes only
+    (no time: DCN bandwidth is a per-host NIC figure shared by its chips and not in the
+    chip table). Chips of one slice are linked by ICI even across hosts (v6e-16: 4 hosts,
+    one ICI torus), so single-slice plans have no DCN traffic.
+    """
+    from grpo.engine.planning import hlo
+
+    none: dict[str, Any] = {"collective_bytes": None, "ici_bytes": None, "dcn_bytes": None, "ici_s": None,
+                            "dcn_s": None, "roofline_no_comm_s": cost.roofline_s, "roofline_s": cost.roofline_s,
+                            "hlo_source": r.hlo_source}
+    if r.collectives is None:
+        return none
+    ops = r.collectives
+    dcn = [op for op in ops if hlo.crosses(op, slice_of)]
+    ici = [op for op in ops if not hlo.crosses(op, slice_of)]
+    in_chip = chip.ici_bandwidth / 2
+    ici_bytes = sum(op.total_bytes for op in ici)
+    out: dict[str, Any] = {
+        "collective_bytes": hlo.by_kind(ops),
+        "ici_bytes": ici_bytes,
+        "dcn_bytes": sum(op.total_bytes for op in dcn),
+        "ici_s": ici_bytes / in_chip,
+        "dcn_s": None,
+        "roofline_no_comm_s": cost.roofline_s,
+        "roofline_s": max(cost.roofline_s, ici_bytes / in_chip),
+        "hlo_source": r.hlo_source,
+        "unknown_trip_counts": sorted({n for op in ops for n in op.unknown_trips}),
+        "largest_collectives": [hlo.summary(op) for op in sorted(ops, key=lambda o: -o.total_bytes)[:6]],
+    }
+    if cost.segments:
+        # Decode: what the loops move is per generated token (the decode loop body's share,
+        # its layer scan included); what runs once sits outside them.
+        steps = sum(n for n, _, _ in cost.segments)
+        loop_ici = sum(op.total_bytes for op in ici if op.in_loop)
+        per_step = loop_ici / max(steps, 1) / in_chip
+        out["collective_bytes_per_step"] = {k: v / max(steps, 1) for k, v in hlo.by_kind(ops, in_loop=True).items()}
+        out["ici_s_per_step"] = per_step
+        out["roofline_s"] = (sum(n * max(c, h, per_step) for n, c, h in cost.segments)
+                             + (ici_bytes - loop_ici) / in_chip)
+    return out
+
+
 # --------------------------------------------------------------------------- costs
 
 
@@ -110,6 +179,9 @@ class Cost:
     flops: float  # per device
     bytes: float  # per device
     roofline_s: float
+    # decode: (steps, compute s, HBM s) per step of each segment, for a per-step roofline
+    # that adds communication (see ``_communication``).
+    segments: tuple[tuple[int, float, float], ...] = ()
 
 
 def program_costs(
@@ -192,6 +264,7 @@ def program_costs(
     # decode: step 0 samples from the prefill logits; each later step is one token per row.
     rows = B / rollout_shards
     f_tot = b_tot = t_tot = 0.0
+    segs = []
     for a, b in sampler.plan():
         steps = b - a
         slots = Lp + b  # the segment's cache length, all read every step
@@ -200,7 +273,8 @@ def program_costs(
         f_tot += steps * f
         b_tot += steps * by
         t_tot += steps * roof(f, by)
-    out["decode"] = Cost(f_tot, b_tot, t_tot)
+        segs.append((steps, f / peak, by / bw))
+    out["decode"] = Cost(f_tot, b_tot, t_tot, tuple(segs))
     if ro.resharded:
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
@@ -259,14 +333,18 @@ class ProgramResult:
     xla: dict[str, float]
     error: str | None
     takes: tuple[str, ...]  # resident state it takes as arguments
+    hlo: str | None = None  # the optimized HLO text
+    hlo_source: str | None = None  # "xla_dump" or "as_text" (see ``_compile``)
+    collectives: list[Any] | None = None  # hlo.Collective, None without HLO
 
 
 class Planner:
     """Plans one config on one topology; compiled program results are cached by the
     config fields they depend on, so a search recompiles only what changes."""
 
-    def __init__(self, topology: str | TpuTopology, *, hbm_bytes: int | None = None):
+    def __init__(self, topology: str | TpuTopology, *, hbm_bytes: int | None = None, dump_hlo: str | None = None):
         require_libtpu()
+        self.dump_hlo = dump_hlo  # a directory: each program's optimized HLO as <program>.hlo.txt
         self.topology = parse_topology(topology) if isinstance(topology, str) else topology
         self.devices = self.topology.devices()
         counts = self.topology.processes(self.devices)
@@ -448,6 +526,16 @@ class Planner:
         costs = program_costs(programs, arch, self.topology.chip,
                               rollout_weight_bytes=state["rollout_parameters"] if ro.resharded else None,
                               train_state_bytes=state["parameters"])
+        # Partition id -> TPU slice (the program's device assignment is the mesh's order).
+        slice_of = [getattr(d, "slice_index", 0) or 0 for d in programs.mesh.devices.flat]
+        if self.dump_hlo:
+            import os
+
+            os.makedirs(self.dump_hlo, exist_ok=True)
+            for r in results:
+                if r.hlo:
+                    with open(os.path.join(self.dump_hlo, f"{r.name}.hlo.txt"), "w") as f:
+                        f.write(r.hlo)
         hbm = self.hbm_bytes
         # Resident between programs: the training state (the rollout copy only while the
         # rollout programs run, which take it as their argument).
@@ -468,6 +556,7 @@ class Planner:
                 "xla_flops": r.xla.get("flops"), "xla_bytes_accessed": r.xla.get("bytes accessed"),
                 "compiler_error": r.error,
             }
+            entry.update(_communication(r, cost, self.topology.chip, slice_of))
             if r.memory is not None:
                 entry.update({k: v for k, v in r.memory.items()})
                 entry["peak_bytes"] = r.memory["program_bytes"] + resident
@@ -485,6 +574,9 @@ class Planner:
         peak = max(peaks) if peaks else None
         fits = peak is not None and peak <= hbm and not errors
         step_roofline = sum(
+            p["roofline_s"] * (config.train.ppo_epochs if n == "update" else 1) for n, p in report_programs.items()
+        )
+        step_roofline_no_comm = sum(
             costs[n].roofline_s * (config.train.ppo_epochs if n == "update" else 1) for n in report_programs
         )
         layout = programs.layout
@@ -508,6 +600,7 @@ class Planner:
             "margin_bytes": (hbm - peak) if peak is not None else None,
             "compiler_error": "\n".join(errors) if errors else None,
             "roofline_step_s": step_roofline,
+            "roofline_step_no_comm_s": step_roofline_no_comm,
             "rollout_style": config.rollout.style,
             "rollout_layout": ro.describe() if ro.resharded else {
                 "mesh": dict(layout.shape), "batch_axes": list(programs.batch_axes), "tensor_parallel": layout.tp,
@@ -522,6 +615,7 @@ class Planner:
                 "generation": self.topology.chip.generation,
                 "bf16_flops": self.topology.chip.bf16_flops,
                 "hbm_bandwidth_bytes_per_s": self.topology.chip.hbm_bandwidth,
+                "ici_bandwidth_bytes_per_s": self.topology.chip.ici_bandwidth,
                 "source": self.topology.chip.source,
             },
             "shape": {
@@ -536,18 +630,50 @@ class Planner:
         }
 
     def _compile(self, name: str, lower: Callable, takes: tuple[str, ...]) -> ProgramResult:
+        """Compile one program; its memory, the compiler's cost figures and its optimized
+        HLO (for the collectives).
+
+        The HLO comes from XLA's own dump (``xla_dump_to`` + ``xla_dump_hlo_as_text`` as
+        per-compile ``compiler_options``, which a compile-only TPU client honours; the
+        ``*.after_optimizations.txt`` file), else from ``compiled.as_text()``: with jax
+        0.10.2 + libtpu 0.0.52, ``as_text()`` raises for the update program
+        (``RET_CHECK ... async-update instruction should have 1 operands but sees 3``).
+        """
+        import shutil
+        import tempfile
+
         import jax
 
         # A compile-only TPU client can neither read nor usefully write the persistent
         # compilation cache of this host's backend.
         cache_on = jax.config.jax_enable_compilation_cache
         jax.config.update("jax_enable_compilation_cache", False)
+        dump = tempfile.mkdtemp(prefix="grpo-plan-hlo-")
         try:
-            compiled = lower().compile()
+            lowered = lower()
+            try:
+                compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+            except Exception as err:  # a compiler that refuses the dump options
+                if "xla_dump" not in str(err):
+                    raise
+                compiled = lowered.compile()
         except Exception as err:  # noqa: BLE001 - the compiler's verdict is the plan's result
+            shutil.rmtree(dump, ignore_errors=True)
             return ProgramResult(name, None, {}, _compiler_text(err), takes)
         finally:
             jax.config.update("jax_enable_compilation_cache", cache_on)
+        hlo_text, source = _read_dump(dump), "xla_dump"
+        shutil.rmtree(dump, ignore_errors=True)
+        if hlo_text is None:
+            try:
+                hlo_text, source = compiled.as_text(), "as_text"
+            except Exception:  # noqa: BLE001 - no HLO: the plan reports no communication
+                hlo_text, source = None, None
+        ops = None
+        if hlo_text:
+            from grpo.engine.planning import hlo
+
+            ops = hlo.collectives(hlo_text)
         ma = compiled.memory_analysis()
         arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
                                  ma.temp_size_in_bytes)
@@ -565,7 +691,7 @@ class Planner:
             xla = {k: float(v) for k, v in (ca or {}).items() if k in ("flops", "bytes accessed")}
         except Exception:  # noqa: BLE001 - cost analysis is optional
             pass
-        return ProgramResult(name, memory, xla, None, takes)
+        return ProgramResult(name, memory, xla, None, takes, hlo_text, source, ops)
 
 
 # --------------------------------------------------------------------------- search
@@ -706,15 +832,28 @@ def format_report(rep: dict[str, Any]) -> str:
     lines += [
         "",
         f"{'PROGRAM':<10} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
-        f"{'GB READ':>8} {'ROOFLINE':>9}",
+        f"{'GB READ':>8} {'COMM GB':>8} {'ICI':>8} {'ROOFLINE':>9}",
     ]
     for name, p in rep["programs"].items():
+        comm = p.get("ici_bytes")
         lines.append(
             f"{name:<10} {_gib(p['argument_bytes']):>7} {_gib(p['output_bytes']):>7} {_gib(p['temp_bytes']):>7} "
             f"{_gib(p['resident_bytes']):>9} {_gib(p['peak_bytes']):>7}  {p['flops'] / 1e12:>8.2f} "
-            f"{p['bytes_accessed'] / 1e9:>8.2f} {p['roofline_s']:>8.3f}s"
+            f"{p['bytes_accessed'] / 1e9:>8.2f} "
+            + (f"{comm / 1e9:>8.2f} {p['ici_s']:>7.3f}s" if comm is not None else f"{'-':>8} {'-':>8}")
+            + f" {p['roofline_s']:>8.3f}s"
         )
-    lines.append("(GiB per device; TFLOP and GB per device)")
+    lines.append("(GiB per device; TFLOP and GB per device; COMM: GB one chip receives per program run, ICI: that "
+                 "over half its ICI bandwidth)")
+    dec = rep["programs"].get("decode", {})
+    if dec.get("collective_bytes_per_step") is not None:
+        total = sum(dec["collective_bytes_per_step"].values())
+        kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in dec["collective_bytes_per_step"].items()
+                          if v and v >= 1e-3 * total)
+        lines.append(
+            f"decode per generated token: {total / 1e9:.3f} GB per chip "
+            f"({kinds or 'none'}), ICI {dec['ici_s_per_step'] * 1e3:.2f} ms"
+        )
     lines.append("")
     verdict = "fits" if rep["fits"] else "DOES NOT FIT"
     margin = rep["margin_bytes"]
@@ -722,7 +861,9 @@ def format_report(rep: dict[str, Any]) -> str:
         f"peak {_gib(rep['peak_bytes_per_device'])} GiB of {_gib(rep['hbm_bytes_per_device'])} GiB HBM per device: "
         f"{verdict}" + (f" (margin {_gib(margin)} GiB)" if margin is not None else "")
     )
-    lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s")
+    lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s"
+                 + (f" ({rep['roofline_step_no_comm_s']:.2f} s without communication)"
+                    if "roofline_step_no_comm_s" in rep else ""))
     if rep["compiler_error"]:
         lines.append("compiler: " + rep["compiler_error"])
     for w in rep.get("mesh_warnings", []):

@@ -32,7 +32,10 @@ class ChipSpec:
     ``hbm_bytes`` is the HBM the TPU compiler lets a program use (what its
     ``exceeds available HBM (...)`` message reports; measured with libtpu 0.0.52 by
     compiling a program too large for one chip); ``hbm_physical`` the published capacity.
-    ``bf16_flops`` and ``hbm_bandwidth`` are the published peaks (per chip).
+    ``bf16_flops`` and ``hbm_bandwidth`` are the published peaks (per chip);
+    ``ici_bandwidth`` the published bidirectional inter-chip interconnect bandwidth per
+    chip (all its ICI ports, both directions). A chip takes in at most half of it, so the
+    plan's ICI time is ``bytes one chip receives / (ici_bandwidth / 2)``.
     """
 
     generation: str
@@ -41,14 +44,22 @@ class ChipSpec:
     hbm_bytes: int  # usable, as the compiler reports it
     hbm_physical: int
     source: str
+    ici_bandwidth: float  # bytes/s, bidirectional, per chip
 
 
 # Published figures: Cloud TPU system architecture pages (cloud.google.com/tpu/docs/<gen>).
+# ICI: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)" on the v6e (800
+# GBps), v5e (400 GBps) and v5p (1200 GBps) pages. The v4 page publishes no per-chip ICI
+# figure; v5p's 1200 GBps is assumed (an upper bound: v4's links are not faster).
 CHIPS: dict[str, ChipSpec] = {
-    "v6e": ChipSpec("v6e", 918e12, 1640e9, int(31.24 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v6e"),
-    "v5p": ChipSpec("v5p", 459e12, 2765e9, int(95.73 * GiB), 95 * GiB, "https://cloud.google.com/tpu/docs/v5p"),
-    "v5e": ChipSpec("v5e", 197e12, 819e9, int(15.75 * GiB), 16 * GiB, "https://cloud.google.com/tpu/docs/v5e"),
-    "v4": ChipSpec("v4", 275e12, 1200e9, int(30.75 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v4"),
+    "v6e": ChipSpec("v6e", 918e12, 1640e9, int(31.24 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v6e",
+                    800e9),
+    "v5p": ChipSpec("v5p", 459e12, 2765e9, int(95.73 * GiB), 95 * GiB, "https://cloud.google.com/tpu/docs/v5p",
+                    1200e9),
+    "v5e": ChipSpec("v5e", 197e12, 819e9, int(15.75 * GiB), 16 * GiB, "https://cloud.google.com/tpu/docs/v5e",
+                    400e9),
+    "v4": ChipSpec("v4", 275e12, 1200e9, int(30.75 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v4",
+                   1200e9),
 }
 
 # (generation -> sizes users may type after the dash) and the topology of each.
