@@ -271,3 +271,33 @@ def test_merged_lora_is_merged_on_the_way_into_the_serving_layout(setup, tmp_pat
     assert q.sharding.mesh.shape["tp"] == 2 and q.sharding.spec[2] == "tp"
     np.testing.assert_allclose(np.asarray(q), np.asarray(expected["layers"]["q_proj"].get_value()), atol=1e-6)
     assert not np.allclose(np.asarray(q), np.asarray(state["layers"]["q_proj"].get_value()))
+
+
+def test_plan_counts_only_activations_per_serving_decode_step(tmp_path):
+    """`grpo plan` on v6e:2x4, serving at tp=2 (dp=4 batch shards): per generated token the
+    decode loop moves, into each chip, the all-reduces of the embedding lookup and of each
+    layer's attention and MLP outputs ([rows per shard, hidden]) and three [rows] sampling
+    reductions (the log-sum-exp's max and sum, the drawn token's logit): all-reduce
+    ``2 (tp-1)/tp`` of the buffer; plus the argmax's (value, index) pairs, [tp, rows] f32
+    and s32, all-gathered ``(tp-1)/tp``. No weight moves; the reshard moves them once."""
+    pytest.importorskip("libtpu")
+    from grpo.models.presets import preset_config
+
+    path = _write(tmp_path, {"rollout.style": "serving", "rollout.options.tensor_parallel": 2,
+                             "rollout.max_new_tokens": 8})
+    result = CliRunner().invoke(cli, ["plan", path, "--topology", "v6e:2x4", "--json"])
+    assert result.exit_code == 0, result.output
+    rep = json.loads(result.output[result.output.index("{"):])
+    assert rep["rollout_style"] == "serving" and rep["rollout_layout"]["mesh"] == {"dp": 4, "fsdp": 1, "tp": 2}
+    cfg = preset_config("tiny")
+    tp, rows = 2, rep["shape"]["sequences_per_step"] // 4
+    f32 = 4
+    per_step = rep["programs"]["decode"]["collective_bytes_per_step"]
+    all_reduce = ((2 * cfg.num_hidden_layers + 1) * cfg.hidden_size + 3) * rows * f32 * 2 * (tp - 1) / tp
+    assert per_step["all-reduce"] == all_reduce
+    assert per_step["all-gather"] == 2 * tp * rows * f32 * (tp - 1) / tp
+    assert per_step["reduce-scatter"] == per_step["all-to-all"] == per_step["collective-permute"] == 0
+    # The reshard gathers the FSDP shards once per step (the tiny model is f32).
+    weights = cfg.num_params() * f32
+    assert 0 < rep["programs"]["reshard"]["collective_bytes"]["all-gather"] <= weights
+    assert rep["state_bytes_per_device"]["rollout_parameters"] > rep["state_bytes_per_device"]["parameters"]
