@@ -52,6 +52,7 @@ class RunPrograms:
     plugins: dict[str, Any]
     batch_axes: tuple[str, ...]
     optimizer: Any
+    lr_schedule: Any  # the optimizer's schedule: learning rate of an update count
     update_step: Any  # grpo.engine.training.update.UpdateStep (not jitted)
     eos_ids: tuple[int, ...]
     pad_id: int
@@ -276,13 +277,15 @@ def build_programs(
 ) -> RunPrograms:
     """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
     ``nnx.split`` of a concrete or an abstract model)."""
-    from grpo.engine.training.optim import make_optimizer
+    from grpo.engine.training.optim import make_optimizer, optimizer_schedule
     from grpo.engine.training.update import UpdateStep
 
     plugins = plugins or select_plugins(config)
     style = plugins["rollout"]
     batch_axes = tuple(style.plugin.batch_axes(layout, style.options))
-    optimizer = make_optimizer(config.train.optimizer, config.train.steps)
+    # The trainer calls the optimizer ppo_epochs times a step: the schedule counts steps.
+    opt_cfg, steps, epochs = config.train.optimizer, config.train.steps, config.train.ppo_epochs
+    optimizer = make_optimizer(opt_cfg, steps, epochs)
     update_step = UpdateStep(
         graphdef=graphdef,
         loss=plugins["loss"].plugin,
@@ -301,6 +304,7 @@ def build_programs(
         plugins=plugins,
         batch_axes=batch_axes,
         optimizer=optimizer,
+        lr_schedule=optimizer_schedule(opt_cfg, steps, epochs),
         update_step=update_step,
         eos_ids=tuple(int(e) for e in eos_ids),
         pad_id=int(pad_id),

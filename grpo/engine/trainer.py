@@ -34,7 +34,7 @@ from grpo.engine.runs import rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_run
 from grpo.engine.training.advantages import group_advantages
-from grpo.engine.training.optim import learning_rate_schedule
+from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.lora import count_params, split_params
 from grpo.models.policy import load_policy
@@ -120,7 +120,7 @@ class Trainer:
         self.batch_sharding = self.programs.rollout_sharding
         self.train_sharding = self.programs.train_sharding
         self.optimizer = self.programs.optimizer
-        self.lr_schedule = learning_rate_schedule(config.train.optimizer, config.train.steps)
+        self.lr_schedule = self.programs.lr_schedule  # of the optimizer's update count
         self.opt_state = self.programs.init_opt_state(self.params)
 
         from grpo.plugins.tasks import render_prompt
@@ -366,7 +366,8 @@ class Trainer:
                 **{k_: v for k_, v in m.items() if k_.startswith("tis/")},
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
-                "learning_rate": float(self.lr_schedule(self.step - 1)),
+                # Read from the optimizer's own count: the rate its updates applied.
+                "learning_rate": applied_learning_rate(self.lr_schedule, self.opt_state),
                 "time/train/rollout_generate_s": t_rollout,
                 "time/train/update_s": t_update,
                 "time/train/step_s": step_s,

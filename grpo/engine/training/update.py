@@ -36,6 +36,7 @@ from flax import nnx
 from pydantic import BaseModel
 
 from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
+from grpo.engine.training.optim import is_schedule_state
 
 
 class UpdateBatch(NamedTuple):
@@ -68,6 +69,20 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, *
         return optimizer.init(params)
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return MasterWeights(master=master, inner=optimizer.init(master))
+
+
+def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old`` (params, master and optimizer moments alike:
+    a non-finite update changes nothing) -- except the schedule's update count, taken
+    from ``new`` either way. The schedule's position is the optimizer call
+    (:func:`~grpo.engine.training.optim.optimizer_schedule`): a skipped update spends its
+    learning rate rather than delaying every later step's, so epochs stay aligned with
+    steps and warm-up ends where configured. Adam's own bias-correction count is not the
+    schedule's and stays with the moments it corrects."""
+    def pick(n, o):
+        return n if is_schedule_state(n) else jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
+
+    return jax.tree.map(pick, new, old, is_leaf=is_schedule_state)
 
 
 def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, dropout_keys=None):
@@ -346,10 +361,7 @@ class UpdateStep:
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         new_params, new_opt_state = self.apply(params, opt_state, grads)
-        # A non-finite step changes nothing (params, master and optimizer moments alike).
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        params, opt_state = keep_if_finite(finite, (new_params, new_opt_state), (params, opt_state))
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
         return params, opt_state, metrics, logprobs
 
