@@ -185,15 +185,28 @@ class Trainer:
         local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
 
-    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray):
+        """This process's rows scored: totals [b], each reward [b] by name, and which
+        reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order)."""
         from grpo.plugins.tasks import score_completions
 
         texts = self.policy.decode(tokens, mask)
         scored = score_completions(self.task, self.task_options, examples, texts)
-        for name, n in scored.errors.items():
-            self.reward_errors[name] = self.reward_errors.get(name, 0) + n
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
-        return np.asarray(scored.totals, np.float32), per_fn
+        failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
+        return np.asarray(scored.totals, np.float32), per_fn, failed.reshape(len(texts), len(scored.names))
+
+    def _add_reward_errors(self, names: list[str], counts: np.ndarray) -> None:
+        """Add a step's failures of each reward function, counted over every process's
+        rows (each process scores only its own)."""
+        for name, n in zip(names, counts):
+            self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
+
+    def _sum_rows(self, x: jax.Array) -> jax.Array:
+        """Column sums of a batch-sharded global array, replicated on every process."""
+        if not hasattr(self, "_row_sum"):
+            self._row_sum = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.programs.replicated)
+        return self._row_sum(x)
 
     def _write_samples(self, example: dict, tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray) -> None:
         """The first prompt's group of completions, for reading what the policy does."""
@@ -285,7 +298,8 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
 
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        rewards_local, per_fn_local = self._score(examples, local_tokens, local_mask)
+        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
+        failed = to_global(failed_local, self.batch_sharding)  # B rewards
         if self.is_main and self.step % self.config.logging.every_n_steps == 0:
             self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
         rewards = to_global(rewards_local, self.batch_sharding)
@@ -346,7 +360,9 @@ class Trainer:
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
-        scalars = {k_: float(v) for k_, v in jax.device_get(scalars).items()}
+        scalars, error_counts = jax.device_get((scalars, self._sum_rows(failed)))
+        scalars = {k_: float(v) for k_, v in scalars.items()}
+        self._add_reward_errors(list(per_fn_local), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics))
         row: dict[str, Any] = {"step": self.step}
         row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})
