@@ -120,14 +120,14 @@ def test_applied_learning_rate_follows_the_step_schedule_whatever_the_ppo_epochs
     update applies nothing and shifts nothing after it, and the rate read back from the
     optimizer's count (what the trainer logs; inside MasterWeights too) is the applied one."""
     from grpo.core.config import OptimizerConfig
-    from grpo.engine.training.optim import applied_learning_rate, make_optimizer, optimizer_schedule, schedule_count
+    from grpo.engine.training import optim
     from grpo.engine.training.update import MasterWeights, keep_if_finite
 
     peak, warm, total, floor = 0.1, 3, 8, 0.1
     cfg = OptimizerConfig(name="lion", learning_rate=peak, warmup_steps=warm, schedule="cosine", min_lr_ratio=floor,
                           weight_decay=0.0, max_grad_norm=1.0)
-    opt = make_optimizer(cfg, total, epochs)
-    schedule = optimizer_schedule(cfg, total, epochs)
+    opt = optim.make_optimizer(cfg, total, epochs)
+    schedule = optim.optimizer_schedule(cfg, total, epochs)
     params = {"w": jnp.zeros(4)}
     grads = {"w": jnp.array([1.0, -2.0, 3.0, -4.0])}
     state = opt.init(params)
@@ -150,10 +150,10 @@ def test_applied_learning_rate_follows_the_step_schedule_whatever_the_ppo_epochs
                 np.testing.assert_allclose(change, want, rtol=1e-5, err_msg=f"step {step} epoch {epoch}")
                 applied.append(float(change[0]))
             params, state = new_params, new_state
-            assert int(schedule_count(state)) == step * epochs + epoch + 1
-            assert applied_learning_rate(schedule, state) == pytest.approx(want, rel=1e-6)
+            assert int(optim.schedule_count(state)) == step * epochs + epoch + 1
+            assert optim.applied_learning_rate(schedule, state) == pytest.approx(want, rel=1e-6)
     assert applied.index(max(applied)) == warm * epochs  # the peak: the first epoch of step `warm`
-    assert int(schedule_count(MasterWeights(master=params, inner=state))) == total * epochs
+    assert int(optim.schedule_count(MasterWeights(master=params, inner=state))) == total * epochs
 
 
 def test_checkpoint_roundtrip_with_sharding(tmp_path):

@@ -109,8 +109,11 @@ class Trainer:
         self.ref_params = None
         if config.loss.beta > 0:
             # Full fine-tuning: a frozen copy of the initial policy; never updated, never
-            # checkpointed. LoRA: the base itself with the adapters off (no copy).
-            self.ref_params = jax.tree.map(jnp.copy, self.params) if self.frozen is None else self.params
+            # checkpointed. LoRA: the base itself with the adapters off, read beside zero
+            # adapters of its own (the trained ones are donated to every update, so the
+            # reference must never hold them; zero adapters are the base even if read).
+            copy = jnp.copy if self.frozen is None else jnp.zeros_like
+            self.ref_params = jax.tree.map(copy, self.params)
         # Every jitted program of a step comes from the one builder `grpo plan` compiles.
         self.programs = build_programs(
             config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
@@ -139,6 +142,7 @@ class Trainer:
         # The reference pass runs micro-batch by micro-batch through the loss plugin's own
         # log-prob path (fused for pallas): never the whole step's [B, N, V] logits.
         self.ref_logprobs = self.programs.reference() if self.ref_params is not None else None
+        self.policy_logprobs = self.programs.policy_logprobs()  # LoRA dropout only
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.skipped_nonfinite = 0
@@ -165,19 +169,38 @@ class Trainer:
             self._reshard = jax.jit(lambda a: a, out_shardings=self.train_sharding)
         return self._reshard(x)
 
-    def _dropout_keys(self, rows: int, epoch: int) -> jax.Array | None:
-        """One LoRA-dropout key per row of this step's update epoch (None without dropout),
-        derived from (seed, step, epoch): a resumed run draws the same masks."""
-        lora = self.config.model.lora
-        if lora is None or lora.dropout <= 0:
+    def _dropout_keys(self, rows: int) -> jax.Array | None:
+        """One LoRA-dropout key per row of this step (None without dropout), derived from
+        (seed, step): a resumed run draws the same masks. Every PPO epoch of the step uses
+        the same masks as the log-probs its ratio divides by, so at unchanged parameters
+        the ratio is exactly 1 (a mask per epoch made it dropout noise)."""
+        if not self.programs.lora_dropout:
             return None
         if not hasattr(self, "_make_keys"):
-            def make(step, epoch):
+            def make(step):
                 base = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.train.seed), 0xD80), step)
-                return jax.random.key_data(jax.random.split(jax.random.fold_in(base, epoch), rows))
+                return jax.random.key_data(jax.random.split(base, rows))
 
             self._make_keys = jax.jit(make, out_shardings=self.train_sharding)
-        return self._make_keys(jnp.int32(self.step), jnp.int32(epoch))
+        return self._make_keys(jnp.int32(self.step))
+
+    def _behaviour_logprobs(self, ub: UpdateBatch) -> tuple[jax.Array | None, UpdateBatch]:
+        """With LoRA dropout: the policy's dropout-free log-probs (what the sampler's are
+        compared with), and ``ub`` with its truncated-IS input corrected for dropout.
+
+        The TIS weight is ``min(exp(logp_old - logp_sampler), cap)``: a correction for the
+        sampler and the trainer disagreeing on the same policy. With dropout the loss's
+        ``logp_old`` is under this step's dropout masks (it must be, for the PPO ratio),
+        so the loss is handed ``sampler + (masked - dropout_free)``, both of the
+        pre-update policy: its weight is then ``exp(dropout_free - sampler)``, numerics
+        only, never dropout noise. Without dropout: ``(None, ub)``."""
+        if self.policy_logprobs is None:
+            return None, ub
+        free = self.policy_logprobs(self.params, ub._replace(dropout_keys=None), self.frozen)
+        if ub.sampler_logprobs is not None:
+            masked = self.policy_logprobs(self.params, ub, self.frozen)
+            ub = ub._replace(sampler_logprobs=ub.sampler_logprobs + (masked - free))
+        return free, ub
 
     def _rollout_batch(self, step: int):
         cfg = self.config
@@ -323,19 +346,22 @@ class Trainer:
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
+        ub = ub._replace(dropout_keys=self._dropout_keys(ub.tokens.shape[0]))
+        trainer_logprobs, ub = self._behaviour_logprobs(ub)
         epoch_metrics = []
-        trainer_logprobs = None
         for epoch in range(cfg.train.ppo_epochs):
-            ub = ub._replace(dropout_keys=self._dropout_keys(ub.tokens.shape[0], epoch))
             self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub, self.frozen)
             epoch_metrics.append(m)
             if epoch == 0:
-                trainer_logprobs = logprobs
+                if trainer_logprobs is None:
+                    trainer_logprobs = logprobs
                 # Later epochs measure the ratio against the pre-update policy's log-probs
-                # (the first epoch's, computed before its step).
+                # (the first epoch's, computed before its step, under the same dropout masks).
                 ub = ub._replace(old_logprobs=jax.lax.stop_gradient(logprobs))
-            if not bool(m["finite"]):
-                self.skipped_nonfinite += 1
+        # A step counts once however many of its epochs were skipped; `finite` is a
+        # replicated output of the update, so every process counts alike.
+        if not all(bool(m["finite"]) for m in epoch_metrics):
+            self.skipped_nonfinite += 1
         jax.block_until_ready(self.params)
         t_update = time.perf_counter() - t1
         self.step += 1

@@ -277,7 +277,7 @@ class UpdateStep:
             args["sampler_logprobs"] = mb.sampler_logprobs
         return self.loss_call(args, normalizer)
 
-    # ------------------------------------------------------------------ reference pass
+    # ------------------------------------------------------------------ forward-only passes
 
     def reference_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
         """Per-token log-probs [B, N] of the completions under ``params`` (the reference
@@ -286,16 +286,29 @@ class UpdateStep:
         and no ``[B, N, V]`` logits at all with a fused loss.
 
         With LoRA (``frozen`` = the base) the reference is the base model: the adapters
-        in ``params`` are switched off, so no second copy of any weight exists."""
+        in ``params`` are switched off (the trainer passes zero adapters that are never
+        donated; no copy of any base weight exists)."""
+        return self._forward_logprobs(params, batch, frozen, adapters=False)
 
+    def policy_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
+        """Per-token log-probs [B, N] of the completions under the policy ``params``
+        (adapters on), micro-batched like :meth:`reference_logprobs`, under the LoRA-dropout
+        masks of ``batch.dropout_keys`` (None: no dropout, the policy the sampler samples).
+        The trainer runs it only with LoRA dropout: the dropout-free log-probs are what the
+        sampler's are compared with (metrics, truncated IS)."""
+        return self._forward_logprobs(params, batch, frozen, adapters=True)
+
+    def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
         def one(mb: UpdateBatch) -> jax.Array:
-            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=False))
+            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters))
             return jnp.where(mb.mask > 0, logp.astype(jnp.float32), 0.0)
 
         m = self.micro_batches
         if m == 1:
             return one(batch)
         fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
+        if adapters and batch.dropout_keys is not None:
+            fields += ("dropout_keys",)
         micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
 
         def body(xs):
@@ -379,3 +392,8 @@ class UpdateStep:
     def jit_reference(self):
         """The jitted reference pass (no donation: the reference parameters are reused)."""
         return jax.jit(self.loss_call.for_mesh(self.reference_logprobs))
+
+    def jit_policy_logprobs(self):
+        """The jitted :meth:`policy_logprobs` (no donation: the update reads the same
+        parameters next)."""
+        return jax.jit(self.loss_call.for_mesh(self.policy_logprobs))
