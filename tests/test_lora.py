@@ -334,14 +334,14 @@ TINY = {
                                                "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "train": {"steps": 3, "prompts_per_step": 8, "ppo_epochs": 2, "micro_batch_size": 8,
               "optimizer": {"learning_rate": 1e-2}},
-    "loss": {"beta": 0.05},
+    "loss": {"beta": 0.05, "tis_cap": 2.0},
     "checkpoint": {"every_n_steps": 0, "at_end": False},
     "logging": {"progress_bar": False, "plot": False},
 }
 
 
 def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
-    """A LoRA run with dropout, beta > 0 and two PPO epochs, preempted by SIGTERM after
+    """A LoRA run with dropout, beta > 0, truncated IS and two PPO epochs, preempted by SIGTERM after
     step 2 and resumed, ends with exactly the adapters of an uninterrupted run; the
     checkpoint holds the adapters and their optimizer state, not the base."""
     from _runs import assert_same_run, preempted_and_resumed
@@ -350,11 +350,16 @@ def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
     from grpo.engine.trainer import Trainer
 
     straight = Trainer(load_config(TINY), tmp_path / "straight")
-    assert straight.frozen is not None and straight.ref_params is straight.params
+    assert straight.frozen is not None
     base_before = [np.asarray(x).copy() for x in jax.tree.leaves(straight.frozen)]
     straight.run()
     for a, b in zip(base_before, jax.tree.leaves(straight.frozen)):
         np.testing.assert_array_equal(a, np.asarray(b))
+    # The reference (beta > 0) read adapters of its own every step: zeros, never donated
+    # (the trained adapters of each step are donated to the next update).
+    assert jax.tree.structure(straight.ref_params) == jax.tree.structure(straight.params)
+    for x in jax.tree.leaves(straight.ref_params):
+        assert not x.is_deleted() and not np.any(np.asarray(x))
     rows = read_metrics(tmp_path / "straight")
     assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
 
@@ -393,3 +398,58 @@ def test_merged_sampling_equals_sampling_through_the_adapters(lora_tiny):
     # The adapters matter: with them off, the unmerged state is the base model.
     b = off.generate(unmerged, prompts, mask, jax.random.key(1))
     assert not np.allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=1e-3)
+
+
+def test_lora_dropout_masks_are_shared_by_the_epochs_and_tis_sees_numerics_only(tmp_path):
+    """LoRA with dropout 0.1, two PPO epochs and a vanishing learning rate, so every epoch
+    runs at the parameters its old log-probs were taken at (the reference, beta > 0, is
+    checked by the resume test above):
+
+    - the ratio is exactly 1, nothing clips and approx_kl is exactly 0 (one dropout mask per
+      row per step, shared by the epochs and the old log-probs; a mask per epoch made the
+      ratio dropout noise);
+    - the truncated-IS weight is the sampler/trainer mismatch of the dropout-free policy
+      (the logged ``is_ratio``), not dropout noise;
+    - a step whose epochs are all non-finite counts once, and the schedule's count (what
+      the logged learning rate is read from) moves through it."""
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.trainer import Trainer
+    from grpo.engine.training.optim import learning_rate_schedule, schedule_count
+
+    cfg = load_config(TINY, ["train.optimizer={learning_rate: 1.0e-30, warmup_steps: 1, schedule: linear}",
+                             "loss.beta=0", "train.steps=2"])
+    trainer = Trainer(cfg, tmp_path)
+    # Non-zero B: at its zero init the adapters, and so their dropout, change nothing.
+    noise = _randomise(jax.tree.map(jnp.zeros_like, trainer.params), scale=0.3, seed=5)
+    trainer.params = jax.tree.map(lambda x, n: jax.device_put(x + n, x.sharding), trainer.params, noise)
+    start = [np.asarray(x).copy() for x in jax.tree.leaves(trainer.params)]
+    update, batches = trainer.update, []
+
+    def nan_in_the_second_step(params, opt_state, ub, frozen):
+        batches.append(ub)
+        if trainer.step == 1:
+            ub = ub._replace(advantages=ub.advantages * jnp.nan)
+        return update(params, opt_state, ub, frozen)
+
+    trainer.update = nan_in_the_second_step
+    trainer.run()
+    rows = read_metrics(tmp_path)
+    for a, b in zip(start, jax.tree.leaves(trainer.params)):
+        np.testing.assert_array_equal(a, np.asarray(b))  # the learning rate vanishes indeed
+    for r in rows[:1]:
+        assert r["ratio/mean"] == 1.0 and r["approx_kl"] == 0.0, r
+        assert r["clip_frac/low"] == 0.0 and r["clip_frac/high"] == 0.0, r
+        # The TIS weight is the logged sampler/trainer ratio (dropout-free), ~1 on CPU.
+        assert r["tis/weight_mean"] == pytest.approx(r["is_ratio/sampler_trainer/mean"], abs=1e-6), r
+        assert abs(r["tis/weight_mean"] - 1.0) < 1e-4 and r["logprob_gap/sampler_trainer"] < 1e-4, r
+    # Dropout matters at these adapters: a step's masks move the log-probs far more than
+    # the numerics above (so a mask per epoch, or TIS under the masks, would show).
+    ub = batches[0]
+    assert ub.dropout_keys is not None and batches[1].dropout_keys is ub.dropout_keys
+    masked = trainer.policy_logprobs(trainer.params, ub, trainer.frozen)
+    free = trainer.policy_logprobs(trainer.params, ub._replace(dropout_keys=None), trainer.frozen)
+    assert float(jnp.max(jnp.abs(masked - free) * ub.mask)) > 1e-2
+    assert [r["skipped_nonfinite_steps"] for r in rows] == [0, 1]
+    assert int(schedule_count(trainer.opt_state)) == 2 * 2
+    schedule = learning_rate_schedule(cfg.train.optimizer, cfg.train.steps)
+    assert [r["learning_rate"] for r in rows] == pytest.approx([float(schedule(s)) for s in range(2)], rel=1e-6)

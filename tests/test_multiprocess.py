@@ -49,9 +49,12 @@ def _write_config(tmp_path: Path, **sections) -> Path:
     return path
 
 
-def _launch(config: Path, run_dir: Path, *, processes: int = 2, extra=()) -> list[subprocess.Popen]:
+def _launch(config: Path, run_dir: Path, *, processes: int = 2, extra=(), path: Path | None = None) -> list[subprocess.Popen]:
+    """``path``: a directory put first on the processes' PYTHONPATH (a plugin's site)."""
     port = _free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    if path is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(path), env.get("PYTHONPATH")) if p)
     return [
         subprocess.Popen(
             [sys.executable, "-m", "grpo.core.cli", "run", str(config), "--run-dir", str(run_dir),
@@ -86,6 +89,25 @@ LORA = {
 }
 
 
+# The third-party `length` task (tests/fixtures/example_plugin) with a reward that raises
+# on every other prompt: failures on both processes' rows, each process scoring its own.
+FAILING_REWARDS = {"task": {"name": "length", "options": {"num_examples": 64, "raise_every": 2}}}
+
+
+def _failing_rows(*, steps: int, processes: int) -> list[int]:
+    """Rows whose reward raises, per process, over ``steps`` steps of CONFIG (each of a
+    step's prompts is num_generations rows; process p takes the p-th share of them)."""
+    from grpo.engine.rollout.prompts import process_slice, step_indices
+
+    pps, k = CONFIG["train"]["prompts_per_step"], CONFIG["rollout"]["num_generations"]
+    out = [0] * processes
+    for step in range(steps):
+        idx = step_indices(64, step=step, prompts_per_step=pps, seed=0)
+        for p in range(processes):
+            out[p] += k * int(np.sum(idx[process_slice(pps, p, processes)] % 2 == 0))
+    return out
+
+
 @pytest.fixture(scope="module")
 def single_process_reference(tmp_path_factory):
     """Each config run in this process, 1 process x 8 devices (once per module):
@@ -116,16 +138,18 @@ def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
     "mesh, style, model",
     [("auto", "legacy", "full"), ("host_local", "legacy", "full"), ("host_local", "maxtext", "lora")],
 )
-def test_two_processes_match_single_process(tmp_path, single_process_reference, mesh, style, model):
+def test_two_processes_match_single_process(tmp_path, example_plugin, single_process_reference, mesh, style, model):
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
     style. The ``lora`` case trains LoRA with dropout (adapters sharded over both
     processes' devices, per-row dropout keys, the frozen base beside them), and the
-    adapters the two processes checkpointed export (PEFT) to the single-process run's."""
-    extra = LORA if model == "lora" else {}
+    adapters the two processes checkpointed export (PEFT) to the single-process run's.
+    The full fine-tuning cases score with a reward that fails on rows of both processes:
+    the counters are of every process's rows, as in the single process."""
+    extra = LORA if model == "lora" else FAILING_REWARDS
     single_dir = single_process_reference(model, _write_config(tmp_path, **extra))
     config = _write_config(tmp_path, mesh={"policy": mesh}, rollout={"style": style}, **extra)
     run_dir = tmp_path / "run"
-    results = _wait(_launch(config, run_dir))
+    results = _wait(_launch(config, run_dir, path=example_plugin))
     for code, out, err in results:
         assert code == 0, err[-3000:]
     assert "Done: 2 steps" in results[0][1]
@@ -135,6 +159,14 @@ def test_two_processes_match_single_process(tmp_path, single_process_reference, 
     for got, ref in zip(rows, want):
         for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean", "kl"):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        for key in ("reward_errors", "skipped_nonfinite_steps"):
+            assert got[key] == ref[key], (key, got[key], ref[key])
+    if model == "full":
+        per_process = _failing_rows(steps=2, processes=2)
+        assert min(per_process) > 0  # both processes scored failing rows
+        assert rows[-1]["reward_errors"] == sum(per_process)
+        summary = json.loads((run_dir / "summary.json").read_text())
+        assert summary["reward_errors"] == {"length": sum(per_process)}
     if model == "lora":
         assert rows[-1]["grad_norm"] > 0  # the adapters trained
         multi = _export_adapters(run_dir, tmp_path / "peft_multi")

@@ -101,6 +101,12 @@ def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_
         assert "tis/weight_mean" in r and "is_ratio/sampler_trainer/mean" in r
     assert max(r["clip_frac/low"] + r["clip_frac/high"] for r in rows) > 0
     assert rows[1]["kl"] > 0  # the policy left the reference after step 1
+    # The optimizer ran twice a step; its schedule count (inside MasterWeights) says so,
+    # and the logged rate is the configured one of each step.
+    from grpo.engine.training.optim import schedule_count
+
+    assert int(schedule_count(trainer.opt_state)) == 4 * 2
+    assert [r["learning_rate"] for r in rows] == [0.05] * 4
     for p, m in zip(jax.tree.leaves(trainer.params), jax.tree.leaves(trainer.opt_state.master)):
         assert p.dtype == jax.numpy.bfloat16 and m.dtype == jax.numpy.float32
         np.testing.assert_array_equal(np.asarray(p), np.asarray(m.astype(p.dtype)))

@@ -68,7 +68,10 @@ class LoraConfig(Section):
     rank: int = Field(16, ge=1, le=65536, description="Adapter rank r (at most each targeted matrix's in and out size).")
     alpha: float = Field(32.0, gt=0.0, le=1e6, description="Scale numerator: the update is (alpha / rank) * A @ B (PEFT's lora_alpha).")
     dropout: float = Field(
-        0.0, ge=0.0, lt=1.0, description="Dropout on each adapter's input in the update (PEFT's lora_dropout); the sampler and the reference never drop."
+        0.0, ge=0.0, lt=1.0,
+        description="Dropout on each adapter's input in the update (PEFT's lora_dropout): one mask per row per step, "
+        "shared by every PPO epoch and the old log-probs (ratio 1 at unchanged weights); the sampler and the "
+        "reference never drop, and loss.tis_cap weighs by the dropout-free log-probs (one more forward a step).",
     )
     targets: list[str] = Field(
         default_factory=lambda: list(LORA_PROJECTIONS),

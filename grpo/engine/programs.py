@@ -14,6 +14,8 @@ The programs of one GRPO step, in the order they run:
   (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
 - ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
+- ``policy_logprobs``: the policy's dropout-free per-token log-probs (only with LoRA
+  dropout; once more under the step's dropout masks when ``loss.tis_cap > 0``);
 - ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated).
@@ -57,6 +59,7 @@ class RunPrograms:
     plugins: dict[str, Any]
     batch_axes: tuple[str, ...]
     optimizer: Any
+    lr_schedule: Any  # the optimizer's schedule: learning rate of an update count
     update_step: Any  # grpo.engine.training.update.UpdateStep (not jitted)
     eos_ids: tuple[int, ...]
     pad_id: int
@@ -175,6 +178,21 @@ class RunPrograms:
             return None
         return self.update_step.jit_reference()
 
+    @property
+    def lora_dropout(self) -> bool:
+        lora = self.config.model.lora
+        return lora is not None and lora.dropout > 0
+
+    def policy_logprobs(self):
+        """The jitted forward-only pass of the policy ``(params, UpdateBatch, frozen) ->
+        [B, N] log-probs`` under the batch's LoRA-dropout masks (none: dropout-free), or
+        None without LoRA dropout. With dropout the update's own log-probs carry its masks;
+        this pass gives the dropout-free ones the sampler's are compared with, and with
+        ``loss.tis_cap > 0`` the masked ones the truncated-IS weight is corrected by."""
+        if not self.lora_dropout:
+            return None
+        return self.update_step.jit_policy_logprobs()
+
     def init_opt_state(self, params: Any) -> Any:
         """The optimizer state of concrete ``params`` (with the f32 master copy when the
         run keeps master weights), each leaf in its parameter's sharding (an eager init
@@ -248,7 +266,7 @@ class RunPrograms:
             old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
             ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
             sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.tis_cap > 0 else None,
-            dropout_keys=arr((b, 2), jnp.uint32) if cfg.model.lora is not None and cfg.model.lora.dropout > 0 else None,
+            dropout_keys=arr((b, 2), jnp.uint32) if self.lora_dropout else None,
         )
 
 
@@ -321,14 +339,16 @@ def build_programs(
     ``topology``; to pick among several (``tensor_parallel: auto``) it uses the chip
     figures ``chip`` (None: the smallest valid one) and the full model ``state``
     (concrete or abstract: its bytes)."""
-    from grpo.engine.training.optim import make_optimizer
+    from grpo.engine.training.optim import make_optimizer, optimizer_schedule
     from grpo.engine.training.update import UpdateStep
 
     plugins = plugins or select_plugins(config)
     placement = rollout_placement(
         config, plugins["rollout"], mesh=mesh, layout=layout, arch=arch, topology=topology, state=state, chip=chip
     )
-    optimizer = make_optimizer(config.train.optimizer, config.train.steps)
+    # The trainer calls the optimizer ppo_epochs times a step: the schedule counts steps.
+    opt_cfg, steps, epochs = config.train.optimizer, config.train.steps, config.train.ppo_epochs
+    optimizer = make_optimizer(opt_cfg, steps, epochs)
     update_step = UpdateStep(
         graphdef=graphdef,
         loss=plugins["loss"].plugin,
@@ -347,6 +367,7 @@ def build_programs(
         plugins=plugins,
         batch_axes=placement.batch_axes,
         optimizer=optimizer,
+        lr_schedule=optimizer_schedule(opt_cfg, steps, epochs),
         update_step=update_step,
         eos_ids=tuple(int(e) for e in eos_ids),
         pad_id=int(pad_id),

@@ -35,7 +35,7 @@ from grpo.engine.runs import rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_run
 from grpo.engine.training.advantages import group_advantages
-from grpo.engine.training.optim import learning_rate_schedule
+from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.lora import count_params, split_params
 from grpo.models.policy import load_policy
@@ -110,8 +110,11 @@ class Trainer:
         self.ref_params = None
         if config.loss.beta > 0:
             # Full fine-tuning: a frozen copy of the initial policy; never updated, never
-            # checkpointed. LoRA: the base itself with the adapters off (no copy).
-            self.ref_params = jax.tree.map(jnp.copy, self.params) if self.frozen is None else self.params
+            # checkpointed. LoRA: the base itself with the adapters off, read beside zero
+            # adapters of its own (the trained ones are donated to every update, so the
+            # reference must never hold them; zero adapters are the base even if read).
+            copy = jnp.copy if self.frozen is None else jnp.zeros_like
+            self.ref_params = jax.tree.map(copy, self.params)
         # Every jitted program of a step comes from the one builder `grpo plan` compiles.
         self.programs = build_programs(
             config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
@@ -124,7 +127,7 @@ class Trainer:
         self.batch_sharding = self.programs.rollout_sharding
         self.train_sharding = self.programs.train_sharding
         self.optimizer = self.programs.optimizer
-        self.lr_schedule = learning_rate_schedule(config.train.optimizer, config.train.steps)
+        self.lr_schedule = self.programs.lr_schedule  # of the optimizer's update count
         self.opt_state = self.programs.init_opt_state(self.params)
 
         from grpo.plugins.tasks import render_prompt
@@ -143,6 +146,7 @@ class Trainer:
         # The reference pass runs micro-batch by micro-batch through the loss plugin's own
         # log-prob path (fused for pallas): never the whole step's [B, N, V] logits.
         self.ref_logprobs = self.programs.reference() if self.ref_params is not None else None
+        self.policy_logprobs = self.programs.policy_logprobs()  # LoRA dropout only
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
         self.skipped_nonfinite = 0
@@ -169,19 +173,38 @@ class Trainer:
             self._reshard = jax.jit(lambda a: a, out_shardings=self.train_sharding)
         return self._reshard(x)
 
-    def _dropout_keys(self, rows: int, epoch: int) -> jax.Array | None:
-        """One LoRA-dropout key per row of this step's update epoch (None without dropout),
-        derived from (seed, step, epoch): a resumed run draws the same masks."""
-        lora = self.config.model.lora
-        if lora is None or lora.dropout <= 0:
+    def _dropout_keys(self, rows: int) -> jax.Array | None:
+        """One LoRA-dropout key per row of this step (None without dropout), derived from
+        (seed, step): a resumed run draws the same masks. Every PPO epoch of the step uses
+        the same masks as the log-probs its ratio divides by, so at unchanged parameters
+        the ratio is exactly 1 (a mask per epoch made it dropout noise)."""
+        if not self.programs.lora_dropout:
             return None
         if not hasattr(self, "_make_keys"):
-            def make(step, epoch):
+            def make(step):
                 base = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.train.seed), 0xD80), step)
-                return jax.random.key_data(jax.random.split(jax.random.fold_in(base, epoch), rows))
+                return jax.random.key_data(jax.random.split(base, rows))
 
             self._make_keys = jax.jit(make, out_shardings=self.train_sharding)
-        return self._make_keys(jnp.int32(self.step), jnp.int32(epoch))
+        return self._make_keys(jnp.int32(self.step))
+
+    def _behaviour_logprobs(self, ub: UpdateBatch) -> tuple[jax.Array | None, UpdateBatch]:
+        """With LoRA dropout: the policy's dropout-free log-probs (what the sampler's are
+        compared with), and ``ub`` with its truncated-IS input corrected for dropout.
+
+        The TIS weight is ``min(exp(logp_old - logp_sampler), cap)``: a correction for the
+        sampler and the trainer disagreeing on the same policy. With dropout the loss's
+        ``logp_old`` is under this step's dropout masks (it must be, for the PPO ratio),
+        so the loss is handed ``sampler + (masked - dropout_free)``, both of the
+        pre-update policy: its weight is then ``exp(dropout_free - sampler)``, numerics
+        only, never dropout noise. Without dropout: ``(None, ub)``."""
+        if self.policy_logprobs is None:
+            return None, ub
+        free = self.policy_logprobs(self.params, ub._replace(dropout_keys=None), self.frozen)
+        if ub.sampler_logprobs is not None:
+            masked = self.policy_logprobs(self.params, ub, self.frozen)
+            ub = ub._replace(sampler_logprobs=ub.sampler_logprobs + (masked - free))
+        return free, ub
 
     def _rollout_batch(self, step: int):
         cfg = self.config
@@ -189,15 +212,28 @@ class Trainer:
         local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
 
-    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray):
+        """This process's rows scored: totals [b], each reward [b] by name, and which
+        reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order)."""
         from grpo.plugins.tasks import score_completions
 
         texts = self.policy.decode(tokens, mask)
         scored = score_completions(self.task, self.task_options, examples, texts)
-        for name, n in scored.errors.items():
-            self.reward_errors[name] = self.reward_errors.get(name, 0) + n
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
-        return np.asarray(scored.totals, np.float32), per_fn
+        failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
+        return np.asarray(scored.totals, np.float32), per_fn, failed.reshape(len(texts), len(scored.names))
+
+    def _add_reward_errors(self, names: list[str], counts: np.ndarray) -> None:
+        """Add a step's failures of each reward function, counted over every process's
+        rows (each process scores only its own)."""
+        for name, n in zip(names, counts):
+            self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
+
+    def _sum_rows(self, x: jax.Array) -> jax.Array:
+        """Column sums of a batch-sharded global array, replicated on every process."""
+        if not hasattr(self, "_row_sum"):
+            self._row_sum = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.programs.replicated)
+        return self._row_sum(x)
 
     def _write_samples(self, example: dict, tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray) -> None:
         """The first prompt's group of completions, for reading what the policy does."""
@@ -290,7 +326,8 @@ class Trainer:
         t_rollout = time.perf_counter() - t0
 
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        rewards_local, per_fn_local = self._score(examples, local_tokens, local_mask)
+        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
+        failed = to_global(failed_local, self.batch_sharding)  # B rewards
         if self.is_main and self.step % self.config.logging.every_n_steps == 0:
             self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
         rewards = to_global(rewards_local, self.batch_sharding)
@@ -314,19 +351,22 @@ class Trainer:
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
+        ub = ub._replace(dropout_keys=self._dropout_keys(ub.tokens.shape[0]))
+        trainer_logprobs, ub = self._behaviour_logprobs(ub)
         epoch_metrics = []
-        trainer_logprobs = None
         for epoch in range(cfg.train.ppo_epochs):
-            ub = ub._replace(dropout_keys=self._dropout_keys(ub.tokens.shape[0], epoch))
             self.params, self.opt_state, m, logprobs = self.update(self.params, self.opt_state, ub, self.frozen)
             epoch_metrics.append(m)
             if epoch == 0:
-                trainer_logprobs = logprobs
+                if trainer_logprobs is None:
+                    trainer_logprobs = logprobs
                 # Later epochs measure the ratio against the pre-update policy's log-probs
-                # (the first epoch's, computed before its step).
+                # (the first epoch's, computed before its step, under the same dropout masks).
                 ub = ub._replace(old_logprobs=jax.lax.stop_gradient(logprobs))
-            if not bool(m["finite"]):
-                self.skipped_nonfinite += 1
+        # A step counts once however many of its epochs were skipped; `finite` is a
+        # replicated output of the update, so every process counts alike.
+        if not all(bool(m["finite"]) for m in epoch_metrics):
+            self.skipped_nonfinite += 1
         jax.block_until_ready(self.params)
         t_update = time.perf_counter() - t1
         self.step += 1
@@ -351,7 +391,9 @@ class Trainer:
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
-        scalars = {k_: float(v) for k_, v in jax.device_get(scalars).items()}
+        scalars, error_counts = jax.device_get((scalars, self._sum_rows(failed)))
+        scalars = {k_: float(v) for k_, v in scalars.items()}
+        self._add_reward_errors(list(per_fn_local), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics))
         row: dict[str, Any] = {"step": self.step}
         row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})
@@ -371,7 +413,8 @@ class Trainer:
                 **{k_: v for k_, v in m.items() if k_.startswith("tis/")},
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
-                "learning_rate": float(self.lr_schedule(self.step - 1)),
+                # Read from the optimizer's own count: the rate its updates applied.
+                "learning_rate": applied_learning_rate(self.lr_schedule, self.opt_state),
                 "time/train/rollout_generate_s": t_rollout,
                 "time/train/update_s": t_update,
                 "time/train/step_s": step_s,

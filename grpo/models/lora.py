@@ -26,6 +26,20 @@ so the step-0 model is the base model exactly, and the projection computes
 (the sampler reads base + adapter the same way). Adapters are float32 parameters; their
 ``lora_rank`` axis is replicated, the others shard like the base weight's.
 
+Dropout (``model.lora.dropout``) drops each adapter's input in the update only, with one
+mask per row per training step, drawn from (seed, step): every PPO epoch of the step
+uses the same masks as the log-probs its ratio divides by (``logp_old``), so at unchanged
+parameters the ratio is exactly 1 and clipping sees only what the update moved. The
+sampler and the reference never drop. Truncated importance sampling (``loss.tis_cap``)
+corrects for the sampler and the trainer disagreeing about the *same* policy, so its
+``logp_old`` is the dropout-free log-prob of the pre-update policy: the weight is
+``min(exp(logp_free - logp_sampler), cap)``, sampler/trainer numerics only. (The trainer
+hands the loss ``logp_sampler + (logp_masked - logp_free)``, both pre-update, so the loss's
+``exp(logp_old - sampler)`` with its masked ``logp_old`` is that weight; a dropout mask
+against a dropout-free sampler would otherwise make the weight dropout noise.) The
+dropout-free pass costs one forward per step (two with TIS); the sampler/trainer metrics
+(``logprob_gap/sampler_trainer``, ``is_ratio/...``) are measured on it.
+
 QLoRA (``base_quantization: nf4|int8``) replaces each projection's storage by the codes
 of :mod:`grpo.models.quant` (``layers.<name>``, uint4/int8) and its per-block scales
 (``layers.<name>_scale``); the decoder dequantizes one layer at a time in its scan.

@@ -36,6 +36,7 @@ from flax import nnx
 from pydantic import BaseModel
 
 from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
+from grpo.engine.training.optim import is_schedule_state
 
 
 class UpdateBatch(NamedTuple):
@@ -68,6 +69,20 @@ def init_optimizer_state(optimizer: optax.GradientTransformation, params: Any, *
         return optimizer.init(params)
     master = jax.tree.map(lambda p: p.astype(jnp.float32), params)
     return MasterWeights(master=master, inner=optimizer.init(master))
+
+
+def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
+    """``new`` where ``finite``, else ``old`` (params, master and optimizer moments alike:
+    a non-finite update changes nothing) -- except the schedule's update count, taken
+    from ``new`` either way. The schedule's position is the optimizer call
+    (:func:`~grpo.engine.training.optim.optimizer_schedule`): a skipped update spends its
+    learning rate rather than delaying every later step's, so epochs stay aligned with
+    steps and warm-up ends where configured. Adam's own bias-correction count is not the
+    schedule's and stays with the moments it corrects."""
+    def pick(n, o):
+        return n if is_schedule_state(n) else jax.tree.map(lambda a, b: jnp.where(finite, a, b), n, o)
+
+    return jax.tree.map(pick, new, old, is_leaf=is_schedule_state)
 
 
 def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, dropout_keys=None):
@@ -262,7 +277,7 @@ class UpdateStep:
             args["sampler_logprobs"] = mb.sampler_logprobs
         return self.loss_call(args, normalizer)
 
-    # ------------------------------------------------------------------ reference pass
+    # ------------------------------------------------------------------ forward-only passes
 
     def reference_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
         """Per-token log-probs [B, N] of the completions under ``params`` (the reference
@@ -271,16 +286,29 @@ class UpdateStep:
         and no ``[B, N, V]`` logits at all with a fused loss.
 
         With LoRA (``frozen`` = the base) the reference is the base model: the adapters
-        in ``params`` are switched off, so no second copy of any weight exists."""
+        in ``params`` are switched off (the trainer passes zero adapters that are never
+        donated; no copy of any base weight exists)."""
+        return self._forward_logprobs(params, batch, frozen, adapters=False)
 
+    def policy_logprobs(self, params, batch: UpdateBatch, frozen=None) -> jax.Array:
+        """Per-token log-probs [B, N] of the completions under the policy ``params``
+        (adapters on), micro-batched like :meth:`reference_logprobs`, under the LoRA-dropout
+        masks of ``batch.dropout_keys`` (None: no dropout, the policy the sampler samples).
+        The trainer runs it only with LoRA dropout: the dropout-free log-probs are what the
+        sampler's are compared with (metrics, truncated IS)."""
+        return self._forward_logprobs(params, batch, frozen, adapters=True)
+
+    def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
         def one(mb: UpdateBatch) -> jax.Array:
-            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=False))
+            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters))
             return jnp.where(mb.mask > 0, logp.astype(jnp.float32), 0.0)
 
         m = self.micro_batches
         if m == 1:
             return one(batch)
         fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
+        if adapters and batch.dropout_keys is not None:
+            fields += ("dropout_keys",)
         micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
 
         def body(xs):
@@ -346,10 +374,7 @@ class UpdateStep:
         grad_norm = optax.tree.norm(grads)
         finite = jnp.isfinite(grad_norm) & jnp.isfinite(loss)
         new_params, new_opt_state = self.apply(params, opt_state, grads)
-        # A non-finite step changes nothing (params, master and optimizer moments alike).
-        keep = lambda new, old: jnp.where(finite, new, old)  # noqa: E731
-        params = jax.tree.map(keep, new_params, params)
-        opt_state = jax.tree.map(keep, new_opt_state, opt_state)
+        params, opt_state = keep_if_finite(finite, (new_params, new_opt_state), (params, opt_state))
         metrics = dict(metrics, loss=loss, grad_norm=grad_norm, finite=finite)
         return params, opt_state, metrics, logprobs
 
@@ -367,3 +392,8 @@ class UpdateStep:
     def jit_reference(self):
         """The jitted reference pass (no donation: the reference parameters are reused)."""
         return jax.jit(self.loss_call.for_mesh(self.reference_logprobs))
+
+    def jit_policy_logprobs(self):
+        """The jitted :meth:`policy_logprobs` (no donation: the update reads the same
+        parameters next)."""
+        return jax.jit(self.loss_call.for_mesh(self.policy_logprobs))
