@@ -49,7 +49,7 @@ def setup(tmp_path_factory):
 
 
 def _serving(graphdef, mesh, tp):
-    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, tp))
+    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, tp, kv_heads=2))
     sampler = Sampler(graphdef, mesh=placement.mesh, batch_axes=placement.batch_axes, sampling=SAMPLING,
                       activation_rules=placement.activation_rules, cache_rules=placement.cache_rules)
     return placement, sampler
@@ -60,10 +60,13 @@ def test_serving_samples_what_legacy_samples(setup, tp):
     graphdef, state, mesh, _, tokens, mask, ref = setup
     placement, sampler = _serving(graphdef, mesh, tp)
     served = placement.reshard_jit(state)(state)
-    # The copy is in the serving layout: heads split tp ways, no FSDP on embed.
+    # The copy is in the serving layout: query heads split tp ways, KV heads gcd(tp, 2)
+    # ways, the embed dimension whole.
     q = served["layers"]["q_proj"].get_value()
-    assert q.sharding.mesh.shape["tp"] == tp
-    assert q.sharding.spec == PartitionSpec(None, None, "tp" if tp > 1 else None, None)
+    k = served["layers"]["k_proj"].get_value()
+    assert q.sharding.shard_shape(q.shape)[2] == q.shape[2] // tp
+    assert k.sharding.shard_shape(k.shape)[2] == k.shape[2] // min(tp, 2)
+    assert q.sharding.shard_shape(q.shape)[1] == q.shape[1]
     out = sampler.generate(served, tokens, mask, jax.random.key(7))
     assert np.asarray(out.tokens).shape == (P * K, N)
     np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(ref.tokens))
@@ -112,7 +115,7 @@ def test_lora_and_qlora_states_follow_the_layout(setup):
     from grpo.models.lora import apply_lora
 
     graphdef, state, mesh, cfg, *_ = setup
-    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, 2))
+    placement = RolloutPlacement.of_layout(mesh, serving_layout(8, 2, kv_heads=2))
     for quant in ("none", "int8"):
         model = nnx.merge(graphdef, jax.tree.map(jnp.copy, state))
         apply_lora(model, LoraConfig(rank=4, alpha=8, base_quantization=quant), abstract=True)
@@ -148,12 +151,14 @@ def test_auto_picks_by_the_roofline():
 
     dims = ModelDims(num_attention_heads=16, num_key_value_heads=2, head_dim=128, hidden_size=2048,
                      intermediate_size=11008, vocab_size=151936, num_hidden_layers=36)
-    cands = [serving_layout(8, t) for t in (1, 2, 4, 8)]
     est = dict(cache_slots=1280, weight_bytes=6.2e9, compute_itemsize=2, resident_bytes=6e9)
+    cands = [serving_layout(8, t, kv_heads=2) for t in (1, 2, 4, 8)]
     chosen, table = choose_layout(cands, dims, rows=128, chip=CHIPS["v6e"], **est)
-    assert chosen.tensor_parallel == 2
-    # Weights per chip shrink with tp, the replicated cache grows past tp = 2 KV heads.
-    assert table[1]["hbm_s"] > table[2]["hbm_s"] < table[4]["hbm_s"]
+    # Weights per chip shrink with tp; the cache, split only 2 ways (2 KV heads), grows
+    # per chip past tp = 2 as each tp group takes more rows.
+    assert chosen.tensor_parallel == 4
+    assert table[1]["hbm_s"] > table[2]["hbm_s"] > table[4]["hbm_s"] < table[8]["hbm_s"]
+    assert table[8]["ici_s"] > table[4]["ici_s"] > table[2]["ici_s"] > table[1]["ici_s"] == 0
     assert choose_layout(cands, dims, rows=128)[0].tensor_parallel == 1
     # Rows that only some layouts split: tp=8 leaves one shard, which takes any batch.
     assert choose_layout(cands[:2], dims, rows=4)[0].tensor_parallel == 2

@@ -246,7 +246,7 @@ def program_costs(
     # every layer for each pass); in a serving layout its shard (1/tp of the split
     # matrices), which is also all the matmul work a chip does.
     tp = ro.tensor_parallel if ro.resharded else 1
-    kv_split = tp if Hk % tp == 0 else 1
+    kv_split = math.gcd(int(ro.mesh.shape["tp"]), Hk) if ro.resharded else 1
     rollout_weights = rollout_weight_bytes if rollout_weight_bytes is not None else weight_bytes
     sampler = programs.sampler()
     inputs = programs.abstract_rollout_inputs()

@@ -13,8 +13,8 @@ a jitted identity too), on one process or many.
 Picking among several candidate layouts (``tensor_parallel: auto``) is a roofline of one
 decode step per chip (:func:`decode_step_estimate`), the same model ``grpo plan``
 states: ``max(compute, HBM, ICI)`` where HBM is the weights a chip holds (``1/tp`` of the
-matmul weights, KV projections whole when there are fewer KV heads than ``tp``) plus the
-live KV cache of its rows, and ICI is two all-reduces of ``[rows, hidden]`` per layer (the
+matmul weights; the KV projections and the KV cache of its rows over the mesh's ``tp``
+axis only, ``gcd(tp, KV heads)`` ways), and ICI is two all-reduces of ``[rows, hidden]`` per layer (the
 attention and MLP outputs, ``2 (tp-1)/tp`` of the buffer into each chip, at half the
 chip's bidirectional ICI figure). A candidate fits when the resident training state, the
 resharded copy and its KV cache fit in the chip's HBM. Without chip figures (CPU, GPU)
@@ -148,7 +148,7 @@ def decode_step_estimate(
     r = rows / shards
     d = dims
     w = compute_itemsize
-    kv_split = tp if d.num_key_value_heads % tp == 0 else 1
+    kv_split = layout.mesh.tp  # KV heads split over the rollout mesh's tp axis only
     kv_proj = 2 * d.num_hidden_layers * d.hidden_size * d.num_key_value_heads * d.head_dim * w
     weights_chip = (weight_bytes - kv_proj) / tp + kv_proj / kv_split
     kv_tok = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim * w

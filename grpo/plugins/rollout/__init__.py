@@ -10,11 +10,14 @@ They are kept exactly as they were, so runs compared against the seed project re
 resharded once per step (before prefill) into a tensor-parallel layout, decoded there and
 the copy dropped; per token only activations cross the interconnect (two all-reduces of
 ``[rows, hidden]`` per layer, and ``[rows]``-sized reductions to sample from a
-vocabulary-sharded head).
+vocabulary-sharded head). Query heads, MLP and vocabulary split ``tensor_parallel`` ways;
+KV heads (and so the KV cache) split ``gcd(tensor_parallel, KV heads)`` ways, each
+chip's query heads beside their KV head.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Literal, Union
 
 from pydantic import Field, field_validator
@@ -64,15 +67,22 @@ class MaxTextStyle(RolloutStyle):
         return []
 
 
-# Parameters of the serving layout: no FSDP (the embed dimension whole on every chip),
-# heads / KV heads / MLP / vocabulary split over tp; LoRA's rank axis whole.
+# The serving layout's tensor parallelism of size T spans two mesh axes: ``tp`` of size
+# k = gcd(T, KV heads) and ``fsdp`` of size T / k (tp-major). Query heads, MLP and
+# vocabulary split over both (T ways); KV heads (and the KV cache) over ``tp`` only, so
+# each chip's query heads find their KV head on the same chip, and a model with fewer KV
+# heads than T (Qwen2.5-3B has 2) keeps its cache split k ways instead of replicated.
+# Nothing is FSDP-sharded: the ``embed`` dimension is whole on every chip; LoRA's rank
+# axis too.
+_SPLIT = ("tp", "fsdp")
+
 SERVING_PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "embed": None,
-    "vocab": "tp",
-    "heads": "tp",
+    "vocab": _SPLIT,
+    "heads": _SPLIT,
     "kv_heads": "tp",
     "head_dim": None,
-    "mlp": "tp",
+    "mlp": _SPLIT,
     "layers": None,
     "norm": None,
     "lora_rank": None,
@@ -82,11 +92,11 @@ SERVING_ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "batch": ("dp",),
     "length": None,
     "embed": None,
-    "heads": "tp",
+    "heads": _SPLIT,
     "kv_heads": "tp",
     "head_dim": None,
-    "mlp": "tp",
-    "vocab": "tp",
+    "mlp": _SPLIT,
+    "vocab": _SPLIT,
     "cache_length": None,
     "layers": None,
 }
@@ -168,13 +178,16 @@ class ServingStyle(RolloutStyle):
                     + "."
                 )
             sizes = [tp]
-        return tuple(serving_layout(n, t) for t in sizes)
+        return tuple(serving_layout(n, t, kv_heads=model.num_key_value_heads) for t in sizes)
 
 
-def serving_layout(devices: int, tp: int) -> RolloutLayout:
-    """The serving layout of ``devices`` devices with tensor parallelism ``tp``."""
+def serving_layout(devices: int, tp: int, *, kv_heads: int | None = None) -> RolloutLayout:
+    """The serving layout of ``devices`` devices with tensor parallelism ``tp``: the mesh
+    ``(dp, fsdp, tp) = (devices / tp, tp / k, k)`` with ``k = gcd(tp, kv_heads)`` (see
+    :data:`SERVING_PARAM_RULES`; ``kv_heads`` None: k = tp)."""
+    k = tp if kv_heads is None else math.gcd(tp, kv_heads)
     return RolloutLayout(
-        mesh=MeshLayout(dp=devices // tp, fsdp=1, tp=tp),
+        mesh=MeshLayout(dp=devices // tp, fsdp=tp // k, tp=k),
         param_rules=SERVING_PARAM_RULES,
         activation_rules=SERVING_ACTIVATION_RULES,
         batch_axes=("dp",),
