@@ -9,9 +9,9 @@ rows are never scored. A real prompt's samples depend only on the seed, the batc
 in and its place there, never on the padding: every mesh and process count gives the
 same per-example results, and greedy results do not depend on the batch size either.
 
-Every process places the whole (small) prompt batch; the sampler shards it over the
-rollout shards, or replicates it when the prompts do not divide them and shards their
-``k`` samples. Each process decodes and scores the samples of its own slice of prompts
+Every process places the whole (small) prompt batch; prefill splits it over the part of
+the rollout shards the prompts divide (replicated at worst), decode splits their ``k``
+samples over all of them. Each process decodes and scores the samples of its own slice of prompts
 (the rows it holds); per-prompt results are then gathered so every process reports the
 same numbers.
 

@@ -52,8 +52,8 @@ def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int
     smallest size >= ``prompts`` that splits into whole prompts per process and whose
     ``size x k`` sampled rows split evenly over the rollout shards (the extra rows are
     padding whose results are dropped). The prompts themselves need not divide the
-    shards: the sampler replicates a prompt batch that does not, and shards its ``k``
-    copies."""
+    shards: prefill splits them over the part of the shards they divide (replicated at
+    worst), and decode splits their ``k`` samples."""
     unit = math.lcm(processes, shards // math.gcd(shards, k))
     return math.ceil(prompts / unit) * unit
 
