@@ -113,13 +113,13 @@ class Evaluator:
         for b, start in enumerate(starts):
             count = min(real, n - start)
             idx = start + np.arange(size)
-            idx[count:] = start
+            idx[count:] = start  # padding: the batch's first prompt again (any real prompt would do)
             batch = build_batch(prompts, idx, local=slice(None), buckets=self.buckets, pad_id=self.policy.pad_id,
                                 width=width)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
             out = sampler.generate(sampler_state, batch.tokens, batch.mask, rng)
             # This process's prompts' samples, rows p*k .. p*k+k-1 of prompt p; padding
-            # prompts are not decoded or scored.
+            # prompts' samples are sampled with the rest but never detokenized or scored.
             keep = (np.arange(local.start, local.stop) < count).sum()
             if keep == 0:
                 continue
