@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
-from grpo.engine.runs.metrics import read_metrics
+from grpo.engine.runs.metrics import read_eval, read_metrics
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
@@ -86,6 +86,9 @@ LORA = {
     "task": {"options": {"max_operand": 4, "num_examples": 64,
                          "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "checkpoint": {"at_end": True},
+    # Sampled pass@3 on the 5 test prompts in batches of 3: padded to 8 prompts on one
+    # process's 8 rollout shards, to 4 on two processes with maxtext's 2 (dp) shards.
+    "eval": {"every_n_steps": 2, "batch_size": 3, "k": 3, "greedy": False},
 }
 
 
@@ -142,7 +145,8 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
     style. The ``lora`` case trains LoRA with dropout (adapters sharded over both
     processes' devices, per-row dropout keys, the frozen base beside them), and the
-    adapters the two processes checkpointed export (PEFT) to the single-process run's.
+    adapters the two processes checkpointed export (PEFT) to the single-process run's, and
+    its evaluations (batches that divide neither mesh's shards) are the single process's.
     The full fine-tuning cases score with a reward that fails on rows of both processes:
     the counters are of every process's rows, as in the single process."""
     extra = LORA if model == "lora" else FAILING_REWARDS
@@ -169,6 +173,14 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
         assert summary["reward_errors"] == {"length": sum(per_process)}
     if model == "lora":
         assert rows[-1]["grad_norm"] > 0  # the adapters trained
+        evals, want_evals = read_eval(run_dir), read_eval(single_dir)
+        assert [r["step"] for r in evals] == [0, 2] and [r["step"] for r in want_evals] == [0, 2]
+        for got, ref in zip(evals, want_evals):
+            assert got["eval/num_prompts"] == 5 and got["eval/num_samples"] == 3
+            assert got.keys() == ref.keys()
+            for key in ref:
+                if not key.startswith("time/"):
+                    assert got[key] == pytest.approx(ref[key], rel=1e-6), key
         multi = _export_adapters(run_dir, tmp_path / "peft_multi")
         single = _export_adapters(single_dir, tmp_path / "peft_single")
         assert multi.keys() == single.keys()

@@ -129,6 +129,72 @@ def test_resume_after_sigterm_is_bitwise_identical(tmp_path):
     assert_same_run(straight, preempted_and_resumed(_config(**steps), tmp_path / "resumed", after=3))
 
 
+def test_evaluation_pads_awkward_batches_and_matches_unpadded(tmp_path):
+    """Any eval.k / batch_size / num_examples on 8 devices (before: an IndivisibleError
+    when the prompts did not divide the rollout shards). Greedy completions and scores
+    per example do not depend on the batch size; sampled ones (k=4, batches of 3 prompts
+    padded to 4) equal an unpadded evaluation of the same batches on one device."""
+    import dataclasses
+
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from grpo.core.contracts import MeshLayout
+    from grpo.engine.evaluation import Evaluator
+    from grpo.engine.programs import build_programs
+
+    # Wide initial weights (the quickstart's) make greedy answers depend on the prompt.
+    trainer = Trainer(_config(**{"eval.num_examples": 7, "model.random": {
+        "preset": "tiny", "overrides": {"initializer_range": 0.125}}}), tmp_path)
+    one = Mesh(np.array(jax.devices()[:1]).reshape(1, 1, 1), ("dp", "fsdp", "tp"))
+    on_one = build_programs(trainer.config, mesh=one, layout=MeshLayout(1, 1, 1), graphdef=trainer.graphdef,
+                            eos_ids=trainer.policy.eos_ids, pad_id=trainer.policy.pad_id)
+    state = trainer.policy_params()
+    state_one = jax.device_put(state, NamedSharding(one, PartitionSpec()))
+
+    class Recording:
+        """The policy, recording every completion the evaluator decodes (in order)."""
+
+        def __init__(self):
+            self.texts: list[str] = []
+
+        def __getattr__(self, name):
+            return getattr(trainer.policy, name)
+
+        def decode(self, tokens, mask):
+            out = trainer.policy.decode(tokens, mask)
+            self.texts += list(out)
+            return out
+
+    def evaluate(k: int, batch: int, programs=trainer.programs, state=state):
+        """``((prompts, padded) per batch, per-example scores, completions in eval order)``."""
+        cfg = trainer.config.model_copy(update={"eval": trainer.config.eval.model_copy(
+            update={"k": k, "greedy": k == 1, "batch_size": batch})})
+        # One eval sampler per (greedy, k): the programs of each config share them.
+        programs = dataclasses.replace(programs, config=cfg)
+        policy = Recording()
+        ev = Evaluator(cfg, programs, task=trainer.task, task_options=trainer.task_options, policy=policy,
+                       render=trainer.render, buckets=trainer.buckets)
+        scores = ev.scores(state)
+        assert len(scores.correct) == len(scores.reward) == 7 and len(policy.texts) == 7 * k
+        return programs.eval_batch(7), scores, policy.texts
+
+    (_, size), whole, texts = evaluate(1, 7)
+    assert size == 8 and len(set(texts)) > 1
+    (_, size), thirds, texts_thirds = evaluate(1, 3)  # batches of 3, 3, 1 prompts, each padded to 8
+    assert size == 8 and texts_thirds == texts
+    np.testing.assert_array_equal(thirds.correct, whole.correct)
+    np.testing.assert_array_equal(thirds.reward, whole.reward)
+    (real, size), sampled, texts = evaluate(3, 3)  # batches of 3, 3, 1 prompts padded to 8 (24 rows)
+    assert (real, size) == (3, 8) and len(set(texts)) > 1 and sampled.correct.max() <= 3
+    # 4 prompts x 4 samples: the prompts are replicated for prefill, their samples sharded.
+    (real, size), got, texts = evaluate(4, 3)
+    (_, size_one), want, texts_one = evaluate(4, 3, on_one, state_one)
+    assert (real, size, size_one) == (3, 4, 3)
+    assert texts == texts_one and len(set(texts)) > 1
+    np.testing.assert_array_equal(got.correct, want.correct)
+    np.testing.assert_array_equal(got.reward, want.reward)
+
+
 def _short_quickstart(steps: int, *overrides: str):
     """The quickstart config, shortened, evaluated every 50 steps from step 0; returns the
     eval rows and the eval examples."""

@@ -1,19 +1,29 @@
 """Periodic evaluation: pass@1 (greedy or sampled), pass@k and mean@k on the eval split.
 
-Prompts are processed in fixed-size batches (padded with repeats of the last prompt,
-whose results are dropped) so one compiled sampler serves every batch. Each process
-generates and scores its own slice; per-prompt correct counts are then gathered so every
-process reports the same numbers.
+Prompts are processed in batches of ``eval.batch_size`` (the last one shorter), each
+placed in one compiled batch of :meth:`~grpo.engine.programs.RunPrograms.eval_batch`
+rows: padding rows (repeats of the batch's first prompt) fill it up to a whole number of
+prompts per process whose samples split evenly over the rollout shards, so any
+``num_examples``, ``batch_size`` and ``k`` run on any mesh and process count. Padding
+rows are never scored. A real prompt's samples depend only on the seed, the batch it is
+in and its place there, never on the padding: every mesh and process count gives the
+same per-example results, and greedy results do not depend on the batch size either.
+
+Every process places the whole (small) prompt batch; prefill splits it over the part of
+the rollout shards the prompts divide (replicated at worst), decode splits their ``k``
+samples over all of them. Each process decodes and scores the samples of its own slice of prompts
+(the rows it holds); per-prompt results are then gathered so every process reports the
+same numbers.
 
 The :class:`Evaluator` is built from the run's pieces (config, program builder, task,
 tokenizer), never from the trainer: the sampler comes from
-:meth:`~grpo.engine.programs.RunPrograms.sampler` like the training rollout's, and rows
-move between processes through :mod:`grpo.engine.parallel.rows`.
+:meth:`~grpo.engine.programs.RunPrograms.eval_sampler` like the training rollout's, and
+rows move between processes through :mod:`grpo.engine.parallel.rows`.
 """
 
 from __future__ import annotations
 
-import math
+import dataclasses
 import time
 from typing import Any, Callable
 
@@ -21,7 +31,7 @@ import jax
 import numpy as np
 
 from grpo.core.config import RunConfig
-from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.parallel.rows import row_range
 from grpo.engine.programs import RunPrograms
 from grpo.engine.rollout.prompts import (
     PromptSet,
@@ -32,11 +42,13 @@ from grpo.engine.rollout.prompts import (
 )
 
 
-def eval_batch_size(requested: int, *, k: int, shards: int, processes: int) -> int:
-    """The smallest size >= requested with prompts splitting over processes and
-    prompts*k over the rollout shards."""
-    unit = math.lcm(processes, shards // math.gcd(shards, k))
-    return max(unit, math.ceil(requested / unit) * unit)
+@dataclasses.dataclass(frozen=True)
+class EvalScores:
+    """Per-example results of one evaluation, in eval-split order (every process has
+    them all)."""
+
+    correct: np.ndarray  # [n] int64: correct samples of each prompt, of eval.k
+    reward: np.ndarray  # [n] float64: total reward of each prompt's eval.k samples
 
 
 class Evaluator:
@@ -68,7 +80,10 @@ class Evaluator:
         self._prompts: PromptSet | None = None
         self._sampler: Any = None
 
-    def _prepare(self) -> tuple[PromptSet, Any]:
+    def prepare(self) -> tuple[PromptSet, Any]:
+        """Load and tokenize the eval prompts and build the eval sampler (nothing is
+        compiled): done before the first training step, so a split with no usable prompt
+        stops the run before it trains."""
         if self._prompts is None:
             cfg, ev = self.config, self.config.eval
             examples = self.task.load(split=cfg.task.eval_split, options=self.task_options, seed=cfg.train.seed)
@@ -78,61 +93,69 @@ class Evaluator:
                 examples, self.render, self.policy.tokenizer,
                 max_prompt_length=cfg.rollout.max_prompt_length, split=cfg.task.eval_split,
             )
-            self._sampler = self.programs.sampler(greedy=ev.greedy, num_generations=ev.k)
+            self._sampler = self.programs.eval_sampler()
         return self._prompts, self._sampler
+
+    def scores(self, sampler_state: Any) -> EvalScores:
+        """Per-example results of the policy whose sampler state is ``sampler_state``."""
+        from grpo.plugins.tasks import score_completions
+
+        cfg = self.config
+        k = cfg.eval.k
+        prompts, sampler = self.prepare()
+        n = len(prompts)
+        real, size = self.programs.eval_batch(n)
+        width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
+        local = process_slice(size, jax.process_index(), jax.process_count())
+        rows = slice(local.start * k, local.stop * k)
+        starts = range(0, n, real)
+        mine = np.zeros((len(starts), local.stop - local.start, 2), np.float64)  # correct, reward
+        for b, start in enumerate(starts):
+            count = min(real, n - start)
+            idx = start + np.arange(size)
+            idx[count:] = start  # padding: the batch's first prompt again (any real prompt would do)
+            batch = build_batch(prompts, idx, local=slice(None), buckets=self.buckets, pad_id=self.policy.pad_id,
+                                width=width)
+            rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
+            out = sampler.generate(sampler_state, batch.tokens, batch.mask, rng)
+            # This process's prompts' samples, rows p*k .. p*k+k-1 of prompt p; padding
+            # prompts' samples are sampled with the rest but never detokenized or scored.
+            keep = (np.arange(local.start, local.stop) < count).sum()
+            if keep == 0:
+                continue
+            tokens, mask = row_range(out.tokens, rows), row_range(out.mask, rows)
+            texts = self.policy.decode(tokens[: keep * k], mask[: keep * k])
+            examples = [ex for ex in batch.examples[local][:keep] for _ in range(k)]
+            scored = score_completions(self.task, self.task_options, examples, texts)
+            mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)
+            mine[b, :keep, 1] = np.asarray(scored.totals, np.float64).reshape(keep, k).sum(1)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            every = np.asarray(multihost_utils.process_allgather(mine))  # processes, batches, per, 2
+        else:
+            every = mine[None]
+        every = every.transpose(1, 0, 2, 3).reshape(len(starts), size, 2)  # batch, slot, 2
+        real_slots = np.arange(size)[None, :] < np.minimum(real, n - np.asarray(starts))[:, None]
+        flat = every[real_slots]  # n 2, eval-split order
+        return EvalScores(correct=flat[:, 0].astype(np.int64), reward=flat[:, 1])
 
     def __call__(self, step: int, sampler_state: Any) -> dict[str, Any]:
         """One evaluation of the policy whose sampler state is ``sampler_state`` (what
         :meth:`~grpo.engine.programs.RunPrograms.sampler_state` gives), logged at ``step``."""
-        from grpo.plugins.tasks import group_metrics, score_completions
+        from grpo.plugins.tasks import group_metrics
 
-        cfg = self.config
-        ev = cfg.eval
+        k = self.config.eval.k
         t0 = time.perf_counter()
-        prompts, sampler = self._prepare()
-        programs = self.programs
-        shards = programs.layout.axis_size(programs.batch_axes)
-        size = eval_batch_size(min(ev.batch_size, len(prompts)), k=ev.k, shards=shards, processes=jax.process_count())
-        width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
-        local = process_slice(size, jax.process_index(), jax.process_count())
-        sharding = programs.rollout_sharding
-        counts: list[int] = []
-        reward_sum, n_scored = 0.0, 0
-        for start in range(0, len(prompts), size):
-            idx = np.arange(start, start + size)
-            real = idx < len(prompts)
-            idx = np.minimum(idx, len(prompts) - 1)
-            batch = build_batch(prompts, idx, local=local, buckets=self.buckets, pad_id=self.policy.pad_id,
-                                width=width)
-            g_tok = to_global(batch.tokens, sharding)
-            g_mask = to_global(batch.mask, sharding)
-            rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
-            out = sampler.generate(sampler_state, g_tok, g_mask, rng)
-            texts = self.policy.decode(local_rows(out.tokens), local_rows(out.mask))
-            examples = [ex for ex in batch.examples for _ in range(ev.k)]
-            scores = score_completions(self.task, self.task_options, examples, texts)
-            keep = real[local]
-            for p in range(len(batch.examples)):
-                # Padding rows count as -1 so every process gathers arrays of one length.
-                counts.append(int(sum(scores.correct[p * ev.k : (p + 1) * ev.k])) if keep[p] else -1)
-                if keep[p]:
-                    reward_sum += float(sum(scores.totals[p * ev.k : (p + 1) * ev.k]))
-                    n_scored += ev.k
-        local_stats = np.array([reward_sum, n_scored], np.float64)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            gathered = np.asarray(multihost_utils.process_allgather(np.asarray(counts, np.int32)))
-            counts = gathered.reshape(-1).tolist()
-            local_stats = np.asarray(multihost_utils.process_allgather(local_stats)).sum(0)
-        groups = [[True] * c + [False] * (ev.k - c) for c in counts if c >= 0]
-        metrics = group_metrics(groups, ks=sorted({1, ev.k}))
+        scores = self.scores(sampler_state)
+        groups = [[True] * int(c) + [False] * (k - int(c)) for c in scores.correct]
+        metrics = group_metrics(groups, ks=sorted({1, k}))
         out_row: dict[str, Any] = {"step": step}
-        out_row.update({f"eval/{k}": v for k, v in metrics.items()})
-        out_row["eval/reward_mean"] = local_stats[0] / max(local_stats[1], 1)
-        out_row["eval/greedy"] = ev.greedy
+        out_row.update({f"eval/{name}": v for name, v in metrics.items()})
+        out_row["eval/reward_mean"] = float(scores.reward.sum() / (len(scores.reward) * k))
+        out_row["eval/greedy"] = self.config.eval.greedy
         out_row["time/eval_s"] = time.perf_counter() - t0
         return out_row
 
 
-__all__ = ["Evaluator", "eval_batch_size"]
+__all__ = ["EvalScores", "Evaluator"]

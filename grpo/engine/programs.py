@@ -25,12 +25,17 @@ on the training layout (``legacy``, ``maxtext``), or in the style's own layout
 (``serving``), into which :meth:`RunPrograms.sampler_state` reshards the policy once per
 step — the ``reshard`` program, before prefill.
 
+Every ``eval.every_n_steps`` steps, evaluation (:mod:`grpo.engine.evaluation`) runs the
+same sampler's prefill and decode with ``eval.k`` samples per prompt on batches of
+:meth:`RunPrograms.eval_batch` prompts.
+
 The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateStep``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Sequence
 
 import jax
@@ -40,6 +45,17 @@ from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
+
+
+def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int:
+    """Rows of one compiled evaluation batch holding ``prompts`` real prompts: the
+    smallest size >= ``prompts`` that splits into whole prompts per process and whose
+    ``size x k`` sampled rows split evenly over the rollout shards (the extra rows are
+    padding whose results are dropped). The prompts themselves need not divide the
+    shards: prefill splits them over the part of the shards they divide (replicated at
+    worst), and decode splits their ``k`` samples."""
+    unit = math.lcm(processes, shards // math.gcd(shards, k))
+    return math.ceil(prompts / unit) * unit
 
 
 def mesh_platform(mesh: Mesh) -> str:
@@ -89,6 +105,29 @@ class RunPrograms:
     @property
     def replicated(self) -> NamedSharding:
         return NamedSharding(self.mesh, P())
+
+    @property
+    def process_count(self) -> int:
+        """Processes the mesh's devices belong to (the TPU pod's hosts in ``grpo plan``)."""
+        return len({d.process_index for d in self.mesh.devices.flat})
+
+    def eval_batch(self, available: int | None = None) -> tuple[int, int]:
+        """``(prompts, padded)`` of one evaluation batch: ``eval.batch_size`` prompts (fewer
+        when ``eval.num_examples`` or the ``available`` eval prompts are fewer), placed in
+        a batch of ``padded`` (:func:`eval_batch_size`) prompts on this mesh. The batches
+        hold the same prompts on every mesh; only their padding depends on it."""
+        ev = self.config.eval
+        prompts = ev.batch_size
+        for cap in (ev.num_examples, available):
+            if cap is not None:
+                prompts = min(prompts, cap)
+        mesh = self.rollout.mesh
+        shards = math.prod(mesh.shape[a] for a in self.batch_axes)
+        return prompts, eval_batch_size(prompts, k=ev.k, shards=shards, processes=self.process_count)
+
+    def eval_sampler(self):
+        """The evaluation sampler: greedy or sampled, ``eval.k`` samples per prompt."""
+        return self.sampler(greedy=self.config.eval.greedy, num_generations=self.config.eval.k)
 
     # ------------------------------------------------------------------ programs
 
@@ -234,12 +273,19 @@ class RunPrograms:
     def abstract_rollout_inputs(self) -> dict[str, Any]:
         """Abstract prefill inputs of one training step: [P, Lp] prompts at the largest
         prompt bucket (the worst case ``grpo run`` compiles)."""
+        return self._abstract_prompts(self.config.train.prompts_per_step)
+
+    def abstract_eval_inputs(self) -> dict[str, Any]:
+        """Abstract prefill inputs of one evaluation batch: the padded
+        :meth:`eval_batch` of prompts at the largest prompt bucket."""
+        return self._abstract_prompts(self.eval_batch()[1])
+
+    def _abstract_prompts(self, p: int) -> dict[str, Any]:
         from grpo.engine.rollout.prompts import default_buckets
 
         cfg = self.config
         buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
         lp = max(buckets)
-        p = cfg.train.prompts_per_step
         tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=self.prompt_sharding((p, lp)))
         return {"prompt_tokens": tok, "prompt_mask": tok}
 
@@ -419,4 +465,4 @@ def rollout_placement(
     return RolloutPlacement.of_layout(mesh, chosen, estimates)
 
 
-__all__ = ["RunPrograms", "build_programs", "loss_program", "mesh_platform", "rollout_placement"]
+__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program", "mesh_platform", "rollout_placement"]

@@ -453,6 +453,8 @@ class Trainer:
         last_row: dict[str, Any] = {}
         eval_rows: list[dict[str, Any]] = []
         try:
+            if cfg.eval.every_n_steps:
+                self.evaluator.prepare()  # an eval split with no usable prompt stops the run now
             if cfg.eval.every_n_steps and cfg.eval.at_start and self.step == 0:
                 ev = self.evaluate()  # the untrained policy: where the eval curve starts
                 eval_rows.append(ev)

@@ -2,8 +2,9 @@
 (JAX's multi-controller model), and the programs take one global array.
 
 ``to_global`` makes the global array from every process's local rows; ``local_rows``
-hands a process back the rows it owns, in global row order. On one process both are
-plain conversions.
+hands a process back the rows it owns, in global row order; ``row_range`` reads a given
+range of global rows from the shards this process holds (evaluation, whose batches need
+not shard the way a training step's do). On one process all three are plain conversions.
 """
 
 from __future__ import annotations
@@ -47,4 +48,34 @@ def local_rows(x: jax.Array) -> np.ndarray:
     return np.concatenate(rows, axis=0)
 
 
-__all__ = ["local_rows", "to_global"]
+def row_range(x: jax.Array, rows: slice) -> np.ndarray:
+    """Global rows ``rows.start:rows.stop`` of ``x`` (leading dimension: rows), read from
+    this process's own shards: they must hold every one of them (a batch sharded
+    host-major over the processes, or replicated), which a :class:`RuntimeError` says
+    when not."""
+    start, stop, _ = rows.indices(x.shape[0])
+    if jax.process_count() == 1:
+        return np.asarray(x)[start:stop]
+    out = np.empty((stop - start,) + tuple(x.shape[1:]), dtype=x.dtype)
+    have = np.zeros(stop - start, bool)
+    for s in x.addressable_shards:
+        a, b, _ = s.index[0].indices(x.shape[0]) if s.index else (0, x.shape[0], 1)
+        lo, hi = max(a, start), min(b, stop)
+        if lo >= hi or have[lo - start : hi - start].all():
+            continue
+        # A shard holds its rows whole: the other dimensions are never split over processes
+        # for row data (at most replicated or split within this process's shards).
+        data = np.asarray(s.data)
+        if data.shape[1:] != out.shape[1:]:
+            raise RuntimeError(f"row_range needs whole rows; shard {s.index} of {x.shape} splits them")
+        out[lo - start : hi - start] = data[lo - a : hi - a]
+        have[lo - start : hi - start] = True
+    if not have.all():
+        raise RuntimeError(
+            f"process {jax.process_index()} holds rows {np.flatnonzero(~have)[:8] + start} of the requested "
+            f"{start}:{stop} of a {x.shape} array in no shard ({x.sharding})"
+        )
+    return out
+
+
+__all__ = ["local_rows", "row_range", "to_global"]

@@ -32,6 +32,12 @@ step for the decode loop, summed, plus the ICI time of what runs once): a lower 
 that ignores overheads and assumes communication overlaps nothing it does not have to.
 ``roofline_no_comm_s`` (and ``roofline_step_no_comm_s``) keep the figure without
 communication. ``grpo plan --dump-hlo DIR`` writes the HLO the counts come from.
+
+Evaluation (``eval.every_n_steps > 0``) runs the sampler on eval batches between steps:
+``eval_prefill`` and ``eval_decode`` are compiled for one batch as the evaluator pads it
+and count in the peak like every program, but their time is not a step's:
+``roofline_eval_s`` is one whole evaluation (``eval.num_examples`` prompts; unknown
+without it), beside ``roofline_step_s``.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
 SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
+EVAL_PROGRAMS = ("eval_prefill", "eval_decode")
+# The programs that read the sampler's state (with merged LoRA sampling: the merged copy).
+ROLLOUT_PROGRAMS = ("prefill", "decode", *EVAL_PROGRAMS)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -187,7 +196,8 @@ class Cost:
 def program_costs(
     programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None, train_state_bytes: float = 0.0,
 ) -> dict[str, Cost]:
-    """Per-device flops, HBM bytes and roofline time of each program of one step.
+    """Per-device flops, HBM bytes and roofline time of each program of one step (and of
+    one evaluation batch).
 
     With ``D`` hidden, ``F`` MLP width, ``H``/``Hk`` query/KV heads of ``E`` dims, ``V``
     vocabulary, ``Lyr`` layers, ``Wm = Lyr (2 D H E + 2 D Hk E + 3 D F)`` weight-matmul
@@ -201,8 +211,16 @@ def program_costs(
     - the loss's head: ``jax`` 3 matmuls per completion token (forward, two in backward),
       ``pallas`` 5 (its custom VJP recomputes the logits in both backward kernels);
     - bytes: every program reads the whole (all-gathered) weights once per forward and
-      twice per backward pass, decode reads them and the live KV cache once per step, and
-      the optimizer reads and writes parameters, gradients and its state (sharded).
+      twice per backward pass — the update and the reference pass once per micro-batch
+      (``micro = sequences / micro_batch_size`` passes, the reference pass a forward
+      each) — prefill writes the KV cache of its rows, decode reads the weights and the
+      live KV cache once per step, and the optimizer reads and writes parameters,
+      gradients and its state, split over ``fsdp x tp`` (``dp`` replicates them);
+    - rows per device: the update's ``B / (dp fsdp)``, decode's ``B / rollout shards``;
+      prefill's prompts are split over the part of the rollout shards they divide;
+    - evaluation (``eval.every_n_steps > 0``): ``eval_prefill`` and ``eval_decode`` are
+      prefill and decode of one eval batch — ``eval.k`` samples of each of its prompts,
+      padded as :meth:`~grpo.engine.programs.RunPrograms.eval_batch` pads it;
     - a rollout in its own layout (``serving``, ``rollout_weight_bytes`` per chip) reads
       its shard of the weights instead of all of them, its prefill/decode FLOPs split
       ``tp`` ways, and its KV cache too when the KV heads divide over ``tp``; the
@@ -248,33 +266,40 @@ def program_costs(
     tp = ro.tensor_parallel if ro.resharded else 1
     kv_split = math.gcd(int(ro.mesh.shape["tp"]), Hk) if ro.resharded else 1
     rollout_weights = rollout_weight_bytes if rollout_weight_bytes is not None else weight_bytes
-    sampler = programs.sampler()
     inputs = programs.abstract_rollout_inputs()
     P, Lp = inputs["prompt_tokens"].shape
     K = cfg.rollout.num_generations
     B = P * K
-
-    # prefill: P prompts of Lp tokens; logits of the last position only.
-    rows = P / rollout_shards
-    flops = rows * (Lp * 2 * (wm + na) + 4 * Lp * Lp * H * E * Lyr + 2 * D * V) / tp
     kv_tok = 2 * Lyr * Hk * E * w / kv_split
-    nbytes = rollout_weights + rows * K * Lp * kv_tok
-    out["prefill"] = Cost(flops, nbytes, roof(flops, nbytes))
 
-    # decode: step 0 samples from the prefill logits; each later step is one token per row.
-    rows = B / rollout_shards
-    f_tot = b_tot = t_tot = 0.0
-    segs = []
-    for a, b in sampler.plan():
-        steps = b - a
-        slots = Lp + b  # the segment's cache length, all read every step
-        f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr) / tp
-        by = rollout_weights + rows * slots * kv_tok
-        f_tot += steps * f
-        b_tot += steps * by
-        t_tot += steps * roof(f, by)
-        segs.append((steps, f / peak, by / bw))
-    out["decode"] = Cost(f_tot, b_tot, t_tot, tuple(segs))
+    def rollout(prompts: int, k: int, sampler: Any) -> tuple[Cost, Cost]:
+        # prefill: the prompts of Lp tokens, split over the part of the rollout shards
+        # they divide (replicated at worst); logits of the last position only; the cache
+        # written k times over, split like the decode rows.
+        p_rows = programs.prompt_sharding((prompts, Lp)).shard_shape((prompts, Lp))[0]
+        rows = prompts * k / rollout_shards
+        flops = p_rows * (Lp * 2 * (wm + na) + 4 * Lp * Lp * H * E * Lyr + 2 * D * V) / tp
+        nbytes = rollout_weights + rows * Lp * kv_tok
+        prefill = Cost(flops, nbytes, roof(flops, nbytes))
+        # decode: step 0 samples from the prefill logits; each later step is one token per row.
+        f_tot = b_tot = t_tot = 0.0
+        segs = []
+        for a, b in sampler.plan():
+            steps = b - a
+            slots = Lp + b  # the segment's cache length, all read every step
+            f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr) / tp
+            by = rollout_weights + rows * slots * kv_tok
+            f_tot += steps * f
+            b_tot += steps * by
+            t_tot += steps * roof(f, by)
+            segs.append((steps, f / peak, by / bw))
+        return prefill, Cost(f_tot, b_tot, t_tot, tuple(segs))
+
+    out["prefill"], out["decode"] = rollout(P, K, programs.sampler())
+    if cfg.eval.every_n_steps > 0:
+        # One eval batch, padded as the Evaluator pads it (padding rows cost like real ones).
+        out["eval_prefill"], out["eval_decode"] = rollout(programs.eval_batch()[1], cfg.eval.k,
+                                                          programs.eval_sampler())
     if ro.resharded:
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
@@ -285,9 +310,11 @@ def program_costs(
     rows = B / train_shards
     attn_tok = 4 * S * H * E * Lyr
     fwd_tok = 2 * (wm + na) + attn_tok
+    micro = cfg.sequences_per_step // cfg.micro_batch_size
     if cfg.loss.beta > 0:
         ref_tok = 2 * wm + attn_tok  # LoRA: the base alone
-        ref_bytes = base_bytes if lora is not None else weight_bytes
+        # Micro-batched like the update: one forward pass reads the weights per micro-batch.
+        ref_bytes = micro * (base_bytes if lora is not None else weight_bytes)
         flops = rows * (S * ref_tok + N * 2 * D * V)
         out["reference"] = Cost(flops, ref_bytes, roof(flops, ref_bytes))
 
@@ -298,11 +325,12 @@ def program_costs(
     body = fwd_tok + bwd_tok + (fwd_tok if remat == "full" else attn_tok if remat == "dots" else 0)
     head = (5 if cfg.loss.impl == "pallas" else 3) * 2 * D * V
     flops = rows * (S * body + N * head)
-    micro = cfg.sequences_per_step // cfg.micro_batch_size
     # Weight reads per micro-batch: forward, backward (twice for weight gradients; once for
     # LoRA's frozen base, input gradients only), remat's recomputed forward.
     passes = (2 if lora is not None else 3) + (1 if remat in ("full", "dots") else 0)
-    shards = layout.size
+    # Parameters, gradients and optimizer state are split over fsdp x tp; dp replicates them
+    # (every dp group runs the same optimizer step on its own copy).
+    shards = layout.fsdp * layout.tp
     if lora is not None:
         # f32 adapters and gradients, two f32 moments, read and written.
         opt_bytes = 2 * na / shards * (2 * 4 + 2 * 4)
@@ -448,12 +476,23 @@ class Planner:
         P, Lp = inputs["prompt_tokens"].shape
         B = P * config.rollout.num_generations
         seg = sampler.plan()
-        cache_len = Lp + (seg[-1][1] if seg else 0)
-        cache_shape = (arch.num_hidden_layers, B, cache_len, arch.num_key_value_heads, arch.head_dim)
-        cache_sharding = sampler.cache_sharding(cache_shape)
         dt = jax.numpy.dtype(config.model.compute_dtype)
-        kv_bytes = 2 * math.prod(cache_sharding.shard_shape(cache_shape)) * dt.itemsize
-        state["kv_cache"] = kv_bytes
+
+        def kv_bytes(sampler: Any, rows: int) -> int:
+            """Per-device bytes of the final KV cache of ``rows`` sampled rows."""
+            cache_shape = (arch.num_hidden_layers, rows, Lp + (seg[-1][1] if seg else 0), arch.num_key_value_heads,
+                           arch.head_dim)
+            return 2 * math.prod(sampler.cache_sharding(cache_shape).shard_shape(cache_shape)) * dt.itemsize
+
+        state["kv_cache"] = kv_bytes(sampler, B)
+        # Evaluation (every eval.every_n_steps steps): the same sampler's programs with
+        # eval.k samples of each prompt of an eval batch, padded as the Evaluator pads it.
+        evaluating = config.eval.every_n_steps > 0
+        if evaluating:
+            eval_sampler = programs.eval_sampler()
+            eval_inputs = programs.abstract_eval_inputs()
+            eval_prompts, eval_padded = programs.eval_batch()
+            eval_rows = eval_padded * config.eval.k
 
         def keyed(name: str, exclude: tuple[str, ...]) -> tuple:
             data = config.model_dump(mode="json")
@@ -471,16 +510,18 @@ class Planner:
         # What the reference pass and the update do not depend on (comparing rollout layouts
         # recompiles only the rollout programs).
         rollout_layout_only = ("rollout.style", "rollout.options")
+        # What the eval programs do not depend on.
+        eval_only = ("train", "rollout.num_generations", "loss", "checkpoint", "logging", "name")
         results: list[ProgramResult] = []
 
         def reshard_lower():
             fn = programs.reshard_jit(full)
             return fn.lower(params, frozen) if programs.merged_sampling and frozen is not None else fn.lower(full)
 
-        def prefill_lower():
+        def prefill_lower(sampler: Any = sampler, inputs: dict = inputs) -> Any:
             return sampler.prefill_jit.lower(sampler_args, inputs["prompt_tokens"], inputs["prompt_mask"])
 
-        def decode_lower():
+        def decode_lower(sampler: Any = sampler, B: int = B) -> Any:
             from grpo.models.qwen2 import KVCache
 
             first = Lp + (seg[0][1] if seg else 0)
@@ -518,6 +559,13 @@ class Planner:
             ref_takes = ("reference_parameters",) if frozen is None else ("parameters",)
             todo.append(("reference", reference_lower, keyed("reference", rollout_layout_only), ref_takes))
         todo.append(("update", update_lower, keyed("update", rollout_layout_only), ("parameters", "optimizer_state")))
+        if evaluating:
+            todo += [
+                ("eval_prefill", lambda: prefill_lower(eval_sampler, eval_inputs), keyed("eval_prefill", eval_only),
+                 rollout_takes),
+                ("eval_decode", lambda: decode_lower(eval_sampler, eval_rows), keyed("eval_decode", eval_only),
+                 rollout_takes),
+            ]
         for name, lower, key, takes in todo:
             if key not in self._cache:
                 self._cache[key] = self._compile(name, lower, takes)
@@ -545,7 +593,7 @@ class Planner:
         errors: list[str] = []
         for r in results:
             resident = resident_total - sum(state[t] for t in r.takes if t != "rollout_parameters")
-            if r.name in ("prefill", "decode"):
+            if r.name in ROLLOUT_PROGRAMS:
                 resident += state["merged_projections"]
             cost = costs[r.name]
             entry: dict[str, Any] = {
@@ -574,11 +622,29 @@ class Planner:
         peak = max(peaks) if peaks else None
         fits = peak is not None and peak <= hbm and not errors
         step_roofline = sum(
-            p["roofline_s"] * (config.train.ppo_epochs if n == "update" else 1) for n, p in report_programs.items()
+            p["roofline_s"] * (config.train.ppo_epochs if n == "update" else 1)
+            for n, p in report_programs.items() if n not in EVAL_PROGRAMS
         )
         step_roofline_no_comm = sum(
-            costs[n].roofline_s * (config.train.ppo_epochs if n == "update" else 1) for n in report_programs
+            costs[n].roofline_s * (config.train.ppo_epochs if n == "update" else 1)
+            for n in report_programs if n not in EVAL_PROGRAMS
         )
+        eval_report = None
+        if evaluating:
+            # One eval batch; a whole evaluation runs ceil(examples / prompts) of them, and
+            # the split's size is known here only through eval.num_examples.
+            batch_s = sum(report_programs[n]["roofline_s"] for n in EVAL_PROGRAMS)
+            batches = math.ceil(config.eval.num_examples / eval_prompts) if config.eval.num_examples else None
+            eval_report = {
+                "every_n_steps": config.eval.every_n_steps,
+                "k": config.eval.k,
+                "prompts_per_batch": eval_prompts,
+                "padded_prompts_per_batch": eval_padded,
+                "rows_per_batch": eval_rows,
+                "kv_cache_bytes": kv_bytes(eval_sampler, eval_rows),
+                "batches": batches,
+                "roofline_batch_s": batch_s,
+            }
         layout = programs.layout
         n_trainable = count_params(params)
         n_frozen = count_params(frozen) - sum(_scales(frozen).values()) if frozen is not None else 0
@@ -601,6 +667,11 @@ class Planner:
             "compiler_error": "\n".join(errors) if errors else None,
             "roofline_step_s": step_roofline,
             "roofline_step_no_comm_s": step_roofline_no_comm,
+            # One whole evaluation (not in the step's roofline: it runs every
+            # eval.every_n_steps steps); None without eval or eval.num_examples.
+            "roofline_eval_s": eval_report["roofline_batch_s"] * eval_report["batches"]
+            if eval_report and eval_report["batches"] else None,
+            "eval": eval_report,
             "rollout_style": config.rollout.style,
             "rollout_layout": ro.describe() if ro.resharded else {
                 "mesh": dict(layout.shape), "batch_axes": list(programs.batch_axes), "tensor_parallel": layout.tp,
@@ -831,13 +902,13 @@ def format_report(rep: dict[str, Any]) -> str:
         lines.append(f"full fine-tuning: {rep['trainable_params'] / 1e6:,.1f} M trainable parameters")
     lines += [
         "",
-        f"{'PROGRAM':<10} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
+        f"{'PROGRAM':<12} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
         f"{'GB READ':>8} {'COMM GB':>8} {'ICI':>8} {'ROOFLINE':>9}",
     ]
     for name, p in rep["programs"].items():
         comm = p.get("ici_bytes")
         lines.append(
-            f"{name:<10} {_gib(p['argument_bytes']):>7} {_gib(p['output_bytes']):>7} {_gib(p['temp_bytes']):>7} "
+            f"{name:<12} {_gib(p['argument_bytes']):>7} {_gib(p['output_bytes']):>7} {_gib(p['temp_bytes']):>7} "
             f"{_gib(p['resident_bytes']):>9} {_gib(p['peak_bytes']):>7}  {p['flops'] / 1e12:>8.2f} "
             f"{p['bytes_accessed'] / 1e9:>8.2f} "
             + (f"{comm / 1e9:>8.2f} {p['ici_s']:>7.3f}s" if comm is not None else f"{'-':>8} {'-':>8}")
@@ -864,6 +935,15 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s"
                  + (f" ({rep['roofline_step_no_comm_s']:.2f} s without communication)"
                     if "roofline_step_no_comm_s" in rep else ""))
+    ev = rep.get("eval")
+    if ev:
+        whole = (f", of one evaluation ({ev['batches']} batches): {rep['roofline_eval_s']:.2f} s"
+                 if ev["batches"] else "")
+        lines.append(
+            f"evaluation every {ev['every_n_steps']} steps: batches of {ev['prompts_per_batch']} prompts (padded to "
+            f"{ev['padded_prompts_per_batch']}) x k={ev['k']} = {ev['rows_per_batch']} rows, KV cache "
+            f"{_gib(ev['kv_cache_bytes'])} GiB per device; roofline of one batch {ev['roofline_batch_s']:.2f} s{whole}"
+        )
     if rep["compiler_error"]:
         lines.append("compiler: " + rep["compiler_error"])
     for w in rep.get("mesh_warnings", []):
