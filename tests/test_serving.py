@@ -234,11 +234,14 @@ def test_multi_host_plan_keeps_tensor_parallel_inside_a_host(tmp_path, tp):
     planner = Planner("v6e:4x4")
     programs, _, _ = planner.build(load_config(path))
     mesh = programs.rollout.mesh
-    assert mesh.shape["tp"] in (1, 2, 4) and mesh.shape["dp"] * mesh.shape["tp"] == 16
+    # Tensor parallelism spans (fsdp, tp) of the rollout mesh (the tiny model's 2 KV heads:
+    # tp = gcd(T, 2)); each group of T consecutive devices is one host's.
+    group = mesh.shape["fsdp"] * mesh.shape["tp"]
+    assert group == programs.rollout.tensor_parallel in (1, 2, 4) and mesh.shape["dp"] * group == 16
     if tp == 4:
-        assert mesh.shape["tp"] == 4
-    for group in np.asarray(mesh.devices).reshape(-1, mesh.shape["tp"]):
-        assert len({d.process_index for d in group}) == 1
+        assert (mesh.shape["fsdp"], mesh.shape["tp"]) == (2, 2)
+    for devices in np.asarray(mesh.devices).reshape(-1, group):
+        assert len({d.process_index for d in devices}) == 1
     assert all(int(t) <= 4 for t in (programs.rollout.estimates or {}))
 
 
