@@ -177,15 +177,15 @@ def choose_layout(
     chip: Any = None,
     **estimate: Any,
 ) -> tuple[RolloutLayout, dict | None]:
-    """The candidate to run: the first whose shards divide ``rows`` and, with ``chip``
-    figures, the fastest that fits (the smallest-memory one when none fits); returns it
-    and every candidate's estimate (None without a chip)."""
+    """The candidate to run among those whose shards divide ``rows``: with ``chip``
+    figures the fastest that fits (the smallest-memory one when none fits), without them
+    the first (the smallest tensor parallelism); returns it and every candidate's
+    estimate (None without a chip)."""
     usable = [c for c in candidates if rows % c.shards == 0]
     if not usable:
         raise ValueError("no candidate layout splits the rollout batch")
-    if chip is None or len(usable) == 1:
-        if chip is None:
-            return usable[0], None
+    if chip is None:
+        return usable[0], None
     est = {c.tensor_parallel: decode_step_estimate(c, dims, rows=rows, chip=chip, **estimate) for c in usable}
     fitting = [c for c in usable if est[c.tensor_parallel]["fits"]]
     if fitting:
