@@ -24,7 +24,7 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from grpo.core.contracts import LossSettings, MeshLayout, Topology
+from grpo.core.contracts import LossSettings, MeshLayout, Topology, auto_attention
 from grpo.core.errors import ConfigError, PluginError, UserError
 
 # --------------------------------------------------------------------------- schema
@@ -157,6 +157,15 @@ class ModelConfig(Section):
     )
     remat: Literal["none", "full", "dots"] = Field(
         "none", description="Rematerialisation policy of each decoder layer in the update."
+    )
+    attention: str = Field(
+        "auto",
+        description="Attention kernel plugin for whole sequences (update, reference pass, prefill; `grpo plugins "
+        "list`, kind attention): `xla`, `splash` (TPU), `pallas_gpu` (GPU), ...; `auto` = splash on TPU, "
+        "pallas_gpu on GPU, xla on CPU. Decode always uses the model's XLA attention.",
+    )
+    attention_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the chosen attention kernel (block sizes)."
     )
     lora: LoraConfig | None = Field(
         None,
@@ -526,8 +535,8 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
         if e["type"] == "missing":
             problems.append(f"{where}: required field is missing")
         elif e["type"] == "value_error" and (not loc or where in msg):
-            # Cross-field checks name their own fields and values.
-            problems.append(msg)
+            # Cross-field checks name their own fields and values (within ``prefix``).
+            problems.append(f"{prefix}: {msg}" if prefix and not loc else msg)
         else:
             problems.append(f"{where}: {msg} (got {_short(e.get('input'))})")
     return problems
@@ -571,9 +580,46 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
     return selected
 
 
+def attention_plugin(model: "ModelConfig", platform: str, plugins: Any = None) -> tuple[str, Any, BaseModel]:
+    """``(name, plugin, options)`` of ``model.attention`` on ``platform`` (``auto``
+    resolved); raises ConfigError naming the field for an unknown name, bad options or a
+    platform the kernel cannot run on."""
+    from grpo.core.plugins import get_plugins
+
+    plugins = plugins or get_plugins()
+    name = auto_attention(platform) if model.attention == "auto" else model.attention
+    try:
+        plugin = plugins.get("attention", name)
+    except PluginError as err:
+        raise ConfigError("Invalid config:", problems=[f"model.attention: {err}"]) from None
+    try:
+        options = plugin.parse_options(model.attention_options)
+    except ValidationError as err:
+        raise ConfigError("Invalid config:", problems=validation_problems(err, prefix="model.attention_options")) from None
+    problems = [f"model.attention={model.attention!r}: {p}" for p in plugin.check(platform=platform, options=options)]
+    if problems:
+        raise ConfigError("Invalid config for this platform:", problems=problems)
+    return name, plugin, options
+
+
+def _attention_problems(config: RunConfig, plugins: Any) -> list[str]:
+    if config.model.attention == "auto":
+        return []  # checked with the platform (resolve_layout, build_model)
+    try:
+        attention_plugin(config.model, "unknown", plugins)
+    except ConfigError as err:
+        return list(err.problems)
+    return []
+
+
 def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
     """``model.architecture`` names an installed model plugin, and a random preset's
     family when the model is random (a checkpoint's is checked when it is read)."""
+    problems = _attention_problems(config, plugins)
+    return problems + _architecture_problems(config, plugins)
+
+
+def _architecture_problems(config: RunConfig, plugins: Any) -> list[str]:
     name = config.model.architecture
     if name == "auto":
         return []
@@ -653,6 +699,10 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     except UserError as err:
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
+    try:
+        attention_plugin(config.model, topology.platform, plugins)
+    except ConfigError as err:
+        problems += list(err.problems)
     style = selected["rollout"]
     problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
     loss = selected["loss"]
@@ -697,6 +747,7 @@ __all__ = [
     "RunConfig",
     "Selected",
     "apply_overrides",
+    "attention_plugin",
     "cross_field_problems",
     "json_schema",
     "load_config",

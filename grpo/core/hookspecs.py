@@ -9,7 +9,7 @@ object it provides::
     def register_mesh_policies(register):
         register(MyPolicy())
 
-The five hook names are public API. Specs only ever gain parameters; implementations
+The hook names are public API. Specs only ever gain parameters; implementations
 may accept a subset (pluggy passes only the arguments an implementation names).
 """
 
@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from grpo.core.contracts import LossPlugin, MeshPolicy, ModelPlugin, RolloutStyle, TaskPlugin
+    from grpo.core.contracts import AttentionPlugin, LossPlugin, MeshPolicy, ModelPlugin, RolloutStyle, TaskPlugin
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -53,3 +53,8 @@ def register_tasks(register: "Register[TaskPlugin]") -> None:
 @hookspec
 def register_models(register: "Register[ModelPlugin]") -> None:
     """Register model families (HF checkpoints of some ``model_type`` -> a Flax causal LM)."""
+
+
+@hookspec
+def register_attention(register: "Register[AttentionPlugin]") -> None:
+    """Register attention kernels (whole-sequence causal attention: update, reference, prefill)."""

@@ -36,6 +36,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo.plugins.losses",
     "grpo.plugins.tasks",
     "grpo.plugins.models",
+    "grpo.plugins.attention",
 )
 
 

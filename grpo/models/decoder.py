@@ -564,9 +564,13 @@ class Decoder(nnx.Module):
         biases, unit norms — transformers' init).
       param_dtype / compute_dtype: ``"float32"``/``"bfloat16"`` (or a dtype).
       remat: ``none``; ``full`` (recompute each layer in the backward pass); ``dots``
-        (save the weight matmuls, recompute attention and elementwise work).
-      attention_impl: passed to ``jax.nn.dot_product_attention`` (``"xla"``, ``"cudnn"``
-        or None).
+        (save the weight matmuls and a blocked attention kernel's output and log-sum-exp,
+        recompute the rest).
+      attention_impl: the attention over whole sequences (no cache, or prefill into a cache of
+        exactly the prompt length): an :data:`grpo.models.attention.AttentionFn` (a blocked
+        kernel, run per device under ``shard_map``), or a string passed to
+        ``jax.nn.dot_product_attention`` (``"xla"``; ``None`` = JAX's choice) with the
+        materialised mask. Decode always uses the latter form (``"xla"`` for a kernel).
       mesh / activation_rules: when a mesh is given, activations are constrained to the
         logical-axis ``activation_rules`` (default
         :data:`grpo.sharding.ACTIVATION_RULES`) on it.
@@ -580,7 +584,7 @@ class Decoder(nnx.Module):
         param_dtype: Any = "float32",
         compute_dtype: Any = "float32",
         remat: Remat = "none",
-        attention_impl: str | None = "xla",
+        attention_impl: Any = "xla",
         mesh: Mesh | None = None,
         activation_rules: Mapping[str, Any] | None = None,
     ):
@@ -682,6 +686,11 @@ class Decoder(nnx.Module):
         B, T = tokens.shape
         if positions.shape != (B, T):
             raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
+        # Whole sequences (the update, the reference pass, prefill into a cache of exactly
+        # T slots from slot 0) may take a blocked kernel; decode steps take the XLA form.
+        whole = cache is None or (isinstance(write_index, int) and write_index == 0 and cache.max_length == T)
+        blocked = self.attention_impl if (whole and callable(self.attention_impl)) else None
+        dense_impl = "xla" if callable(self.attention_impl) else self.attention_impl
         if cache is None:
             if write_index is not None:
                 raise ValueError("write_index is only meaningful with a cache")
@@ -701,7 +710,10 @@ class Decoder(nnx.Module):
             kv_mask = jnp.ones((B, S), bool)
         if kv_mask.shape != (B, S):
             raise ValueError(f"kv_mask {kv_mask.shape} must be [batch, {'tokens' if cache is None else 'cache slots'}] = {(B, S)}")
-        mask = attention_mask(kv_mask, q_slots)  # B 1 T S
+        if blocked is None:
+            mask = attention_mask(kv_mask, q_slots)  # B 1 T S
+        else:  # 1 = real token, 0 = padding: the kernel masks causally within a segment
+            segment_ids = kv_mask.astype(jnp.int32)
         # Plain RoPE keeps its in-graph frequencies; a scaled one is a host constant.
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
 
@@ -763,8 +775,17 @@ class Decoder(nnx.Module):
                 k_all = jax.lax.dynamic_index_in_dim(ck, layer, axis=0, keepdims=False).astype(dt)
                 v_all = jax.lax.dynamic_index_in_dim(cv, layer, axis=0, keepdims=False).astype(dt)
                 kv = (ck, cv)
+            scale = 1.0 / math.sqrt(c.head_dim)
+            if blocked is not None:
+                from grpo.models.attention import sharded
+
+                out = sharded(
+                    blocked, q, k_all, v_all, segment_ids, scale=scale, mesh=self.mesh,
+                    rules=dict(self.activation_rules),
+                )
+                return out, kv
             out = jax.nn.dot_product_attention(
-                q, k_all, v_all, mask=mask, scale=1.0 / math.sqrt(c.head_dim), implementation=self.attention_impl
+                q, k_all, v_all, mask=mask, scale=scale, implementation=dense_impl
             )  # B T H E
             return out, kv
 
@@ -795,9 +816,15 @@ class Decoder(nnx.Module):
         if self.remat == "full":
             layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
         elif self.remat == "dots":
-            layer_fn = jax.checkpoint(
-                layer_fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            from grpo.models.attention import RESIDUAL_NAME
+
+            # The weight matmuls, and a blocked kernel's output and log-sum-exp (linear in
+            # T), are kept; the backward pass recomputes the rest, but no attention forward.
+            policy = jax.checkpoint_policies.save_from_both_policies(
+                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
+                jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME),
             )
+            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=policy)
 
         layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
         if cache is None:

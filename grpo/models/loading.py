@@ -272,7 +272,7 @@ def _dotted(path: tuple) -> str:
 
 
 def _model_kwargs(
-    mesh: Mesh, param_dtype: Any, compute_dtype: Any, remat: str, attention_impl: str | None,
+    mesh: Mesh, param_dtype: Any, compute_dtype: Any, remat: str, attention_impl: Any,
     activation_rules: Mapping[str, Any] | None,
 ) -> dict[str, Any]:
     return dict(
@@ -291,7 +291,7 @@ def load_hf(
     param_dtype: Any = "float32",
     compute_dtype: Any = "float32",
     remat: str = "none",
-    attention_impl: str | None = "xla",
+    attention_impl: Any = "xla",
     rules: Mapping[str, Any] = PARAM_RULES,
     activation_rules: Mapping[str, Any] | None = None,
     revision: str | None = None,
@@ -370,7 +370,7 @@ def random_init(
     param_dtype: Any = "float32",
     compute_dtype: Any = "float32",
     remat: str = "none",
-    attention_impl: str | None = "xla",
+    attention_impl: Any = "xla",
     rules: Mapping[str, Any] = PARAM_RULES,
     activation_rules: Mapping[str, Any] | None = None,
 ) -> Any:
@@ -516,10 +516,26 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, out: Path) -> None:
 # --------------------------------------------------------------------------- run config
 
 
+def resolve_attention(model_config: Any, mesh: Mesh | None = None) -> tuple[str, Any]:
+    """``(name, attention_impl)`` of ``model.attention`` on ``mesh``'s platform (``auto``
+    resolved): the :class:`~grpo.core.contracts.AttentionPlugin`'s kernel, or ``"xla"``
+    for the model's own attention. Raises ConfigError naming ``model.attention``."""
+    from grpo.core.config import attention_plugin
+
+    mesh = mesh if mesh is not None else default_mesh()
+    platform = mesh.devices.flat[0].platform
+    name, plugin, options = attention_plugin(model_config, platform)
+    impl = plugin.build(options, platform=platform)
+    return name, ("xla" if impl is None else impl)
+
+
 def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -> Any:
     """The policy model of a run config's ``model`` section (:class:`grpo.core.config.ModelConfig`)."""
+    mesh = mesh if mesh is not None else default_mesh()
+    _, attention = resolve_attention(model_config, mesh)
     common = dict(
-        param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat
+        param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat,
+        attention_impl=attention,
     )
     architecture = getattr(model_config, "architecture", AUTO)
     lora = getattr(model_config, "lora", None)
@@ -579,7 +595,10 @@ def abstract_model(model_config: Any, mesh: Mesh) -> tuple[Any, Any, Any]:
     ``mesh``, with every parameter a ``jax.ShapeDtypeStruct`` in its real sharding: no
     memory, no devices needed (``grpo plan``)."""
     config = model_architecture(model_config)
-    kwargs = _model_kwargs(mesh, model_config.param_dtype, model_config.compute_dtype, model_config.remat, "xla", None)
+    _, attention = resolve_attention(model_config, mesh)
+    kwargs = _model_kwargs(
+        mesh, model_config.param_dtype, model_config.compute_dtype, model_config.remat, attention, None
+    )
     graphdef, flat = _abstract(config, **kwargs)
     shardings = param_shardings(config, mesh)
     params = nnx.from_flat_state(
@@ -598,6 +617,7 @@ def abstract_model(model_config: Any, mesh: Mesh) -> tuple[Any, Any, Any]:
 
 
 __all__ = [
+    "resolve_attention",
     "CheckpointError",
     "abstract_model",
     "model_architecture",

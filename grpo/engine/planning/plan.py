@@ -672,6 +672,7 @@ class Planner:
             "roofline_eval_s": eval_report["roofline_batch_s"] * eval_report["batches"]
             if eval_report and eval_report["batches"] else None,
             "eval": eval_report,
+            "attention": attention_report(config, [r.name for r in results]),
             "rollout_style": config.rollout.style,
             "rollout_layout": ro.describe() if ro.resharded else {
                 "mesh": dict(layout.shape), "batch_axes": list(programs.batch_axes), "tensor_parallel": layout.tp,
@@ -696,6 +697,7 @@ class Planner:
                 "max_new_tokens": config.rollout.max_new_tokens,
                 "loss": config.loss.impl,
                 "remat": config.model.remat,
+                "attention": config.model.attention,
                 "param_dtype": config.model.param_dtype,
             },
         }
@@ -865,6 +867,22 @@ def valid_prompts(config: RunConfig, prompts: int, planner: Planner) -> bool:
     return True
 
 
+WHOLE_SEQUENCE_PROGRAMS = ("prefill", "reference", "update", "eval_prefill")
+"""Programs whose attention is ``model.attention``'s kernel; the rest (decode) use XLA's."""
+
+
+def attention_report(config: RunConfig, programs: list[str]) -> dict[str, Any]:
+    """``model.attention`` as resolved for TPU, and the attention each program runs."""
+    from grpo.core.config import attention_plugin
+
+    name, _, options = attention_plugin(config.model, "tpu")
+    return {
+        "name": name,
+        "options": options.model_dump(mode="json"),
+        "programs": {p: (name if p in WHOLE_SEQUENCE_PROGRAMS else "xla") for p in programs if p != "reshard"},
+    }
+
+
 # --------------------------------------------------------------------------- text
 
 
@@ -888,6 +906,12 @@ def format_report(rep: dict[str, Any]) -> str:
         how = ("resharded once per step into mesh " + ", ".join(f"{k}={v}" for k, v in ro["mesh"].items())
                if ro.get("resharded") else "on the training layout (weights gathered per token)")
         lines.append(f"rollout: style {rep.get('rollout_style')}, tensor_parallel {ro['tensor_parallel']}, {how}")
+    att = rep.get("attention")
+    if att:
+        by: dict[str, list[str]] = {}
+        for prog, kernel in att["programs"].items():
+            by.setdefault(kernel, []).append(prog)
+        lines.append("attention: " + "; ".join(f"{k} ({', '.join(v)})" for k, v in by.items()))
     lora = rep.get("lora")
     if lora:
         base = f"{rep['shape']['param_dtype'] if lora['base_quantization'] == 'none' else lora['base_quantization']} base"

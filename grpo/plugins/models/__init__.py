@@ -56,7 +56,7 @@ class DecoderFamily(ModelPlugin):
         param_dtype: Any = "float32",
         compute_dtype: Any = "float32",
         remat: str = "none",
-        attention_impl: str | None = "xla",
+        attention_impl: Any = "xla",
         mesh: Any = None,
         activation_rules: Mapping[str, Any] | None = None,
     ) -> Any:

@@ -1,0 +1,245 @@
+"""Blocked attention (``model.attention``): the splash (TPU) and Pallas GPU kernels against
+the plain XLA reference, sharded and unsharded, inside the model against transformers,
+in prefill, under remat, in a trainer step, and the config's refusals.
+
+The Pallas kernels run in interpret mode on CPU (exactly their TPU/GPU semantics, slowly);
+their TPU compile is checked by ``grpo plan`` (tests/test_plan.py)."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from _model_fixtures import checkpoint, hf_logits, logits_of, mesh, padded_batch
+from grpo.core.config import attention_plugin, load_config, resolve_layout
+from grpo.core.contracts import Topology
+from grpo.core.errors import ConfigError
+from grpo.models.attention import PallasGpuAttention, SplashAttention, head_specs, reference_attention, sharded
+from grpo.models.decoder import positions_from_mask
+from grpo.models.loading import load_hf
+
+KERNELS = {"splash": SplashAttention(interpret=True), "pallas_gpu": PallasGpuAttention(interpret=True)}
+
+
+def _inputs(dtype=jnp.float32, B=3, T=20, H=6, K=2, E=16, seed=0):
+    """q/k/v and segment ids of a full row, a left-padded and a right-padded one. T=20 is a
+    multiple of neither kernel's blocks; 6 query heads share 2 KV heads."""
+    ks = jax.random.split(jax.random.key(seed), 4)
+    q = jax.random.normal(ks[0], (B, T, H, E), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[1], (B, T, K, E), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[2], (B, T, K, E), jnp.float32).astype(dtype)
+    real = np.ones((B, T), bool)
+    real[1, :7] = False  # left padding (a prompt)
+    real[2, 13:] = False  # right padding (a completion that stopped)
+    weight = jax.random.normal(ks[3], (B, T, H, E), jnp.float32)
+    return q, k, v, jnp.asarray(real.astype(np.int32)), jnp.asarray(real), weight
+
+
+def _value_and_grads(fn, q, k, v, seg, real, weight):
+    """A loss over the real rows' outputs, and its gradients with respect to q, k, v."""
+
+    def loss(q, k, v):
+        out = fn(q, k, v, seg, scale=0.25)
+        return jnp.sum(jnp.where(real[:, :, None, None], out.astype(jnp.float32) * weight, 0.0)), out
+
+    (value, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+    return value, out, grads
+
+
+def _check(got, ref, real, tol):
+    value, out, grads = got
+    rvalue, rout, rgrads = ref
+    m = np.asarray(real)[:, :, None, None]
+    assert np.all(np.isfinite(np.asarray(out, np.float32)))  # padding rows too: never NaN
+    assert abs(float(value) - float(rvalue)) <= tol * max(1.0, abs(float(rvalue)))
+    np.testing.assert_allclose(np.where(m, np.asarray(out, np.float32), 0), np.where(m, np.asarray(rout, np.float32), 0), atol=tol)
+    for g, r in zip(grads, rgrads):
+        assert np.abs(np.asarray(r, np.float32)).max() > 0.1
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=tol)
+
+
+@pytest.mark.parametrize("name", list(KERNELS))
+def test_kernel_matches_reference_values_and_gradients_f32(name):
+    q, k, v, seg, real, w = _inputs()
+    ref = _value_and_grads(reference_attention, q, k, v, seg, real, w)
+    _check(_value_and_grads(KERNELS[name], q, k, v, seg, real, w), ref, real, 1e-5)
+
+
+def test_splash_bf16_is_close_to_the_f32_reference():
+    q, k, v, seg, real, w = _inputs(jnp.bfloat16)
+    ref = _value_and_grads(reference_attention, *(x.astype(jnp.float32) for x in (q, k, v)), seg, real, w)
+    got = _value_and_grads(KERNELS["splash"], q, k, v, seg, real, w)
+    assert got[1].dtype == jnp.bfloat16
+    _check(got, ref, real, 0.1)
+    # and much closer than bf16's step on the whole output
+    err = np.abs(np.asarray(got[1], np.float32) - np.asarray(ref[1]))[np.asarray(real)].max()
+    assert err < 0.03, err
+
+
+def _serving_rules():
+    from grpo.plugins.rollout import SERVING_ACTIVATION_RULES
+
+    return dict(SERVING_ACTIVATION_RULES, batch=("dp",))
+
+
+@pytest.mark.parametrize(
+    "shape, rules, H, K",
+    [
+        ((2, 2, 2), None, 6, 2),  # training layout: batch over dp x fsdp, heads over tp
+        ((2, 2, 2), "serving", 8, 2),  # serving: heads over (tp, fsdp), KV heads over tp: sliced per device
+        ((1, 2, 4), None, 8, 2),  # 2 KV heads do not split 4 ways: heads split as the KV heads are
+    ],
+)
+def test_sharded_kernel_matches_reference(shape, rules, H, K):
+    from grpo.sharding import ACTIVATION_RULES
+
+    rules = ACTIVATION_RULES if rules is None else _serving_rules()
+    m = mesh(*shape)
+    q, k, v, seg, real, w = _inputs(B=4, H=H, K=K)
+    qspec, kspec, rest = head_specs(q.shape, k.shape, m, rules)
+    if rules is not ACTIVATION_RULES:
+        assert qspec[2] == ("tp", "fsdp") and kspec[2] == "tp" and rest == ("fsdp",)
+    fn = functools.partial(sharded, KERNELS["splash"], mesh=m, rules=rules)
+    got = jax.jit(lambda *a: _value_and_grads(fn, *a))(q, k, v, seg, real, w)
+    _check(got, _value_and_grads(reference_attention, q, k, v, seg, real, w), real, 1e-5)
+
+
+# --------------------------------------------------------------------------- in the model
+
+
+@functools.cache
+def _model(name, kernel, shape=None, **kwargs):
+    impl = KERNELS[kernel] if kernel != "xla" else "xla"
+    return load_hf(checkpoint(name), mesh(*shape) if shape else None, attention_impl=impl, **kwargs)
+
+
+@pytest.mark.parametrize(
+    "name, kernel, shape",
+    [("qwen3_untied", "splash", None), ("llama_untied", "splash", (2, 2, 2)), ("llama_untied", "pallas_gpu", None)],
+)
+def test_model_with_kernel_matches_transformers(name, kernel, shape):
+    tokens, mask = padded_batch()
+    ours = logits_of(_model(name, kernel, shape), tokens, mask)
+    ref = hf_logits(checkpoint(name), tokens, mask)
+    diff = np.abs(ours - ref)[mask].max()
+    assert diff <= 1e-4, diff
+    assert np.abs(ref[mask]).max() > 1.0
+
+
+def test_prefill_with_splash_then_xla_decode_equals_the_full_forward():
+    tokens, mask = padded_batch()
+    model = _model("llama_untied", "splash")
+    full = logits_of(_model("llama_untied", "xla"), tokens, mask)
+    P = 6
+    graphdef, state = nnx.split(model)
+
+    @jax.jit
+    def prefill_then_decode(state, tokens, mask):
+        m = nnx.merge(graphdef, state)
+        positions = positions_from_mask(mask)
+        cache = m.init_cache(tokens.shape[0], P)
+        h, cache = m(tokens[:, :P], positions[:, :P], mask[:, :P], cache=cache, write_index=0)
+        cache = jax.tree.map(lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, 3), (0, 0), (0, 0)]), cache)
+        hs = [h]
+        for t in range(P, P + 3):  # decode steps: T=1 against the cache, the XLA path
+            h, cache = m(tokens[:, t:t + 1], positions[:, t:t + 1], mask, cache=cache, write_index=t)
+            hs.append(h)
+        return m.logits(jnp.concatenate(hs, axis=1))
+
+    got = np.asarray(prefill_then_decode(state, jnp.asarray(tokens), jnp.asarray(mask)))
+    np.testing.assert_allclose(got[mask], full[mask], atol=1e-4)
+
+
+def test_remat_dots_with_splash_keeps_gradients():
+    tokens, mask = padded_batch()
+    positions = positions_from_mask(jnp.asarray(mask))
+    grads = {}
+    for remat in ("none", "dots", "full"):
+        model = _model("llama_untied", "splash", None, remat=remat)
+
+        def loss_fn(m):
+            hidden, _ = m(jnp.asarray(tokens), positions, jnp.asarray(mask))
+            return -(jax.nn.log_softmax(m.logits(hidden), axis=-1)[..., 0] * mask).sum()
+
+        grads[remat] = np.asarray(nnx.jit(nnx.grad(loss_fn))(model).layers.k_proj[...])
+    assert np.abs(grads["none"]).max() > 0
+    for remat in ("dots", "full"):
+        np.testing.assert_allclose(grads[remat], grads["none"], atol=1e-5, rtol=1e-4)
+
+
+# --------------------------------------------------------------------------- config
+
+
+BASE = {"model": {"source": "random", "random": {"preset": "tiny"}}}
+
+
+def test_auto_resolves_per_platform_and_reports_unknown_names():
+    cfg = load_config(BASE)
+    assert cfg.model.attention == "auto"
+    assert [attention_plugin(cfg.model, p)[0] for p in ("tpu", "gpu", "cpu")] == ["splash", "pallas_gpu", "xla"]
+    with pytest.raises(ConfigError, match=r"model\.attention: Unknown attention plugin 'flash'.*splash"):
+        load_config(BASE, ["model.attention=flash"])
+
+
+@pytest.mark.parametrize(
+    "options, text",
+    [
+        ({"block_q": 100}, "model.attention_options.block_q: must be a positive multiple of 128"),
+        ({"block_q_dkv": 2048, "block_kv_dkv": 4096}, "CompileTimeScopedVmemOom"),
+        ({"block_kv": 512, "block_kv_compute": 384}, "block_kv_compute=384 must divide block_kv=512"),
+        ({"block": 128}, "model.attention_options.block"),
+    ],
+)
+def test_bad_block_sizes_are_refused_before_compiling(options, text):
+    with pytest.raises(ConfigError, match="model.attention_options") as err:
+        load_config(dict(BASE, model=dict(BASE["model"], attention="splash", attention_options=options)))
+    assert text in str(err.value)
+
+
+@pytest.mark.parametrize("name, platform", [("splash", "gpu"), ("pallas_gpu", "tpu")])
+def test_a_kernel_the_platform_cannot_run_is_refused(name, platform):
+    cfg = load_config(BASE, [f"model.attention={name}"])
+    with pytest.raises(ConfigError) as err:
+        resolve_layout(cfg, Topology(process_count=1, local_device_count=8, platform=platform))
+    assert f"model.attention={name!r}" in str(err.value) and f"cannot run on {platform}" in str(err.value)
+    # CPU runs both, interpreted (the tests' way)
+    resolve_layout(cfg, Topology(process_count=1, local_device_count=8, platform="cpu"))
+
+
+# --------------------------------------------------------------------------- trainer
+
+
+@functools.cache
+def _one_step(attention: str, tmp: str):
+    from pathlib import Path
+
+    from test_trainer import _config
+
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.trainer import Trainer
+
+    # The third-party `length` task (tests/fixtures/example_plugin) rewards longer
+    # completions: a random policy gets non-zero advantages and a real update.
+    cfg = _config(**{"model.attention": attention, "task": {"name": "length"}})
+    trainer = Trainer(cfg, Path(tmp) / attention)
+    trainer.run()
+    [row] = read_metrics(Path(tmp) / attention)
+    return row, trainer.policy.model.attention_impl
+
+
+@pytest.mark.parametrize("attention", ["splash", "pallas_gpu"])
+def test_trainer_step_with_each_attention_matches_xla(attention, tmp_path_factory, example_plugin):
+    tmp = str(tmp_path_factory.getbasetemp() / "attention-runs")
+    ref, ref_impl = _one_step("xla", tmp)
+    row, impl = _one_step(attention, tmp)
+    assert ref_impl == "xla" and type(impl) is type(KERNELS[attention]) and impl.interpret
+    # Same keys, same samples: prefill's attention differs only by rounding.
+    assert row["reward/mean"] == ref["reward/mean"] and row["completion/length_mean"] == ref["completion/length_mean"]
+    assert row["loss"] == pytest.approx(ref["loss"], rel=1e-4, abs=1e-6)
+    assert row["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    assert row["grad_norm"] > 0 and row["logprob_gap/sampler_trainer"] < 1e-4
