@@ -45,12 +45,6 @@ AttentionFn = Callable[..., jax.Array]
 LANES = 128
 """Mosaic's lane width: splash's sequence blocks are multiples of it."""
 
-RESIDUAL_NAME = "attention_residuals"
-"""``checkpoint_name`` of splash's saved residuals (its output and log-sum-exp), so a
-remat policy can keep them (``model.remat: dots`` does): the backward pass then reruns
-no attention forward kernel."""
-
-
 def reference_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array, *, scale: float) -> jax.Array:
     """The :data:`AttentionFn` contract in plain XLA (materialises the scores)."""
     T = q.shape[1]
@@ -153,7 +147,6 @@ def _splash_kernel(cfg: SplashAttention, heads: int, length: int) -> Any:
             block_sizes=cfg.block_sizes(length),
             head_shards=1,
             q_seq_shards=1,
-            residual_checkpoint_name=RESIDUAL_NAME,
             interpret=cfg.interpret,
         )
 
@@ -269,7 +262,6 @@ __all__ = [
     "AttentionFn",
     "LANES",
     "PallasGpuAttention",
-    "RESIDUAL_NAME",
     "SplashAttention",
     "fit_block",
     "head_specs",

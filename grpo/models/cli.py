@@ -48,9 +48,33 @@ def _config_summary(cfg: Any) -> dict[str, Any]:
     }
 
 
-def inspect_report(path: str, *, architecture: str = "auto") -> dict[str, Any]:
+def attention_by_platform(attention: str = "auto") -> dict[str, str]:
+    """platform -> the attention kernel ``model.attention=attention`` runs there (whole
+    sequences; decode is always XLA), or why it cannot run."""
+    from grpo.core.config import ModelConfig, attention_plugin
+    from grpo.core.errors import UserError
+
+    model = ModelConfig(source="random", attention=attention)
+    out = {}
+    for platform in ("tpu", "gpu", "cpu"):
+        try:
+            name, plugin, _ = attention_plugin(model, platform)
+            out[platform] = name + (" (interpreted)" if platform in plugin.interpret_platforms else "")
+        except UserError as err:
+            out[platform] = "refused: " + "; ".join(getattr(err, "problems", []) or [str(err)])
+    return out
+
+
+def inspect_report(path: str, *, architecture: str = "auto", attention: str = "auto") -> dict[str, Any]:
     """What ``grpo model inspect`` prints, as a dict (a preset name, directory or hub id).
-    ``architecture``: ``auto`` or the model plugin that must handle the checkpoint."""
+    ``architecture``: ``auto`` or the model plugin that must handle the checkpoint;
+    ``attention``: ``model.attention``, reported per platform."""
+    report = _inspect(path, architecture=architecture)
+    report["attention"] = attention_by_platform(attention)
+    return report
+
+
+def _inspect(path: str, *, architecture: str) -> dict[str, Any]:
     from grpo.models.presets import PRESETS, preset_config
 
     if path in PRESETS and not Path(path).exists():
@@ -102,7 +126,9 @@ def inspect_report(path: str, *, architecture: str = "auto") -> dict[str, Any]:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.option("--architecture", default="auto", show_default=True,
               help="Model plugin that must handle PATH (as model.architecture in a config).")
-def inspect_cmd(path: str, as_json: bool, architecture: str) -> None:
+@click.option("--attention", default="auto", show_default=True,
+              help="model.attention to report per platform (whole-sequence attention; decode is XLA).")
+def inspect_cmd(path: str, as_json: bool, architecture: str, attention: str) -> None:
     """Parameter count, bytes per dtype, config summary and tying of PATH.
 
     PATH is a Hugging Face model directory, a hub id, or a preset name (e.g.
@@ -111,7 +137,7 @@ def inspect_cmd(path: str, as_json: bool, architecture: str) -> None:
     """
     from grpo.models.loading import CheckpointError
 
-    report = inspect_report(path, architecture=architecture)
+    report = inspect_report(path, architecture=architecture, attention=attention)
     if as_json:
         click.echo(json.dumps(report, indent=2))
     else:
@@ -136,6 +162,7 @@ def inspect_cmd(path: str, as_json: bool, architecture: str) -> None:
             label = "bytes" if report["files"] else "bytes if"
             click.echo(f"{label} {dtype}: {nbytes:,} ({_human(nbytes)})")
         click.echo(f"KV cache:     {report['kv_cache_bytes_per_token_bf16']:,} bytes/token (bfloat16)")
+        click.echo("attention:    " + ", ".join(f"{p} {k}" for p, k in report["attention"].items()))
         if report["files"]:
             click.echo(f"files:        {', '.join(report['files'])}")
     if report["problems"]:

@@ -564,8 +564,9 @@ class Decoder(nnx.Module):
         biases, unit norms — transformers' init).
       param_dtype / compute_dtype: ``"float32"``/``"bfloat16"`` (or a dtype).
       remat: ``none``; ``full`` (recompute each layer in the backward pass); ``dots``
-        (save the weight matmuls and a blocked attention kernel's output and log-sum-exp,
-        recompute the rest).
+        (save the weight matmuls, recompute attention and elementwise work; with a blocked
+        attention kernel, its output and log-sum-exp are saved instead and its forward is
+        not rerun).
       attention_impl: the attention over whole sequences (no cache, or prefill into a cache of
         exactly the prompt length): an :data:`grpo.models.attention.AttentionFn` (a blocked
         kernel, run per device under ``shard_map``), or a string passed to
@@ -789,7 +790,7 @@ class Decoder(nnx.Module):
             )  # B T H E
             return out, kv
 
-        def layer_fn(h, p, kv, layer):
+        def qkv_fn(h, p, layer):
             x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
             q = proj("btd,dhe->bthe", x, p, "q_proj", layer)
             k = proj("btd,dke->btke", x, p, "k_proj", layer)
@@ -804,27 +805,37 @@ class Decoder(nnx.Module):
             q = self._constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
             k = self._constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
             v = self._constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-            a, kv = attend(q, k, v, kv)
+            return q, k, v
+
+        def out_mlp_fn(h, a, p, layer):
             h = h + proj("bthe,hed->btd", a, p, "o_proj", layer)
             x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, dt)
             g = proj("btd,df->btf", x, p, "gate_proj", layer)
             u = proj("btd,df->btf", x, p, "up_proj", layer)
             y = self._constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
             h = h + proj("btf,fd->btd", y, p, "down_proj", layer)
-            return self._constrain(h, ("batch", "length", "embed")), kv
+            return self._constrain(h, ("batch", "length", "embed"))
+
+        if self.remat == "dots" and blocked is not None:
+            # The weight matmuls are kept, and the kernel stays outside the rematerialised
+            # parts: its output and log-sum-exp (linear in T) are saved as AD residuals, so
+            # the backward pass reruns no attention forward (a remat policy cannot name
+            # residuals inside a custom_vjp).
+            dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+            qkv_fn = jax.checkpoint(qkv_fn, prevent_cse=False, policy=dots)
+            out_mlp_fn = jax.checkpoint(out_mlp_fn, prevent_cse=False, policy=dots)
+
+        def layer_fn(h, p, kv, layer):
+            q, k, v = qkv_fn(h, p, layer)
+            a, kv = attend(q, k, v, kv)
+            return out_mlp_fn(h, a, p, layer), kv
 
         if self.remat == "full":
             layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
-        elif self.remat == "dots":
-            from grpo.models.attention import RESIDUAL_NAME
-
-            # The weight matmuls, and a blocked kernel's output and log-sum-exp (linear in
-            # T), are kept; the backward pass recomputes the rest, but no attention forward.
-            policy = jax.checkpoint_policies.save_from_both_policies(
-                jax.checkpoint_policies.dots_with_no_batch_dims_saveable,
-                jax.checkpoint_policies.save_only_these_names(RESIDUAL_NAME),
+        elif self.remat == "dots" and blocked is None:
+            layer_fn = jax.checkpoint(
+                layer_fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             )
-            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=policy)
 
         layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
         if cache is None:
