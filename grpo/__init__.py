@@ -9,6 +9,7 @@ start fast.
 """
 
 from grpo.core.contracts import (
+    AttentionPlugin,
     LossPlugin,
     LossSettings,
     MeshLayout,
@@ -28,6 +29,7 @@ from grpo.core.hookspecs import hookimpl
 __version__ = "0.1.0"
 
 __all__ = [
+    "AttentionPlugin",
     "LossPlugin",
     "LossSettings",
     "MeshLayout",

@@ -17,7 +17,8 @@ from grpo.core.cli import cli
 from grpo.core.errors import PluginError
 from grpo.core.plugins import DEFAULT_PLUGINS, load_plugins
 
-HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_tasks", "register_models")
+HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_tasks", "register_models",
+         "register_attention")
 
 
 def _module(name, **attrs):
@@ -38,7 +39,7 @@ def test_hook_names_are_public_api():
         assert callable(getattr(hookspecs, name))
     assert [m for m in DEFAULT_PLUGINS] == [
         "grpo.plugins.mesh", "grpo.plugins.rollout", "grpo.plugins.losses", "grpo.plugins.tasks",
-        "grpo.plugins.models",
+        "grpo.plugins.models", "grpo.plugins.attention",
     ]
 
 
@@ -47,6 +48,7 @@ def test_builtins_registered_through_hooks():
     assert {"auto", "host_local", "explicit"} <= set(loaded.registry("mesh").names())
     assert {"legacy", "maxtext"} <= set(loaded.registry("rollout").names())
     assert {"qwen2", "qwen3", "llama"} <= set(loaded.registry("model").names())
+    assert {"xla", "splash", "pallas_gpu"} <= set(loaded.registry("attention").names())
     assert all(e.provider == "built-in" for e in loaded.entries())
     assert loaded.failed == []
     # Builtins are plain plugin modules in pluggy, like third-party ones.
@@ -180,3 +182,27 @@ def test_real_console_script_sees_entry_points(example_plugin_dir):
 def test_topology_defaults():
     t = Topology(process_count=4, local_device_count=4)
     assert t.device_count == 16 and t.uniform and t.devices_per_process == (4, 4, 4, 4)
+
+
+def test_a_third_party_attention_kernel_is_chosen_by_name():
+    from grpo.core.config import ModelConfig, attention_plugin
+    from grpo.core.contracts import AttentionPlugin
+
+    class Chunked(AttentionPlugin):
+        name = "chunked"
+        platforms = ("cpu", "gpu", "tpu")
+
+        def build(self, options, *, platform):
+            from grpo.models.attention import reference_attention
+
+            return reference_attention
+
+    @hookimpl
+    def register_attention(register):
+        register(Chunked())
+
+    loaded = load_plugins(entry_points=False, extra_modules=[_module("chunked_attention", register_attention=register_attention)])
+    name, plugin, _ = attention_plugin(ModelConfig(source="random", attention="chunked"), "tpu", loaded)
+    assert name == "chunked" and isinstance(plugin, Chunked)
+    with pytest.raises(PluginError, match="chunked"):  # the choices listed for a typo
+        loaded.get("attention", "chunkd")
