@@ -43,7 +43,7 @@ KEYS = {"topology", "processes", "devices", "mesh", "hbm_bytes_per_device", "pro
 PROGRAM_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "flops", "bytes_accessed", "roofline_s"}
 
 
-def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config):
+def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tmp_path):
     # 528-token sequences: the attention scores dominate the update's temps (at a few
     # dozen tokens XLA's buffers are all about the same size).
     wide = ["--set", "rollout.max_new_tokens=512", "--set", "model.remat=none", "--set", "model.attention=xla"]
@@ -54,8 +54,12 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config):
     # model.attention auto is splash on TPU: Mosaic compiles its forward and backward
     # kernels for v6e, and the update's temporaries lose the [rows, heads, T, T] scores.
     code, splash = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "train.micro_batch_size=32",
-                        *wide[:-2])
+                        *wide[:-2], "--dump-hlo", str(tmp_path / "hlo"))
     assert code == 0, splash
+    # The Mosaic kernels are in the compiled programs that use them, and only there.
+    mosaic = {f.name.split(".")[0]: 'custom_call_target="tpu_custom_call"' in f.read_text()
+              for f in (tmp_path / "hlo").glob("*.hlo.txt")}
+    assert mosaic == {"prefill": True, "decode": False, "update": True}, mosaic
     assert splash["attention"]["name"] == "splash" and big["attention"]["name"] == "xla"
     assert splash["attention"]["programs"] == {"prefill": "splash", "decode": "xla", "update": "splash"}
     assert splash["fits"] is True and splash["compiler_error"] is None
