@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import os
 
+from _xla import CPU_FAST_COMPILE  # noqa: E402  (compile fast; subprocesses inherit it)
+
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    + " --xla_force_host_platform_device_count=8"
+    + " --xla_force_host_platform_device_count=8 "
+    + CPU_FAST_COMPILE
 ).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("WANDB_MODE", "disabled")

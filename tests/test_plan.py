@@ -230,7 +230,7 @@ def test_search_returns_the_boundary(tiny_config):
     # compile in seconds; with the chip's 31 GiB it would take shapes that compile slowly.
     args = [tiny_config, "--topology", "v6e:2x2", "--json", "--search", "train.micro_batch_size",
             "--hbm-limit", str(12 / 1024), "--set", "model.remat=none", "--set", "rollout.max_new_tokens=256",
-            "--set", "train.prompts_per_step=24", "--set", "train.micro_batch_size=8"]
+            "--set", "train.prompts_per_step=24", "--set", "train.micro_batch_size=8", "--set", "model.attention=xla"]
     code, rep = plan(*args)
     assert code == 0, rep
     assert rep["hbm_bytes_per_device"] == 12 << 20
