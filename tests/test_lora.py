@@ -361,7 +361,10 @@ def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
     for x in jax.tree.leaves(straight.ref_params):
         assert not x.is_deleted() and not np.any(np.asarray(x))
     rows = read_metrics(tmp_path / "straight")
-    assert all(np.isfinite(r["loss"]) and r["grad_norm"] > 0 for r in rows)
+    assert all(np.isfinite(r["loss"]) for r in rows)
+    # A step whose rewards are all equal (and, at step 1, with no KL yet) has no gradient;
+    # the run as a whole trains.
+    assert any(r["grad_norm"] > 0 for r in rows)
 
     def only_adapters(first):
         saved = tmp_path / "resumed" / "checkpoints" / "2"
