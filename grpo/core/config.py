@@ -580,10 +580,11 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
     return selected
 
 
-def attention_plugin(model: "ModelConfig", platform: str, plugins: Any = None) -> tuple[str, Any, BaseModel]:
-    """``(name, plugin, options)`` of ``model.attention`` on ``platform`` (``auto``
-    resolved); raises ConfigError naming the field for an unknown name, bad options or a
-    platform the kernel cannot run on."""
+def _attention_selection(
+    model: "ModelConfig", platform: str, plugins: Any = None
+) -> tuple[tuple[str, Any, BaseModel] | None, list[str]]:
+    """``((name, plugin, options), [])`` of ``model.attention`` on ``platform`` (``auto``
+    resolved), or ``(None, problems)`` naming the field."""
     from grpo.core.plugins import get_plugins
 
     plugins = plugins or get_plugins()
@@ -591,31 +592,30 @@ def attention_plugin(model: "ModelConfig", platform: str, plugins: Any = None) -
     try:
         plugin = plugins.get("attention", name)
     except PluginError as err:
-        raise ConfigError("Invalid config:", problems=[f"model.attention: {err}"]) from None
+        return None, [f"model.attention: {err}"]
     try:
         options = plugin.parse_options(model.attention_options)
     except ValidationError as err:
-        raise ConfigError("Invalid config:", problems=validation_problems(err, prefix="model.attention_options")) from None
+        return None, validation_problems(err, prefix="model.attention_options")
     problems = [f"model.attention={model.attention!r}: {p}" for p in plugin.check(platform=platform, options=options)]
+    return (None, problems) if problems else ((name, plugin, options), [])
+
+
+def attention_plugin(model: "ModelConfig", platform: str, plugins: Any = None) -> tuple[str, Any, BaseModel]:
+    """``(name, plugin, options)`` of ``model.attention`` on ``platform`` (``auto``
+    resolved); raises ConfigError naming the field for an unknown name, bad options or a
+    platform the kernel cannot run on."""
+    selection, problems = _attention_selection(model, platform, plugins)
     if problems:
-        raise ConfigError("Invalid config for this platform:", problems=problems)
-    return name, plugin, options
-
-
-def _attention_problems(config: RunConfig, plugins: Any) -> list[str]:
-    if config.model.attention == "auto":
-        return []  # checked with the platform (resolve_layout, build_model)
-    try:
-        attention_plugin(config.model, "unknown", plugins)
-    except ConfigError as err:
-        return list(err.problems)
-    return []
+        raise ConfigError("Invalid config:", problems=problems)
+    return selection
 
 
 def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
     """``model.architecture`` names an installed model plugin, and a random preset's
     family when the model is random (a checkpoint's is checked when it is read)."""
-    problems = _attention_problems(config, plugins)
+    # ``auto`` is checked once the platform is known (resolve_layout, build_model).
+    problems = [] if config.model.attention == "auto" else _attention_selection(config.model, "unknown", plugins)[1]
     return problems + _architecture_problems(config, plugins)
 
 
@@ -699,10 +699,7 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     except UserError as err:
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
-    try:
-        attention_plugin(config.model, topology.platform, plugins)
-    except ConfigError as err:
-        problems += list(err.problems)
+    problems += _attention_selection(config.model, topology.platform, plugins)[1]
     style = selected["rollout"]
     problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
     loss = selected["loss"]

@@ -816,12 +816,12 @@ class Decoder(nnx.Module):
             h = h + proj("btf,fd->btd", y, p, "down_proj", layer)
             return self._constrain(h, ("batch", "length", "embed"))
 
+        dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
         if self.remat == "dots" and blocked is not None:
             # The weight matmuls are kept, and the kernel stays outside the rematerialised
             # parts: its output and log-sum-exp (linear in T) are saved as AD residuals, so
             # the backward pass reruns no attention forward (a remat policy cannot name
             # residuals inside a custom_vjp).
-            dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
             qkv_fn = jax.checkpoint(qkv_fn, prevent_cse=False, policy=dots)
             out_mlp_fn = jax.checkpoint(out_mlp_fn, prevent_cse=False, policy=dots)
 
@@ -833,9 +833,7 @@ class Decoder(nnx.Module):
         if self.remat == "full":
             layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
         elif self.remat == "dots" and blocked is None:
-            layer_fn = jax.checkpoint(
-                layer_fn, prevent_cse=False, policy=jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-            )
+            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=dots)
 
         layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
         if cache is None:

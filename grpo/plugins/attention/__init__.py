@@ -11,7 +11,7 @@ segment ids, which cover any padding exactly.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
@@ -76,7 +76,20 @@ class SplashOptions(PluginOptions):
         return self
 
 
-class SplashAttentionPlugin(AttentionPlugin):
+class _PallasPlugin(AttentionPlugin):
+    """A Pallas kernel of :mod:`grpo.models.attention`: compiled on its own platforms,
+    interpreted on CPU; the options are the kernel's fields."""
+
+    kernel: ClassVar[str]  # class name in grpo.models.attention
+    interpret_platforms = ("cpu",)
+
+    def build(self, options: Any, *, platform: str) -> Any:
+        from grpo.models import attention
+
+        return getattr(attention, self.kernel)(**options.model_dump(), interpret=platform not in self.platforms)
+
+
+class SplashAttentionPlugin(_PallasPlugin):
     name = "splash"
     description = (
         "Splash attention (Pallas/Mosaic, TPU): causal block sparsity, padding by segment ids, GQA; "
@@ -84,12 +97,7 @@ class SplashAttentionPlugin(AttentionPlugin):
     )
     Options = SplashOptions
     platforms = ("tpu",)
-    interpret_platforms = ("cpu",)
-
-    def build(self, options: SplashOptions, *, platform: str) -> Any:
-        from grpo.models.attention import SplashAttention
-
-        return SplashAttention(**options.model_dump(), interpret=platform != "tpu")
+    kernel = "SplashAttention"
 
 
 class PallasGpuOptions(PluginOptions):
@@ -106,7 +114,7 @@ class PallasGpuOptions(PluginOptions):
         return v
 
 
-class PallasGpuAttentionPlugin(AttentionPlugin):
+class PallasGpuAttentionPlugin(_PallasPlugin):
     name = "pallas_gpu"
     description = (
         "Flash attention in Pallas/Triton (GPU): causal, padding by segment ids, forward and backward; "
@@ -114,12 +122,7 @@ class PallasGpuAttentionPlugin(AttentionPlugin):
     )
     Options = PallasGpuOptions
     platforms = ("gpu",)
-    interpret_platforms = ("cpu",)
-
-    def build(self, options: PallasGpuOptions, *, platform: str) -> Any:
-        from grpo.models.attention import PallasGpuAttention
-
-        return PallasGpuAttention(**options.model_dump(), interpret=platform != "gpu")
+    kernel = "PallasGpuAttention"
 
 
 @hookimpl
