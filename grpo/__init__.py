@@ -10,6 +10,8 @@ start fast.
 
 from grpo.core.contracts import (
     AttentionPlugin,
+    Environment,
+    EnvStep,
     LossPlugin,
     LossSettings,
     MeshLayout,
@@ -17,10 +19,13 @@ from grpo.core.contracts import (
     ModelDims,
     ModelPlugin,
     NoOptions,
+    ParsedTurn,
     PluginOptions,
     RolloutLayout,
     RolloutStyle,
     TaskPlugin,
+    ToolCall,
+    ToolCallFormat,
     Topology,
 )
 from grpo.core.errors import UserError
@@ -30,6 +35,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AttentionPlugin",
+    "EnvStep",
+    "Environment",
     "LossPlugin",
     "LossSettings",
     "MeshLayout",
@@ -37,10 +44,13 @@ __all__ = [
     "ModelDims",
     "ModelPlugin",
     "NoOptions",
+    "ParsedTurn",
     "PluginOptions",
     "RolloutLayout",
     "RolloutStyle",
     "TaskPlugin",
+    "ToolCall",
+    "ToolCallFormat",
     "Topology",
     "UserError",
     "__version__",
