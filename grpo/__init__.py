@@ -2,7 +2,7 @@
 
 The public surface for plugin authors is small::
 
-    from grpo import hookimpl, MeshPolicy, RolloutStyle, LossPlugin, TaskPlugin, ModelPlugin
+    from grpo import hookimpl, MeshPolicy, RolloutStyle, LossPlugin, ObjectivePlugin, TaskPlugin, ModelPlugin
 
 This module stays import-light (no JAX) so ``grpo --help`` and ``grpo plugins list``
 start fast.
@@ -16,9 +16,11 @@ from grpo.core.contracts import (
     LossSettings,
     MeshLayout,
     MeshPolicy,
+    MismatchCorrection,
     ModelDims,
     ModelPlugin,
     NoOptions,
+    ObjectivePlugin,
     ParsedTurn,
     PluginOptions,
     RolloutLayout,
@@ -41,9 +43,11 @@ __all__ = [
     "LossSettings",
     "MeshLayout",
     "MeshPolicy",
+    "MismatchCorrection",
     "ModelDims",
     "ModelPlugin",
     "NoOptions",
+    "ObjectivePlugin",
     "ParsedTurn",
     "PluginOptions",
     "RolloutLayout",

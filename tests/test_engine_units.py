@@ -23,6 +23,7 @@ from grpo.engine.training.advantages import group_advantages
 
 def _np_reference(r, k, baseline, scale, eps):
     out = []
+    batch_std = np.asarray(r, np.float64).std()
     for g in np.asarray(r, np.float64).reshape(-1, k):
         if baseline == "rloo":
             adv = np.array([g[i] - np.delete(g, i).mean() for i in range(k)])
@@ -30,12 +31,14 @@ def _np_reference(r, k, baseline, scale, eps):
             adv = g - g.mean()
         if scale == "group_std":
             adv = adv / (g.std() + eps)
+        elif scale == "batch_std":
+            adv = adv / (batch_std + eps)
         out.append(adv)
     return np.concatenate(out)
 
 
 @pytest.mark.parametrize("baseline", ["group_mean", "rloo"])
-@pytest.mark.parametrize("scale", ["group_std", "none"])
+@pytest.mark.parametrize("scale", ["group_std", "batch_std", "none"])
 def test_group_advantages_match_reference(baseline, scale):
     r = np.array([1.0, 0.0, 0.5, 0.25, 2.0, 2.0, 2.0, 2.0, -1.0, 3.0, 0.0, 1.0])
     got = group_advantages(jnp.asarray(r), num_generations=4, baseline=baseline, scale=scale, epsilon=1e-4)
@@ -45,7 +48,7 @@ def test_group_advantages_match_reference(baseline, scale):
 
 
 @pytest.mark.parametrize("baseline", ["group_mean", "rloo"])
-@pytest.mark.parametrize("scale", ["group_std", "none"])
+@pytest.mark.parametrize("scale", ["group_std", "batch_std", "none"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("value", [1.2, 0.7, 1.0 / 3.0, -2.9])
 def test_equal_rewards_give_exactly_zero_advantage(baseline, scale, dtype, value):
@@ -56,6 +59,16 @@ def test_equal_rewards_give_exactly_zero_advantage(baseline, scale, dtype, value
     assert got.dtype == np.float32
     np.testing.assert_array_equal(got[:8], 0.0)
     assert np.all(got[8:] != 0.0)  # a mixed group still carries its signal
+
+
+def test_batch_std_puts_every_group_on_one_scale():
+    """batch_std divides by one number: two groups with the same ranking but spreads 10x
+    apart keep their 10x ratio (group_std would make them equal)."""
+    r = jnp.asarray([0.0, 1.0, 0.0, 1.0, 0.0, 0.1, 0.0, 0.1])
+    batch = np.asarray(group_advantages(r, num_generations=4, scale="batch_std", epsilon=1e-6))
+    group = np.asarray(group_advantages(r, num_generations=4, scale="group_std", epsilon=1e-6))
+    np.testing.assert_allclose(batch[:4] / batch[4:], 10.0, rtol=1e-4)
+    np.testing.assert_allclose(group[:4], group[4:], rtol=1e-3)
 
 
 def test_group_advantages_shape_error():

@@ -334,7 +334,7 @@ TINY = {
                                                "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "train": {"steps": 3, "prompts_per_step": 8, "ppo_epochs": 2, "micro_batch_size": 8,
               "optimizer": {"learning_rate": 1e-2}},
-    "loss": {"beta": 0.05, "tis_cap": 2.0},
+    "loss": {"beta": 0.05, "mismatch": {"level": "token", "mode": "truncate", "cap": 2.0}},
     "checkpoint": {"every_n_steps": 0, "at_end": False},
     "logging": {"progress_bar": False, "plot": False},
 }
@@ -442,9 +442,9 @@ def test_lora_dropout_masks_are_shared_by_the_epochs_and_tis_sees_numerics_only(
     for r in rows[:1]:
         assert r["ratio/mean"] == 1.0 and r["approx_kl"] == 0.0, r
         assert r["clip_frac/low"] == 0.0 and r["clip_frac/high"] == 0.0, r
-        # The TIS weight is the logged sampler/trainer ratio (dropout-free), ~1 on CPU.
-        assert r["tis/weight_mean"] == pytest.approx(r["is_ratio/sampler_trainer/mean"], abs=1e-6), r
-        assert abs(r["tis/weight_mean"] - 1.0) < 1e-4 and r["logprob_gap/sampler_trainer"] < 1e-4, r
+        # The mismatch weight is the logged sampler/trainer ratio (dropout-free), ~1 on CPU.
+        assert r["mismatch/weight_mean"] == pytest.approx(r["is_ratio/sampler_trainer/mean"], abs=1e-6), r
+        assert abs(r["mismatch/weight_mean"] - 1.0) < 1e-4 and r["logprob_gap/sampler_trainer"] < 1e-4, r
     # Dropout matters at these adapters: a step's masks move the log-probs far more than
     # the numerics above (so a mask per epoch, or TIS under the masks, would show).
     ub = batches[0]

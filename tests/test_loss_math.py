@@ -392,57 +392,6 @@ def test_entropy_bonus_against_numpy(aggregation):
     assert np.abs(dz @ w.T).max() > 1e-3  # the bonus really moves the gradient
 
 
-# --------------------------------------------------------------------------- truncated IS
-
-
-def _tis(logp, *, adv, sampler, cap, old=None):
-    settings = LossSettings(tis_cap=cap)
-    logp = jnp.asarray(logp, jnp.float32)
-
-    def f(lp):
-        return grpo_objective(logprobs=lp, mask=jnp.ones(lp.shape), advantages=jnp.asarray(adv, jnp.float32),
-                              old_logprobs=None if old is None else jnp.asarray(old, jnp.float32),
-                              ref_logprobs=None, settings=settings, sampler_logprobs=jnp.asarray(sampler, jnp.float32))
-
-    (loss, metrics), grad = jax.value_and_grad(f, has_aux=True)(logp)
-    return float(loss), metrics, np.asarray(grad)
-
-
-def test_truncated_importance_sampling_by_hand():
-    """Per-token weight min(exp(old - sampler), cap), no gradient through it: a token the
-    sampler found 1/3 as likely as the trainer gets weight 3 -> capped at 2; one it found
-    twice as likely gets 0.5; one it agrees on gets 1."""
-    logp = [[-1.0, -2.0, -0.5]]
-    sampler = [[-1.0 - math.log(3.0), -2.0 + math.log(2.0), -0.5]]
-    loss, metrics, grad = _tis(logp, adv=[1.0], sampler=sampler, cap=2.0)
-    # on-policy (old = logp): ratio 1, objective = w * A per token, loss = -mean(w)
-    assert loss == pytest.approx(-(2.0 + 0.5 + 1.0) / 3, abs=1e-6)
-    np.testing.assert_allclose(grad, [[-2.0 / 3, -0.5 / 3, -1.0 / 3]], atol=1e-6)
-    assert float(metrics["tis/weight_mean"]) == pytest.approx((2.0 + 0.5 + 1.0) / 3, abs=1e-6)
-    assert float(metrics["tis/capped_frac"]) == pytest.approx(1 / 3, abs=1e-6)
-    # Off: the sampler's log-probs are ignored entirely.
-    loss_off, m_off, _ = _objective(logp, adv=[1.0])
-    assert loss_off == pytest.approx(-1.0, abs=1e-6) and "tis/weight_mean" not in m_off
-
-
-def test_truncated_importance_sampling_uses_old_logprobs_when_off_policy():
-    # Later PPO epochs: the weight compares the pre-update policy (old) with the sampler.
-    loss, metrics, _ = _tis([[-1.0]], adv=[1.0], old=[[-1.2]], sampler=[[-1.2 - math.log(1.5)]], cap=2.0)
-    assert float(metrics["tis/weight_mean"]) == pytest.approx(1.5, rel=1e-5)
-    ratio = math.exp(0.2)  # 1.22 > 1 + 0.2: clipped high, value (1 + eps_high) * A * w
-    assert loss == pytest.approx(-1.2 * 1.5, rel=1e-5) and ratio > 1.2
-
-
-def test_tis_needs_sampler_logprobs():
-    from grpo.plugins.losses._common import check_inputs
-
-    z = jnp.zeros((1, 2))
-    with pytest.raises(ValueError, match="sampler_logprobs"):
-        check_inputs(hidden=jnp.zeros((1, 2, 4)), head_weight=jnp.zeros((4, 8)), targets=jnp.zeros((1, 2), jnp.int32),
-                     mask=z, advantages=jnp.zeros(1), old_logprobs=None, ref_logprobs=None,
-                     settings=LossSettings(tis_cap=2.0), sampler_logprobs=None)
-
-
 @pytest.mark.parametrize("impl", [JaxLoss, PallasLoss])
 def test_token_logprobs_equal_compute_logprobs(impl):
     """The forward-only log-prob path (the reference pass) equals ``compute``'s, for both

@@ -17,8 +17,8 @@ from grpo.core.cli import cli
 from grpo.core.errors import PluginError
 from grpo.core.plugins import DEFAULT_PLUGINS, load_plugins
 
-HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_tasks", "register_models",
-         "register_attention")
+HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_objectives", "register_tasks",
+         "register_models", "register_attention")
 
 
 def _module(name, **attrs):
@@ -38,8 +38,8 @@ def test_hook_names_are_public_api():
     for name in HOOKS:
         assert callable(getattr(hookspecs, name))
     assert [m for m in DEFAULT_PLUGINS] == [
-        "grpo.plugins.mesh", "grpo.plugins.rollout", "grpo.plugins.losses", "grpo.plugins.tasks",
-        "grpo.plugins.models", "grpo.plugins.attention",
+        "grpo.plugins.mesh", "grpo.plugins.rollout", "grpo.plugins.losses", "grpo.plugins.objectives",
+        "grpo.plugins.tasks", "grpo.plugins.models", "grpo.plugins.attention",
     ]
 
 
@@ -47,6 +47,7 @@ def test_builtins_registered_through_hooks():
     loaded = load_plugins(entry_points=False)
     assert {"auto", "host_local", "explicit"} <= set(loaded.registry("mesh").names())
     assert {"legacy", "maxtext"} <= set(loaded.registry("rollout").names())
+    assert {"ppo_clip", "gspo", "cispo", "sapo"} <= set(loaded.registry("objective").names())
     assert {"qwen2", "qwen3", "llama"} <= set(loaded.registry("model").names())
     assert {"xla", "splash", "pallas_gpu"} <= set(loaded.registry("attention").names())
     assert all(e.provider == "built-in" for e in loaded.entries())

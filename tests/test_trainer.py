@@ -78,7 +78,7 @@ BF16 = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16"}
 
 def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_path, example_plugin):
     """The recipes' settings: bf16 parameters and compute with f32 master weights, beta > 0,
-    two PPO epochs, truncated IS, evaluation. A large step makes the second epoch clip: the
+    two PPO epochs, sequence-level truncated IS, evaluation. A large step makes the second epoch clip: the
     logged clip fractions, ratio and approx_kl must show it (before: the first, on-policy
     epoch was logged, so they could never move). The same run preempted by SIGTERM after
     step 2 and resumed ends bit for bit where the uninterrupted one does."""
@@ -86,7 +86,7 @@ def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_
 
     cfg = _config(**BF16, **{
         "task": {"name": "length"}, "train.optimizer": {"learning_rate": 0.05},
-        "loss.beta": 0.1, "loss.tis_cap": 2.0, "train.ppo_epochs": 2, "train.steps": 4, "train.micro_batch_size": 8,
+        "loss.beta": 0.1, "loss.mismatch": {"level": "sequence", "mode": "truncate", "cap": 2.0}, "train.ppo_epochs": 2, "train.steps": 4, "train.micro_batch_size": 8,
         "eval.every_n_steps": 2, "eval.num_examples": 6, "eval.batch_size": 8,
         "logging.wandb": {"mode": "offline", "project": "grpo-test"}, "logging.plot": True,
     })
@@ -98,7 +98,7 @@ def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_
     for r in rows:
         assert r["kl"] >= 0 and r["approx_kl"] > 0
         assert r["ratio/mean"] != 1.0
-        assert "tis/weight_mean" in r and "is_ratio/sampler_trainer/mean" in r
+        assert 0 < r["mismatch/weight_mean"] <= 2.0 and "is_ratio/sampler_trainer/mean" in r
     assert max(r["clip_frac/low"] + r["clip_frac/high"] for r in rows) > 0
     assert rows[1]["kl"] > 0  # the policy left the reference after step 1
     # The optimizer ran twice a step; its schedule count (inside MasterWeights) says so,

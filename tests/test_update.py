@@ -84,6 +84,29 @@ def test_micro_batched_gradients_equal_full_batch(tiny, aggregation):
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(full_grads))
 
 
+def test_truncated_rows_get_no_loss_and_micro_batches_stay_exact(tiny):
+    """loss.mask_truncated: the rows marked truncated leave the loss (their tokens leave
+    the normalizer too, so micro-batches still sum to the full batch), whatever their
+    advantages."""
+    _, model, graphdef, params = tiny
+    batch = _batch(model.config.vocab_size, seed=3)
+    truncated = jnp.asarray([True, False, False, True, False, False, False, False])
+    cut = batch._replace(truncated=truncated)
+    full, micro = jax.jit(_step(graphdef, 1, "token_mean").grads), jax.jit(_step(graphdef, 4, "token_mean").grads)
+    loss, grads, metrics, _ = full(params, cut)
+    m_loss, m_grads, m_metrics, _ = micro(params, cut)
+    np.testing.assert_allclose(float(m_loss), float(loss), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(m_grads), jax.tree.leaves(grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
+    mask = np.asarray(batch.mask)
+    assert float(metrics["num_tokens"]) == float(m_metrics["num_tokens"]) == mask[[1, 2, 4, 5, 6, 7]].sum()
+    moved = cut._replace(advantages=cut.advantages.at[0].set(5.0).at[3].set(-5.0))
+    loss2, grads2, _, _ = full(params, moved)
+    assert float(loss2) == float(loss)
+    for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
 def test_logprobs_match_reference_helper(tiny):
     _, model, graphdef, params = tiny
     batch = _batch(model.config.vocab_size, seed=1)

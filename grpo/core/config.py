@@ -24,7 +24,7 @@ from typing import Any, Literal, Mapping
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from grpo.core.contracts import LossSettings, MeshLayout, Topology, auto_attention
+from grpo.core.contracts import LossSettings, MeshLayout, MismatchCorrection, Topology, auto_attention
 from grpo.core.errors import ConfigError, PluginError, UserError
 
 # --------------------------------------------------------------------------- schema
@@ -71,7 +71,7 @@ class LoraConfig(Section):
         0.0, ge=0.0, lt=1.0,
         description="Dropout on each adapter's input in the update (PEFT's lora_dropout): one mask per row per step, "
         "shared by every PPO epoch and the old log-probs (ratio 1 at unchanged weights); the sampler and the "
-        "reference never drop, and loss.tis_cap weighs by the dropout-free log-probs (one more forward a step).",
+        "reference never drop, and loss.mismatch weighs by the dropout-free log-probs (one more forward a step).",
     )
     targets: list[str] = Field(
         default_factory=lambda: list(LORA_PROJECTIONS),
@@ -257,6 +257,18 @@ class RolloutConfig(Section):
         return self
 
 
+class MismatchConfig(Section):
+    """The sampler/trainer mismatch correction (see grpo.MismatchCorrection)."""
+
+    level: Literal["token", "sequence"] = Field(
+        "token", description="Weight per token, or per sequence from its summed log-ratio."
+    )
+    mode: Literal["truncate", "mask"] = Field(
+        "truncate", description="truncate: weight min(w, cap); mask: drop the token/sequence when w > cap."
+    )
+    cap: float = Field(2.0, gt=0.0, le=1e6, description="The cap on the importance weight w (2.0 is a common choice).")
+
+
 class LossConfig(Section):
     impl: str = Field("jax", description="Loss implementation plugin name (`jax`, `pallas`, ...).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen loss implementation.")
@@ -270,11 +282,35 @@ class LossConfig(Section):
         0.0, ge=0.0, le=10.0,
         description="Entropy bonus: -entropy_coef x the token entropy joins the loss (keeps exploring); 0 = off.",
     )
-    tis_cap: float = Field(
-        0.0, ge=0.0, le=1e6,
-        description="Truncated importance sampling of the sampler/trainer mismatch: weight each token by "
-        "min(exp(trainer - sampler log-prob), tis_cap); 0 = off (2.0 is a common choice).",
+    objective: str = Field(
+        "ppo_clip",
+        description="Policy-gradient objective plugin name (`ppo_clip`, `gspo`, `cispo`, `sapo`, ...; "
+        "`grpo plugins list` shows what is installed).",
     )
+    objective_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the chosen objective (sapo: tau_pos, tau_neg)."
+    )
+    mismatch: MismatchConfig | None = Field(
+        None,
+        description="Correct for the sampler and the trainer disagreeing on log-probs (importance weight "
+        "exp(trainer - sampler), per token or per sequence, truncated or masked at a cap); none = off.",
+    )
+    mask_truncated: bool = Field(
+        False,
+        description="Completions that hit rollout.max_new_tokens without a stop token get no loss (they still "
+        "count in their group's advantages; TRL's mask_truncated_completions).",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tis_cap_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "tis_cap" in data:
+            cap = data["tis_cap"]
+            raise ValueError(
+                f"loss.tis_cap={cap!r} was replaced by loss.mismatch: write `loss.mismatch: {{level: token, mode: "
+                f"truncate, cap: {cap}}}` for the same truncated importance sampling (or delete the line if it was 0)"
+            )
+        return data
 
 
 class TaskConfig(Section):
@@ -308,8 +344,10 @@ class AdvantageConfig(Section):
     baseline: Literal["group_mean", "rloo"] = Field(
         "group_mean", description="`group_mean` (GRPO) or `rloo` (leave-one-out mean of the others)."
     )
-    scale: Literal["group_std", "none"] = Field(
-        "group_std", description="Divide by the group's reward std (GRPO) or not (Dr.GRPO)."
+    scale: Literal["group_std", "batch_std", "none"] = Field(
+        "group_std",
+        description="Divide by the group's reward std (GRPO), by the whole batch's (TRL scale_rewards=batch), "
+        "or not at all (Dr.GRPO).",
     )
     epsilon: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the std before dividing.")
 
@@ -398,7 +436,9 @@ class RunConfig(Section):
             aggregation=self.loss.aggregation,
             max_completion_length=self.rollout.max_new_tokens,
             entropy_coef=self.loss.entropy_coef,
-            tis_cap=self.loss.tis_cap,
+            objective=self.loss.objective,
+            objective_options=tuple(sorted(self.loss.objective_options.items())),
+            mismatch=None if self.loss.mismatch is None else MismatchCorrection(**self.loss.mismatch.model_dump()),
         )
 
     @property
@@ -416,8 +456,11 @@ PLUGIN_FIELDS: dict[str, tuple[str, str]] = {
     "mesh": ("mesh", "policy"),
     "rollout": ("rollout", "style"),
     "loss": ("loss", "impl"),
+    "objective": ("loss", "objective"),
     "task": ("task", "name"),
 }
+# Where a kind's options live when not in ``<section>.options``.
+OPTION_FIELDS: dict[str, str] = {"objective": "objective_options"}
 
 # --------------------------------------------------------------------------- loading
 
@@ -568,10 +611,11 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
         except PluginError as err:
             problems.append(f"{section}.{field}: {err}")
             continue
+        options_field = OPTION_FIELDS.get(kind, "options")
         try:
-            options = plugin.parse_options(sec.options)
+            options = plugin.parse_options(getattr(sec, options_field))
         except ValidationError as err:
-            problems.extend(validation_problems(err, prefix=f"{section}.options"))
+            problems.extend(validation_problems(err, prefix=f"{section}.{options_field}"))
             continue
         selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
     problems += _model_problems(config, plugins)
@@ -649,6 +693,12 @@ def cross_field_problems(config: RunConfig) -> list[str]:
             f"train.micro_batch_size={mb} must divide the sequences per step, train.prompts_per_step "
             f"({config.train.prompts_per_step}) x rollout.num_generations ({config.rollout.num_generations}) = {seqs}"
         )
+    mismatch = config.loss.mismatch
+    if config.loss.objective == "gspo" and mismatch is not None and mismatch.level == "token":
+        problems.append(
+            "loss.mismatch.level=token with loss.objective=gspo: GSPO weighs whole sequences (one ratio per "
+            "sequence), so a per-token weight would reweigh tokens inside a sequence; use loss.mismatch.level=sequence"
+        )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
     return problems
@@ -683,10 +733,11 @@ def load_config(
     problems = cross_field_problems(config)
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
-    updates = {}
+    updates: dict[str, Any] = {}
     for kind, (section, _field) in PLUGIN_FIELDS.items():
-        sec = getattr(config, section)
-        updates[section] = sec.model_copy(update={"options": selected[kind].options.model_dump(mode="json")})
+        sec = updates.get(section, getattr(config, section))
+        options = selected[kind].options.model_dump(mode="json")
+        updates[section] = sec.model_copy(update={OPTION_FIELDS.get(kind, "options"): options})
     return config.model_copy(update=updates)
 
 
@@ -739,6 +790,7 @@ def json_schema() -> dict[str, Any]:
 
 
 __all__ = [
+    "OPTION_FIELDS",
     "PLUGIN_FIELDS",
     "PRESETS",
     "RunConfig",

@@ -244,6 +244,30 @@ class RolloutStyle(_PluginBase):
 Aggregation = Literal["token_mean", "sequence_mean", "constant"]
 
 
+MismatchLevel = Literal["token", "sequence"]
+MismatchMode = Literal["truncate", "mask"]
+
+
+@dataclasses.dataclass(frozen=True)
+class MismatchCorrection:
+    """Importance weighting of the policy term by how far the trainer's pre-update
+    log-probs (``old``) are from the sampler's: the two disagree through numerics (bf16
+    decode, a different kernel) even at identical weights, and the loss's ratio assumes
+    the samples came from ``old``.
+
+    The weight is ``w = exp(old - sampler)`` per token at ``level="token"``, and
+    ``exp(sum over the row's valid tokens of (old - sampler))`` per row at
+    ``level="sequence"`` (the sequence's likelihood ratio). ``mode="truncate"`` multiplies
+    the policy term by ``min(w, cap)`` (truncated importance sampling); ``mode="mask"``
+    by ``1 if w <= cap else 0`` (the token or the whole sequence is dropped). No gradient
+    flows through the weight; the KL and entropy terms are not weighted.
+    """
+
+    level: MismatchLevel = "token"
+    mode: MismatchMode = "truncate"
+    cap: float = 2.0
+
+
 @dataclasses.dataclass(frozen=True)
 class LossSettings:
     """Loss settings shared by every implementation (hashable: a static jit argument).
@@ -258,10 +282,12 @@ class LossSettings:
     - ``aggregation``: ``token_mean`` (sum over valid tokens / valid-token count),
       ``sequence_mean`` (mean over sequences of each sequence's token mean), ``constant``
       (sum over valid tokens / (sequences * ``max_completion_length``), Dr.GRPO).
-    - ``tis_cap``: truncated importance sampling of the sampler/trainer mismatch; > 0
-      weights each token's policy-gradient term by ``min(exp(logp_old - logp_sampler),
-      tis_cap)`` (no gradient through the weight), where ``logp_old`` is the trainer's
-      log-prob before the update. 0 disables it and the sampler's log-probs are unused.
+    - ``objective``: the name of the registered :class:`ObjectivePlugin` that turns log-probs
+      and advantages into the per-token surrogate (``ppo_clip``, ``gspo``, ``cispo``,
+      ``sapo``, ...); ``objective_options`` its options as sorted ``(name, value)`` pairs
+      (a tuple, so the settings stay hashable).
+    - ``mismatch``: the sampler/trainer mismatch correction (:class:`MismatchCorrection`),
+      or None: off, and the sampler's log-probs are unused.
     """
 
     epsilon_low: float = 0.2
@@ -271,7 +297,9 @@ class LossSettings:
     aggregation: Aggregation = "token_mean"
     entropy_coef: float = 0.0
     max_completion_length: int = 1
-    tis_cap: float = 0.0
+    objective: str = "ppo_clip"
+    objective_options: tuple[tuple[str, Any], ...] = ()
+    mismatch: "MismatchCorrection | None" = None
 
     def normalizer(self, mask: "jax.Array") -> "jax.Array":
         """The aggregation's denominator for the batch whose completion mask is ``mask``
@@ -298,8 +326,8 @@ class LossPlugin(_PluginBase):
     ``advantages`` [B], ``old_logprobs`` [B, T] or None (on-policy: the ratio is
     exp(logp - stop_gradient(logp))), ``ref_logprobs`` [B, T] or None (needed iff
     ``settings.beta > 0``), ``sampler_logprobs`` [B, T] (the sampler's log-probs; passed
-    only when ``settings.tis_cap > 0``, so an implementation without truncated importance
-    sampling may leave the parameter out).
+    only when ``settings.mismatch`` is set, so an implementation without the mismatch
+    correction may leave the parameter out).
 
     ``normalizer`` makes gradient accumulation exact: the trainer passes the value for the
     *global* batch (valid-token count for ``token_mean``, sequence count for
@@ -308,7 +336,9 @@ class LossPlugin(_PluginBase):
 
     Returns ``(loss, metrics)``. ``metrics`` holds scalars averaged over this call's valid
     tokens — ``clip_frac/low``, ``clip_frac/high``, ``ratio/mean``, ``kl`` (0 when beta
-    is 0), optionally ``approx_kl``, ``entropy`` and ``tis/*`` — plus ``num_tokens``
+    is 0), optionally ``approx_kl``, ``entropy``, ``mismatch/*`` and the objective's own
+    (``gspo/*``, ``cispo/*``, ...); keys ending in ``/min`` or ``/max`` are the extreme
+    over the valid tokens instead of the mean — plus ``num_tokens``
     (valid-token count, to weight micro-batches) and ``logprobs`` [B, T] (per-token
     log-probs, no gradient).
 
@@ -354,13 +384,47 @@ class LossPlugin(_PluginBase):
         _, metrics = self.compute(
             hidden=hidden, head_weight=head_weight, targets=targets, mask=jnp.ones((b, t), jnp.int32),
             advantages=jnp.zeros((b,), jnp.float32), old_logprobs=None, ref_logprobs=None,
-            settings=dataclasses.replace(settings, beta=0.0, tis_cap=0.0), options=options,
+            settings=dataclasses.replace(settings, beta=0.0, mismatch=None), options=options,
         )
         return metrics["logprobs"]
 
     def check(self, *, layout: MeshLayout, options: BaseModel) -> list[str]:
         """Problems with running on this layout (e.g. tp > 1 unsupported)."""
         return []
+
+
+class ObjectivePlugin(_PluginBase):
+    """The policy-gradient objective: what each token contributes to the surrogate that
+    the loss maximises, given its log-prob under the policy being trained and under the
+    pre-update policy. Chosen by ``loss.objective`` (options in ``loss.objective_options``)
+    and carried to every loss implementation as ``LossSettings.objective``, so the
+    implementations (the plain-JAX one, the fused kernel) share it: a kernel computes the
+    per-token log-probs and their VJP, the objective is elementwise and row-wise JAX on
+    top of them.
+
+    :meth:`per_token` is pure and jittable. Shapes: ``logprobs`` [B, T] f32 (carries the
+    gradient), ``log_ratio`` [B, T] = ``logprobs - old`` on valid tokens and 0 elsewhere
+    (``old`` is ``stop_gradient(logprobs)`` on-policy), ``valid`` [B, T] bool,
+    ``advantages`` [B, 1] f32. It returns ``(objective, metrics)``: the per-token objective
+    [B, T] (maximised: the loss adds ``-objective``, weighted by the mismatch correction
+    and aggregated like every other term; padding positions are ignored) and
+    ``metrics``, name -> [B, T] per-token values that the loss reduces over the valid
+    tokens: the mean, or the minimum / maximum for names ending in ``/min`` / ``/max``.
+    Every objective reports ``clip_frac/low`` and ``clip_frac/high`` (0 where nothing is
+    clipped) so runs of different objectives log the same columns.
+    """
+
+    @abc.abstractmethod
+    def per_token(
+        self,
+        *,
+        logprobs: "jax.Array",
+        log_ratio: "jax.Array",
+        valid: "jax.Array",
+        advantages: "jax.Array",
+        settings: LossSettings,
+        options: BaseModel,
+    ) -> tuple["jax.Array", dict[str, "jax.Array"]]: ...
 
 
 # --------------------------------------------------------------------------- tools & environments
@@ -704,6 +768,7 @@ PLUGIN_KINDS: dict[str, tuple[str, type[_PluginBase]]] = {
     "mesh": ("register_mesh_policies", MeshPolicy),
     "rollout": ("register_rollout_styles", RolloutStyle),
     "loss": ("register_losses", LossPlugin),
+    "objective": ("register_objectives", ObjectivePlugin),
     "task": ("register_tasks", TaskPlugin),
     "model": ("register_models", ModelPlugin),
     "attention": ("register_attention", AttentionPlugin),

@@ -20,7 +20,9 @@ from typing import TYPE_CHECKING, Callable, TypeVar
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
-    from grpo.core.contracts import AttentionPlugin, LossPlugin, MeshPolicy, ModelPlugin, RolloutStyle, TaskPlugin
+    from grpo.core.contracts import (
+        AttentionPlugin, LossPlugin, MeshPolicy, ModelPlugin, ObjectivePlugin, RolloutStyle, TaskPlugin,
+    )
 
 PROJECT = "grpo"
 hookspec = pluggy.HookspecMarker(PROJECT)
@@ -43,6 +45,11 @@ def register_rollout_styles(register: "Register[RolloutStyle]") -> None:
 @hookspec
 def register_losses(register: "Register[LossPlugin]") -> None:
     """Register GRPO loss implementations (hidden states + head weight in, loss out)."""
+
+
+@hookspec
+def register_objectives(register: "Register[ObjectivePlugin]") -> None:
+    """Register policy-gradient objectives (per-token log-probs + advantages -> surrogate)."""
 
 
 @hookspec

@@ -34,6 +34,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo.plugins.mesh",
     "grpo.plugins.rollout",
     "grpo.plugins.losses",
+    "grpo.plugins.objectives",
     "grpo.plugins.tasks",
     "grpo.plugins.models",
     "grpo.plugins.attention",

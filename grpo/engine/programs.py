@@ -15,7 +15,7 @@ The programs of one GRPO step, in the order they run:
 - ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
 - ``policy_logprobs``: the policy's dropout-free per-token log-probs (only with LoRA
-  dropout; once more under the step's dropout masks when ``loss.tis_cap > 0``);
+  dropout; once more under the step's dropout masks with ``loss.mismatch``);
 - ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated).
@@ -227,7 +227,7 @@ class RunPrograms:
         [B, N] log-probs`` under the batch's LoRA-dropout masks (none: dropout-free), or
         None without LoRA dropout. With dropout the update's own log-probs carry its masks;
         this pass gives the dropout-free ones the sampler's are compared with, and with
-        ``loss.tis_cap > 0`` the masked ones the truncated-IS weight is corrected by."""
+        ``loss.mismatch`` the masked ones the mismatch weight is corrected by."""
         if not self.lora_dropout:
             return None
         return self.update_step.jit_policy_logprobs()
@@ -311,8 +311,9 @@ class RunPrograms:
             advantages=arr((b,), jnp.float32),
             old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
             ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
-            sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.tis_cap > 0 else None,
+            sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.mismatch is not None else None,
             dropout_keys=arr((b, 2), jnp.uint32) if self.lora_dropout else None,
+            truncated=arr((b,), jnp.bool_) if cfg.loss.mask_truncated else None,
         )
 
 

@@ -65,15 +65,19 @@ class StepTimes:
 OFF_POLICY_METRICS = ("clip_frac/low", "clip_frac/high", "ratio/mean", "approx_kl")
 
 
-def epoch_summary(epochs: list[dict[str, Any]]) -> dict[str, float]:
-    """One row from the per-epoch update metrics of a step: the mean over the epochs, and
-    for :data:`OFF_POLICY_METRICS` the mean over epochs 2.. when there are several."""
+def epoch_summary(epochs: list[dict[str, Any]], off_policy_prefixes: tuple[str, ...] = ()) -> dict[str, float]:
+    """One row from the per-epoch update metrics of a step: the mean over the epochs (the
+    minimum / maximum for ``/min`` / ``/max`` metrics), and for :data:`OFF_POLICY_METRICS`
+    and keys starting with ``off_policy_prefixes`` (the objective's own, all ratio-based)
+    over epochs 2.. when there are several."""
     out: dict[str, float] = {}
     for key in epochs[0]:
         if key == "finite":
             continue
-        chosen = epochs[1:] if key in OFF_POLICY_METRICS and len(epochs) > 1 else epochs
-        out[key] = float(np.mean([float(e[key]) for e in chosen]))
+        off_policy = key in OFF_POLICY_METRICS or key.startswith(off_policy_prefixes)
+        chosen = epochs[1:] if off_policy and len(epochs) > 1 else epochs
+        reduce = np.min if key.endswith("/min") else np.max if key.endswith("/max") else np.mean
+        out[key] = float(reduce([float(e[key]) for e in chosen]))
     return out
 
 
@@ -190,9 +194,9 @@ class Trainer:
 
     def _behaviour_logprobs(self, ub: UpdateBatch) -> tuple[jax.Array | None, UpdateBatch]:
         """With LoRA dropout: the policy's dropout-free log-probs (what the sampler's are
-        compared with), and ``ub`` with its truncated-IS input corrected for dropout.
+        compared with), and ``ub`` with its mismatch-correction input corrected for dropout.
 
-        The TIS weight is ``min(exp(logp_old - logp_sampler), cap)``: a correction for the
+        The mismatch weight comes from ``exp(logp_old - logp_sampler)``: a correction for the
         sampler and the trainer disagreeing on the same policy. With dropout the loss's
         ``logp_old`` is under this step's dropout masks (it must be, for the PPO ratio),
         so the loss is handed ``sampler + (masked - dropout_free)``, both of the
@@ -347,7 +351,8 @@ class Trainer:
             advantages=to_train(advantages),
             old_logprobs=None,
             ref_logprobs=None,
-            sampler_logprobs=to_train(out.logprobs) if cfg.loss.tis_cap > 0 else None,
+            sampler_logprobs=to_train(out.logprobs) if cfg.loss.mismatch is not None else None,
+            truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
@@ -376,7 +381,7 @@ class Trainer:
         n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
         valid = out.mask > 0
         gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
-        # The sampler/trainer mismatch as the importance ratio it is (what loss.tis_cap caps).
+        # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
         is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
         scalars = {
             "reward/mean": jnp.mean(rewards),
@@ -394,7 +399,7 @@ class Trainer:
         scalars, error_counts = jax.device_get((scalars, self._sum_rows(failed)))
         scalars = {k_: float(v) for k_, v in scalars.items()}
         self._add_reward_errors(list(per_fn_local), error_counts)
-        m = epoch_summary(jax.device_get(epoch_metrics))
+        m = epoch_summary(jax.device_get(epoch_metrics), off_policy_prefixes=(f"{cfg.loss.objective}/",))
         row: dict[str, Any] = {"step": self.step}
         row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})
         row.update(
@@ -410,7 +415,8 @@ class Trainer:
                 "kl": m.get("kl", 0.0),
                 "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
                 **{k_: v for k_, v in scalars.items() if k_.startswith("is_ratio/")},
-                **{k_: v for k_, v in m.items() if k_.startswith("tis/")},
+                # The objective's own metrics (named `<objective>/...`) and the mismatch correction's.
+                **{k_: v for k_, v in m.items() if k_.startswith(("mismatch/", f"{cfg.loss.objective}/"))},
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
                 # Read from the optimizer's own count: the rate its updates applied.

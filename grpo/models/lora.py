@@ -30,14 +30,15 @@ Dropout (``model.lora.dropout``) drops each adapter's input in the update only, 
 mask per row per training step, drawn from (seed, step): every PPO epoch of the step
 uses the same masks as the log-probs its ratio divides by (``logp_old``), so at unchanged
 parameters the ratio is exactly 1 and clipping sees only what the update moved. The
-sampler and the reference never drop. Truncated importance sampling (``loss.tis_cap``)
+sampler and the reference never drop. The mismatch correction (``loss.mismatch``)
 corrects for the sampler and the trainer disagreeing about the *same* policy, so its
-``logp_old`` is the dropout-free log-prob of the pre-update policy: the weight is
-``min(exp(logp_free - logp_sampler), cap)``, sampler/trainer numerics only. (The trainer
+``logp_old`` is the dropout-free log-prob of the pre-update policy: the weight comes from
+``exp(logp_free - logp_sampler)`` (per token, or summed per sequence), sampler/trainer
+numerics only. (The trainer
 hands the loss ``logp_sampler + (logp_masked - logp_free)``, both pre-update, so the loss's
 ``exp(logp_old - sampler)`` with its masked ``logp_old`` is that weight; a dropout mask
 against a dropout-free sampler would otherwise make the weight dropout noise.) The
-dropout-free pass costs one forward per step (two with TIS); the sampler/trainer metrics
+dropout-free pass costs one forward per step (two with the correction); the sampler/trainer metrics
 (``logprob_gap/sampler_trainer``, ``is_ratio/...``) are measured on it.
 
 QLoRA (``base_quantization: nf4|int8``) replaces each projection's storage by the codes

@@ -17,7 +17,7 @@ def group_advantages(
     *,
     num_generations: int,
     baseline: Literal["group_mean", "rloo"] = "group_mean",
-    scale: Literal["group_std", "none"] = "group_std",
+    scale: Literal["group_std", "batch_std", "none"] = "group_std",
     epsilon: float = 1e-4,
 ) -> jnp.ndarray:
     """Advantages [B] from rewards [B] (B = prompts x num_generations, group-major).
@@ -25,7 +25,11 @@ def group_advantages(
     - ``group_mean``: r - mean(group) (GRPO).
     - ``rloo``: r - mean(other members of the group) = K/(K-1) * (r - mean(group)).
     - ``group_std`` divides by (std(group) + epsilon), the population std as in GRPO;
-      ``none`` leaves the scale alone (Dr.GRPO, which removes the std's difficulty bias).
+      ``batch_std`` by (std of all the batch's rewards + epsilon) (TRL's
+      ``scale_rewards="batch"``; Liu et al., "Part I: Tricks or Traps?"): every group on
+      one scale, so a group with a small spread is not blown up to unit size, while the
+      overall scale stays normalised; ``none`` leaves the scale alone (Dr.GRPO, which
+      removes the std's difficulty bias). The baseline is the group's either way.
 
     A group whose rewards are all equal gets exactly zero advantages, whatever the
     options: ``r - mean`` alone leaves a rounding residue when the reward is not exactly
@@ -43,4 +47,6 @@ def group_advantages(
         adv = adv * (k / (k - 1))
     if scale == "group_std":
         adv = adv / (r.std(axis=1, keepdims=True) + epsilon)
+    elif scale == "batch_std":
+        adv = adv / (r.std() + epsilon)
     return adv.reshape(-1)

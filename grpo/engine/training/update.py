@@ -49,8 +49,9 @@ class UpdateBatch(NamedTuple):
     advantages: jax.Array  # B
     old_logprobs: jax.Array | None  # B N
     ref_logprobs: jax.Array | None  # B N
-    sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used when loss.tis_cap > 0
+    sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used with loss.mismatch
     dropout_keys: jax.Array | None = None  # B 2 uint32 key data per row; LoRA dropout > 0 only
+    truncated: jax.Array | None = None  # B bool; loss.mask_truncated only: these rows get no loss
 
 
 class MasterWeights(NamedTuple):
@@ -120,6 +121,37 @@ def _axes_size(mesh: Any, axes: tuple[str, ...]) -> int:
     for a in axes:
         size *= mesh.shape[a]
     return size
+
+
+def _combine(key: str, acc: jax.Array, value: jax.Array, n: jax.Array) -> jax.Array:
+    """Fold one part's metric into the running one: token counts add, ``/min`` and
+    ``/max`` metrics take the extreme, the rest add ``value * n`` (divided by the total
+    count at the end, :func:`_finish`): the token-weighted mean over all the parts."""
+    if key == "num_tokens":
+        return acc + value
+    if key.endswith("/min"):
+        return jnp.minimum(acc, value)
+    if key.endswith("/max"):
+        return jnp.maximum(acc, value)
+    return acc + value * n
+
+
+def _identity(key: str) -> jax.Array:
+    return jnp.float32(jnp.inf if key.endswith("/min") else -jnp.inf if key.endswith("/max") else 0.0)
+
+
+def _finish(metrics: dict[str, jax.Array], *, weighted: bool) -> dict[str, jax.Array]:
+    """Means from token-weighted sums (``weighted``), and 0 for the extremes of a batch
+    without a valid token (they are +-inf, the identities, until then)."""
+    total = metrics["num_tokens"]
+    out = {}
+    for k, v in metrics.items():
+        if k.endswith(("/min", "/max")):
+            v = jnp.where(total > 0, v, 0.0)
+        elif weighted and k != "num_tokens":
+            v = v / jnp.maximum(total, 1.0)
+        out[k] = v
+    return out
 
 
 def _merge_micro(x: jax.Array) -> jax.Array:
@@ -196,10 +228,17 @@ class LossCall:
         logprobs = metrics.pop("logprobs")
         n = metrics["num_tokens"].astype(jnp.float32)
         total = jax.lax.psum(n, axes)
-        combined = {
-            k: (total if k == "num_tokens" else jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0))
-            for k, v in metrics.items()
-        }
+
+        def across(k: str, v: jax.Array) -> jax.Array:
+            if k == "num_tokens":
+                return total
+            if k.endswith("/min"):
+                return jax.lax.pmin(v, axes)
+            if k.endswith("/max"):
+                return jax.lax.pmax(v, axes)
+            return jax.lax.psum(v * n, axes) / jnp.maximum(total, 1.0)
+
+        combined = {k: across(k, v) for k, v in metrics.items()}
         return jax.lax.psum(loss, axes), combined, logprobs
 
     def _local_logprobs(self, axes, normalizer, **args):  # noqa: ARG002
@@ -264,16 +303,25 @@ class UpdateStep:
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys)
         return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
 
+    @staticmethod
+    def loss_mask(batch: UpdateBatch) -> jax.Array:
+        """The mask the loss sees [B, N]: the completion mask, with the rows of
+        ``batch.truncated`` (``loss.mask_truncated``) zeroed. Attention still reads the
+        completion mask: only the loss drops those rows."""
+        if batch.truncated is None:
+            return batch.mask
+        return jnp.where(batch.truncated[:, None], 0, batch.mask).astype(batch.mask.dtype)
+
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer, frozen=None):
         args = self._loss_args(params, mb, frozen)
         args.update(
-            mask=mb.mask,
+            mask=self.loss_mask(mb),
             advantages=mb.advantages,
             old_logprobs=mb.old_logprobs,
             ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
         )
-        if self.settings.tis_cap > 0:
-            # Passed only when used, so losses written before TIS existed keep working.
+        if self.settings.mismatch is not None:
+            # Passed only when used, so losses written before the correction existed keep working.
             args["sampler_logprobs"] = mb.sampler_logprobs
         return self.loss_call(args, normalizer)
 
@@ -295,7 +343,7 @@ class UpdateStep:
         (adapters on), micro-batched like :meth:`reference_logprobs`, under the LoRA-dropout
         masks of ``batch.dropout_keys`` (None: no dropout, the policy the sampler samples).
         The trainer runs it only with LoRA dropout: the dropout-free log-probs are what the
-        sampler's are compared with (metrics, truncated IS)."""
+        sampler's are compared with (metrics, the mismatch correction)."""
         return self._forward_logprobs(params, batch, frozen, adapters=True)
 
     def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
@@ -323,14 +371,14 @@ class UpdateStep:
 
         Gradients are taken with respect to ``params`` only: with LoRA those are the
         adapters and the base (``frozen``) is a constant of the differentiation."""
-        normalizer = self.settings.normalizer(batch.mask)  # of the global batch
+        normalizer = self.settings.normalizer(self.loss_mask(batch))  # of the global batch
         grad_fn = jax.value_and_grad(functools.partial(self.loss_and_metrics, frozen=frozen), has_aux=True)
         f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
         m = self.micro_batches
         if m == 1:
             (loss, metrics), grads = grad_fn(params, batch, normalizer)
             logprobs = metrics.pop("logprobs")
-            return loss, f32(grads), metrics, logprobs
+            return loss, f32(grads), _finish(metrics, weighted=False), logprobs
         micro = UpdateBatch(*(_split_micro(x, m) for x in batch))
         # f32 accumulation: bf16 sums of many micro-batch gradients lose their small terms.
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
@@ -340,17 +388,15 @@ class UpdateStep:
             (loss, metrics), grads = grad_fn(params, mb, normalizer)
             logprobs = metrics.pop("logprobs")
             n = metrics["num_tokens"].astype(jnp.float32)
-            weighted = {k: weighted[k] + (v if k == "num_tokens" else v * n) for k, v in metrics.items()}
+            weighted = {k: _combine(k, weighted[k], v, n) for k, v in metrics.items()}
             grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum, weighted), logprobs
 
         shapes = jax.eval_shape(lambda: grad_fn(params, UpdateBatch(*(None if x is None else x[0] for x in micro)), normalizer))
         metric_keys = [k for k in shapes[0][1] if k != "logprobs"]
-        init = (jnp.float32(0.0), zeros, {k: jnp.float32(0.0) for k in metric_keys})
+        init = (jnp.float32(0.0), zeros, {k: _identity(k) for k in metric_keys})
         (loss, grads, weighted), logprobs = jax.lax.scan(body, init, micro)
-        n = jnp.maximum(weighted["num_tokens"], 1.0)
-        metrics = {k: (v if k == "num_tokens" else v / n) for k, v in weighted.items()}
-        return loss, grads, metrics, _merge_micro(logprobs)
+        return loss, grads, _finish(weighted, weighted=True), _merge_micro(logprobs)
 
     def apply(self, params, opt_state, grads):
         """One optimizer step on f32 ``grads``: ``(params, opt_state)`` -> new ones.

@@ -5,45 +5,62 @@ The ``jax`` and ``pallas`` implementations differ only in how the per-token log-
 and the output head. Everything after that — ratio, clipping, KL, aggregation, metrics —
 is this module, so the two cannot drift apart.
 
-Definitions (per token t of row b, ``A = advantages[b]``, ``r = exp(logp - old)``):
+Definitions (per token t of row b, ``A = advantages[b]``, ``r = exp(logp - old)``, ``old``
+the pre-update log-probs, ``stop_gradient(logp)`` on-policy):
 
-- objective: ``min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A)`` (the pessimistic
-  PPO/GRPO form). It is written with an explicit clip indicator so the gradient is
-  unambiguous: the clip is *active* (value ``clip(r) * A``, no gradient) exactly when
-  ``A > 0 and r > 1 + eps_high`` (``clip_frac/high``) or ``A < 0 and r < 1 - eps_low``
-  (``clip_frac/low``); otherwise the value is ``r * A`` with gradient ``r * A * dlogp``.
-  A ratio exactly on a bound is not clipped. When ``A == 0`` nothing is clipped.
-- truncated importance sampling (``tis_cap > 0``): the objective of each token is
-  multiplied by ``w = min(exp(old - sampler), tis_cap)`` (no gradient through ``w``),
-  where ``sampler`` is the sampler's log-prob of the token: it corrects for the sampler
-  and the trainer disagreeing (bf16 decode vs the update's numerics) without letting a
-  rare huge ratio dominate the step.
-- per-token loss: ``-objective + beta * k3`` with ``k3 = exp(ref - logp) - (ref - logp) - 1``
-  (Schulman's k3 estimate of KL(pi || ref)); with ``beta == 0`` the term and the reference
-  log-probs are never touched.
+- objective: the registered :class:`~grpo.core.contracts.ObjectivePlugin` named by
+  ``settings.objective`` (``ppo_clip`` by default: ``min(r A, clip(r, 1-eps_low,
+  1+eps_high) A)``; the built-ins are defined in :mod:`grpo.plugins.objectives._math`)
+  gives the per-token objective from ``logp``, ``logp - old``, the mask and ``A``.
+- mismatch correction (``settings.mismatch``, see
+  :class:`~grpo.core.contracts.MismatchCorrection`): the objective is multiplied by a
+  weight without gradient from ``exp(old - sampler)`` (per token, or per row from the
+  row's summed log-ratio), truncated at the cap or masked above it. It is computed in log
+  space, so a long sequence's huge ratio is an exact comparison, never ``inf``.
+- per-token loss: ``-objective * weight + beta * k3`` with ``k3 = exp(ref - logp) - (ref -
+  logp) - 1`` (Schulman's k3 estimate of KL(pi || ref)); with ``beta == 0`` the term and
+  the reference log-probs are never touched.
 - aggregation: ``loss = sum_t w_t * loss_t / normalizer`` with ``w = mask`` for
   ``token_mean`` and ``constant``, and ``w = mask / (valid tokens of the row)`` (0 for
   empty rows) for ``sequence_mean``. The default normalizer is this batch's valid-token
   count (at least 1), row count, or ``rows * max_completion_length``; passing the global
-  batch's value makes micro-batch losses and gradients sum to the full-batch ones.
+  batch's value makes micro-batch losses and gradients sum to the full-batch ones (every
+  objective and correction is per token or per row, and rows are never split).
 
-Metrics are averaged over this call's valid tokens (0 when there are none):
-``clip_frac/low``, ``clip_frac/high``, ``ratio/mean``, ``kl`` (mean k3 to the reference,
-0 when beta is 0), ``approx_kl`` (mean ``(r - 1) - log r``: the k3 estimate of
+Metrics are averaged over this call's valid tokens (0 when there are none), except names
+ending in ``/min`` / ``/max``: the extreme over the valid tokens, ``+inf`` / ``-inf`` when
+there are none (the identities, so micro-batches and shards combine by min / max):
+the objective's (``clip_frac/low``, ``clip_frac/high``, ``gspo/*``, ``cispo/*``,
+``sapo/*``), ``ratio/mean`` (the per-token ``r``), ``kl`` (mean k3 to the reference, 0
+when beta is 0), ``approx_kl`` (mean ``(r - 1) - log r``: the k3 estimate of
 KL(old || current), the usual PPO drift signal; 0 on-policy), ``entropy`` (when the
-implementation computes it), with ``tis_cap > 0`` ``tis/weight_mean`` (mean ``w``) and
-``tis/capped_frac`` (tokens whose ratio hit the cap), ``num_tokens``, and ``logprobs``
-[B, T] (no gradient).
+implementation computes it), with a mismatch correction ``mismatch/weight_mean`` and
+``mismatch/truncated_frac`` or ``mismatch/masked_frac`` (tokens whose weight hit the cap,
+or were dropped), ``num_tokens``, and ``logprobs`` [B, T] (no gradient).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import math
+
 import jax
 import jax.numpy as jnp
 
-from grpo.core.contracts import LossSettings
+from grpo.core.contracts import LossSettings, ObjectivePlugin
+
+EXTREMES = {"/min": jnp.min, "/max": jnp.max}
+"""Metric-name suffix -> how its per-token values reduce (the rest: the token mean)."""
+
+
+def objective_plugin(settings: LossSettings) -> tuple[ObjectivePlugin, object]:
+    """The registered objective ``settings.objective`` and its parsed options (config
+    validation has checked both; a direct caller gets the registry's error)."""
+    from grpo.core.plugins import get_plugins
+
+    plugin = get_plugins().get("objective", settings.objective)
+    return plugin, plugin.parse_options(dict(settings.objective_options))
 
 
 def token_weights(mask: jax.Array, aggregation: str) -> jax.Array:
@@ -92,9 +109,9 @@ def check_inputs(
             raise ValueError("settings.beta > 0 needs ref_logprobs [B, T]; got None")
         if ref_logprobs.shape != (b, t):
             raise ValueError(f"ref_logprobs must be [B, T] = {(b, t)}, got shape {ref_logprobs.shape}")
-    if settings.tis_cap > 0:
+    if settings.mismatch is not None:
         if sampler_logprobs is None:
-            raise ValueError("settings.tis_cap > 0 needs sampler_logprobs [B, T]; got None")
+            raise ValueError("settings.mismatch needs sampler_logprobs [B, T]; got None")
         if sampler_logprobs.shape != (b, t):
             raise ValueError(f"sampler_logprobs must be [B, T] = {(b, t)}, got shape {sampler_logprobs.shape}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
@@ -129,18 +146,18 @@ def grpo_objective(
     log_ratio = jnp.where(valid, logp - old, 0.0)
     ratio = jnp.exp(log_ratio)
 
-    clipped_high = (adv > 0) & (ratio > 1.0 + settings.epsilon_high)
-    clipped_low = (adv < 0) & (ratio < 1.0 - settings.epsilon_low)
-    clipped = clipped_high | clipped_low
-    bounded = jnp.clip(ratio, 1.0 - settings.epsilon_low, 1.0 + settings.epsilon_high)
-    objective = jnp.where(clipped, jax.lax.stop_gradient(bounded) * adv, ratio * adv)
-    tis_metrics: dict[str, Any] = {}
-    if settings.tis_cap > 0:
-        behaviour = jnp.where(valid, old - sampler_logprobs.astype(jnp.float32), 0.0)  # type: ignore[union-attr]
-        is_ratio = jnp.exp(behaviour)
-        weight = jax.lax.stop_gradient(jnp.minimum(is_ratio, settings.tis_cap))
+    plugin, options = objective_plugin(settings)
+    objective, token_metrics = plugin.per_token(
+        logprobs=jnp.where(valid, logp, 0.0), log_ratio=log_ratio, valid=valid, advantages=adv,
+        settings=settings, options=options,
+    )
+    if settings.mismatch is not None:
+        weight, mismatch_metrics = mismatch_weight(
+            old=old, sampler=sampler_logprobs.astype(jnp.float32), valid=valid,  # type: ignore[union-attr]
+            correction=settings.mismatch,
+        )
         objective = objective * weight
-        tis_metrics = {"tis/weight_mean": weight, "tis/capped_frac": is_ratio > settings.tis_cap}
+        token_metrics = {**token_metrics, **mismatch_metrics}
     per_token = -objective
 
     if settings.beta > 0:
@@ -165,9 +182,15 @@ def grpo_objective(
     def token_mean(x: jax.Array) -> jax.Array:
         return jnp.sum(jnp.where(valid, jax.lax.stop_gradient(x).astype(jnp.float32), 0.0)) / denom
 
+    def reduce(name: str, x: jax.Array) -> jax.Array:
+        for suffix, fn in EXTREMES.items():
+            if name.endswith(suffix):
+                identity = jnp.inf if suffix == "/min" else -jnp.inf
+                return fn(jnp.where(valid, jax.lax.stop_gradient(x).astype(jnp.float32), identity))
+        return token_mean(x)
+
     metrics: dict[str, Any] = {
-        "clip_frac/low": token_mean(clipped_low),
-        "clip_frac/high": token_mean(clipped_high),
+        **{k: reduce(k, v) for k, v in token_metrics.items()},
         "ratio/mean": token_mean(ratio),
         "kl": token_mean(k3) if k3 is not None else jnp.float32(0.0),
         "approx_kl": token_mean(ratio - 1.0 - log_ratio),
@@ -176,5 +199,27 @@ def grpo_objective(
     }
     if entropy is not None:
         metrics["entropy"] = token_mean(entropy)
-    metrics.update({k: token_mean(v) for k, v in tis_metrics.items()})
     return loss, metrics
+
+
+def mismatch_weight(*, old: jax.Array, sampler: jax.Array, valid: jax.Array, correction) -> tuple[jax.Array, dict]:
+    """The mismatch correction's weight [B, T] (no gradient) and its per-token metrics.
+
+    ``old``, ``sampler`` [B, T] f32 log-probs, ``valid`` [B, T] bool, ``correction`` a
+    :class:`~grpo.core.contracts.MismatchCorrection`. The log-weight is ``old - sampler``
+    per token or its row sum per row; compared with ``log(cap)`` rather than
+    exponentiated first, so a sequence-level ratio past f32's range truncates to ``cap``
+    (or is masked) exactly."""
+    log_w = jnp.where(valid, old - sampler, 0.0)  # B T
+    if correction.level == "sequence":
+        log_w = jnp.broadcast_to(jnp.sum(log_w, axis=1, keepdims=True), log_w.shape)  # B T
+    log_cap = math.log(correction.cap)
+    over = log_w > log_cap
+    if correction.mode == "truncate":
+        weight = jnp.exp(jnp.minimum(log_w, log_cap))
+        frac = {"mismatch/truncated_frac": over}
+    else:
+        weight = jnp.where(over, 0.0, 1.0)
+        frac = {"mismatch/masked_frac": over}
+    weight = jax.lax.stop_gradient(weight)
+    return weight, {"mismatch/weight_mean": weight, **frac}
