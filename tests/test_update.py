@@ -70,9 +70,17 @@ def _step(graphdef, micro, aggregation, optimizer=None):
 
 @pytest.mark.parametrize("aggregation", ["token_mean", "sequence_mean", "constant"])
 def test_micro_batched_gradients_equal_full_batch(tiny, aggregation):
+    """Also, under token_mean, with loss.mask_truncated's rows: they leave the loss and its
+    normalizer (so micro-batches stay exact), whatever their advantages."""
     _, model, graphdef, params = tiny
     batch = _batch(model.config.vocab_size)
-    full_loss, full_grads, full_m, full_lp = jax.jit(_step(graphdef, 1, aggregation).grads)(params, batch)
+    loss_mask = np.asarray(batch.mask)
+    if aggregation == "token_mean":
+        truncated = np.array([True, False, False, True, False, False, False, False])
+        batch = batch._replace(truncated=jnp.asarray(truncated))
+        loss_mask = loss_mask * ~truncated[:, None]
+    full = jax.jit(_step(graphdef, 1, aggregation).grads)
+    full_loss, full_grads, full_m, full_lp = full(params, batch)
     for m in (4,):
         loss, grads, metrics, lp = jax.jit(_step(graphdef, m, aggregation).grads)(params, batch)
         np.testing.assert_allclose(float(loss), float(full_loss), rtol=1e-5, atol=1e-7)
@@ -80,31 +88,35 @@ def test_micro_batched_gradients_equal_full_batch(tiny, aggregation):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
         np.testing.assert_allclose(np.asarray(lp), np.asarray(full_lp), atol=1e-5)
         np.testing.assert_allclose(float(metrics["num_tokens"]), float(full_m["num_tokens"]))
-    assert float(full_m["num_tokens"]) == float(np.asarray(batch.mask).sum())
+    assert float(full_m["num_tokens"]) == float(loss_mask.sum())
     assert any(float(jnp.abs(g).max()) > 0 for g in jax.tree.leaves(full_grads))
+    if batch.truncated is not None:
+        moved = batch._replace(advantages=batch.advantages.at[0].set(5.0).at[3].set(-5.0))
+        loss2, grads2, _, _ = full(params, moved)
+        assert float(loss2) == float(full_loss)
+        for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(full_grads)):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-def test_truncated_rows_get_no_loss_and_micro_batches_stay_exact(tiny):
-    """loss.mask_truncated: the rows marked truncated leave the loss (their tokens leave
-    the normalizer too, so micro-batches still sum to the full batch), whatever their
-    advantages."""
-    _, model, graphdef, params = tiny
-    batch = _batch(model.config.vocab_size, seed=3)
-    truncated = jnp.asarray([True, False, False, True, False, False, False, False])
-    cut = batch._replace(truncated=truncated)
-    full, micro = jax.jit(_step(graphdef, 1, "token_mean").grads), jax.jit(_step(graphdef, 4, "token_mean").grads)
-    loss, grads, metrics, _ = full(params, cut)
-    m_loss, m_grads, m_metrics, _ = micro(params, cut)
-    np.testing.assert_allclose(float(m_loss), float(loss), rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(m_grads), jax.tree.leaves(grads)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-4, atol=1e-6)
-    mask = np.asarray(batch.mask)
-    assert float(metrics["num_tokens"]) == float(m_metrics["num_tokens"]) == mask[[1, 2, 4, 5, 6, 7]].sum()
-    moved = cut._replace(advantages=cut.advantages.at[0].set(5.0).at[3].set(-5.0))
-    loss2, grads2, _, _ = full(params, moved)
-    assert float(loss2) == float(loss)
-    for a, b in zip(jax.tree.leaves(grads2), jax.tree.leaves(grads)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+def test_metric_parts_combine_by_token_mean_min_and_max():
+    """Micro-batch metrics fold as the update folds them: token-weighted means, and
+    ``/min`` / ``/max`` as extremes (an empty part reports the identities); a batch with
+    no valid token reports 0 for the extremes, not inf."""
+    from grpo.engine.training.update import _combine, _finish, _identity
+
+    inf = float("inf")
+    parts = [{"num_tokens": 2.0, "ratio/mean": 1.0, "s/min": 0.5, "s/max": 2.0},
+             {"num_tokens": 0.0, "ratio/mean": 0.0, "s/min": inf, "s/max": -inf},
+             {"num_tokens": 6.0, "ratio/mean": 3.0, "s/min": 0.8, "s/max": 1.5}]
+
+    def fold(ps):
+        acc = {k: _identity(k) for k in ps[0]}
+        for p in ps:
+            acc = {k: _combine(k, acc[k], jnp.float32(v), jnp.float32(p["num_tokens"])) for k, v in p.items()}
+        return {k: float(v) for k, v in _finish(acc, weighted=True).items()}
+
+    assert fold(parts) == {"num_tokens": 8.0, "ratio/mean": 2.5, "s/min": 0.5, "s/max": 2.0}
+    assert fold(parts[1:2]) == {"num_tokens": 0.0, "ratio/mean": 0.0, "s/min": 0.0, "s/max": 0.0}
 
 
 def test_logprobs_match_reference_helper(tiny):

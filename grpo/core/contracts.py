@@ -299,7 +299,7 @@ class LossSettings:
     max_completion_length: int = 1
     objective: str = "ppo_clip"
     objective_options: tuple[tuple[str, Any], ...] = ()
-    mismatch: "MismatchCorrection | None" = None
+    mismatch: MismatchCorrection | None = None
 
     def normalizer(self, mask: "jax.Array") -> "jax.Array":
         """The aggregation's denominator for the batch whose completion mask is ``mask``
