@@ -386,6 +386,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     trainer._score, trainer.update = recording_score, recording_update
     trainer.run()
     rows = read_metrics(tmp_path / "straight")
+    scored_copy = list(scored)
 
     rounds_seen = []
     for step, (row, ub) in enumerate(zip(rows, batches)):
@@ -417,6 +418,19 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     assert any(r == 2 and f == 0 for r, f in rounds_seen) and any(f > 0 for _, f in rounds_seen), rounds_seen
     meta = trainer.checkpointer.restore(trainer._state(), 3)[1]
     assert meta["data_position"] == p * sum(r for r, _ in rounds_seen)
+
+    # task.overlong joins the scores as the reward `overlong` (host-side: no compile).
+    examples, tokens, _ = scored_copy[0][:3]
+    mask = (np.arange(3)[None] < (np.arange(len(examples)) % 4)[:, None]).astype(np.int32)  # lengths 0..3
+    plain, per_fn, failed = score(examples, tokens, mask)
+    trainer.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
+    shaped, per_fn, failed = score(examples, tokens, mask)
+    lengths = mask.sum(1)
+    penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
+    assert penalty.min() == -0.5 and penalty.max() == 0.0
+    np.testing.assert_allclose(per_fn["overlong"], penalty, atol=1e-7)
+    np.testing.assert_allclose(shaped, plain + penalty, atol=1e-6)
+    assert failed.shape == (len(examples), 2) and list(per_fn) == ["length", "overlong"]
 
     resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
     assert_same_run(trainer, resumed)
