@@ -95,8 +95,9 @@ def test_group_filter_rounds_surplus_and_short_steps():
     f.add(np.array([True, True, True]))  # one informative group too many: dropped
     assert f.done and not f.short
     assert f.picks() == ([(0, 0), (1, 0), (1, 1)], 0)
-    assert f.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/dropped_groups": 3.0,
-                           "dynamic_sampling/filled_groups": 0.0, "dynamic_sampling/short": 0.0}
+    assert f.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 2.0,
+                           "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 0.0,
+                           "dynamic_sampling/short": 0.0}
     with pytest.raises(RuntimeError, match="after the step is complete"):
         f.add(np.array([True, True, True]))
     short = GroupFilter(want=3, max_rounds=2)
@@ -106,7 +107,9 @@ def test_group_filter_rounds_surplus_and_short_steps():
     short.add(np.array([False, False, False]))
     assert short.done and short.short
     assert short.picks() == ([(0, 1), (0, 0), (0, 2)], 2)  # the earliest equal-reward groups fill
-    assert short.metrics()["dynamic_sampling/short"] == 1.0 and short.metrics()["dynamic_sampling/filled_groups"] == 2.0
+    assert short.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 5.0,
+                               "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 2.0,
+                               "dynamic_sampling/short": 1.0}
 
 
 def test_overlong_penalty_matches_the_dapo_formula():

@@ -364,7 +364,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     the completion: every round's rollouts and rewards are recorded, and an independent
     reference says from them which groups the step keeps, how many rounds it makes, and
     the update batch it must build (tokens, masks, advantages). The run has a step that
-    refills and one that ends short (filled with masked groups); resumed after step 2 it
+    refills and one that ends short (filled with equal-reward groups); resumed after step 2 it
     ends bit for bit where the straight run does."""
     p, k, max_rounds = 8, 2, 2
     cfg = _config(**{"task": {"name": "length", "options": {"flat_every": 2}}, "train.steps": 3,
@@ -403,10 +403,10 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         picks = kept + spare[:filled]
         assert row["dynamic_sampling/rounds"] == rounds and row["dynamic_sampling/filled_groups"] == filled
         assert row["dynamic_sampling/short"] == float(filled > 0)
-        assert row["dynamic_sampling/dropped_groups"] == rounds * p - len(kept)
-        want_mask = np.concatenate([m * (i < len(kept)) for i, (_, m, _) in enumerate(picks)])
+        assert row["dynamic_sampling/dropped_groups"] == (rounds - 1) * p
+        assert row["dynamic_sampling/uninformative_groups"] == len(spare)
         np.testing.assert_array_equal(ub.tokens, np.concatenate([t for t, _, _ in picks]))
-        np.testing.assert_array_equal(ub.mask, want_mask)
+        np.testing.assert_array_equal(ub.mask, np.concatenate([m for _, m, _ in picks]))
         assert row["rollout/generated_tokens"] == generated
         r = np.concatenate([t for _, _, t in picks]).reshape(p, k)
         spread = r.max(1, keepdims=True) > r.min(1, keepdims=True)

@@ -334,10 +334,9 @@ class DynamicSamplingConfig(Section):
     teaches nothing, so it is dropped, and the next prompts of the data order are rolled
     out until the step holds ``train.prompts_per_step`` groups with a reward spread, or
     ``max_rounds`` rollouts were made. Informative groups beyond ``prompts_per_step`` are
-    dropped too; a step that ends short trains on the groups it has, the rest of its batch
-    filled with dropped groups whose completion mask is zeroed (they add no loss term and no
-    token to any normaliser), and logs ``dynamic_sampling/short`` = 1. The data position is
-    checkpointed, so a resumed run draws the same prompts."""
+    dropped too; a step that ends short fills its batch with equal-reward groups (zero
+    advantage, trained as plain GRPO trains them) and logs ``dynamic_sampling/short`` = 1.
+    The data position is checkpointed, so a resumed run draws the same prompts."""
 
     enabled: bool = Field(False, description="Drop groups with equal rewards and roll out more prompts in their place.")
     max_rounds: int = Field(

@@ -282,33 +282,25 @@ class Trainer:
 
         return np.asarray(multihost_utils.process_allgather(local, tiled=True))
 
-    def _assemble(self, outs: list[Any], rows: np.ndarray, fill: np.ndarray) -> Any:
+    def _assemble(self, outs: list[Any], rows: np.ndarray) -> Any:
         """One rollout of global ``rows`` [B] of the rounds ``outs`` stacked in order, prompts
-        left-padded to the widest round's, with the completions of ``fill`` rows [B] masked
-        out (mask, log-probs and length 0). A jitted gather with replicated indices: the
-        rows a process trains on may have been sampled on another."""
+        left-padded to the widest round's. A jitted gather with replicated indices: the rows
+        a process trains on may have been sampled on another."""
         if not hasattr(self, "_gather_rows"):
-            def gather(outs, rows, fill, width, pad_id):
+            def gather(outs, rows, width, pad_id):
                 def widen(o):
                     pad = ((0, 0), (width - o.prompt_tokens.shape[1], 0))  # left, like build_batch
                     return o._replace(prompt_tokens=jnp.pad(o.prompt_tokens, pad, constant_values=pad_id),
                                       prompt_mask=jnp.pad(o.prompt_mask, pad))
                 stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[widen(o) for o in outs])
-                out = jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
-                keep = ~fill
-                return out._replace(
-                    mask=out.mask * keep[:, None].astype(out.mask.dtype),
-                    logprobs=jnp.where(keep[:, None], out.logprobs, 0.0),
-                    lengths=jnp.where(keep, out.lengths, 0),
-                    truncated=out.truncated & keep,
-                )
+                return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
 
             shardings = jax.tree.map(lambda x: x.sharding, outs[0])  # the sampler's layout
-            self._gather_rows = jax.jit(gather, static_argnums=(3, 4), out_shardings=shardings)
-        replicated = self.programs.replicated
-        put = lambda a: jax.make_array_from_callback(a.shape, replicated, lambda idx: a[idx])  # noqa: E731
+            self._gather_rows = jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings)
+        rows = rows.astype(np.int32)
+        rows = jax.make_array_from_callback(rows.shape, self.programs.replicated, lambda idx: rows[idx])
         width = max(o.prompt_tokens.shape[1] for o in outs)
-        return self._gather_rows(outs, put(rows.astype(np.int32)), put(fill), width, self.policy.pad_id)
+        return self._gather_rows(outs, rows, width, self.policy.pad_id)
 
     def _dynamic_rollout(self):
         """Rounds of rollouts until the step holds ``prompts_per_step`` groups with a reward
@@ -330,12 +322,11 @@ class Trainer:
             per_fn.append({n: self._all_rows(v) for n, v in per_fn_local.items()})
             generated.append(jnp.sum(out.lengths))
             picker.add(group_spread(totals[-1], k))
-        groups, filled = picker.picks()
+        groups, _ = picker.picks()
         used = sorted({r for r, _ in groups})  # rounds the batch takes groups from
         slot = {r: i for i, r in enumerate(used)}
         rows = np.asarray([(slot[r] * p + g) * k + j for r, g in groups for j in range(k)])
-        fill = np.repeat(np.arange(p) >= p - filled, k)
-        out = self._assemble([outs[r] for r in used], rows, fill)
+        out = self._assemble([outs[r] for r in used], rows)
         # The batch's rewards, every row then this process's slice (rows of a round: r*B + row).
         src = np.asarray([r * p * k + (g * k + j) for r, g in groups for j in range(k)])
         mine = process_slice(p * k, jax.process_index(), jax.process_count())

@@ -9,9 +9,13 @@ holds ``prompts_per_step`` of them or ``max_rounds`` rounds were made.
 The programs keep their compiled shapes: the update batch is always ``prompts_per_step``
 groups. Informative groups beyond that are dropped (carrying them to the next step would
 make the step's batch depend on state the checkpoint does not hold). A step that ends
-short fills its batch with uninformative groups, earliest first, whose completion mask
-the trainer zeroes: they add no loss term and no token to any normaliser, so the step
-trains on exactly the informative groups it found.
+short fills its batch with uninformative groups, earliest first, trained as plain GRPO
+trains them: zero advantage (no policy gradient), their tokens in the loss's normaliser,
+the entropy bonus and the KL term. Masking them out instead was measured to collapse the
+policy: on the quickstart (200 steps, max_rounds 4) the entropy bonus then acts only on
+the few informative groups, the token entropy fell to 0.004 (2.16 without dynamic
+sampling) and held-out pass@1 stalled at 0.27, against 0.46 with the fill trained (0.36
+without dynamic sampling).
 
 Every process makes the same decision from the same globally gathered rewards, so the
 picks are identical across processes; they depend on the rewards alone, so a resumed run
@@ -71,19 +75,21 @@ class GroupFilter:
 
     def picks(self) -> tuple[list[tuple[int, int]], int]:
         """``(groups, filled)``: the batch's ``want`` groups as (round, group) in batch order,
-        the informative ones first, then ``filled`` uninformative ones (earliest first)
-        whose completions the trainer masks out."""
+        the informative ones first, then ``filled`` uninformative ones (earliest first)."""
         filled = self.want - len(self.kept)
         return self.kept + self.spare[:filled], filled
 
     def metrics(self) -> dict[str, float]:
-        """``dynamic_sampling/rounds``, ``/dropped_groups`` (rolled out, not trained on:
-        equal rewards or surplus), ``/filled_groups`` (masked fill of a short step) and
+        """``dynamic_sampling/rounds``, ``/uninformative_groups`` (rolled out with equal
+        rewards), ``/dropped_groups`` (rolled out, left out of the batch: equal rewards or
+        surplus), ``/filled_groups`` (equal-reward groups filling a short step) and
         ``/short`` (1 when the step has fewer informative groups than prompts_per_step)."""
+        filled = self.want - len(self.kept)
         return {
             "dynamic_sampling/rounds": float(self.rounds),
-            "dynamic_sampling/dropped_groups": float(len(self.spare) + self.surplus),
-            "dynamic_sampling/filled_groups": float(self.want - len(self.kept)),
+            "dynamic_sampling/uninformative_groups": float(len(self.spare)),
+            "dynamic_sampling/dropped_groups": float(len(self.spare) - filled + self.surplus),
+            "dynamic_sampling/filled_groups": float(filled),
             "dynamic_sampling/short": float(self.short),
         }
 
