@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.core.errors import UserError
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -228,12 +229,11 @@ class Trainer:
         scored = score_completions(self.task, self.task_options, examples, texts)
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
+        failed = failed.reshape(len(texts), len(scored.names))
         totals = np.asarray(scored.totals, np.float32)
         overlong = self.config.task.overlong
         if overlong.buffer:
             if OVERLONG in per_fn:
-                from grpo.core.errors import UserError
-
                 raise UserError(
                     f"task {self.task.name!r} defines a reward named {OVERLONG!r}, the name task.overlong's penalty "
                     "is logged under; rename the task's reward or set task.overlong.buffer=0."
@@ -244,15 +244,15 @@ class Trainer:
             )
             per_fn[OVERLONG] = penalty
             totals = totals + penalty
-            failed = np.concatenate([failed.reshape(len(texts), -1), np.zeros((len(texts), 1), np.int32)], axis=1)
-        return totals, per_fn, failed.reshape(len(texts), len(per_fn))
+            failed = np.concatenate([failed, np.zeros((len(texts), 1), np.int32)], axis=1)  # it never fails
+        return totals, per_fn, failed
 
     def _rollout_round(self, position: int, round_: int):
         """Roll out and score the ``prompts_per_step`` prompts at ``position``: the rollout
         (global arrays), this process's totals [b], rewards by name [b] and reward-error
         counts of every process's rows [rewards] (a replicated device array), and the
-        seconds the sampler took. Round 0 samples with the step's key (a run without
-        dynamic sampling is the same run), round r with that key folded with r."""
+        seconds the sampler took. Round 0 samples with the step's key, as a step without
+        dynamic sampling does; round r with that key folded with r."""
         cfg = self.config
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
