@@ -95,6 +95,9 @@ BAD = [
     ({"logging.wandb": {"mode": "on"}}, "logging.wandb.mode", "'disabled', 'offline' or 'online'"),
     ({"rollout.options": {"x": 1}}, "rollout.options.x", "unknown field"),
     ({"checkpoint.keep": 0}, "checkpoint.keep", "greater than or equal to 1"),
+    ({"train.dynamic_sampling": {"enabled": True, "max_rounds": 0}}, "train.dynamic_sampling.max_rounds",
+     "greater than or equal to 1"),
+    ({"task.overlong": {"buffer": 8}}, "task.overlong.buffer=8", "must be < rollout.max_new_tokens=8"),
 ]
 
 

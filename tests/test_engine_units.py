@@ -15,6 +15,7 @@ from grpo.engine.rollout.prompts import (
     bucket_for,
     build_batch,
     default_buckets,
+    position_indices,
     process_slice,
     step_indices,
 )
@@ -85,6 +86,55 @@ def test_step_indices_epochs_without_replacement():
     np.testing.assert_array_equal(seen, again)  # a function of (seed, step) only: resumable
     other = np.concatenate([step_indices(n, step=s, prompts_per_step=p, seed=4) for s in range(5)])
     assert not np.array_equal(seen, other)
+
+
+def test_position_indices_continue_the_step_order():
+    """Dynamic sampling draws from a position, not a step: any split of the positions
+    gives the order the steps give."""
+    n, p = 10, 4
+    by_step = np.concatenate([step_indices(n, step=s, prompts_per_step=p, seed=3) for s in range(5)])
+    by_position = np.concatenate([position_indices(n, start=a, count=b - a, seed=3)
+                                  for a, b in [(0, 3), (3, 11), (11, 12), (12, 20)]])
+    np.testing.assert_array_equal(by_step, by_position)
+
+
+def test_group_filter_rounds_surplus_and_short_steps():
+    from grpo.engine.rollout.dynamic_sampling import GroupFilter, group_spread
+
+    np.testing.assert_array_equal(group_spread(np.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2), [False, True, False])
+    f = GroupFilter(want=3, max_rounds=4)
+    f.add(np.array([True, False, False]))
+    assert not f.done
+    f.add(np.array([True, True, True]))  # one informative group too many: dropped
+    assert f.done and not f.short
+    assert f.picks() == ([(0, 0), (1, 0), (1, 1)], 0)
+    assert f.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 2.0,
+                           "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 0.0,
+                           "dynamic_sampling/short": 0.0}
+    with pytest.raises(RuntimeError, match="after the step is complete"):
+        f.add(np.array([True, True, True]))
+    short = GroupFilter(want=3, max_rounds=2)
+    short.add(np.array([False, True, False]))
+    with pytest.raises(ValueError, match="3 groups"):
+        short.add(np.array([True, False]))
+    short.add(np.array([False, False, False]))
+    assert short.done and short.short
+    assert short.picks() == ([(0, 1), (0, 0), (0, 2)], 2)  # the earliest equal-reward groups fill
+    assert short.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 5.0,
+                               "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 2.0,
+                               "dynamic_sampling/short": 1.0}
+
+
+def test_overlong_penalty_matches_the_dapo_formula():
+    from grpo.plugins.tasks import overlong_penalty
+
+    lengths = np.arange(0, 17)
+    got = overlong_penalty(lengths, max_new_tokens=16, buffer=4, factor=0.5)
+    want = [min(-(L - (16 - 4)) / 4 * 0.5, 0.0) for L in lengths]  # 0 up to 12 tokens, -0.5 at 16
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+    assert got.dtype == np.float32 and got[12] == 0.0 and got[16] == -0.5
+    with pytest.raises(ValueError, match="buffer=16"):
+        overlong_penalty(lengths, max_new_tokens=16, buffer=16, factor=1.0)
 
 
 def test_buckets_and_left_padding():

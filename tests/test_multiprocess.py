@@ -96,18 +96,21 @@ LORA = {
 
 # The third-party `length` task (tests/fixtures/example_plugin) with a reward that raises
 # on every other prompt: failures on both processes' rows, each process scoring its own.
-FAILING_REWARDS = {"task": {"name": "length", "options": {"num_examples": 64, "raise_every": 2}}}
+# Those prompts' groups all score 0, so dynamic sampling drops them and rolls out more:
+# which groups it keeps is decided from rewards gathered from both processes.
+FAILING_REWARDS = {"task": {"name": "length", "options": {"num_examples": 64, "raise_every": 2}},
+                   "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}}}
 
 
-def _failing_rows(*, steps: int, processes: int) -> list[int]:
-    """Rows whose reward raises, per process, over ``steps`` steps of CONFIG (each of a
-    step's prompts is num_generations rows; process p takes the p-th share of them)."""
-    from grpo.engine.rollout.prompts import process_slice, step_indices
+def _failing_rows(*, rounds: int, processes: int) -> list[int]:
+    """Rows whose reward raises, per process, over the first ``rounds`` rollouts of CONFIG
+    (each of a round's prompts is num_generations rows; process p takes the p-th share)."""
+    from grpo.engine.rollout.prompts import position_indices, process_slice
 
     pps, k = CONFIG["train"]["prompts_per_step"], CONFIG["rollout"]["num_generations"]
     out = [0] * processes
-    for step in range(steps):
-        idx = step_indices(64, step=step, prompts_per_step=pps, seed=0)
+    for r in range(rounds):
+        idx = position_indices(64, start=r * pps, count=pps, seed=0)
         for p in range(processes):
             out[p] += k * int(np.sum(idx[process_slice(pps, p, processes)] % 2 == 0))
     return out
@@ -167,8 +170,12 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
         for key in ("reward_errors", "skipped_nonfinite_steps"):
             assert got[key] == ref[key], (key, got[key], ref[key])
+        assert {k: v for k, v in got.items() if k.startswith("dynamic_sampling/")} == \
+            {k: v for k, v in ref.items() if k.startswith("dynamic_sampling/")}
     if model == "full":
-        per_process = _failing_rows(steps=2, processes=2)
+        rounds = sum(int(r["dynamic_sampling/rounds"]) for r in rows)
+        assert rounds > 2  # a step refilled
+        per_process = _failing_rows(rounds=rounds, processes=2)
         assert min(per_process) > 0  # both processes scored failing rows
         assert rows[-1]["reward_errors"] == sum(per_process)
         summary = json.loads((run_dir / "summary.json").read_text())

@@ -357,3 +357,80 @@ def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, 
     trained = nnx.merge(trainer.graphdef, trainer.params)
     hidden, _ = trained(tokens, np.arange(6, dtype=np.int32)[None])
     np.testing.assert_allclose(np.asarray(trained.logits(hidden)), ref, atol=1e-4)
+
+
+def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bitwise(tmp_path, example_plugin):
+    """DAPO's dynamic sampling on the `length` task, whose even prompts score 0.5 whatever
+    the completion: every round's rollouts and rewards are recorded, and an independent
+    reference says from them which groups the step keeps, how many rounds it makes, and
+    the update batch it must build (tokens, masks, advantages). The run has a step that
+    refills and one that ends short (filled with equal-reward groups); resumed after step 2 it
+    ends bit for bit where the straight run does."""
+    p, k, max_rounds = 8, 2, 2
+    cfg = _config(**{"task": {"name": "length", "options": {"flat_every": 2}}, "train.steps": 3,
+                     "train.dynamic_sampling": {"enabled": True, "max_rounds": max_rounds},
+                     "checkpoint.at_end": True})
+    trainer = Trainer(cfg, tmp_path / "straight")
+    scored, batches = [], []  # per round: (examples, tokens, mask, totals); per step: the update batch
+    score, update = trainer._score, trainer.update
+
+    def recording_score(examples, tokens, mask):
+        totals, per_fn, failed = score(examples, tokens, mask)
+        scored.append((examples, tokens, mask, totals))
+        return totals, per_fn, failed
+
+    def recording_update(params, opt_state, ub, frozen):
+        batches.append(jax.device_get(ub))
+        return update(params, opt_state, ub, frozen)
+
+    trainer._score, trainer.update = recording_score, recording_update
+    trainer.run()
+    rows = read_metrics(tmp_path / "straight")
+    scored_copy = list(scored)
+
+    rounds_seen = []
+    for step, (row, ub) in enumerate(zip(rows, batches)):
+        kept, spare, rounds, generated = [], [], 0, 0
+        while len(kept) < p and rounds < max_rounds:  # the reference: rounds until p groups have a spread
+            examples, tokens, mask, totals = scored.pop(0)
+            for g in range(p):
+                group = slice(g * k, (g + 1) * k)
+                spread = totals[group].max() > totals[group].min()
+                assert not (spread and examples[g * k]["index"] % 2 == 0)  # flat prompts never spread
+                (kept if spread and len(kept) < p else spare).append((tokens[group], mask[group], totals[group]))
+            rounds, generated = rounds + 1, generated + int(mask.sum())
+        filled = p - len(kept)
+        picks = kept + spare[:filled]
+        assert row["dynamic_sampling/rounds"] == rounds and row["dynamic_sampling/filled_groups"] == filled
+        assert row["dynamic_sampling/short"] == float(filled > 0)
+        assert row["dynamic_sampling/dropped_groups"] == (rounds - 1) * p
+        assert row["dynamic_sampling/uninformative_groups"] == len(spare)
+        np.testing.assert_array_equal(ub.tokens, np.concatenate([t for t, _, _ in picks]))
+        np.testing.assert_array_equal(ub.mask, np.concatenate([m for _, m, _ in picks]))
+        assert row["rollout/generated_tokens"] == generated
+        r = np.concatenate([t for _, _, t in picks]).reshape(p, k)
+        spread = r.max(1, keepdims=True) > r.min(1, keepdims=True)
+        adv = np.where(spread, (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4), 0.0).reshape(-1)
+        np.testing.assert_allclose(ub.advantages, adv, rtol=1e-5, atol=1e-6)
+        assert (np.abs(ub.advantages.reshape(p, k)).max(1) > 0).sum() == len(kept)  # only informative groups train
+        rounds_seen.append((rounds, filled))
+    assert not scored  # every rollout was accounted for
+    assert any(r == 2 and f == 0 for r, f in rounds_seen) and any(f > 0 for _, f in rounds_seen), rounds_seen
+    meta = trainer.checkpointer.restore(trainer._state(), 3)[1]
+    assert meta["data_position"] == p * sum(r for r, _ in rounds_seen)
+
+    # task.overlong joins the scores as the reward `overlong` (host-side: no compile).
+    examples, tokens, _ = scored_copy[0][:3]
+    mask = (np.arange(3)[None] < (np.arange(len(examples)) % 4)[:, None]).astype(np.int32)  # lengths 0..3
+    plain, per_fn, failed = score(examples, tokens, mask)
+    trainer.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
+    shaped, per_fn, failed = score(examples, tokens, mask)
+    lengths = mask.sum(1)
+    penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
+    assert penalty.min() == -0.5 and penalty.max() == 0.0
+    np.testing.assert_allclose(per_fn["overlong"], penalty, atol=1e-7)
+    np.testing.assert_allclose(shaped, plain + penalty, atol=1e-6)
+    assert failed.shape == (len(examples), 2) and list(per_fn) == ["length", "overlong"]
+
+    resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
+    assert_same_run(trainer, resumed)

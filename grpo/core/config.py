@@ -313,11 +313,26 @@ class LossConfig(Section):
         return data
 
 
+class OverlongConfig(Section):
+    """DAPO's overlong reward shaping, for any task: a completion of L tokens longer than
+    ``rollout.max_new_tokens - buffer`` earns ``min(-(L - (max_new_tokens - buffer)) / buffer
+    * factor, 0)``, falling linearly to ``-factor`` at the length cap. It joins the total as
+    its own reward, ``overlong`` (``reward/overlong/mean``). Training only: evaluation
+    scores the task's own rewards, and pass@k correctness never sees it."""
+
+    buffer: int = Field(
+        0, ge=0, le=131072,
+        description="Tokens before rollout.max_new_tokens where the penalty starts (must be < max_new_tokens); 0 = off.",
+    )
+    factor: float = Field(1.0, ge=0.0, le=1e6, description="The penalty at the length cap (DAPO: 1.0).")
+
+
 class TaskConfig(Section):
     name: str = Field("gsm8k", description="Task plugin name.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen task.")
     train_split: str = Field("train", description="Split the prompts are drawn from.")
     eval_split: str = Field("test", description="Split evaluation runs on.")
+    overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="Overlong reward shaping (DAPO).")
 
 
 class OptimizerConfig(Section):
@@ -352,6 +367,21 @@ class AdvantageConfig(Section):
     epsilon: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the std before dividing.")
 
 
+class DynamicSamplingConfig(Section):
+    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and
+    teaches nothing, so it is dropped, and the next prompts of the data order are rolled
+    out until the step holds ``train.prompts_per_step`` groups with a reward spread, or
+    ``max_rounds`` rollouts were made. Informative groups beyond ``prompts_per_step`` are
+    dropped too; a step that ends short fills its batch with equal-reward groups (zero
+    advantage, trained as plain GRPO trains them) and logs ``dynamic_sampling/short`` = 1.
+    The data position is checkpointed, so a resumed run draws the same prompts."""
+
+    enabled: bool = Field(False, description="Drop groups with equal rewards and roll out more prompts in their place.")
+    max_rounds: int = Field(
+        4, ge=1, le=1024, description="Most rollouts of prompts_per_step prompts per step (1 = filter without refilling)."
+    )
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps (one rollout batch each).")
     prompts_per_step: int = Field(16, ge=1, le=1_000_000, description="Prompts per step; sequences = prompts x num_generations.")
@@ -362,6 +392,9 @@ class TrainConfig(Section):
     seed: int = Field(0, ge=0, le=2**31 - 1, description="Seeds data order, sampling and initialisation.")
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Group advantage estimator.")
+    dynamic_sampling: DynamicSamplingConfig = Field(
+        default_factory=DynamicSamplingConfig, description="Drop groups with equal rewards and refill (DAPO)."
+    )
 
 
 class EvalConfig(Section):
@@ -698,6 +731,12 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         problems.append(
             "loss.mismatch.level=token with loss.objective=gspo: GSPO weighs whole sequences (one ratio per "
             "sequence), so a per-token weight would reweigh tokens inside a sequence; use loss.mismatch.level=sequence"
+        )
+    overlong = config.task.overlong
+    if overlong.buffer and overlong.buffer >= config.rollout.max_new_tokens:
+        problems.append(
+            f"task.overlong.buffer={overlong.buffer} must be < rollout.max_new_tokens={config.rollout.max_new_tokens} "
+            "(the penalty starts buffer tokens before the length cap)"
         )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")

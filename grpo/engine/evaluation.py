@@ -19,6 +19,11 @@ The :class:`Evaluator` is built from the run's pieces (config, program builder, 
 tokenizer), never from the trainer: the sampler comes from
 :meth:`~grpo.engine.programs.RunPrograms.eval_sampler` like the training rollout's, and
 rows move between processes through :mod:`grpo.engine.parallel.rows`.
+
+Samples are scored with the task's own rewards only: ``task.overlong`` shapes the
+training signal, so it never enters ``eval/reward/*``, and correctness (pass@k) is the
+task's judgement whatever the completion's length; a truncated wrong answer already
+scores as wrong.
 """
 
 from __future__ import annotations

@@ -24,13 +24,15 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.core.errors import UserError
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.planning.tpu import chip_of
 from grpo.engine.programs import build_programs
-from grpo.engine.rollout.prompts import build_batch, default_buckets, process_slice, step_indices, tokenize_prompts
+from grpo.engine.rollout.dynamic_sampling import GroupFilter, group_spread
+from grpo.engine.rollout.prompts import build_batch, default_buckets, position_indices, process_slice, tokenize_prompts
 from grpo.engine.runs import rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_run
@@ -153,6 +155,9 @@ class Trainer:
         self.policy_logprobs = self.programs.policy_logprobs()  # LoRA dropout only
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
+        # Prompts drawn so far in the data order: step * prompts_per_step, or more with
+        # dynamic sampling (checkpointed either way).
+        self.data_position = 0
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
         self._signal: int | None = None
@@ -210,22 +215,128 @@ class Trainer:
             ub = ub._replace(sampler_logprobs=ub.sampler_logprobs + (masked - free))
         return free, ub
 
-    def _rollout_batch(self, step: int):
+    def _rollout_batch(self, position: int):
+        """The prompts at ``position .. position + prompts_per_step`` of the data order
+        (this process's slice of them)."""
         cfg = self.config
-        indices = step_indices(len(self.prompts), step=step, prompts_per_step=cfg.train.prompts_per_step, seed=cfg.train.seed)
+        indices = position_indices(len(self.prompts), start=position, count=cfg.train.prompts_per_step, seed=cfg.train.seed)
         local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
 
     def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray):
         """This process's rows scored: totals [b], each reward [b] by name, and which
-        reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order)."""
-        from grpo.plugins.tasks import score_completions
+        reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order).
+        With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
+        from grpo.plugins.tasks import OVERLONG, overlong_penalty, score_completions
 
         texts = self.policy.decode(tokens, mask)
         scored = score_completions(self.task, self.task_options, examples, texts)
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
-        return np.asarray(scored.totals, np.float32), per_fn, failed.reshape(len(texts), len(scored.names))
+        failed = failed.reshape(len(texts), len(scored.names))
+        totals = np.asarray(scored.totals, np.float32)
+        overlong = self.config.task.overlong
+        if overlong.buffer:
+            if OVERLONG in per_fn:
+                raise UserError(
+                    f"task {self.task.name!r} defines a reward named {OVERLONG!r}, the name task.overlong's penalty "
+                    "is logged under; rename the task's reward or set task.overlong.buffer=0."
+                )
+            penalty = overlong_penalty(
+                mask.sum(axis=1), max_new_tokens=self.config.rollout.max_new_tokens,
+                buffer=overlong.buffer, factor=overlong.factor,
+            )
+            per_fn[OVERLONG] = penalty
+            totals = totals + penalty
+            failed = np.concatenate([failed, np.zeros((len(texts), 1), np.int32)], axis=1)  # it never fails
+        return totals, per_fn, failed
+
+    def _rollout_round(self, position: int, round_: int):
+        """Roll out and score the ``prompts_per_step`` prompts at ``position``: the rollout
+        (global arrays), this process's totals [b], rewards by name [b] and reward-error
+        counts of every process's rows [rewards] (a replicated device array), and the
+        seconds the sampler took. Round 0 samples with the step's key, as a step without
+        dynamic sampling does; round r with that key folded with r."""
+        cfg = self.config
+        k = cfg.rollout.num_generations
+        t0 = time.perf_counter()
+        batch = self._rollout_batch(position)
+        shape = (cfg.train.prompts_per_step, batch.tokens.shape[1])
+        prompts = to_global(batch.tokens, self.programs.prompt_sharding(shape))
+        prompt_mask = to_global(batch.mask, self.programs.prompt_sharding(shape))
+        rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
+        if round_:
+            rng = jax.random.fold_in(rng, round_)
+        out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
+        local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)
+        t_generate = time.perf_counter() - t0
+
+        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
+        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
+        errors = self._sum_rows(to_global(failed_local, self.batch_sharding))  # rewards
+        if round_ == 0 and self.is_main and self.step % self.config.logging.every_n_steps == 0:
+            self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
+        return out, rewards_local, per_fn_local, errors, t_generate
+
+    def _all_rows(self, local: np.ndarray) -> np.ndarray:
+        """Every process's rows of a host array, in global row order (tiny: rewards)."""
+        if jax.process_count() == 1:
+            return local
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+    def _assemble(self, outs: list[Any], rows: np.ndarray) -> Any:
+        """One rollout of global ``rows`` [B] of the rounds ``outs`` stacked in order, prompts
+        left-padded to the widest round's. A jitted gather with replicated indices: the rows
+        a process trains on may have been sampled on another."""
+        if not hasattr(self, "_gather_rows"):
+            def gather(outs, rows, width, pad_id):
+                def widen(o):
+                    pad = ((0, 0), (width - o.prompt_tokens.shape[1], 0))  # left, like build_batch
+                    return o._replace(prompt_tokens=jnp.pad(o.prompt_tokens, pad, constant_values=pad_id),
+                                      prompt_mask=jnp.pad(o.prompt_mask, pad))
+                stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[widen(o) for o in outs])
+                return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
+
+            shardings = jax.tree.map(lambda x: x.sharding, outs[0])  # the sampler's layout
+            self._gather_rows = jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings)
+        rows = rows.astype(np.int32)
+        rows = jax.make_array_from_callback(rows.shape, self.programs.replicated, lambda idx: rows[idx])
+        width = max(o.prompt_tokens.shape[1] for o in outs)
+        return self._gather_rows(outs, rows, width, self.policy.pad_id)
+
+    def _dynamic_rollout(self):
+        """Rounds of rollouts until the step holds ``prompts_per_step`` groups with a reward
+        spread (see :mod:`grpo.engine.rollout.dynamic_sampling`): the batch's rollout,
+        this process's totals and rewards by name, the reward-error counts, the sampler's
+        seconds and the ``dynamic_sampling/*`` metrics."""
+        cfg = self.config
+        p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
+        outs, totals, per_fn, generated = [], [], [], []
+        errors, t_generate = None, 0.0
+        while not picker.done:
+            out, rewards_local, per_fn_local, err, t = self._rollout_round(self.data_position, picker.rounds)
+            self.data_position += p
+            errors = err if errors is None else errors + err
+            t_generate += t
+            outs.append(out)
+            totals.append(self._all_rows(rewards_local))
+            per_fn.append({n: self._all_rows(v) for n, v in per_fn_local.items()})
+            generated.append(jnp.sum(out.lengths))
+            picker.add(group_spread(totals[-1], k))
+        groups, _ = picker.picks()
+        used = sorted({r for r, _ in groups})  # rounds the batch takes groups from
+        slot = {r: i for i, r in enumerate(used)}
+        rows = np.asarray([(slot[r] * p + g) * k + j for r, g in groups for j in range(k)])
+        out = self._assemble([outs[r] for r in used], rows)
+        # The batch's rewards, every row then this process's slice (rows of a round: r*B + row).
+        src = np.asarray([r * p * k + (g * k + j) for r, g in groups for j in range(k)])
+        mine = process_slice(p * k, jax.process_index(), jax.process_count())
+        rewards_local = np.concatenate(totals)[src][mine]
+        per_fn_local = {n: np.concatenate([f[n] for f in per_fn])[src][mine] for n in per_fn[0]}
+        return out, rewards_local, per_fn_local, errors, t_generate, sum(generated), picker.metrics()
 
     def _add_reward_errors(self, names: list[str], counts: np.ndarray) -> None:
         """Add a step's failures of each reward function, counted over every process's
@@ -286,7 +397,7 @@ class Trainer:
     def _meta(self) -> dict[str, Any]:
         return {
             "step": self.step,
-            "data_position": self.step * self.config.train.prompts_per_step,
+            "data_position": self.data_position,
             "seed": self.config.train.seed,
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": self.reward_errors,
@@ -308,6 +419,7 @@ class Trainer:
         state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step = int(meta["step"])
+        self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
         if self.is_main:
@@ -320,20 +432,12 @@ class Trainer:
         cfg = self.config
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
-        batch = self._rollout_batch(self.step)
-        shape = (cfg.train.prompts_per_step, batch.tokens.shape[1])
-        prompts = to_global(batch.tokens, self.programs.prompt_sharding(shape))
-        prompt_mask = to_global(batch.mask, self.programs.prompt_sharding(shape))
-        rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
-        out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
-        local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)
-        t_rollout = time.perf_counter() - t0
-
-        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
-        failed = to_global(failed_local, self.batch_sharding)  # B rewards
-        if self.is_main and self.step % self.config.logging.every_n_steps == 0:
-            self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
+        if cfg.train.dynamic_sampling.enabled:
+            out, rewards_local, per_fn_local, errors, t_rollout, generated, ds_metrics = self._dynamic_rollout()
+        else:
+            out, rewards_local, per_fn_local, errors, t_rollout = self._rollout_round(self.data_position, 0)
+            self.data_position += cfg.train.prompts_per_step
+            generated, ds_metrics = jnp.sum(out.lengths), {}
         rewards = to_global(rewards_local, self.batch_sharding)
         per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
@@ -393,10 +497,11 @@ class Trainer:
             "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
             "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
             "valid_tokens": jnp.sum(mask_f),
+            "rollout/generated_tokens": generated,  # every round's completions, trained on or not
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
-        scalars, error_counts = jax.device_get((scalars, self._sum_rows(failed)))
+        scalars, error_counts = jax.device_get((scalars, errors))
         scalars = {k_: float(v) for k_, v in scalars.items()}
         self._add_reward_errors(list(per_fn_local), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics), off_policy_prefixes=(f"{cfg.loss.objective}/",))
@@ -417,6 +522,8 @@ class Trainer:
                 **{k_: v for k_, v in scalars.items() if k_.startswith("is_ratio/")},
                 # The objective's own metrics (named `<objective>/...`) and the mismatch correction's.
                 **{k_: v for k_, v in m.items() if k_.startswith(("mismatch/", f"{cfg.loss.objective}/"))},
+                "rollout/generated_tokens": scalars["rollout/generated_tokens"],
+                **ds_metrics,
                 "skipped_nonfinite_steps": self.skipped_nonfinite,
                 "reward_errors": sum(self.reward_errors.values()),
                 # Read from the optimizer's own count: the rate its updates applied.

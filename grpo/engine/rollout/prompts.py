@@ -1,8 +1,9 @@
 """Prompt data: deterministic order from the seed, epochs without replacement,
 per-process shards, tokenisation into left-padded length buckets.
 
-The global order is a function of (seed, step) only, so a resumed run continues exactly
-where it stopped and every process agrees on which prompts form a step without talking
+The global order is a function of (seed, position) only — the position is the step times
+the prompts per step, or with dynamic sampling the checkpointed count of prompts drawn —
+so a resumed run continues exactly where it stopped and every process agrees on which prompts form a step without talking
 to the others. Each process then materialises only its own slice of the step's prompts.
 """
 
@@ -78,11 +79,10 @@ def tokenize_prompts(
     return PromptSet(kept, ids, skipped)
 
 
-def step_indices(num_examples: int, *, step: int, prompts_per_step: int, seed: int) -> np.ndarray:
-    """Global example indices of ``step``: a fresh permutation per epoch, no replacement
-    within an epoch."""
-    start = step * prompts_per_step
-    pos = np.arange(start, start + prompts_per_step)
+def position_indices(num_examples: int, *, start: int, count: int, seed: int) -> np.ndarray:
+    """Global example indices at positions ``start .. start + count`` of the data order: a
+    fresh permutation per epoch, no replacement within an epoch."""
+    pos = np.arange(start, start + count)
     epochs = pos // num_examples
     out = np.empty_like(pos)
     for e in np.unique(epochs):
@@ -90,6 +90,12 @@ def step_indices(num_examples: int, *, step: int, prompts_per_step: int, seed: i
         sel = epochs == e
         out[sel] = perm[pos[sel] % num_examples]
     return out
+
+
+def step_indices(num_examples: int, *, step: int, prompts_per_step: int, seed: int) -> np.ndarray:
+    """Global example indices of ``step`` when every step consumes ``prompts_per_step``
+    prompts (dynamic sampling consumes more: the trainer keeps its own position)."""
+    return position_indices(num_examples, start=step * prompts_per_step, count=prompts_per_step, seed=seed)
 
 
 def process_slice(n: int, process_index: int, process_count: int) -> slice:

@@ -18,9 +18,10 @@ from grpo.plugins.tasks._arithmetic import ArithmeticOptions, ArithmeticTask
 from grpo.plugins.tasks._evaluation import EvalResult, evaluate_completions, group_metrics, mean_correct, pass_at_k
 from grpo.plugins.tasks._gsm8k import GSM8KOptions, GSM8KTask, LoadStats, extract_answer, parse_ground_truth
 from grpo.plugins.tasks._prompts import render_messages, render_prompt, render_prompts
-from grpo.plugins.tasks._scoring import Scores, score_completions
+from grpo.plugins.tasks._scoring import OVERLONG, Scores, overlong_penalty, score_completions
 
 __all__ = [
+    "OVERLONG",
     "ArithmeticOptions",
     "ArithmeticTask",
     "EvalResult",
@@ -32,6 +33,7 @@ __all__ = [
     "extract_answer",
     "group_metrics",
     "mean_correct",
+    "overlong_penalty",
     "parse_ground_truth",
     "pass_at_k",
     "render_messages",

@@ -13,12 +13,16 @@ import math
 import numbers
 from typing import Any, Mapping, Sequence
 
+import numpy as np
 from pydantic import BaseModel
 
 from grpo.core.contracts import TaskPlugin
 
 TOTAL = "total"
 """The weighted total's name in metrics (``reward/total/mean``); no reward may use it."""
+
+OVERLONG = "overlong"
+"""The name of the overlong-shaping penalty (``task.overlong``) among a step's rewards."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,6 +84,17 @@ def _as_reward(value: Any) -> float:
     if not math.isfinite(value):
         raise ValueError(f"returned {value}, not a finite number")
     return value
+
+
+def overlong_penalty(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, factor: float) -> np.ndarray:
+    """DAPO's soft overlong punishment of completions of ``lengths`` tokens [b]:
+    ``min(-(L - (max_new_tokens - buffer)) / buffer * factor, 0)`` [b] float32, so 0 up to
+    ``max_new_tokens - buffer`` tokens and ``-factor`` at the cap. Host-side NumPy: it is
+    added to the task's rewards before they leave the host."""
+    if not 0 < buffer < max_new_tokens:
+        raise ValueError(f"buffer={buffer} must be in (0, max_new_tokens={max_new_tokens})")
+    excess = np.asarray(lengths, np.float64) - (max_new_tokens - buffer)
+    return np.minimum(-excess / buffer * factor, 0.0).astype(np.float32)
 
 
 def score_completions(
