@@ -24,6 +24,7 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.engine.conversations import Conversations, close_all, tool_counts, tool_metrics
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -37,6 +38,7 @@ from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_
 from grpo.engine.training.advantages import group_advantages
 from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.update import UpdateBatch
+from grpo.models.families import family_of
 from grpo.models.lora import count_params, split_params
 from grpo.models.policy import load_policy
 
@@ -133,14 +135,23 @@ class Trainer:
         from grpo.plugins.tasks import render_prompt
 
         tok = self.policy.tokenizer
-        self.render = lambda ex: render_prompt(self.task, self.task_options, ex, tok)
         examples = self.task.load(split=config.task.train_split, options=self.task_options, seed=config.train.seed)
+        # A task with environments (tools) rolls out conversations; None: single-turn.
+        self.conversations = Conversations.of(
+            self.task, self.task_options, tok, examples[0],
+            tool_format=family_of(model.config).tool_call_format, timeout_s=config.rollout.tool_timeout_s,
+        ) if examples else None
+        if self.conversations is not None:
+            self.render = self.conversations.prompt
+        else:
+            self.render = lambda ex: render_prompt(self.task, self.task_options, ex, tok)
         self.prompts = tokenize_prompts(
             examples, self.render, tok, max_prompt_length=config.rollout.max_prompt_length,
             split=config.task.train_split,
         )
         self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
-        self.sampler = self.programs.sampler()
+        self.turn_stop_ids = None if self.conversations is None else self.conversations.turn_stop_ids()
+        self.sampler = self.programs.sampler(turn_stop_ids=self.turn_stop_ids)
         self.update_step = self.programs.update_step
         self.update = self.programs.update(self.params, self.opt_state)
         # The reference pass runs micro-batch by micro-batch through the loss plugin's own
@@ -154,7 +165,7 @@ class Trainer:
         self._signal: int | None = None
         self.evaluator = Evaluator(
             config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
-            render=self.render, buckets=self.buckets,
+            render=self.render, buckets=self.buckets, conversations=self.conversations,
         )
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
@@ -212,12 +223,11 @@ class Trainer:
         local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
 
-    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray):
+    def _score(self, examples: list[dict], texts: list[str]):
         """This process's rows scored: totals [b], each reward [b] by name, and which
         reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order)."""
         from grpo.plugins.tasks import score_completions
 
-        texts = self.policy.decode(tokens, mask)
         scored = score_completions(self.task, self.task_options, examples, texts)
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
@@ -235,14 +245,19 @@ class Trainer:
             self._row_sum = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.programs.replicated)
         return self._row_sum(x)
 
-    def _write_samples(self, example: dict, tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray) -> None:
-        """The first prompt's group of completions, for reading what the policy does."""
-        row = {
+    def _write_samples(self, example: dict, texts: list[str], rewards: np.ndarray,
+                       turns: list[list[dict]] | None = None) -> None:
+        """The first prompt's group of completions, for reading what the policy does; in a
+        multi-turn rollout each completion's ``turns`` ``[{role, text, trained}]`` too
+        (environment replies: ``trained: false``)."""
+        row: dict[str, Any] = {
             "step": self.step + 1,
             "prompt": self.render(example),
-            "completions": self.policy.decode(tokens, mask),
+            "completions": texts,
             "rewards": [round(float(r), 4) for r in rewards],
         }
+        if turns is not None:
+            row["turns"] = turns
         if self._samples is None:
             self._samples = rundir.JsonlLog(self.run_dir, "samples.jsonl")
         self._samples.append(row)
@@ -321,15 +336,31 @@ class Trainer:
         prompts = to_global(batch.tokens, self.programs.prompt_sharding(shape))
         prompt_mask = to_global(batch.mask, self.programs.prompt_sharding(shape))
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
-        out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
-        local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)
+        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
+        episodes = None
+        if self.conversations is None:
+            out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
+            texts = self.policy.decode(local_rows(out.tokens), local_rows(out.mask))
+        else:
+            # Each process runs the environments (tools) of its own rows.
+            envs, openings = self.conversations.environments(examples)
+            try:
+                out, episodes = self.sampler.generate(
+                    self.policy_params(), prompts, prompt_mask, rng, envs=envs, openings=openings,
+                    render=self.conversations.render, tokenizer=self.policy.tokenizer,
+                )
+            finally:
+                close_all(envs)
+            # Reward functions see the model's last turn and the whole trajectory.
+            texts = episodes.last_text
+            examples = [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
         t_rollout = time.perf_counter() - t0
 
-        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
+        rewards_local, per_fn_local, failed_local = self._score(examples, texts)
         failed = to_global(failed_local, self.batch_sharding)  # B rewards
         if self.is_main and self.step % self.config.logging.every_n_steps == 0:
-            self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
+            self._write_samples(batch.examples[0], texts[:k], rewards_local[:k],
+                                None if episodes is None else episodes.turns[:k])
         rewards = to_global(rewards_local, self.batch_sharding)
         per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
@@ -348,6 +379,7 @@ class Trainer:
             old_logprobs=None,
             ref_logprobs=None,
             sampler_logprobs=to_train(out.logprobs) if cfg.loss.tis_cap > 0 else None,
+            loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
@@ -372,9 +404,12 @@ class Trainer:
         self.step += 1
         step_s = time.perf_counter() - t0
 
-        mask_f = out.mask.astype(jnp.float32)
+        # The sampler/trainer comparison counts the model's own tokens (every real token
+        # of a single-turn rollout): inserted tokens have no sampler log-prob.
+        trained = out.mask if out.loss_mask is None else out.loss_mask
+        mask_f = trained.astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
-        valid = out.mask > 0
+        valid = trained > 0
         gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
         # The sampler/trainer mismatch as the importance ratio it is (what loss.tis_cap caps).
         is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
@@ -387,11 +422,14 @@ class Trainer:
             "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
             "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
             "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
-            "valid_tokens": jnp.sum(mask_f),
+            "valid_tokens": jnp.sum(out.mask.astype(jnp.float32)),
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
-        scalars, error_counts = jax.device_get((scalars, self._sum_rows(failed)))
+        tools = None
+        if episodes is not None:
+            tools = self._sum_rows(to_global(tool_counts(episodes), self.batch_sharding))
+        scalars, error_counts, tools = jax.device_get((scalars, self._sum_rows(failed), tools))
         scalars = {k_: float(v) for k_, v in scalars.items()}
         self._add_reward_errors(list(per_fn_local), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics))
@@ -423,6 +461,11 @@ class Trainer:
         )
         if "entropy" in m:
             row["entropy"] = m["entropy"]
+        if episodes is not None:
+            row.update(tool_metrics(tools, out.tokens.shape[0]))
+            # This process's host time: the environments' steps, and rendering + appends.
+            row["time/train/tools_s"] = episodes.tools_s
+            row["time/train/append_s"] = episodes.append_s
         row.update(device_memory_metrics(jax.local_devices()))
         return row
 
