@@ -20,12 +20,17 @@ the whole trajectory (a single-turn scoring, e.g. ``grpo task score``, sees the
 completion alone, as the trajectory's only model turn).
 
 - ``correct``: 1 when the last model turn, whitespace removed, is exactly the value.
+- ``prefix``: 1 when the last model turn's leading digits are exactly the value, whatever
+  follows: credit for the right value before the policy has learnt to end its turn
+  (weight 0.5, as the arithmetic task's ``prefix``).
 - ``call``: shaping for a random policy, which never writes a whole call by chance: the
   share of the ideal call's parts — ``<tool_call>``, the JSON up to the key's opening
-  quote, the asked key, the JSON's closing ``"}}``, ``</tool_call>`` — that the first model
-  turn starts with, in order (whitespace between the parts tolerated). Each part it gets
-  right raises the reward, so GRPO's group advantage can climb the call one part at a
-  time. Weight 0.5 by default; 0 turns it off (it is still logged).
+  quote, each character of the asked key, the JSON's closing ``"}}``, ``</tool_call>`` —
+  that the first model turn starts with, in order (whitespace between the parts
+  tolerated). Each part it gets right raises the reward, so GRPO's group advantage can
+  climb the call one token at a time; a whole key at once (1 in 10**key_digits for a
+  random digit string) would never be found. Weight 0.5 by default; 0 turns it off (it is
+  still logged).
 """
 
 from __future__ import annotations
@@ -40,7 +45,8 @@ from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin, ToolFn
 from grpo.core.errors import UserError
 from grpo.plugins.tasks._common import merge_weights, require_text
 
-DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "call": 0.5}
+DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "call": 0.5}
+_LEADING_DIGITS = re.compile(r"[0-9]*")
 
 
 class LookupOptions(PluginOptions):
@@ -55,7 +61,7 @@ class LookupOptions(PluginOptions):
     num_test_examples: int = Field(200, ge=1, le=10_000_000, description="Test examples: up to this many distinct held-out keys.")
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),
-        description="Weight of each reward in the total (correct, call); unnamed ones keep their defaults.",
+        description="Weight of each reward in the total (correct, prefix, call); unnamed ones keep their defaults.",
     )
 
     @field_validator("reward_weights")
@@ -112,21 +118,21 @@ def make_lookup_tool(table: Mapping[str, str]) -> ToolFn:
     return lookup
 
 
-_CALL_PARTS = (r"<tool_call>", r'\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"', None,
-               r'"\s*\}\s*\}', r"</tool_call>")
+_CALL_OPEN = (r"\s*<tool_call>", r'\s*\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"')
+_CALL_CLOSE = (r'"\s*\}\s*\}', r"\s*</tool_call>")
 
 
 def call_progress(turn: str, key: str) -> float:
     """The share of the ideal lookup call's parts (see the module docstring) that ``turn``
     starts with, in order."""
-    pos, done = 0, 0
-    for part in _CALL_PARTS:
-        pattern = re.compile(r"\s*" + (re.escape(key) if part is None else part))
-        match = pattern.match(turn, pos)
+    parts = [*_CALL_OPEN, *(re.escape(ch) for ch in key), *_CALL_CLOSE]
+    pos = 0
+    for done, part in enumerate(parts):
+        match = re.compile(part).match(turn, pos)
         if match is None:
-            break
-        pos, done = match.end(), done + 1
-    return done / len(_CALL_PARTS)
+            return done / len(parts)
+        pos = match.end()
+    return 1.0
 
 
 def _model_turns(completion: str, example: Mapping[str, Any]) -> list[str]:
@@ -194,10 +200,14 @@ class LookupTask(TaskPlugin):
         def correct(completion: str, example: Mapping[str, Any]) -> float:
             return 1.0 if "".join(completion.split()) == str(example["value"]) else 0.0
 
+        def prefix(completion: str, example: Mapping[str, Any]) -> float:
+            run = _LEADING_DIGITS.match("".join(completion.split())).group(0)  # type: ignore[union-attr]
+            return 1.0 if run == str(example["value"]) else 0.0
+
         def call(completion: str, example: Mapping[str, Any]) -> float:
             return call_progress(_model_turns(completion, example)[0], str(example["key"]))
 
-        return {"correct": correct, "call": call}
+        return {"correct": correct, "prefix": prefix, "call": call}
 
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         return dict(_options(options).reward_weights)
