@@ -37,6 +37,15 @@ completion alone, as the trajectory's only model turn).
   a digit run of another length). Without it, a policy that has learnt to open every turn
   with a call (the first turn's rewarded start) rarely tries a digit after the reply.
   Weight 0 by default.
+
+What the shaping does and does not do (measured with configs/quickstart_tools.yaml, a
+random 2-layer 64-wide model, 16 samples x 8 prompts a step, on CPU): the call's fixed
+parts are learnt first (``<tool_call>`` by step ~30, the JSON by ~90) and every sample
+calls by step ~180-260; with the half credit for another digit the policy settles on one
+constant key, with entropy collapsing, so held-out pass@1 stays at 0.05-0.10 after 400
+steps; with no credit for another digit (exact key digits only) no key digit was learnt in
+350 steps (``call`` stuck at 2/6). Copying the asked key into the call is the part GRPO
+from scratch learns slowest, as the arithmetic task's ``copy`` check is.
 """
 
 from __future__ import annotations
