@@ -150,7 +150,6 @@ TOOLS_RUN = {
                                                "chat_template": True,
                                                "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "train": {"steps": 1, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
-    "eval": {"every_n_steps": 1, "at_start": False, "num_examples": 4, "batch_size": 4},
     "checkpoint": {"every_n_steps": 0, "at_end": False},
     "logging": {"progress_bar": False, "plot": True},
 }
@@ -161,14 +160,14 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     writes a call): one raises, one hangs past ``rollout.tool_timeout_s``, one floods, one
     returns a dict. The run goes on, errors and timeouts are counted, the sampler's
     log-probs match the trainer's on the model's tokens, samples carry the turns, the plot
-    has the tool-call panel, and evaluation rolls out conversations too."""
+    has the tool-call panel."""
     import json
 
     from grpo.core.config import load_config
     from grpo.core.contracts import ToolCall
     from grpo.engine.conversations import Conversations
     from grpo.engine.runs import metrics as metrics_mod
-    from grpo.engine.runs.metrics import read_eval, read_metrics
+    from grpo.engine.runs.metrics import read_metrics
     from grpo.engine.trainer import Trainer
     from grpo.plugins.tasks import ArithmeticTask
     from grpo.plugins.tools import ToolEnvironment, _environment
@@ -215,5 +214,3 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     assert "ValueError: asked to" in replies[0] and "0.3 s" in replies[1]
     assert replies[2].startswith("7" * 30) and "cut" in replies[2] and json.loads(replies[3]) == {"mode": ["object", 1]}
     assert "tool calls per sample (training rollouts)" in titles
-    [ev] = read_eval(tmp_path)
-    assert ev["eval/num_prompts"] == 4
