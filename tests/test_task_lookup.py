@@ -49,7 +49,9 @@ def test_options_are_checked():
         LookupOptions(num_keys=200)
     with pytest.raises(ValidationError, match="unknown reward name"):
         LookupOptions(reward_weights={"format": 1.0})
-    assert LookupOptions(reward_weights={"call": 0.0}).reward_weights == {"correct": 1.0, "call": 0.0}
+    assert LookupOptions(reward_weights={"call": 0.0}).reward_weights == {
+        "correct": 1.0, "prefix": 0.5, "call": 0.0, "answer": 0.0
+    }
 
 
 def test_environment_answers_the_call_from_the_examples_table(task):
@@ -72,9 +74,10 @@ def test_call_progress_climbs_part_by_part():
     assert call_progress(ideal, "37") == 1.0
     assert call_progress(ideal + "52", "37") == 1.0
     assert call_progress('<tool_call>{"name":"lookup","arguments":{"key":"37"}}</tool_call>', "37") == 1.0
-    assert call_progress(ideal.replace("37", "38"), "37") == 0.4
-    assert call_progress('<tool_call>\n{"name": "lookup", "arguments": {"key": "37', "37") == 0.6
-    assert call_progress("<tool_call>\n{", "37") == 0.2
+    assert call_progress(ideal.replace("37", "38"), "37") == pytest.approx(5.5 / 6)  # "8": a digit, not the key's
+    assert call_progress(ideal.replace("37", "4x"), "37") == pytest.approx(2.5 / 6)  # no closing credit either
+    assert call_progress('<tool_call>\n{"name": "lookup", "arguments": {"key": "37', "37") == pytest.approx(4 / 6)
+    assert call_progress("<tool_call>\n{", "37") == pytest.approx(1 / 6)
     assert call_progress("52", "37") == 0.0
     assert call_progress(" " + ideal, "37") == 1.0
 
@@ -90,13 +93,16 @@ def test_rewards_read_the_last_turn_and_the_first_call(task):
         {"role": "assistant", "content": " 52"},
     ]
     fns = task.reward_functions(options=options)
-    assert {n: fn(" 52", {**example, "messages": trajectory}) for n, fn in fns.items()} == {"correct": 1.0, "call": 1.0}
+    rewards = {n: fn(" 52", {**example, "messages": trajectory}) for n, fn in fns.items()}
+    assert rewards == {"correct": 1.0, "prefix": 1.0, "call": 1.0, "answer": 1.0}
+    assert fns["answer"]("7 and", {**example, "messages": trajectory}) == 0.5
     # Answered from memory, no call: correct but no call credit; single-turn scoring reads the completion.
-    assert {n: fn("52", example) for n, fn in fns.items()} == {"correct": 1.0, "call": 0.0}
-    assert {n: fn(call, example) for n, fn in fns.items()} == {"correct": 0.0, "call": 1.0}
+    assert {n: fn("52", example) for n, fn in fns.items()} == {"correct": 1.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
+    assert {n: fn("52<|x", example) for n, fn in fns.items()} == {"correct": 0.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
+    assert {n: fn(call, example) for n, fn in fns.items()} == {"correct": 0.0, "prefix": 0.0, "call": 1.0, "answer": 0.0}
     scores = score_completions(task, options, [example, example], ["52", "53"])
-    assert scores.correct == [True, False] and scores.totals == [1.0, 0.0]
-    assert task.reward_weights(options=options) == {"correct": 1.0, "call": 0.5}
+    assert scores.correct == [True, False] and scores.totals == [1.5, 0.0]
+    assert task.reward_weights(options=options) == {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
 
 
 def test_prepare_example(task):

@@ -20,12 +20,23 @@ the whole trajectory (a single-turn scoring, e.g. ``grpo task score``, sees the
 completion alone, as the trajectory's only model turn).
 
 - ``correct``: 1 when the last model turn, whitespace removed, is exactly the value.
+- ``prefix``: 1 when the last model turn's leading digits are exactly the value, whatever
+  follows: credit for the right value before the policy has learnt to end its turn
+  (weight 0.5, as the arithmetic task's ``prefix``).
 - ``call``: shaping for a random policy, which never writes a whole call by chance: the
   share of the ideal call's parts — ``<tool_call>``, the JSON up to the key's opening
-  quote, the asked key, the JSON's closing ``"}}``, ``</tool_call>`` — that the first model
-  turn starts with, in order (whitespace between the parts tolerated). Each part it gets
-  right raises the reward, so GRPO's group advantage can climb the call one part at a
-  time. Weight 0.5 by default; 0 turns it off (it is still logged).
+  quote, each character of the asked key, the JSON's closing ``"}}``, ``</tool_call>`` —
+  that the first model turn starts with, in order (whitespace between the parts
+  tolerated); a key character that is another digit earns half its part. Each part it
+  gets right raises the reward, so GRPO's group advantage can climb the call one token at
+  a time: a random policy writes the right key digit once in ~300 samples (the tiny
+  vocabulary) but some digit once in ~30, and among digits the right one once in 10.
+  Weight 0.5 by default; 0 turns it off (it is still logged).
+- ``answer``: shaping for the turn after the tool's reply: 1 when the trajectory has a
+  tool reply and the last model turn starts with as many digits as a value has (0.5 for
+  a digit run of another length). Without it, a policy that has learnt to open every turn
+  with a call (the first turn's rewarded start) rarely tries a digit after the reply.
+  Weight 0 by default.
 """
 
 from __future__ import annotations
@@ -40,7 +51,8 @@ from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin, ToolFn
 from grpo.core.errors import UserError
 from grpo.plugins.tasks._common import merge_weights, require_text
 
-DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "call": 0.5}
+DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
+_LEADING_DIGITS = re.compile(r"[0-9]*")
 
 
 class LookupOptions(PluginOptions):
@@ -55,7 +67,7 @@ class LookupOptions(PluginOptions):
     num_test_examples: int = Field(200, ge=1, le=10_000_000, description="Test examples: up to this many distinct held-out keys.")
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),
-        description="Weight of each reward in the total (correct, call); unnamed ones keep their defaults.",
+        description="Weight of each reward in the total (correct, prefix, call, answer); unnamed ones keep their defaults.",
     )
 
     @field_validator("reward_weights")
@@ -112,21 +124,33 @@ def make_lookup_tool(table: Mapping[str, str]) -> ToolFn:
     return lookup
 
 
-_CALL_PARTS = (r"<tool_call>", r'\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"', None,
-               r'"\s*\}\s*\}', r"</tool_call>")
+_CALL_OPEN = (r"\s*<tool_call>", r'\s*\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"')
+_CALL_CLOSE = (r'"\s*\}\s*\}', r"\s*</tool_call>")
 
 
 def call_progress(turn: str, key: str) -> float:
-    """The share of the ideal lookup call's parts (see the module docstring) that ``turn``
-    starts with, in order."""
-    pos, done = 0, 0
-    for part in _CALL_PARTS:
-        pattern = re.compile(r"\s*" + (re.escape(key) if part is None else part))
-        match = pattern.match(turn, pos)
+    """The credit of ``turn`` for starting with the ideal lookup call of ``key`` (see the
+    module docstring): one part for each of the call's fixed parts matched in order, and
+    for each of the key's characters one part when it is right, half when it is another
+    digit, over the number of parts."""
+    total = len(_CALL_OPEN) + len(key) + len(_CALL_CLOSE)
+    pos, credit = 0, 0.0
+    for part in _CALL_OPEN:
+        match = re.compile(part).match(turn, pos)
+        if match is None:
+            return credit / total
+        pos, credit = match.end(), credit + 1
+    written = turn[pos:pos + len(key)]
+    credit += sum(1.0 if ch == want else 0.5 if ch.isdigit() else 0.0 for ch, want in zip(written, key))
+    if len(written) < len(key) or not written.isdigit():
+        return credit / total
+    pos += len(key)
+    for part in _CALL_CLOSE:
+        match = re.compile(part).match(turn, pos)
         if match is None:
             break
-        pos, done = match.end(), done + 1
-    return done / len(_CALL_PARTS)
+        pos, credit = match.end(), credit + 1
+    return credit / total
 
 
 def _model_turns(completion: str, example: Mapping[str, Any]) -> list[str]:
@@ -194,10 +218,20 @@ class LookupTask(TaskPlugin):
         def correct(completion: str, example: Mapping[str, Any]) -> float:
             return 1.0 if "".join(completion.split()) == str(example["value"]) else 0.0
 
+        def prefix(completion: str, example: Mapping[str, Any]) -> float:
+            run = _LEADING_DIGITS.match("".join(completion.split())).group(0)  # type: ignore[union-attr]
+            return 1.0 if run == str(example["value"]) else 0.0
+
         def call(completion: str, example: Mapping[str, Any]) -> float:
             return call_progress(_model_turns(completion, example)[0], str(example["key"]))
 
-        return {"correct": correct, "call": call}
+        def answer(completion: str, example: Mapping[str, Any]) -> float:
+            if not any(m.get("role") == "tool" for m in example.get("messages") or ()):
+                return 0.0
+            run = _LEADING_DIGITS.match(completion.strip()).group(0)  # type: ignore[union-attr]
+            return 1.0 if len(run) == len(str(example["value"])) else 0.5 if run else 0.0
+
+        return {"correct": correct, "prefix": prefix, "call": call, "answer": answer}
 
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         return dict(_options(options).reward_weights)
