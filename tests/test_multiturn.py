@@ -86,7 +86,7 @@ def test_scripted_transcript_mask_and_logprobs(setup):
                           tokenizer=tok)
     tokens, mask, loss_mask = (np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask))
     logprobs = np.asarray(out.logprobs)
-    assert ep.num_turns.max() == TURNS and ep.tool_calls.sum() > 0
+    assert ep.num_turns.max() >= 2 and ep.tool_calls.sum() > 0 and (mask - loss_mask).sum() > 0
 
     for r in range(P * K):
         n = int(mask[r].sum())
