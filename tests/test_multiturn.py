@@ -214,3 +214,12 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     assert "ValueError: asked to" in replies[0] and "0.3 s" in replies[1]
     assert replies[2].startswith("7" * 30) and "cut" in replies[2] and json.loads(replies[3]) == {"mode": ["object", 1]}
     assert "tool calls per sample (training rollouts)" in titles
+
+
+def test_max_turns_below_one_is_a_config_error_naming_the_field():
+    from grpo.core.config import load_config
+    from grpo.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns") as err:
+        load_config(TOOLS_RUN, ["rollout.max_turns=0"])
+    assert err.value.exit_code == 2
