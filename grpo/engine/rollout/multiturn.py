@@ -397,7 +397,7 @@ class MultiTurnSampler(Sampler):
         full = render(conversation, tools, True)
         if not full.startswith(context):
             log.warning("the chat template re-renders a model turn differently from how it was sampled; "
-                        "the episode ends there (rendered %r, sampled %r)", full[:200], context[-200:])
+                        "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
             return None
         return list(tokenizer(full[len(context):], add_special_tokens=False)["input_ids"])
 
