@@ -5,6 +5,8 @@ KV-cache turns and appends equal a fresh forward over the whole sequence."""
 
 from __future__ import annotations
 
+import time
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -84,7 +86,7 @@ def test_scripted_transcript_mask_and_logprobs(setup):
                           tokenizer=tok)
     tokens, mask, loss_mask = (np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask))
     logprobs = np.asarray(out.logprobs)
-    assert ep.num_turns.max() == TURNS and ep.tool_calls.sum() > 0
+    assert ep.num_turns.max() >= 2 and ep.tool_calls.sum() > 0 and (mask - loss_mask).sum() > 0
 
     for r in range(P * K):
         n = int(mask[r].sum())
@@ -116,3 +118,108 @@ def test_scripted_transcript_mask_and_logprobs(setup):
     ref = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), out.tokens[..., None], -1)[..., 0]
     ref = np.where(loss_mask == 1, np.asarray(ref), 0.0)
     np.testing.assert_allclose(logprobs, ref, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a trainer run with bad tools
+
+
+def flaky(mode: str) -> str:
+    """A tool that misbehaves as asked.
+
+    Args:
+        mode: raise, hang, flood or object.
+    """
+    if mode == "raise":
+        raise ValueError("asked to")
+    if mode == "hang":
+        time.sleep(2.0)
+    if mode == "flood":
+        return "7" * 100_000
+    return {"mode": [mode, 1]}  # not a string, whatever the annotation says
+
+
+MODES = ("raise", "hang", "flood", "object")
+
+
+TOOLS_RUN = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320],
+                "max_new_tokens": 320, "max_turns": 2,
+                "tool_timeout_s": 0.3, "early_stop_chunk": 8},
+    "task": {"name": "arithmetic", "options": {"max_operand": 9, "num_examples": 64, "num_test_examples": 8,
+                                               "chat_template": True,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "train": {"steps": 1, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": True},
+}
+
+
+def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, monkeypatch):
+    """One short step whose every row makes four tool calls (scripted: a random model never
+    writes a call): one raises, one hangs past ``rollout.tool_timeout_s``, one floods, one
+    returns a dict. The run goes on, errors and timeouts are counted, the sampler's
+    log-probs match the trainer's on the model's tokens, samples carry the turns, the plot
+    has the tool-call panel."""
+    import json
+
+    from grpo.core.config import load_config
+    from grpo.core.contracts import ToolCall
+    from grpo.engine.conversations import Conversations
+    from grpo.engine.runs import metrics as metrics_mod
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.trainer import Trainer
+    from grpo.plugins.tasks import ArithmeticTask
+    from grpo.plugins.tools import ToolEnvironment, _environment
+
+    class Calls(ToolEnvironment):
+        """Whatever the model writes first, it "calls" every tool once; then the episode ends."""
+
+        def step(self, model_turn_text):
+            if getattr(self, "stepped", False):
+                return EnvStep(None, True, {})
+            self.stepped = True
+            return super().step("".join(self.format.render_call(ToolCall("flaky", {"mode": m})) for m in MODES))
+
+    def environment(self, example, *, options, tool_format, timeout_s=10.0):
+        return Calls(tools={"flaky": flaky}, format=tool_format, opening=self.prompt_messages(example, options=options),
+                     timeout_s=timeout_s)
+
+    monkeypatch.setattr(ArithmeticTask, "environment", environment)
+    monkeypatch.setattr(_environment, "MAX_RESULT_CHARS", 30)
+    # A random model's turn ends at its first byte-level token (it never writes a stop).
+    monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
+    titles = []
+
+    def capture(fig, out, **kw):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        return out
+
+    monkeypatch.setattr(metrics_mod.rundir, "write_figure", capture)
+    trainer = Trainer(load_config(TOOLS_RUN, []), tmp_path)
+    trainer.run()
+    rows = read_metrics(tmp_path)
+    [row] = rows
+    assert row["tools/calls_per_sample"] == 4.0
+    assert row["tools/errors"] == 16.0 and row["tools/timeouts"] == 16.0  # every row's raise and hang
+    assert row["turns/mean"] == 2.0
+    assert row["time/train/tools_s"] >= 0.3 and row["time/train/append_s"] > 0
+    # The trainer's log-probs of the model's tokens (tool replies between them) are the sampler's.
+    assert row["logprob_gap/sampler_trainer"] < 1e-4 and np.isfinite(row["loss"])
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    turns = samples[0]["turns"][0]
+    assert [t["role"] for t in turns] == ["assistant"] + ["tool"] * 4 + ["assistant"]
+    assert [t["trained"] for t in turns] == [True] + [False] * 4 + [True]
+    replies = [t["text"] for t in turns[1:5]]
+    assert "ValueError: asked to" in replies[0] and "0.3 s" in replies[1]
+    assert replies[2].startswith("7" * 30) and "cut" in replies[2] and json.loads(replies[3]) == {"mode": ["object", 1]}
+    assert "tool calls per sample (training rollouts)" in titles
+
+
+def test_max_turns_below_one_is_a_config_error_naming_the_field():
+    from grpo.core.config import load_config
+    from grpo.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns") as err:
+        load_config(TOOLS_RUN, ["rollout.max_turns=0"])
+    assert err.value.exit_code == 2

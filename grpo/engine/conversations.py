@@ -45,6 +45,8 @@ class Conversations:
         replies are rendered by it): without one it is a :class:`grpo.UserError`."""
         from grpo.plugins.tasks._prompts import has_chat_template
 
+        if type(task).environment is TaskPlugin.environment and not task.tools(options=options):
+            return None  # the default environment() of a task without tools: single-turn
         conv = cls(task, options, tokenizer, tool_format=tool_format, timeout_s=timeout_s)
         env = conv.environment(example)
         if env is None:

@@ -12,7 +12,11 @@ The programs of one GRPO step, in the order they run:
 
 - ``prefill``: :class:`~grpo.engine.rollout.sampler.Sampler` prefill of the step's prompts
   (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
-- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
+- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``; for a
+  multi-turn task (tools) one turn's decode loop
+  (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`), run once per turn;
+- ``append``: multi-turn only, the environment's reply tokens written into every row's
+  cache (at the largest append bucket), run between turns;
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
 - ``policy_logprobs``: the policy's dropout-free per-token log-probs (only with LoRA
   dropout; once more under the step's dropout masks when ``loss.tis_cap > 0``);
@@ -170,6 +174,15 @@ class RunPrograms:
                 self._samplers[key] = MultiTurnSampler(
                     self.graphdef, max_turns=r.max_turns, turn_stop_ids=turn_stop_ids, **kwargs)
         return self._samplers[key]
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the task gives tools for its options: its rows then have environments
+        and the rollout is :meth:`sampler` with turn stops (``grpo plan`` plans that one).
+        A task with an environment of its own and no tools shows only on an example: the
+        trainer probes one (:class:`~grpo.engine.conversations.Conversations`)."""
+        task = self.plugins.get("task") if self.plugins else None
+        return task is not None and bool(task.plugin.tools(options=task.options))
 
     @property
     def merged_sampling(self) -> bool:

@@ -137,7 +137,7 @@ class MultiTurnSampler(Sampler):
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         self.max_turns = int(max_turns)
         self.turn_stop_ids = tuple(sorted({int(t) for t in turn_stop_ids} - set(self.sampling.eos_ids)))
-        self.start_jit = jax.jit(self._start_impl, donate_argnums=(0,))
+        self.start_jit = jax.jit(self._start_impl)  # grows the cache: a new buffer anyway
         self.turn_jit = jax.jit(self._turn_impl, static_argnames=("key_impl",), donate_argnums=(1, 2))
         self.append_jit = jax.jit(self._append_impl, donate_argnums=(1, 2))
 
@@ -397,7 +397,7 @@ class MultiTurnSampler(Sampler):
         full = render(conversation, tools, True)
         if not full.startswith(context):
             log.warning("the chat template re-renders a model turn differently from how it was sampled; "
-                        "the episode ends there (rendered %r, sampled %r)", full[:200], context[-200:])
+                        "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
             return None
         return list(tokenizer(full[len(context):], add_special_tokens=False)["input_ids"])
 
