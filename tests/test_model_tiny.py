@@ -12,7 +12,15 @@ from grpo.core.cli import cli
 from grpo.core.config import PRESETS as CONFIG_PRESETS
 from grpo.core.errors import UserError
 from grpo.models.presets import PRESETS, preset_config
-from grpo.models.tiny import special_token_ids, tiny_vocab_size, write_tiny_tokenizer
+from grpo.plugins.tasks._lookup import make_lookup_tool
+from grpo.models.tiny import (
+    LOOKUP_CALL_CLOSE,
+    LOOKUP_CALL_OPEN,
+    special_token_ids,
+    tiny_vocab_size,
+    tool_token_ids,
+    write_tiny_tokenizer,
+)
 
 
 @pytest.fixture(scope="module")
@@ -52,6 +60,90 @@ def test_chat_template_and_special_tokens(tokenizer):
 
 def test_tiny_vocab_fits_the_tiny_preset(tokenizer):
     assert len(tokenizer) == tiny_vocab_size() <= PRESETS["tiny"]["vocab_size"]
+    # Tool tokens come after every earlier id, which stay as they were.
+    assert min(tool_token_ids().values()) == max(special_token_ids().values()) + 1 == 309
+
+
+# The template before tool support: conversations without tools must render the same.
+_TOOLLESS_TEMPLATE = (
+    "{%- for message in messages %}"
+    "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+
+
+@pytest.mark.parametrize("generation_prompt", [True, False])
+def test_chat_template_without_tools_is_unchanged(tokenizer, generation_prompt):
+    conversations = [
+        [{"role": "user", "content": "3+4="}],
+        [{"role": "system", "content": "Add."}, {"role": "user", "content": "12+7="}, {"role": "assistant", "content": "19"},
+         {"role": "user", "content": "and 1+1?"}],
+    ]
+    for messages in conversations:
+        new = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        old = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=generation_prompt, chat_template=_TOOLLESS_TEMPLATE
+        )
+        assert new == old
+
+
+# The lookup task's own tool: its schema must stay the single token the tokenizer holds.
+_lookup = make_lookup_tool({"37": "52"})
+
+
+def test_chat_template_renders_tools_and_tool_messages_like_qwen25(tokenizer):
+    call = '<tool_call>\n{"name": "lookup", "arguments": {"key": "37"}}\n</tool_call>'
+    messages = [
+        {"role": "user", "content": "What is the value of 37?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "name": "lookup", "content": "52"},
+        {"role": "tool", "name": "lookup", "content": "53"},
+        {"role": "assistant", "content": "52"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=[_lookup], tokenize=False)
+    schema = (
+        '{"type": "function", "function": {"name": "lookup", "description": "The value stored under a key.", '
+        '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "The key."}}, '
+        '"required": ["key"]}, "return": {"type": "string"}}}'
+    )
+    # Qwen2.5's rendering: default system prompt, tools block, consecutive tool messages in one user block.
+    assert text == (
+        "<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\nYou are provided with function "
+        "signatures within <tools></tools> XML tags:\n<tools>\n" + schema + "\n</tools>\n\nFor each function call, "
+        "return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n"
+        '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWhat is the value of 37?<|im_end|>\n"
+        "<|im_start|>assistant\n" + call + "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\n52\n</tool_response>\n<tool_response>\n53\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n52<|im_end|>\n"
+    )
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert tokenizer.decode(ids) == text
+    # A given system message replaces the default one; tool_calls render as Qwen2.5 writes them.
+    with_system = tokenizer.apply_chat_template(
+        [{"role": "system", "content": "Be brief."}, messages[0],
+         {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {"name": "lookup", "arguments": {"key": "37"}}}]}],
+        tools=[_lookup], tokenize=False,
+    )
+    assert with_system.startswith("<|im_start|>system\nBe brief.\n\n# Tools") and with_system.count("Be brief.") == 1
+    assert with_system.endswith("<|im_start|>assistant\n" + call + "<|im_end|>\n")
+
+
+def test_tool_prompt_and_lookup_call_are_a_few_tokens(tokenizer):
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "What is the value of 37?"}], tools=[_lookup], tokenize=False, add_generation_prompt=True
+    )
+    # 10 tokens of system block with the tools listed, 24 of the question and turn markers.
+    assert len(tokenizer(prompt, add_special_tokens=False)["input_ids"]) == 34
+    ids = tokenizer('<tool_call>\n{"name": "lookup", "arguments": {"key": "37"}}\n</tool_call>', add_special_tokens=False)[
+        "input_ids"
+    ]
+    tool = tool_token_ids()
+    assert ids == [tool["<tool_call>"], tool[LOOKUP_CALL_OPEN], ord("3"), ord("7"), tool[LOOKUP_CALL_CLOSE], tool["</tool_call>"]]
+    # The model's own tokens decode back to the call (plain added tokens: kept by skip_special_tokens).
+    assert tokenizer.decode(ids, skip_special_tokens=True).endswith("</tool_call>")
 
 
 # --------------------------------------------------------------------------- presets

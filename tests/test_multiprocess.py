@@ -102,6 +102,19 @@ FAILING_REWARDS = {"task": {"name": "length", "options": {"num_examples": 64, "r
                    "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}}}
 
 
+# The third-party `length` task with a tool: a multi-turn rollout. The random policy ends a
+# turn only where it happens to write a stop token (its first turns are mostly cut by the
+# budget), so a few rows call (malformed calls get error replies) and take a second turn; each
+# process runs the tools of its own rows. Greedy evaluation of 3 prompts rolls out
+# conversations too.
+TOOLS = {
+    "task": {"name": "length", "options": {"num_examples": 64, "tools": True}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320], "max_new_tokens": 128,
+                "max_turns": 3, "early_stop_chunk": 8},
+    "eval": {"every_n_steps": 2, "at_start": False, "batch_size": 3, "num_examples": 3},
+}
+
+
 def _failing_rows(*, rounds: int, processes: int) -> list[int]:
     """Rows whose reward raises, per process, over the first ``rounds`` rollouts of CONFIG
     (each of a round's prompts is num_generations rows; process p takes the p-th share)."""
@@ -144,7 +157,7 @@ def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
 
 @pytest.mark.parametrize(
     "mesh, style, model",
-    [("auto", "legacy", "full"), ("host_local", "maxtext", "lora")],
+    [("auto", "legacy", "full"), ("host_local", "maxtext", "lora"), ("auto", "legacy", "tools")],
 )
 def test_two_processes_match_single_process(tmp_path, example_plugin, single_process_reference, mesh, style, model):
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
@@ -153,10 +166,13 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
     adapters the two processes checkpointed export (PEFT) to the single-process run's, and
     its evaluations (batches that divide neither mesh's shards) are the single process's.
     The full fine-tuning cases score with a reward that fails on rows of both processes:
-    the counters are of every process's rows, as in the single process."""
-    extra = LORA if model == "lora" else FAILING_REWARDS
+    the counters are of every process's rows, as in the single process. The ``tools``
+    case is a multi-turn task: each process runs its own rows' environments, and the
+    tool counters, turns and evaluations are the single process's."""
+    extra = {"lora": LORA, "full": FAILING_REWARDS, "tools": TOOLS}[model]
     single_dir = single_process_reference(model, _write_config(tmp_path, **extra))
-    config = _write_config(tmp_path, mesh={"policy": mesh}, rollout={"style": style}, **extra)
+    config = _write_config(tmp_path, mesh={"policy": mesh},
+                           **{**extra, "rollout": {**extra.get("rollout", {}), "style": style}})
     run_dir = tmp_path / "run"
     results = _wait(_launch(config, run_dir, path=example_plugin))
     for code, out, err in results:
@@ -180,6 +196,15 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
         assert rows[-1]["reward_errors"] == sum(per_process)
         summary = json.loads((run_dir / "summary.json").read_text())
         assert summary["reward_errors"] == {"length": sum(per_process)}
+    if model == "tools":
+        for got, ref in zip(rows, want):
+            for key in ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "turns/mean"):
+                assert got[key] == ref[key], (key, got[key], ref[key])
+        assert max(r["turns/mean"] for r in want) > 1 and max(r["tools/calls_per_sample"] for r in want) > 0
+        evals, want_evals = read_eval(run_dir), read_eval(single_dir)
+        assert [r["step"] for r in evals] == [2] == [r["step"] for r in want_evals]
+        assert {k: v for k, v in evals[0].items() if not k.startswith("time/")} == {
+            k: v for k, v in want_evals[0].items() if not k.startswith("time/")}
     if model == "lora":
         assert rows[-1]["grad_norm"] > 0  # the adapters trained
         evals, want_evals = read_eval(run_dir), read_eval(single_dir)

@@ -376,3 +376,19 @@ def test_libtpu_does_not_change_the_backend_grpo_run_picks():
     out = subprocess.run([sys.executable, "-c", "import jax; print(jax.default_backend())"], env=env,
                          capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().splitlines()[-1] == "cpu"
+
+
+def test_multi_turn_task_plans_the_turn_decode_and_the_append(tiny_config):
+    """A task with tools rolls out conversations: ``decode`` is one turn's loop over the
+    whole multi-turn cache and ``append`` writes the replies between turns."""
+    code, rep = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", 'task={"name": "lookup"}',
+                     "--set", "rollout.max_turns=3")
+    assert code == 0, rep
+    assert set(rep["programs"]) == {"prefill", "decode", "append", "update"}
+    assert rep["fits"] is True and rep["compiler_error"] is None
+    p = rep["programs"]["append"]
+    assert p["argument_bytes"] > 0 and p["flops"] > 0 and p["roofline_s"] > 0
+    # The cache holds the prompt and max_turns x max_new_tokens slots (+ one turn's spare):
+    # 32 rows of 16 + 3 x 16 + 16 slots, 2 layers x 2 KV heads x 16 dims, k and v, bf16,
+    # split over the 4 chips.
+    assert rep["state_bytes_per_device"]["kv_cache"] == 2 * 2 * 32 * (16 + 48 + 16) * 2 * 16 * 2 // 4

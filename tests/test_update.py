@@ -127,6 +127,32 @@ def test_logprobs_match_reference_helper(tiny):
     np.testing.assert_allclose(np.asarray(lp) * np.asarray(batch.mask), np.asarray(ref), atol=1e-5)
 
 
+def test_loss_mask_trains_only_model_tokens_over_the_whole_sequence(tiny):
+    """Multi-turn: the forward attends over every real token (``mask``), the loss and its
+    token-mean normaliser count only ``loss_mask``. Reference: on-policy GRPO's gradient
+    is that of -sum(adv * logp * loss_mask) / sum(loss_mask), over two micro-batches."""
+    _, model, graphdef, params = tiny
+    batch = _batch(model.config.vocab_size, seed=2)
+    rng = np.random.default_rng(5)
+    loss_mask = np.asarray(batch.mask) * (rng.random(batch.mask.shape) < 0.6)
+    loss_mask[:, 0] = np.asarray(batch.mask)[:, 0]
+    batch = batch._replace(loss_mask=jnp.asarray(loss_mask.astype(np.int32)))
+
+    def reference(p):
+        lp = token_logprobs(nnx.merge(graphdef, p), batch, 0.7)
+        m = batch.loss_mask.astype(jnp.float32)
+        return -jnp.sum(batch.advantages[:, None] * lp * m) / jnp.sum(m)
+
+    ref_grads = jax.jit(jax.grad(reference))(params)
+    # Two micro-batches: the global normaliser counts loss_mask across them.
+    _, grads, metrics, lp = jax.jit(_step(graphdef, 2, "token_mean").grads)(params, batch)
+    assert float(metrics["num_tokens"]) == float(loss_mask.sum())
+    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    ref_lp = np.asarray(token_logprobs(model, batch, 0.7))
+    np.testing.assert_allclose(np.asarray(lp) * loss_mask, ref_lp * loss_mask, atol=1e-5)
+
+
 def test_nonfinite_step_is_skipped(tiny):
     _, model, graphdef, params = tiny
     batch = _batch(model.config.vocab_size, seed=2)

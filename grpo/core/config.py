@@ -239,6 +239,15 @@ class RolloutConfig(Section):
     early_stop_chunk: int = Field(
         32, ge=0, le=131072, description="Check every N tokens whether all sequences finished; 0 = never stop early."
     )
+    max_turns: int = Field(
+        4, ge=1, le=1024,
+        description="Model turns per conversation of a multi-turn task (one with tools or an environment): "
+        "the rollout stops a row after this many; single-turn tasks ignore it.",
+    )
+    tool_timeout_s: float = Field(
+        10.0, gt=0.0, le=3600.0,
+        description="Wall-clock limit of one tool call; a call past it becomes a tool message saying so (counted).",
+    )
     kv_segment: int = Field(
         256, ge=0, le=131072,
         description="Decode tokens per KV-cache growth segment: the cache holds only the slots the current segment "

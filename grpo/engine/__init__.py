@@ -17,6 +17,8 @@ One floor above the rooms, the modules that wire them together:
   ``grpo plan`` and ``grpo bench`` all build theirs here.
 - ``trainer``: the GRPO loop (one :class:`~grpo.engine.trainer.Trainer` per process).
 - ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.
+- ``conversations``: a multi-turn task's environments and chat rendering with tools, and
+  the tool metrics (the wiring between a task plugin and the multi-turn rollout).
 - ``cli``: ``grpo run``, ``export``, ``plot``, ``plan``.
 
 Below the engine: ``grpo.core`` (config, contracts, plugins), ``grpo.sharding`` (logical

@@ -74,6 +74,7 @@ class Evaluator:
         policy: Any,
         render: Callable[[dict], str],
         buckets: tuple[int, ...],
+        conversations: Any = None,
     ):
         self.config = config
         self.programs = programs
@@ -82,6 +83,7 @@ class Evaluator:
         self.policy = policy
         self.render = render
         self.buckets = buckets
+        self.conversations = conversations  # grpo.engine.conversations.Conversations: multi-turn
         self._prompts: PromptSet | None = None
         self._sampler: Any = None
 
@@ -98,7 +100,8 @@ class Evaluator:
                 examples, self.render, self.policy.tokenizer,
                 max_prompt_length=cfg.rollout.max_prompt_length, split=cfg.task.eval_split,
             )
-            self._sampler = self.programs.eval_sampler()
+            conv = self.conversations
+            self._sampler = self.programs.eval_sampler(None if conv is None else conv.turn_stop_ids())
         return self._prompts, self._sampler
 
     def scores(self, sampler_state: Any) -> EvalScores:
@@ -122,15 +125,23 @@ class Evaluator:
             batch = build_batch(prompts, idx, local=slice(None), buckets=self.buckets, pad_id=self.policy.pad_id,
                                 width=width)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
-            out = sampler.generate(sampler_state, batch.tokens, batch.mask, rng)
             # This process's prompts' samples, rows p*k .. p*k+k-1 of prompt p; padding
             # prompts' samples are sampled with the rest but never detokenized or scored.
             keep = (np.arange(local.start, local.stop) < count).sum()
-            if keep == 0:
-                continue
-            tokens, mask = row_range(out.tokens, rows), row_range(out.mask, rows)
-            texts = self.policy.decode(tokens[: keep * k], mask[: keep * k])
-            examples = [ex for ex in batch.examples[local][:keep] for _ in range(k)]
+            examples = [ex for ex in batch.examples[local] for _ in range(k)]
+            if self.conversations is None:
+                out = sampler.generate(sampler_state, batch.tokens, batch.mask, rng)
+                if keep == 0:
+                    continue
+                tokens, mask = row_range(out.tokens, rows), row_range(out.mask, rows)
+                texts = self.policy.decode(tokens[: keep * k], mask[: keep * k])
+            else:
+                # The environments of this process's rows (padding prompts' too: every
+                # process takes part in every turn's programs).
+                texts, examples = self._conversations(sampler, sampler_state, batch, rng, examples)
+                if keep == 0:
+                    continue
+            texts, examples = texts[: keep * k], examples[: keep * k]
             scored = score_completions(self.task, self.task_options, examples, texts)
             mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)
             mine[b, :keep, 1] = np.asarray(scored.totals, np.float64).reshape(keep, k).sum(1)
@@ -144,6 +155,20 @@ class Evaluator:
         real_slots = np.arange(size)[None, :] < np.minimum(real, n - np.asarray(starts))[:, None]
         flat = every[real_slots]  # n 2, eval-split order
         return EvalScores(correct=flat[:, 0].astype(np.int64), reward=flat[:, 1])
+
+    def _conversations(self, sampler, sampler_state, batch, rng, examples):
+        """Multi-turn: this process's rows rolled out; their last turns, and their examples
+        with the trajectory (``messages``) that reward functions read."""
+        from grpo.engine.conversations import close_all
+
+        conv = self.conversations
+        envs, openings = conv.environments(examples)
+        try:
+            _, episodes = sampler.generate(sampler_state, batch.tokens, batch.mask, rng, envs=envs,
+                                           openings=openings, render=conv.render, tokenizer=self.policy.tokenizer)
+        finally:
+            close_all(envs)
+        return episodes.last_text, [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
 
     def __call__(self, step: int, sampler_state: Any) -> dict[str, Any]:
         """One evaluation of the policy whose sampler state is ``sampler_state`` (what

@@ -12,7 +12,11 @@ The programs of one GRPO step, in the order they run:
 
 - ``prefill``: :class:`~grpo.engine.rollout.sampler.Sampler` prefill of the step's prompts
   (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
-- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``;
+- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``; for a
+  multi-turn task (tools) one turn's decode loop
+  (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`), run once per turn;
+- ``append``: multi-turn only, the environment's reply tokens written into every row's
+  cache (at the largest append bucket), run between turns;
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
 - ``policy_logprobs``: the policy's dropout-free per-token log-probs (only with LoRA
   dropout; once more under the step's dropout masks with ``loss.mismatch``);
@@ -125,19 +129,27 @@ class RunPrograms:
         shards = math.prod(mesh.shape[a] for a in self.batch_axes)
         return prompts, eval_batch_size(prompts, k=ev.k, shards=shards, processes=self.process_count)
 
-    def eval_sampler(self):
-        """The evaluation sampler: greedy or sampled, ``eval.k`` samples per prompt."""
-        return self.sampler(greedy=self.config.eval.greedy, num_generations=self.config.eval.k)
+    def eval_sampler(self, turn_stop_ids: tuple[int, ...] | None = None):
+        """The evaluation sampler: greedy or sampled, ``eval.k`` samples per prompt
+        (multi-turn with ``turn_stop_ids``, as :meth:`sampler`)."""
+        return self.sampler(greedy=self.config.eval.greedy, num_generations=self.config.eval.k,
+                            turn_stop_ids=turn_stop_ids)
 
     # ------------------------------------------------------------------ programs
 
-    def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
-        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k)."""
+    def sampler(self, *, greedy: bool = False, num_generations: int | None = None,
+                turn_stop_ids: tuple[int, ...] | None = None):
+        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k).
+
+        ``turn_stop_ids`` not None: the multi-turn sampler of a task with environments
+        (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`, ``rollout.max_turns``
+        turns; these tokens end a turn, e.g. the tool format's call end)."""
+        from grpo.engine.rollout.multiturn import MultiTurnSampler
         from grpo.engine.rollout.sampler import Sampler, SamplingParams
 
         r = self.config.rollout
         k = r.num_generations if num_generations is None else num_generations
-        key = (greedy, k)
+        key = (greedy, k, turn_stop_ids)
         if key not in self._samplers:
             sampling = SamplingParams(
                 max_new_tokens=r.max_new_tokens,
@@ -151,12 +163,26 @@ class RunPrograms:
                 early_stop_chunk=r.early_stop_chunk,
             )
             ro = self.rollout
-            self._samplers[key] = Sampler(
-                self.graphdef, mesh=ro.mesh, batch_axes=ro.batch_axes, sampling=sampling,
+            kwargs = dict(
+                mesh=ro.mesh, batch_axes=ro.batch_axes, sampling=sampling,
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
                 activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
+            if turn_stop_ids is None:
+                self._samplers[key] = Sampler(self.graphdef, **kwargs)
+            else:
+                self._samplers[key] = MultiTurnSampler(
+                    self.graphdef, max_turns=r.max_turns, turn_stop_ids=turn_stop_ids, **kwargs)
         return self._samplers[key]
+
+    @property
+    def multi_turn(self) -> bool:
+        """Whether the task gives tools for its options: its rows then have environments
+        and the rollout is :meth:`sampler` with turn stops (``grpo plan`` plans that one).
+        A task with an environment of its own and no tools shows only on an example: the
+        trainer probes one (:class:`~grpo.engine.conversations.Conversations`)."""
+        task = self.plugins.get("task") if self.plugins else None
+        return task is not None and bool(task.plugin.tools(options=task.options))
 
     @property
     def merged_sampling(self) -> bool:

@@ -25,6 +25,7 @@ from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
 from grpo.core.errors import UserError
+from grpo.engine.conversations import Conversations, close_all, tool_counts, tool_metrics
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -39,6 +40,7 @@ from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_
 from grpo.engine.training.advantages import group_advantages
 from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.update import UpdateBatch
+from grpo.models.families import family_of
 from grpo.models.lora import count_params, split_params
 from grpo.models.policy import load_policy
 
@@ -81,6 +83,13 @@ def epoch_summary(epochs: list[dict[str, Any]], off_policy_prefixes: tuple[str, 
         reduce = np.min if key.endswith("/min") else np.max if key.endswith("/max") else np.mean
         out[key] = float(reduce([float(e[key]) for e in chosen]))
     return out
+
+
+def add_tools(acc, tools):
+    """Sum the tool counters of rollout rounds: (counts [4], rows, tools_s, append_s)."""
+    if acc is None or tools is None:
+        return tools if acc is None else acc
+    return (acc[0] + tools[0], acc[1] + tools[1], acc[2] + tools[2], acc[3] + tools[3])
 
 
 class Trainer:
@@ -139,14 +148,23 @@ class Trainer:
         from grpo.plugins.tasks import render_prompt
 
         tok = self.policy.tokenizer
-        self.render = lambda ex: render_prompt(self.task, self.task_options, ex, tok)
         examples = self.task.load(split=config.task.train_split, options=self.task_options, seed=config.train.seed)
+        # A task with environments (tools) rolls out conversations; None: single-turn.
+        self.conversations = Conversations.of(
+            self.task, self.task_options, tok, examples[0],
+            tool_format=family_of(model.config).tool_call_format, timeout_s=config.rollout.tool_timeout_s,
+        ) if examples else None
+        if self.conversations is not None:
+            self.render = self.conversations.prompt
+        else:
+            self.render = lambda ex: render_prompt(self.task, self.task_options, ex, tok)
         self.prompts = tokenize_prompts(
             examples, self.render, tok, max_prompt_length=config.rollout.max_prompt_length,
             split=config.task.train_split,
         )
         self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
-        self.sampler = self.programs.sampler()
+        self.turn_stop_ids = None if self.conversations is None else self.conversations.turn_stop_ids()
+        self.sampler = self.programs.sampler(turn_stop_ids=self.turn_stop_ids)
         self.update_step = self.programs.update_step
         self.update = self.programs.update(self.params, self.opt_state)
         # The reference pass runs micro-batch by micro-batch through the loss plugin's own
@@ -163,7 +181,7 @@ class Trainer:
         self._signal: int | None = None
         self.evaluator = Evaluator(
             config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
-            render=self.render, buckets=self.buckets,
+            render=self.render, buckets=self.buckets, conversations=self.conversations,
         )
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
@@ -223,13 +241,12 @@ class Trainer:
         local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.policy.pad_id)
 
-    def _score(self, examples: list[dict], tokens: np.ndarray, mask: np.ndarray):
+    def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray):
         """This process's rows scored: totals [b], each reward [b] by name, and which
         reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order).
         With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
         from grpo.plugins.tasks import OVERLONG, overlong_penalty, score_completions
 
-        texts = self.policy.decode(tokens, mask)
         scored = score_completions(self.task, self.task_options, examples, texts)
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
@@ -243,7 +260,7 @@ class Trainer:
                     "is logged under; rename the task's reward or set task.overlong.buffer=0."
                 )
             penalty = overlong_penalty(
-                mask.sum(axis=1), max_new_tokens=self.config.rollout.max_new_tokens,
+                lengths, max_new_tokens=self.config.rollout.max_new_tokens,
                 buffer=overlong.buffer, factor=overlong.factor,
             )
             per_fn[OVERLONG] = penalty
@@ -267,16 +284,40 @@ class Trainer:
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), self.step)
         if round_:
             rng = jax.random.fold_in(rng, round_)
-        out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
-        local_tokens, local_mask = local_rows(out.tokens), local_rows(out.mask)
+        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
+        episodes = None
+        if self.conversations is None:
+            out = self.sampler.generate(self.policy_params(), prompts, prompt_mask, rng)
+            local_mask = local_rows(out.mask)
+            texts = self.policy.decode(local_rows(out.tokens), local_mask)
+        else:
+            # Each process runs the environments (tools) of its own rows.
+            envs, openings = self.conversations.environments(examples)
+            try:
+                out, episodes = self.sampler.generate(
+                    self.policy_params(), prompts, prompt_mask, rng, envs=envs, openings=openings,
+                    render=self.conversations.render, tokenizer=self.policy.tokenizer,
+                )
+            finally:
+                close_all(envs)
+            local_mask = local_rows(out.mask)
+            # Reward functions see the model's last turn and the whole trajectory.
+            texts = episodes.last_text
+            examples = [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
         t_generate = time.perf_counter() - t0
 
-        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        rewards_local, per_fn_local, failed_local = self._score(examples, local_tokens, local_mask)
+        # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
+        rewards_local, per_fn_local, failed_local = self._score(examples, texts, local_mask.sum(axis=1))
         errors = self._sum_rows(to_global(failed_local, self.batch_sharding))  # rewards
         if round_ == 0 and self.is_main and self.step % self.config.logging.every_n_steps == 0:
-            self._write_samples(batch.examples[0], local_tokens[:k], local_mask[:k], rewards_local[:k])
-        return out, rewards_local, per_fn_local, errors, t_generate
+            self._write_samples(batch.examples[0], texts[:k], rewards_local[:k],
+                                None if episodes is None else episodes.turns[:k])
+        tools = None
+        if episodes is not None:
+            # [turns, calls, errors, timeouts] over every process's rows, and this process's host seconds.
+            counts = self._sum_rows(to_global(tool_counts(episodes), self.batch_sharding))
+            tools = (counts, out.tokens.shape[0], episodes.tools_s, episodes.append_s)
+        return out, rewards_local, per_fn_local, errors, t_generate, tools
 
     def _all_rows(self, local: np.ndarray) -> np.ndarray:
         """Every process's rows of a host array, in global row order (tiny: rewards)."""
@@ -315,11 +356,12 @@ class Trainer:
         p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
         picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
         outs, totals, per_fn, generated = [], [], [], []
-        errors, t_generate = None, 0.0
+        errors, t_generate, tools = None, 0.0, None
         while not picker.done:
-            out, rewards_local, per_fn_local, err, t = self._rollout_round(self.data_position, picker.rounds)
+            out, rewards_local, per_fn_local, err, t, round_tools = self._rollout_round(self.data_position, picker.rounds)
             self.data_position += p
             errors = err if errors is None else errors + err
+            tools = add_tools(tools, round_tools)
             t_generate += t
             outs.append(out)
             totals.append(self._all_rows(rewards_local))
@@ -336,7 +378,7 @@ class Trainer:
         mine = process_slice(p * k, jax.process_index(), jax.process_count())
         rewards_local = np.concatenate(totals)[src][mine]
         per_fn_local = {n: np.concatenate([f[n] for f in per_fn])[src][mine] for n in per_fn[0]}
-        return out, rewards_local, per_fn_local, errors, t_generate, sum(generated), picker.metrics()
+        return out, rewards_local, per_fn_local, errors, t_generate, sum(generated), picker.metrics(), tools
 
     def _add_reward_errors(self, names: list[str], counts: np.ndarray) -> None:
         """Add a step's failures of each reward function, counted over every process's
@@ -350,14 +392,19 @@ class Trainer:
             self._row_sum = jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.programs.replicated)
         return self._row_sum(x)
 
-    def _write_samples(self, example: dict, tokens: np.ndarray, mask: np.ndarray, rewards: np.ndarray) -> None:
-        """The first prompt's group of completions, for reading what the policy does."""
-        row = {
+    def _write_samples(self, example: dict, texts: list[str], rewards: np.ndarray,
+                       turns: list[list[dict]] | None = None) -> None:
+        """The first prompt's group of completions, for reading what the policy does; in a
+        multi-turn rollout each completion's ``turns`` ``[{role, text, trained}]`` too
+        (environment replies: ``trained: false``)."""
+        row: dict[str, Any] = {
             "step": self.step + 1,
             "prompt": self.render(example),
-            "completions": self.policy.decode(tokens, mask),
+            "completions": texts,
             "rewards": [round(float(r), 4) for r in rewards],
         }
+        if turns is not None:
+            row["turns"] = turns
         if self._samples is None:
             self._samples = rundir.JsonlLog(self.run_dir, "samples.jsonl")
         self._samples.append(row)
@@ -433,9 +480,9 @@ class Trainer:
         k = cfg.rollout.num_generations
         t0 = time.perf_counter()
         if cfg.train.dynamic_sampling.enabled:
-            out, rewards_local, per_fn_local, errors, t_rollout, generated, ds_metrics = self._dynamic_rollout()
+            out, rewards_local, per_fn_local, errors, t_rollout, generated, ds_metrics, tools = self._dynamic_rollout()
         else:
-            out, rewards_local, per_fn_local, errors, t_rollout = self._rollout_round(self.data_position, 0)
+            out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
             self.data_position += cfg.train.prompts_per_step
             generated, ds_metrics = jnp.sum(out.lengths), {}
         rewards = to_global(rewards_local, self.batch_sharding)
@@ -457,6 +504,7 @@ class Trainer:
             ref_logprobs=None,
             sampler_logprobs=to_train(out.logprobs) if cfg.loss.mismatch is not None else None,
             truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
+            loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
         )
         if self.ref_logprobs is not None:
             ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
@@ -481,9 +529,12 @@ class Trainer:
         self.step += 1
         step_s = time.perf_counter() - t0
 
-        mask_f = out.mask.astype(jnp.float32)
+        # The sampler/trainer comparison counts the model's own tokens (every real token
+        # of a single-turn rollout): inserted tokens have no sampler log-prob.
+        trained = out.mask if out.loss_mask is None else out.loss_mask
+        mask_f = trained.astype(jnp.float32)
         n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
-        valid = out.mask > 0
+        valid = trained > 0
         gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
         # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
         is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
@@ -496,12 +547,12 @@ class Trainer:
             "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
             "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
             "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
-            "valid_tokens": jnp.sum(mask_f),
+            "valid_tokens": jnp.sum(out.mask.astype(jnp.float32)),
             "rollout/generated_tokens": generated,  # every round's completions, trained on or not
         }
         for name, v in per_fn.items():
             scalars[f"reward/{name}/mean"] = jnp.mean(v)
-        scalars, error_counts = jax.device_get((scalars, errors))
+        scalars, error_counts, tool_totals = jax.device_get((scalars, errors, None if tools is None else tools[0]))
         scalars = {k_: float(v) for k_, v in scalars.items()}
         self._add_reward_errors(list(per_fn_local), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics), off_policy_prefixes=(f"{cfg.loss.objective}/",))
@@ -536,6 +587,12 @@ class Trainer:
         )
         if "entropy" in m:
             row["entropy"] = m["entropy"]
+        if tools is not None:
+            # Over every row rolled out this step (every round of dynamic sampling).
+            row.update(tool_metrics(tool_totals, tools[1]))
+            # This process's host time: the environments' steps, and rendering + appends.
+            row["time/train/tools_s"] = tools[2]
+            row["time/train/append_s"] = tools[3]
         row.update(device_memory_metrics(jax.local_devices()))
         return row
 

@@ -4,7 +4,20 @@ For tests and the quickstart: no downloads, no torch. :func:`write_tiny_tokenize
 a byte-level BPE tokenizer (Qwen's kind) with the ``tokenizers`` library: the 256 byte
 tokens — so every text round-trips through decode and every digit is its own token —
 a few merges for chat words, and Qwen's chat special tokens, with a Qwen-style chat
-template in ``tokenizer_config.json``. :func:`write_tiny_checkpoint` writes a random
+template in ``tokenizer_config.json``.
+
+Tools: given ``tools=``, the template renders exactly what Qwen2.5's does — a system block
+listing each tool's JSON schema inside ``<tools></tools>`` with the instruction to answer
+with ``<tool_call>...</tool_call>`` — and ``tool`` messages as Qwen2.5 does, inside
+``<tool_response>`` in a ``user`` block that consecutive tool messages share. Conversations
+without tools render byte-identically to the template without tool support. The tool-call
+tags are single tokens, as in Qwen2.5's tokenizer; so are Qwen2.5's tool boilerplate and the
+``lookup`` task's schema and call skeleton (:data:`TOOL_TOKENS`), so that the tools
+quickstart's prompts stay ~30 tokens and a call is six: a 2-layer random model learns to
+call the tool within CPU minutes, which it would not through ~400 byte tokens of prompt
+and a dozen tokens of JSON per call. These are plain (not special) added tokens, appended
+after the earlier ids so that every other id, and the ``tiny`` preset's vocabulary size,
+stay as they were. :func:`write_tiny_checkpoint` writes a random
 Qwen2 ``config.json`` + safetensors (optionally sharded with an index) with NumPy.
 """
 
@@ -28,9 +41,56 @@ MERGED_WORDS: tuple[str, ...] = (
     "Answer", "Compute", " Solve",
 )
 
+# Qwen2.5's tool prompt, word for word (its chat template's system block when tools= is given).
+QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+QWEN_TOOLS_HEADER = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+QWEN_TOOLS_FOOTER = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and arguments within "
+    '<tool_call></tool_call> XML tags:\n<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}\n'
+    "</tool_call>"
+)
+# The lookup task's tool schema as the template renders it, and its call's fixed parts:
+# <tool_call> LOOKUP_CALL_OPEN <key digits> LOOKUP_CALL_CLOSE </tool_call>.
+LOOKUP_SCHEMA = (
+    '{"type": "function", "function": {"name": "lookup", "description": "The value stored under a key.", '
+    '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "The key."}}, '
+    '"required": ["key"]}, "return": {"type": "string"}}}'
+)
+LOOKUP_CALL_OPEN = '\n{"name": "lookup", "arguments": {"key": "'
+LOOKUP_CALL_CLOSE = '"}}\n'
+TOOL_TOKENS: tuple[str, ...] = (
+    "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
+    QWEN_DEFAULT_SYSTEM, QWEN_TOOLS_HEADER, QWEN_TOOLS_FOOTER, LOOKUP_SCHEMA, LOOKUP_CALL_OPEN, LOOKUP_CALL_CLOSE,
+)
+
+# Qwen2.5's template, smaller: no message.content-is-None cases, tool calls of assistant
+# messages rendered from ``tool_calls`` or left in the content as the model wrote them.
 CHAT_TEMPLATE = (
+    "{%- if tools %}"
+    "{{- '<|im_start|>system\\n' }}"
+    "{%- if messages[0]['role'] == 'system' %}{{- messages[0]['content'] }}"
+    "{%- else %}{{- '" + QWEN_DEFAULT_SYSTEM + "' }}{%- endif %}"
+    "{{- " + repr(QWEN_TOOLS_HEADER) + " }}"
+    "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
+    "{{- " + repr(QWEN_TOOLS_FOOTER) + " + '<|im_end|>\\n' }}"
+    "{%- endif %}"
     "{%- for message in messages %}"
+    "{%- if message['role'] == 'tool' %}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}{{- '<|im_start|>user' }}{%- endif %}"
+    "{{- '\\n<tool_response>\\n' + message['content'] + '\\n</tool_response>' }}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}{{- '<|im_end|>\\n' }}{%- endif %}"
+    "{%- elif message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{{- '<|im_start|>assistant' }}{%- if message['content'] %}{{- '\\n' + message['content'] }}{%- endif %}"
+    "{%- for call in message['tool_calls'] %}{%- if call['function'] is defined %}{%- set call = call['function'] %}{%- endif %}"
+    "{{- '\\n<tool_call>\\n{\"name\": \"' + call['name'] + '\", \"arguments\": ' }}{{- call['arguments'] | tojson }}"
+    "{{- '}\\n</tool_call>' }}{%- endfor %}"
+    "{{- '<|im_end|>\\n' }}"
+    "{%- elif not (tools and loop.first and message['role'] == 'system') %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n' }}"
+    "{%- endif %}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
@@ -70,9 +130,16 @@ def _vocab_and_merges() -> tuple[dict[str, int], list[tuple[str, str]]]:
 
 
 def tiny_vocab_size() -> int:
-    """Tokens in the tiny tokenizer (regular + special)."""
+    """Tokens in the tiny tokenizer (regular + special + tool tokens)."""
     vocab, _ = _vocab_and_merges()
-    return len(vocab) + len(SPECIAL_TOKENS)
+    return len(vocab) + len(SPECIAL_TOKENS) + len(TOOL_TOKENS)
+
+
+def tool_token_ids() -> dict[str, int]:
+    """The id of each of :data:`TOOL_TOKENS` (after the special tokens)."""
+    vocab, _ = _vocab_and_merges()
+    first = len(vocab) + len(SPECIAL_TOKENS)
+    return {tok: first + i for i, tok in enumerate(TOOL_TOKENS)}
 
 
 def special_token_ids() -> dict[str, int]:
@@ -93,8 +160,10 @@ def write_tiny_tokenizer(directory: str | os.PathLike) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     tok.save(str(out / "tokenizer.json"))
     ids = special_token_ids()
+    tool_ids = tool_token_ids()
     write_json(
         out / "tokenizer_config.json",
         {
@@ -115,6 +184,13 @@ def write_tiny_tokenizer(directory: str | os.PathLike) -> Path:
                     "single_word": False, "special": True,
                 }
                 for t in SPECIAL_TOKENS
+            }
+            | {
+                str(tool_ids[t]): {
+                    "content": t, "lstrip": False, "normalized": False, "rstrip": False,
+                    "single_word": False, "special": False,
+                }
+                for t in TOOL_TOKENS
             },
         },
     )
@@ -192,9 +268,14 @@ def write_tiny_checkpoint(
 
 __all__ = [
     "CHAT_TEMPLATE",
+    "LOOKUP_CALL_CLOSE",
+    "LOOKUP_CALL_OPEN",
+    "LOOKUP_SCHEMA",
     "SPECIAL_TOKENS",
+    "TOOL_TOKENS",
     "special_token_ids",
     "tiny_vocab_size",
+    "tool_token_ids",
     "write_tiny_checkpoint",
     "write_tiny_tokenizer",
 ]

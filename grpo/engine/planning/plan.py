@@ -34,7 +34,8 @@ that ignores overheads and assumes communication overlaps nothing it does not ha
 communication. ``grpo plan --dump-hlo DIR`` writes the HLO the counts come from.
 
 Evaluation (``eval.every_n_steps > 0``) runs the sampler on eval batches between steps:
-``eval_prefill`` and ``eval_decode`` are compiled for one batch as the evaluator pads it
+``eval_prefill`` and ``eval_decode`` (and ``eval_append`` for a multi-turn task) are
+compiled for one batch as the evaluator pads it
 and count in the peak like every program, but their time is not a step's:
 ``roofline_eval_s`` is one whole evaluation (``eval.num_examples`` prompts; unknown
 without it), beside ``roofline_step_s``.
@@ -54,9 +55,9 @@ from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
 SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
-EVAL_PROGRAMS = ("eval_prefill", "eval_decode")
+EVAL_PROGRAMS = ("eval_prefill", "eval_decode", "eval_append")
 # The programs that read the sampler's state (with merged LoRA sampling: the merged copy).
-ROLLOUT_PROGRAMS = ("prefill", "decode", *EVAL_PROGRAMS)
+ROLLOUT_PROGRAMS = ("prefill", "decode", "append", *EVAL_PROGRAMS)
 
 
 # --------------------------------------------------------------------------- helpers
@@ -235,6 +236,8 @@ def program_costs(
     scale per block. The optimizer reads and writes the f32 adapters, their gradients and
     two moments (no master copy).
     """
+    from grpo.engine.rollout.multiturn import MultiTurnSampler, append_bucket
+
     cfg = programs.config
     c = arch
     D, F, H, Hk, E, V, Lyr = (c.hidden_size, c.intermediate_size, c.num_attention_heads, c.num_key_value_heads,
@@ -272,7 +275,7 @@ def program_costs(
     B = P * K
     kv_tok = 2 * Lyr * Hk * E * w / kv_split
 
-    def rollout(prompts: int, k: int, sampler: Any) -> tuple[Cost, Cost]:
+    def rollout(prompts: int, k: int, sampler: Any) -> tuple[Cost, ...]:
         # prefill: the prompts of Lp tokens, split over the part of the rollout shards
         # they divide (replicated at worst); logits of the last position only; the cache
         # written k times over, split like the decode rows.
@@ -284,22 +287,34 @@ def program_costs(
         # decode: step 0 samples from the prefill logits; each later step is one token per row.
         f_tot = b_tot = t_tot = 0.0
         segs = []
-        for a, b in sampler.plan():
+        # A multi-turn rollout's cache has its final size from the start: all turns
+        # together sample at most N tokens per row, each step reading every slot.
+        multi = isinstance(sampler, MultiTurnSampler)
+        plan = ((0, sampler.width() - 1),) if multi else sampler.plan()
+        for a, b in plan:
             steps = b - a
-            slots = Lp + b  # the segment's cache length, all read every step
+            slots = sampler.allocated(Lp) if multi else Lp + b  # the cache length, all read every step
             f = rows * (2 * (wm + na) + 2 * D * V + 4 * slots * H * E * Lyr) / tp
             by = rollout_weights + rows * slots * kv_tok
             f_tot += steps * f
             b_tot += steps * by
             t_tot += steps * roof(f, by)
             segs.append((steps, f / peak, by / bw))
-        return prefill, Cost(f_tot, b_tot, t_tot, tuple(segs))
+        if not multi:
+            return prefill, Cost(f_tot, b_tot, t_tot, tuple(segs))
+        # append: one forward of the largest append bucket's L tokens per row against the
+        # whole cache, once between turns (max_turns - 1 times at most).
+        L, slots, turns = append_bucket(cfg.rollout.max_new_tokens), sampler.allocated(Lp), sampler.max_turns - 1
+        f = rows * (L * 2 * (wm + na) + 4 * L * slots * H * E * Lyr + 2 * D * V) / tp
+        by = rollout_weights + rows * slots * kv_tok
+        return prefill, Cost(f_tot, b_tot, t_tot, tuple(segs)), Cost(turns * f, turns * by, turns * roof(f, by))
 
-    out["prefill"], out["decode"] = rollout(P, K, programs.sampler())
+    stops = () if programs.multi_turn else None
+    names = ("prefill", "decode", "append")
+    out.update(zip(names, rollout(P, K, programs.sampler(turn_stop_ids=stops))))
     if cfg.eval.every_n_steps > 0:
         # One eval batch, padded as the Evaluator pads it (padding rows cost like real ones).
-        out["eval_prefill"], out["eval_decode"] = rollout(programs.eval_batch()[1], cfg.eval.k,
-                                                          programs.eval_sampler())
+        out.update(zip(EVAL_PROGRAMS, rollout(programs.eval_batch()[1], cfg.eval.k, programs.eval_sampler(stops))))
     if ro.resharded:
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
@@ -447,7 +462,10 @@ class Planner:
                 "base_bytes": _bytes_per_device(frozen),
             }
         opt_state = programs.abstract_opt_state(params)
-        sampler = programs.sampler()
+        # A multi-turn task (tools): the turn decode and the append instead of one decode
+        # (the turn-stop tokens are constants of the program; none are needed to plan it).
+        stops = () if programs.multi_turn else None
+        sampler = programs.sampler(turn_stop_ids=stops)
         inputs = programs.abstract_rollout_inputs()
         batch = programs.abstract_update_batch()
         state = {
@@ -480,8 +498,8 @@ class Planner:
 
         def kv_bytes(sampler: Any, rows: int) -> int:
             """Per-device bytes of the final KV cache of ``rows`` sampled rows."""
-            cache_shape = (arch.num_hidden_layers, rows, Lp + (seg[-1][1] if seg else 0), arch.num_key_value_heads,
-                           arch.head_dim)
+            slots = sampler.allocated(Lp) if stops is not None else Lp + (seg[-1][1] if seg else 0)
+            cache_shape = (arch.num_hidden_layers, rows, slots, arch.num_key_value_heads, arch.head_dim)
             return 2 * math.prod(sampler.cache_sharding(cache_shape).shard_shape(cache_shape)) * dt.itemsize
 
         state["kv_cache"] = kv_bytes(sampler, B)
@@ -489,7 +507,7 @@ class Planner:
         # eval.k samples of each prompt of an eval batch, padded as the Evaluator pads it.
         evaluating = config.eval.every_n_steps > 0
         if evaluating:
-            eval_sampler = programs.eval_sampler()
+            eval_sampler = programs.eval_sampler(stops)
             eval_inputs = programs.abstract_eval_inputs()
             eval_prompts, eval_padded = programs.eval_batch()
             eval_rows = eval_padded * config.eval.k
@@ -521,22 +539,43 @@ class Planner:
         def prefill_lower(sampler: Any = sampler, inputs: dict = inputs) -> Any:
             return sampler.prefill_jit.lower(sampler_args, inputs["prompt_tokens"], inputs["prompt_mask"])
 
-        def decode_lower(sampler: Any = sampler, B: int = B) -> Any:
+        def rows_of(sampler: Any, B: int, *rest: int, dtype: Any = jax.numpy.int32, names=("length",)):
+            shape = (B, *rest)
+            return jax.ShapeDtypeStruct(shape, dtype, sharding=sampler._sharding(shape, ("batch", *names[: len(rest)])))
+
+        def rollout_state(sampler: Any, B: int, slots: int) -> tuple:
             from grpo.models.qwen2 import KVCache
 
-            first = Lp + (seg[0][1] if seg else 0)
-            shape = (arch.num_hidden_layers, B, first, arch.num_key_value_heads, arch.head_dim)
+            shape = (arch.num_hidden_layers, B, slots, arch.num_key_value_heads, arch.head_dim)
             kv = jax.ShapeDtypeStruct(shape, dt, sharding=sampler.cache_sharding(shape))
-            logits = jax.ShapeDtypeStruct((B, arch.vocab_size), jax.numpy.float32,
-                                          sharding=sampler._sharding((B, arch.vocab_size), ("batch", "vocab")))
-            toks = jax.ShapeDtypeStruct((B, Lp), jax.numpy.int32,
-                                        sharding=sampler._sharding((B, Lp), ("batch", "length")))
+            logits = rows_of(sampler, B, arch.vocab_size, dtype=jax.numpy.float32, names=("vocab",))
             key = jax.random.key(config.train.seed)
-            impl = jax.random.key_impl(key)
             data = jax.random.key_data(key)
             raw = jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=ro.replicated())
-            return sampler.decode_jit().lower(sampler_args, KVCache(k=kv, v=kv), logits, toks, toks, raw,
-                                              key_impl=impl)
+            return KVCache(k=kv, v=kv), logits, raw, jax.random.key_impl(key)
+
+        def decode_lower(sampler: Any = sampler, B: int = B) -> Any:
+            if stops is not None:
+                return turn_lower(sampler, B)
+            cache, logits, raw, impl = rollout_state(sampler, B, Lp + (seg[0][1] if seg else 0))
+            toks = rows_of(sampler, B, Lp)
+            return sampler.decode_jit().lower(sampler_args, cache, logits, toks, toks, raw, key_impl=impl)
+
+        scalar = jax.ShapeDtypeStruct((), jax.numpy.int32, sharding=ro.replicated())
+
+        def turn_lower(sampler: Any, B: int) -> Any:
+            slots = sampler.allocated(Lp)
+            cache, logits, raw, impl = rollout_state(sampler, B, slots)
+            return sampler.turn_jit.lower(sampler_args, cache, rows_of(sampler, B, slots, dtype=bool), logits,
+                                          rows_of(sampler, B), scalar, rows_of(sampler, B), raw, scalar, key_impl=impl)
+
+        def append_lower(sampler: Any = sampler, B: int = B) -> Any:
+            from grpo.engine.rollout.multiturn import append_bucket
+
+            slots, L = sampler.allocated(Lp), append_bucket(config.rollout.max_new_tokens)
+            cache, logits, _, _ = rollout_state(sampler, B, slots)
+            return sampler.append_jit.lower(sampler_args, cache, rows_of(sampler, B, slots, dtype=bool), logits,
+                                            rows_of(sampler, B), scalar, rows_of(sampler, B, L), rows_of(sampler, B, L))
 
         def reference_lower():
             # The trainer runs it before the update, on the batch without ref log-probs.
@@ -554,6 +593,8 @@ class Planner:
             ("prefill", prefill_lower, keyed("prefill", rollout_only), rollout_takes),
             ("decode", decode_lower, keyed("decode", rollout_only), rollout_takes),
         ]
+        if stops is not None:
+            todo.append(("append", append_lower, keyed("append", rollout_only), rollout_takes))
         if config.loss.beta > 0:
             # LoRA's reference pass reads the policy's own base (adapters off).
             ref_takes = ("reference_parameters",) if frozen is None else ("parameters",)
@@ -566,6 +607,9 @@ class Planner:
                 ("eval_decode", lambda: decode_lower(eval_sampler, eval_rows), keyed("eval_decode", eval_only),
                  rollout_takes),
             ]
+            if stops is not None:
+                todo.append(("eval_append", lambda: append_lower(eval_sampler, eval_rows),
+                             keyed("eval_append", eval_only), rollout_takes))
         for name, lower, key, takes in todo:
             if key not in self._cache:
                 self._cache[key] = self._compile(name, lower, takes)
@@ -633,7 +677,7 @@ class Planner:
         if evaluating:
             # One eval batch; a whole evaluation runs ceil(examples / prompts) of them, and
             # the split's size is known here only through eval.num_examples.
-            batch_s = sum(report_programs[n]["roofline_s"] for n in EVAL_PROGRAMS)
+            batch_s = sum(report_programs[n]["roofline_s"] for n in EVAL_PROGRAMS if n in report_programs)
             batches = math.ceil(config.eval.num_examples / eval_prompts) if config.eval.num_examples else None
             eval_report = {
                 "every_n_steps": config.eval.every_n_steps,

@@ -3,6 +3,9 @@
 - ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
   each process's slice of them (the rollout's inputs).
 - ``sampler``: the jitted prefill + KV-cache decode (:class:`Sampler`).
+- ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
+  the host's environment steps, the jitted KV-cache append of their replies, and update
+  rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).

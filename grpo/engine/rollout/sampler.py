@@ -142,6 +142,9 @@ class RolloutOutput(NamedTuple):
     lengths: jax.Array  # [B] int32 = mask.sum(1)
     truncated: jax.Array  # [B] bool: hit max_new_tokens without a stop token
     logprobs: jax.Array  # [B, N] float32 log_softmax(logits / T)[token]; 0 where mask is 0
+    # [B, N] int32, multi-turn only: 1 on the model's own tokens (``mask`` also covers the
+    # inserted environment tokens, which are attended to but never trained on); None: = mask.
+    loss_mask: jax.Array | None = None
 
 
 class Prefilled(NamedTuple):

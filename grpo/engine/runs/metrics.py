@@ -189,8 +189,9 @@ def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
 
 
 def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
-    """Reward, held-out evaluation (when ``eval.jsonl`` has rows) and throughput over
-    steps, as a PNG (in the run directory, local or in a bucket, by default)."""
+    """Reward, held-out evaluation (when ``eval.jsonl`` has rows), the tool-call rate (a
+    multi-turn run: rows with ``tools/calls_per_sample``) and throughput over steps, as a
+    PNG (in the run directory, local or in a bucket, by default)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -204,7 +205,9 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
     evals = read_eval(run_dir)
     out = out if out else rundir.path(run_dir) / "metrics.png"
     steps = [r["step"] for r in rows]
-    fig, axes = plt.subplots(1, 3 if evals else 2, figsize=(16 if evals else 11, 4))
+    tools = any("tools/calls_per_sample" in r for r in rows)
+    panels = 2 + bool(evals) + tools
+    fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
     axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward/mean")
     for key in sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")}):
         if key != "reward/mean":
@@ -223,6 +226,13 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
         ax.set_xlim(0, max(steps[-1], ev_steps[-1]))
         ax.set_xlabel("step")
         ax.set_title(f"eval: {'greedy ' if greedy else ''}accuracy on {int(prompts) if prompts else '?'} eval prompts")
+        ax.legend(fontsize=8)
+    if tools:
+        ax = axes[-2]
+        for key in ("tools/calls_per_sample", "turns/mean"):
+            ax.plot(steps, [r.get(key, float("nan")) for r in rows], label=key)
+        ax.set_xlabel("step")
+        ax.set_title("tool calls per sample (training rollouts)")
         ax.legend(fontsize=8)
     axes[-1].plot(steps, [r.get("throughput/train/valid_tokens_per_s", float("nan")) for r in rows])
     axes[-1].set_xlabel("step")

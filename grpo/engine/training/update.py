@@ -52,6 +52,15 @@ class UpdateBatch(NamedTuple):
     sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used with loss.mismatch
     dropout_keys: jax.Array | None = None  # B 2 uint32 key data per row; LoRA dropout > 0 only
     truncated: jax.Array | None = None  # B bool; loss.mask_truncated only: these rows get no loss
+    # B N, multi-turn rollouts: 1 on the model's own tokens. ``mask`` then also covers the
+    # environment's inserted tokens: the forward attends to them, the loss never sees them.
+    loss_mask: jax.Array | None = None
+
+    @property
+    def trained(self) -> jax.Array:
+        """The tokens the loss, its normaliser and the log-prob metrics count: ``loss_mask``
+        when there is one, else ``mask``."""
+        return self.mask if self.loss_mask is None else self.loss_mask
 
 
 class MasterWeights(NamedTuple):
@@ -304,18 +313,18 @@ class UpdateStep:
         return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
 
     @staticmethod
-    def loss_mask(batch: UpdateBatch) -> jax.Array:
-        """The mask the loss sees [B, N]: the completion mask, with the rows of
-        ``batch.truncated`` (``loss.mask_truncated``) zeroed. Attention still reads the
-        completion mask: only the loss drops those rows."""
+    def loss_tokens(batch: UpdateBatch) -> jax.Array:
+        """The mask the loss sees [B, N]: the model's own tokens (``batch.trained``), with
+        the rows of ``batch.truncated`` (``loss.mask_truncated``) zeroed. Attention still
+        reads the completion mask: only the loss drops those tokens."""
         if batch.truncated is None:
-            return batch.mask
-        return jnp.where(batch.truncated[:, None], 0, batch.mask).astype(batch.mask.dtype)
+            return batch.trained
+        return jnp.where(batch.truncated[:, None], 0, batch.trained).astype(batch.mask.dtype)
 
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer, frozen=None):
         args = self._loss_args(params, mb, frozen)
         args.update(
-            mask=self.loss_mask(mb),
+            mask=self.loss_tokens(mb),
             advantages=mb.advantages,
             old_logprobs=mb.old_logprobs,
             ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
@@ -349,7 +358,7 @@ class UpdateStep:
     def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
         def one(mb: UpdateBatch) -> jax.Array:
             logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters))
-            return jnp.where(mb.mask > 0, logp.astype(jnp.float32), 0.0)
+            return jnp.where(mb.trained > 0, logp.astype(jnp.float32), 0.0)
 
         m = self.micro_batches
         if m == 1:
@@ -357,6 +366,8 @@ class UpdateStep:
         fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
         if adapters and batch.dropout_keys is not None:
             fields += ("dropout_keys",)
+        if batch.loss_mask is not None:
+            fields += ("loss_mask",)
         micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
 
         def body(xs):
@@ -371,7 +382,7 @@ class UpdateStep:
 
         Gradients are taken with respect to ``params`` only: with LoRA those are the
         adapters and the base (``frozen``) is a constant of the differentiation."""
-        normalizer = self.settings.normalizer(self.loss_mask(batch))  # of the global batch
+        normalizer = self.settings.normalizer(self.loss_tokens(batch))  # of the global batch
         grad_fn = jax.value_and_grad(functools.partial(self.loss_and_metrics, frozen=frozen), has_aux=True)
         f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
         m = self.micro_batches

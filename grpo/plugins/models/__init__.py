@@ -97,6 +97,7 @@ class LlamaFamily(DecoderFamily):
     model_types = ("llama",)
     architectures = ("LlamaForCausalLM",)
     config_class = "grpo.models.llama:LlamaConfig"
+    tool_call_format = "llama3"  # Llama 3.1 JSON tool calling: the turn is {"name": ..., "parameters": {...}}
     refused_model_types = {
         "llama4": "Llama 4 (model_type llama4, MoE and multimodal) is not implemented; the llama plugin is Llama 3.x.",
     }

@@ -1,4 +1,4 @@
-"""Built-in tasks: ``gsm8k`` and ``arithmetic``, and the task-independent helpers the
+"""Built-in tasks: ``gsm8k``, ``arithmetic`` and ``lookup``, and the task-independent helpers the
 engine uses with any task.
 
 ::
@@ -17,6 +17,7 @@ from grpo.core.hookspecs import hookimpl
 from grpo.plugins.tasks._arithmetic import ArithmeticOptions, ArithmeticTask
 from grpo.plugins.tasks._evaluation import EvalResult, evaluate_completions, group_metrics, mean_correct, pass_at_k
 from grpo.plugins.tasks._gsm8k import GSM8KOptions, GSM8KTask, LoadStats, extract_answer, parse_ground_truth
+from grpo.plugins.tasks._lookup import LookupOptions, LookupTask
 from grpo.plugins.tasks._prompts import render_messages, render_prompt, render_prompts
 from grpo.plugins.tasks._scoring import OVERLONG, Scores, overlong_penalty, score_completions
 
@@ -28,6 +29,8 @@ __all__ = [
     "GSM8KOptions",
     "GSM8KTask",
     "LoadStats",
+    "LookupOptions",
+    "LookupTask",
     "Scores",
     "evaluate_completions",
     "extract_answer",
@@ -47,3 +50,4 @@ __all__ = [
 def register_tasks(register):
     register(GSM8KTask())
     register(ArithmeticTask())
+    register(LookupTask())

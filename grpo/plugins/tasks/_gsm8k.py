@@ -30,6 +30,12 @@ Rewards (each in [0, 1]; weights configurable)
       shaping signal: ``tag`` — one opening tag, one closing tag, in that order, the
       completion ends with a closing tag; ``hashes`` — one ``####`` (0.5), on the last non-blank line
       (0.5). Weight 0 by default: logged, not trained on.
+
+Tools
+    ``tools: [calculator]`` gives the model built-in tools (:mod:`grpo.plugins.tools`):
+    the rollout becomes multi-turn, the model's calls are run and answered, and the
+    rewards read the model's last turn. An unknown name is a config error listing the
+    built-in tools.
 """
 
 from __future__ import annotations
@@ -83,6 +89,11 @@ class GSM8KOptions(PluginOptions):
         False, description="Skip (and count) rows whose ground truth cannot be read, instead of failing."
     )
     max_examples: int | None = Field(None, ge=1, le=100_000_000, description="Keep the first N examples of a split.")
+    tools: list[str] = Field(
+        default_factory=list,
+        description="Built-in tools the model may call (e.g. [calculator]); the rollout becomes multi-turn. "
+        "Empty = single-turn.",
+    )
     enable_thinking: bool = Field(
         False,
         description="Chat-template thinking switch (Qwen3): false renders the prompt with an empty "
@@ -94,6 +105,20 @@ class GSM8KOptions(PluginOptions):
     @classmethod
     def _weights(cls, value: dict[str, float]) -> dict[str, float]:
         return merge_weights(value, DEFAULT_WEIGHTS)
+
+    @field_validator("tools")
+    @classmethod
+    def _tools(cls, value: list[str]) -> list[str]:
+        from grpo.plugins.tools import BUILTIN_TOOLS
+
+        unknown = [name for name in value if name not in BUILTIN_TOOLS]
+        if unknown:
+            raise ValueError(
+                f"unknown tool(s) {', '.join(map(repr, unknown))}; the built-in tools are: {', '.join(sorted(BUILTIN_TOOLS))}"
+            )
+        if len(set(value)) != len(value):
+            raise ValueError(f"a tool is listed twice: {value}")
+        return value
 
     @field_validator("data_files")
     @classmethod
@@ -374,6 +399,11 @@ class GSM8KTask(TaskPlugin):
         return messages
 
     # ---- rewards
+
+    def tools(self, *, options: BaseModel) -> dict[str, Any]:
+        from grpo.plugins.tools import builtin_tools
+
+        return builtin_tools(_options(options).tools, where="task.options.tools")
 
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
         options = _options(options)

@@ -1,0 +1,137 @@
+"""The multi-turn side of a run: a task's environments, the chat template with tools, and
+the samples and metrics of conversations.
+
+A task is multi-turn when its :meth:`~grpo.TaskPlugin.environment` gives an environment
+(a task with tools gets the built-in :class:`~grpo.plugins.tools.ToolEnvironment`); then
+:class:`Conversations` makes one environment per rollout row, renders prompts as the
+environment's opening messages with its tools' schemas in the template's ``tools=``, and
+hands the rollout (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) the render
+function it builds every reply's tokens with. Single-turn tasks never construct one: their
+path and programs are unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping, Sequence
+
+import numpy as np
+
+from grpo.core.contracts import Environment, TaskPlugin
+from grpo.core.errors import UserError
+
+
+class Conversations:
+    """Environments and rendering of a multi-turn task (see the module docstring).
+
+    ``tool_format``: the model family's :class:`~grpo.ToolCallFormat` name
+    (``ModelPlugin.tool_call_format``); ``timeout_s``: ``rollout.tool_timeout_s``."""
+
+    def __init__(self, task: TaskPlugin, options: Any, tokenizer: Any, *, tool_format: str, timeout_s: float):
+        from grpo.plugins.tools import tool_call_format
+
+        self.task = task
+        self.options = options
+        self.tokenizer = tokenizer
+        self.format = tool_call_format(tool_format)
+        self.timeout_s = float(timeout_s)
+        self.template_kwargs = dict(task.chat_template_kwargs(options=options))
+        self._schemas: dict[tuple, list[dict[str, Any]]] = {}
+
+    @classmethod
+    def of(cls, task: TaskPlugin, options: Any, tokenizer: Any, example: Mapping[str, Any], *, tool_format: str,
+           timeout_s: float) -> "Conversations | None":
+        """The conversations of a task whose ``example`` has an environment; None for a
+        single-turn task. A multi-turn task needs the tokenizer's chat template (its
+        replies are rendered by it): without one it is a :class:`grpo.UserError`."""
+        from grpo.plugins.tasks._prompts import has_chat_template
+
+        if type(task).environment is TaskPlugin.environment and not task.tools(options=options):
+            return None  # the default environment() of a task without tools: single-turn
+        conv = cls(task, options, tokenizer, tool_format=tool_format, timeout_s=timeout_s)
+        env = conv.environment(example)
+        if env is None:
+            return None
+        env.close()
+        if not (task.uses_chat_template(options=options) and has_chat_template(tokenizer)):
+            raise UserError(
+                f"task {task.name!r} is multi-turn (it has tools or an environment), which needs the tokenizer's "
+                "chat template to render the model's turns and the replies; this run has none (a tokenizer "
+                "without a chat template, or a task whose uses_chat_template() is false)."
+            )
+        return conv
+
+    def environment(self, example: Mapping[str, Any]) -> Environment | None:
+        return self.task.environment(example, options=self.options, tool_format=self.format, timeout_s=self.timeout_s)
+
+    def environments(self, examples: Sequence[Mapping[str, Any]]) -> tuple[list[Environment], list[list[dict]]]:
+        """One environment per row and the opening messages its ``reset`` gave."""
+        envs, openings = [], []
+        for ex in examples:
+            env = self.environment(ex)
+            if env is None:
+                raise ValueError(f"task {self.task.name!r} gave no environment for {dict(ex)!r:.200}")
+            envs.append(env)
+            openings.append([dict(m) for m in env.reset(ex)])
+        return envs, openings
+
+    def schemas(self, tools: Mapping[str, Any]) -> list[dict[str, Any]] | None:
+        """The tools' JSON schemas (cached: every row of every turn renders with them)."""
+        if not tools:
+            return None
+        key = tuple((name, id(fn)) for name, fn in tools.items())
+        if key not in self._schemas:
+            from grpo.plugins.tools import tool_schemas
+
+            self._schemas[key] = tool_schemas(tools, where=f"task {self.task.name!r} tools")
+        return self._schemas[key]
+
+    def render(self, messages: Sequence[Mapping[str, Any]], tools: Mapping[str, Any], add_generation_prompt: bool) -> str:
+        """A conversation through the chat template, the tools in its ``tools=``."""
+        return self.tokenizer.apply_chat_template(
+            [dict(m) for m in messages], tools=self.schemas(tools), tokenize=False,
+            add_generation_prompt=add_generation_prompt, **self.template_kwargs,
+        )
+
+    def prompt(self, example: Mapping[str, Any]) -> str:
+        """The prompt text of ``example``: its environment's opening messages rendered."""
+        env = self.environment(example)
+        try:
+            return self.render(env.reset(example), env.tools, True)
+        finally:
+            env.close()
+
+    def turn_stop_ids(self) -> tuple[int, ...]:
+        """The token that ends a tool call (the format's ``call_end``), when the tokenizer
+        has it as one token: a turn then stops there rather than at the end of the
+        sequence. Empty otherwise (turns end at a stop token)."""
+        end = self.format.call_end
+        if not end:
+            return ()
+        ids = self.tokenizer(end, add_special_tokens=False)["input_ids"]
+        return (int(ids[0]),) if len(ids) == 1 else ()
+
+
+def close_all(envs: Sequence[Environment]) -> None:
+    for env in envs:
+        env.close()
+
+
+def tool_counts(episodes: Any) -> np.ndarray:
+    """[rows, 4] int32 per-row counters of this process's rows: model turns, tool calls,
+    tool errors, tool timeouts (summed over processes by the caller)."""
+    return np.stack([episodes.num_turns, episodes.tool_calls, episodes.tool_errors, episodes.tool_timeouts],
+                    axis=1).astype(np.int32)
+
+
+def tool_metrics(totals: Sequence[float], rows: int) -> dict[str, float]:
+    """The step's metrics from :func:`tool_counts` summed over every row of the step."""
+    turns, calls, errors, timeouts = (float(x) for x in totals)
+    return {
+        "tools/calls_per_sample": calls / rows,
+        "tools/errors": errors,
+        "tools/timeouts": timeouts,
+        "turns/mean": turns / rows,
+    }
+
+
+__all__ = ["Conversations", "close_all", "tool_counts", "tool_metrics"]

@@ -1,0 +1,428 @@
+"""The multi-turn rollout: the model decodes a turn, the host runs the environment (tools),
+the replies' tokens are appended to each row's KV cache, and decoding goes on.
+
+Usage (the trainer, for a task whose rows have environments)::
+
+    mt = MultiTurnSampler(graphdef, mesh=mesh, batch_axes=axes, sampling=sampling,
+                          max_turns=4, turn_stop_ids=(call_end_id,))
+    out, episodes = mt.generate(params, prompt_tokens, prompt_mask, rng,
+                                envs=envs, openings=openings, render=render, tokenizer=tok)
+
+How it runs
+-----------
+
+Prefill is the single-turn sampler's (K samples of a prompt share it; row ``b*K + j``).
+Then, for each turn:
+
+1. **Turn decode** (one jit, the cache donated): every row still in its episode samples
+   until a stop token (``eos_ids`` and ``turn_stop_ids``, e.g. the tool format's
+   ``</tool_call>``) or its remaining budget; the others sample nothing and their slots
+   stay hidden (``kv_valid`` 0). Like the single-turn decode it runs ``lax.fori_loop``
+   chunks of ``early_stop_chunk`` tokens inside a ``lax.while_loop`` that exits when
+   every row has finished its turn: no per-token host sync.
+2. **Host**: each process decodes its own rows' turns and calls ``env.step`` for them
+   concurrently (a thread pool: a slow tool does not serialise rows; the built-in tool
+   environment bounds every call by ``rollout.tool_timeout_s``). A reply is turned into
+   tokens by the chat template itself: the text the template adds after the model's turn
+   is ``render(conversation + [assistant turn] + reply, add_generation_prompt=True)``
+   minus the text already in the row (prompt and sampled turns). So the update batch is
+   the template's rendering of the whole conversation, whatever the template's
+   separators are.
+3. **Append** (one jit, the cache donated): every continuing row's last sampled token
+   (sampled, never fed) and its reply tokens are written at the same slots ``[S, S+L)``,
+   ragged rows right-padded and hidden (``kv_valid`` 0); RoPE positions continue each
+   row's count of real tokens, so the cache holds exactly what a fresh forward over the
+   row's real tokens would. One forward over the ``[B, L]`` chunk (``L`` padded to a
+   power of two: few compiles) gives the next turn's first logits at each row's last
+   real position.
+
+Budgets: ``max_new_tokens`` N bounds each row's completion, model and inserted tokens
+together (the completion of the update batch). Slots are shared by all rows (one write
+index), so a row that finishes a turn early leaves a hole as long as the longest turn
+beside it; the cache after the prompt has ``max_turns x N`` slots, enough for every
+turn to run the whole budget, and a row whose next turn or reply would not fit is ended
+as truncated. Done rows wait at the cost of their slots in the batch.
+
+Output: each row compacted into ``[turn 1, reply 1, turn 2, ...]`` + padding to N:
+``mask`` 1 on every real token (the update's forward attends to model and inserted
+tokens alike), ``loss_mask`` 1 on the model's tokens only, sampler log-probs 0 on
+inserted tokens, ``truncated`` when the episode did not end (budget, slots, or
+``max_turns`` reached with the model still mid-conversation). Everything the host
+learnt (turn texts, the trajectory, tool counters) is in :class:`Episodes`, for this
+process's rows only.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import logging
+import time
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo.core.contracts import Environment, EnvStep
+from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
+from grpo.engine.rollout.sampler import RolloutOutput, Sampler, effective_chunk
+from grpo.models.qwen2 import KVCache
+
+log = logging.getLogger(__name__)
+
+Render = Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any], bool], str]
+"""``render(messages, tools, add_generation_prompt) -> text``: the chat template of the
+run (tools = the environment's name -> callable, rendered through ``tools=``)."""
+
+
+def append_bucket(length: int, smallest: int = 8) -> int:
+    """The padded length of an append chunk: the next power of two >= ``length``."""
+    b = smallest
+    while b < length:
+        b *= 2
+    return b
+
+
+@dataclasses.dataclass
+class Episodes:
+    """What the host saw of this process's rows (lists in local row order)."""
+
+    messages: list[list[dict[str, Any]]]  # the whole trajectory: openings, turns, replies
+    turns: list[list[dict[str, Any]]]  # [{role, text, trained}] after the prompt
+    last_text: list[str]  # the model's last turn (what reward functions score)
+    num_turns: np.ndarray  # [b] int32 model turns
+    tool_calls: np.ndarray  # [b] int32
+    tool_errors: np.ndarray  # [b] int32
+    tool_timeouts: np.ndarray  # [b] int32
+    tools_s: float = 0.0  # wall time of the environments' steps, summed over turns
+    append_s: float = 0.0  # wall time of rendering + the append programs
+    turn_s: list[float] = dataclasses.field(default_factory=list)  # each turn's decode
+
+
+class _TurnState(NamedTuple):
+    cache: KVCache
+    kv_valid: jax.Array  # [B, C] bool
+    prev: jax.Array  # [B] int32, the last sampled token
+    live: jax.Array  # [B] bool, still sampling this turn
+    ended: jax.Array  # [B] bool, produced a stop token this turn
+    count: jax.Array  # [B] int32, tokens sampled this turn
+    pos: jax.Array  # [B] int32, RoPE position of the next fed token (real tokens so far)
+    tokens: jax.Array  # [B, W] int32
+    logprobs: jax.Array  # [B, W] float32
+
+
+class TurnOutput(NamedTuple):
+    cache: KVCache
+    kv_valid: jax.Array  # [B, C] bool
+    pos: jax.Array  # [B] int32
+    tokens: jax.Array  # [B, W] int32, the turn's tokens (pad after ``count``)
+    logprobs: jax.Array  # [B, W] float32
+    count: jax.Array  # [B] int32
+    ended: jax.Array  # [B] bool
+    steps: jax.Array  # [] int32: the longest row's turn (slots written: steps - 1)
+
+
+class MultiTurnSampler(Sampler):
+    """A :class:`Sampler` whose rollouts alternate model turns and environment replies.
+
+    Extra args: ``max_turns`` (model turns per row, >= 1); ``turn_stop_ids``: tokens that
+    end a turn without ending the sequence (a tool call's end). ``kv_segment`` is unused:
+    the turn loop's cache has its final size from the start."""
+
+    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] = (), **kwargs: Any):
+        super().__init__(graphdef, **kwargs)
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.max_turns = int(max_turns)
+        self.turn_stop_ids = tuple(sorted({int(t) for t in turn_stop_ids} - set(self.sampling.eos_ids)))
+        self.start_jit = jax.jit(self._start_impl)  # grows the cache: a new buffer anyway
+        self.turn_jit = jax.jit(self._turn_impl, static_argnames=("key_impl",), donate_argnums=(1, 2))
+        self.append_jit = jax.jit(self._append_impl, donate_argnums=(1, 2))
+
+    # ------------------------------------------------------------------ sizes
+
+    def slots(self, prompt_length: int) -> int:
+        """Cache slots the turns may fill: the prompt, then ``max_turns x N``."""
+        return prompt_length + self.max_turns * self.sampling.max_new_tokens
+
+    def width(self) -> int:
+        """Sampling steps of one turn's buffer: N rounded up to whole chunks (+ step 0)."""
+        n, c = self.sampling.max_new_tokens - 1, self.turn_chunk()
+        return (-(-n // c) * c if n > 0 else 0) + 1
+
+    def turn_chunk(self) -> int:
+        return max(effective_chunk(self.sampling.max_new_tokens, self.sampling.early_stop_chunk), 1)
+
+    def allocated(self, prompt_length: int) -> int:
+        """Slots allocated: :meth:`slots` plus room for the writes of rows that sample
+        nothing past the end (a write past the last slot would be clamped onto it)."""
+        return self.slots(prompt_length) + max(self.width(), append_bucket(self.sampling.max_new_tokens))
+
+    # ------------------------------------------------------------------ programs
+
+    def _start_impl(self, cache: KVCache, prompt_mask: jax.Array):
+        """The prefilled cache grown to its final size, the slot mask and positions."""
+        B, Lp = prompt_mask.shape
+        cache = self._grow(cache, self.allocated(Lp))
+        kv_valid = jnp.zeros((B, cache.max_length), bool).at[:, :Lp].set(prompt_mask != 0)
+        pos = prompt_mask.sum(axis=1).astype(jnp.int32)
+        return cache, self._constrain(kv_valid, ("batch", "length")), pos
+
+    def _turn_impl(self, params, cache, kv_valid, logits, pos, start, budget, raw_key, turn, *, key_impl):
+        """One turn of every row: row b samples at most ``budget[b]`` tokens (0: none),
+        feeding token i at slot ``start + i - 1``."""
+        s = self.sampling
+        model = self._model(params)
+        B = logits.shape[0]
+        W, C = self.width(), self.turn_chunk()
+        rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
+        keys = step_keys(row_keys(rng, B), turn)  # each turn draws from its own keys
+        stops = jnp.asarray(s.eos_ids + self.turn_stop_ids, jnp.int32)
+
+        def batch(x, *names):
+            return self._constrain(x, ("batch",) + names)
+
+        def record(st: _TurnState, step, logits, live) -> _TurnState:
+            tok, lp = sample_tokens(
+                logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
+            )
+            tok = jnp.where(live, tok, jnp.int32(s.pad_id))
+            lp = jnp.where(live, lp, 0.0)
+            stopped = live & jnp.any(tok[:, None] == stops[None, :], axis=1) if stops.size else jnp.zeros_like(live)
+            count = st.count + live.astype(jnp.int32)
+            return st._replace(
+                prev=jnp.where(live, tok, st.prev),
+                ended=st.ended | stopped,
+                live=live & ~stopped & (count < budget),
+                count=count,
+                tokens=jax.lax.dynamic_update_index_in_dim(st.tokens, tok, step, axis=1),
+                logprobs=jax.lax.dynamic_update_index_in_dim(st.logprobs, lp, step, axis=1),
+            )
+
+        first = budget > 0
+        st = _TurnState(
+            cache=cache, kv_valid=kv_valid, prev=batch(jnp.full((B,), s.pad_id, jnp.int32)), live=first,
+            ended=batch(jnp.zeros((B,), bool)), count=batch(jnp.zeros((B,), jnp.int32)), pos=pos,
+            tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
+            logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
+        )
+        st = record(st, jnp.int32(0), logits, first)
+
+        def step(t, st: _TurnState) -> _TurnState:
+            slot = start + t - 1
+            # The previous token joins the row's cache only while the row goes on sampling;
+            # a turn's last token is fed by the append (or never, when the episode ends).
+            kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, st.live[:, None], (jnp.int32(0), slot))
+            hidden, cache = model(st.prev[:, None], st.pos[:, None], kv_valid, cache=st.cache, write_index=slot)
+            st = st._replace(cache=cache, kv_valid=kv_valid, pos=st.pos + st.live.astype(jnp.int32))
+            return record(st, t, model.logits(hidden)[:, 0, :], st.live)
+
+        n_chunks = (W - 1) // C
+
+        def cond(carry):
+            i, st = carry
+            return (i < n_chunks) & jnp.any(st.live)
+
+        def body(carry):
+            i, st = carry
+            return i + 1, jax.lax.fori_loop(0, C, lambda j, x: step(1 + i * C + j, x), st)
+
+        _, st = jax.lax.while_loop(cond, body, (jnp.int32(0), st))
+        return TurnOutput(
+            cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.tokens, logprobs=st.logprobs,
+            count=st.count, ended=st.ended, steps=jnp.max(st.count),
+        )
+
+    def _append_impl(self, params, cache, kv_valid, logits, pos, start, tokens, tmask):
+        """Write every row's ``tokens`` [B, L] (real where ``tmask``, right-padded) at slots
+        ``start + [0, L)``; returns the cache, slot mask, the next logits (unchanged for
+        rows appending nothing) and positions."""
+        model = self._model(params)
+        real = tmask != 0
+        n = real.sum(axis=1).astype(jnp.int32)  # B
+        positions = pos[:, None] + jnp.cumsum(real, axis=1).astype(jnp.int32) - 1
+        kv_valid = jax.lax.dynamic_update_slice(kv_valid, real, (jnp.int32(0), start))
+        hidden, cache = model(tokens, positions, kv_valid, cache=cache, write_index=start)
+        last = jnp.maximum(n - 1, 0)
+        h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # B 1 D
+        new = model.logits(h)[:, 0, :]
+        logits = jnp.where((n > 0)[:, None], new, logits)
+        return cache, kv_valid, self._constrain(logits, ("batch", "vocab")), pos + n
+
+    # ------------------------------------------------------------------ the turn loop
+
+    def _global(self, local: np.ndarray) -> jax.Array:
+        names = ("batch",) + ("length",) * (local.ndim - 1)
+        full = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        return to_global(local, self._sharding(full, names))
+
+    def _global_max(self, local: np.ndarray) -> int:
+        """The maximum of a per-row host value over every process's rows."""
+        if jax.process_count() == 1:
+            return int(local.max(initial=0))
+        from jax.experimental import multihost_utils
+
+        return int(np.asarray(multihost_utils.process_allgather(np.int64(local.max(initial=0)))).max())
+
+    def generate(  # type: ignore[override]
+        self,
+        params: Any,
+        prompt_tokens: Any,
+        prompt_mask: Any,
+        rng: jax.Array,
+        *,
+        envs: Sequence[Environment],
+        openings: Sequence[list[dict[str, Any]]],
+        render: Render,
+        tokenizer: Any,
+        workers: int = 32,
+    ) -> tuple[RolloutOutput, Episodes]:
+        """A multi-turn rollout. ``envs``/``openings``: the environments of this process's
+        rows (local row order) and the messages their ``reset`` gave (what the prompts
+        were rendered from)."""
+        s = self.sampling
+        N, eos = s.max_new_tokens, set(s.eos_ids)
+        pre = self.prefill(params, prompt_tokens, prompt_mask)
+        B, Lp = pre.prompt_tokens.shape
+        b = len(envs)
+        if b * jax.process_count() != B:
+            raise ValueError(f"{b} environments on each of {jax.process_count()} processes for {B} rows")
+        cap = self.slots(Lp)
+        cache, kv_valid, pos = self.start_jit(pre.cache, pre.prompt_mask)
+        logits = pre.logits
+        raw, impl = self.place_key(rng)
+
+        context = [render(m, env.tools, True) for m, env in zip(openings, envs)]  # text so far
+        messages = [list(m) for m in openings]
+        turns: list[list[dict[str, Any]]] = [[] for _ in range(b)]
+        pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]] = [[] for _ in range(b)]  # tokens, lp, trained
+        last_text = [""] * b
+        used = np.zeros(b, np.int64)
+        active = np.ones(b, bool)
+        truncated = np.zeros(b, bool)
+        counts = {k: np.zeros(b, np.int32) for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+        ep = Episodes(messages, turns, last_text, counts["turns"], counts["tool_calls"], counts["tool_errors"],
+                      counts["tool_timeouts"])
+        start = Lp
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, b)))
+        try:
+            for turn in range(self.max_turns):
+                budget = np.where(active, np.minimum(N - used, cap - start + 1), 0).astype(np.int32)
+                if self._global_max(budget) <= 0:
+                    break
+                t0 = time.perf_counter()
+                out = self.turn_jit(params, cache, kv_valid, logits, pos, jnp.int32(start), self._global(budget),
+                                    raw, jnp.int32(turn), key_impl=impl)
+                cache, kv_valid, pos = out.cache, out.kv_valid, out.pos
+                tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
+                count, ended = local_rows(out.count), local_rows(out.ended)
+                start += max(int(out.steps) - 1, 0)
+                ep.turn_s.append(time.perf_counter() - t0)
+
+                stepping = []
+                for r in np.flatnonzero(budget > 0):
+                    n = int(count[r])
+                    ids = tok[r, :n]
+                    pieces[r].append((ids, lp[r, :n], True))
+                    used[r] += n
+                    counts["turns"][r] += 1
+                    raw_text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
+                    text = tokenizer.decode([int(t) for t in ids if int(t) not in eos], skip_special_tokens=False)
+                    last_text[r] = text
+                    messages[r].append({"role": "assistant", "content": text})
+                    turns[r].append({"role": "assistant", "text": text, "trained": True})
+                    context[r] += raw_text
+                    stopped_eos = n > 0 and int(ids[-1]) in eos
+                    if not ended[r] or turn == self.max_turns - 1:
+                        # Budget or slots ran out mid-turn, or the last turn: no reply.
+                        active[r] = False
+                        truncated[r] = not stopped_eos
+                        continue
+                    stepping.append(int(r))
+
+                t1 = time.perf_counter()
+                steps: list[EnvStep] = list(pool.map(lambda r: envs[r].step(last_text[r]), stepping))
+                ep.tools_s += time.perf_counter() - t1
+
+                t2 = time.perf_counter()
+                appends: dict[int, list[int]] = {}
+                for r, res in zip(stepping, steps):
+                    for key in ("tool_calls", "tool_errors", "tool_timeouts"):
+                        counts[key][r] += int(res.info.get(key, 0) or 0)
+                    reply = [dict(m) for m in (res.messages or ())]
+                    if res.done or not reply:
+                        active[r] = False
+                        continue
+                    ins = self._inserted(render, messages[r] + reply, envs[r].tools, context[r], tokenizer)
+                    last_model = [int(pieces[r][-1][0][-1])]
+                    # Room for the reply and at least one more model token, in tokens and slots.
+                    if ins is None or used[r] + len(ins) + 1 > N or start + 1 + len(ins) > cap:
+                        active[r] = False
+                        truncated[r] = ins is not None
+                        continue
+                    messages[r].extend(reply)
+                    turns[r].extend({"role": str(m.get("role", "tool")), "text": str(m.get("content", "")),
+                                     "trained": False} for m in reply)
+                    context[r] = render(messages[r], envs[r].tools, True)
+                    pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), False))
+                    used[r] += len(ins)
+                    appends[r] = last_model + ins
+                width = self._global_max(np.asarray([len(v) for v in appends.values()] or [0]))
+                if width == 0:
+                    ep.append_s += time.perf_counter() - t2
+                    break
+                L = append_bucket(width)
+                chunk = np.full((b, L), s.pad_id, np.int32)
+                cmask = np.zeros((b, L), np.int32)
+                for r, ids in appends.items():
+                    chunk[r, : len(ids)] = ids
+                    cmask[r, : len(ids)] = 1
+                cache, kv_valid, logits, pos = self.append_jit(
+                    params, cache, kv_valid, logits, pos, jnp.int32(start), self._global(chunk), self._global(cmask))
+                jax.block_until_ready(logits)
+                start += width
+                ep.append_s += time.perf_counter() - t2
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        return self._compact(pre, pieces, truncated), ep
+
+    @staticmethod
+    def _inserted(render: Render, conversation, tools, context: str, tokenizer: Any) -> list[int] | None:
+        """The tokens the template adds after ``context`` (the row's text so far) to render
+        ``conversation`` up to the next generation prompt; None when the template does not
+        render the model's turn as it was sampled (the row then ends: what the model
+        would see next is not a continuation of what it wrote)."""
+        full = render(conversation, tools, True)
+        if not full.startswith(context):
+            log.warning("the chat template re-renders a model turn differently from how it was sampled; "
+                        "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
+            return None
+        return list(tokenizer(full[len(context):], add_special_tokens=False)["input_ids"])
+
+    def _compact(self, pre, pieces, truncated: np.ndarray) -> RolloutOutput:
+        s = self.sampling
+        b, N = len(pieces), s.max_new_tokens
+        tokens = np.full((b, N), s.pad_id, np.int32)
+        mask = np.zeros((b, N), np.int32)
+        loss_mask = np.zeros((b, N), np.int32)
+        logprobs = np.zeros((b, N), np.float32)
+        for r, row in enumerate(pieces):
+            at = 0
+            for ids, lp, trained in row:
+                n = len(ids)
+                tokens[r, at : at + n] = ids
+                mask[r, at : at + n] = 1
+                loss_mask[r, at : at + n] = int(trained)
+                logprobs[r, at : at + n] = lp
+                at += n
+        g = self._global
+        return RolloutOutput(
+            prompt_tokens=pre.prompt_tokens, prompt_mask=pre.prompt_mask, tokens=g(tokens), mask=g(mask),
+            lengths=g(mask.sum(axis=1).astype(np.int32)), truncated=g(truncated), logprobs=g(logprobs),
+            loss_mask=g(loss_mask),
+        )
+
+
+__all__ = ["Episodes", "MultiTurnSampler", "TurnOutput", "append_bucket"]

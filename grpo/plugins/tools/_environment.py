@@ -1,0 +1,168 @@
+"""The built-in tool environment: parse the model's tool calls, run them, answer with
+tool messages.
+
+Running untrusted calls
+    Every call runs in a daemon thread of its own and is waited on for ``timeout_s``
+    seconds at most. Python cannot kill a thread, so a call that hangs past its timeout
+    keeps its thread until it returns; because the thread is a daemon it never blocks a
+    later call (each call has its own thread) nor the process's exit, which a
+    ``ThreadPoolExecutor`` worker would. The calls of one turn start together, so a turn
+    with several calls waits for the slowest, not the sum. :func:`run_steps` steps the
+    environments of many rows at once from a shared thread pool (the engine's per-process
+    batch of rows): a step itself is bounded by its calls' timeouts, so that pool never
+    fills with hung work.
+
+Nothing the model writes or a tool does is fatal. Each of these becomes a tool message
+back to the model, and is counted in the step's ``info``:
+
+- a malformed call (bad JSON, no name, arguments not an object) or an unknown tool name:
+  ``error: ...``, counted in ``tool_errors``;
+- a tool that raises (wrong arguments included): ``error: ValueError: ...``,
+  ``tool_errors``;
+- a tool still running after ``timeout_s``: ``error: the tool did not answer within X s``,
+  ``tool_timeouts``;
+- a result that is not a string: JSON (``str()`` when it is not JSON-serialisable); a
+  result longer than :data:`MAX_RESULT_CHARS`: cut there, with a note saying how long it
+  was (``tool_truncated``), so one tool cannot flood the context.
+
+``tool_calls`` counts every call the model attempted, malformed ones included.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+import time
+from typing import Any, Mapping, Sequence
+
+from grpo.core.contracts import Environment, EnvStep, Message, ToolCall, ToolCallFormat, ToolFn
+from grpo.plugins.tools._formats import tool_call_format
+from grpo.plugins.tools._schema import tool_schemas
+
+MAX_RESULT_CHARS = 1000
+_STEP_WORKERS = 32
+
+
+def _as_text(result: Any) -> str:
+    if isinstance(result, str):
+        return result
+    try:
+        return json.dumps(result, ensure_ascii=False)
+    except (TypeError, ValueError):
+        return str(result)
+
+
+def _describe(err: BaseException) -> str:
+    text = str(err)
+    return f"error: {type(err).__name__}: {text}" if text else f"error: {type(err).__name__}"
+
+
+def _start(fn: ToolFn, arguments: Mapping[str, Any]) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+
+    def work() -> None:
+        try:
+            future.set_result(fn(**arguments))
+        except BaseException as err:  # noqa: BLE001 - reported to the model, never raised
+            future.set_exception(err)
+
+    threading.Thread(target=work, name=f"grpo-tool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
+    return future
+
+
+class ToolEnvironment(Environment):
+    """One row's conversation with tools.
+
+    - ``tools``: name -> typed, documented callable (checked here: a tool the chat
+      template cannot describe is a :class:`grpo.UserError`);
+    - ``format``: the model family's :class:`ToolCallFormat`, or its name;
+    - ``opening``: the opening messages, which :meth:`reset` returns;
+    - ``timeout_s``: the most a call may take before it is answered as timed out.
+
+    ``schemas`` are the tools' JSON schemas for ``apply_chat_template(tools=...)``.
+    :meth:`step` answers a turn without calls with ``done=True`` (the model answered),
+    a turn with calls with one tool message per call and ``done=False``; how many turns
+    a row may take is the rollout's limit (``rollout.max_turns``), not the environment's.
+    """
+
+    def __init__(
+        self, *, tools: Mapping[str, ToolFn], format: ToolCallFormat | str, opening: Sequence[Message],
+        timeout_s: float = 10.0,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        self.tools = dict(tools)
+        self.schemas = tool_schemas(self.tools)
+        self.format = tool_call_format(format) if isinstance(format, str) else format
+        self.opening = [dict(m) for m in opening]
+        self.timeout_s = float(timeout_s)
+
+    def reset(self, example: Mapping[str, Any]) -> list[Message]:
+        return [dict(m) for m in self.opening]
+
+    def step(self, model_turn_text: str) -> EnvStep:
+        parsed = self.format.parse(model_turn_text)
+        info = {
+            "tool_calls": len(parsed.calls) + len(parsed.errors),
+            "tool_errors": len(parsed.errors),
+            "tool_timeouts": 0,
+            "tool_truncated": 0,
+        }
+        if not parsed.calls and not parsed.errors:
+            return EnvStep(messages=None, done=True, info=info)
+        started = time.monotonic()
+        pending = [(call, self._launch(call)) for call in parsed.calls]
+        messages: list[Message] = []
+        for call, future in pending:
+            if isinstance(future, str):  # unknown tool: answered without running anything
+                content, kind = future, "tool_errors"
+            else:
+                content, kind = self._collect(future, deadline=started + self.timeout_s)
+            if kind:
+                info[kind] += 1
+            messages.append({"role": "tool", "name": call.name, "content": content})
+        for error in parsed.errors:
+            messages.append({"role": "tool", "name": "error", "content": f"error: {error}"})
+        return EnvStep(messages=messages, done=False, info=info)
+
+    def _launch(self, call: ToolCall) -> concurrent.futures.Future | str:
+        fn = self.tools.get(call.name)
+        if fn is None:
+            return f"error: unknown tool {call.name!r}; the tools are: {', '.join(self.tools) or 'none'}"
+        return _start(fn, call.arguments)
+
+    def _collect(self, future: concurrent.futures.Future, *, deadline: float) -> tuple[str, str]:
+        """(the tool message's content, the info counter it adds to or '')."""
+        try:
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except concurrent.futures.TimeoutError:
+            return f"error: the tool did not answer within {self.timeout_s:g} s", "tool_timeouts"
+        except Exception as err:  # noqa: BLE001 - the tool's own error, told to the model
+            return _describe(err), "tool_errors"
+        text = _as_text(result)
+        if len(text) > MAX_RESULT_CHARS:
+            note = f"... [cut: the result has {len(text)} characters, only the first {MAX_RESULT_CHARS} are shown]"
+            return text[:MAX_RESULT_CHARS] + note, "tool_truncated"
+        return text, ""
+
+
+_POOL: concurrent.futures.ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def run_steps(environments: Sequence[Environment], texts: Sequence[str]) -> list[EnvStep]:
+    """``[env.step(text) for env, text in zip(environments, texts)]``, the rows stepped
+    concurrently (their tools run in parallel) from a shared thread pool."""
+    if len(environments) != len(texts):
+        raise ValueError(f"{len(environments)} environments but {len(texts)} turns")
+    if len(environments) <= 1:
+        return [env.step(text) for env, text in zip(environments, texts)]
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = concurrent.futures.ThreadPoolExecutor(_STEP_WORKERS, thread_name_prefix="grpo-env-step")
+    return list(_POOL.map(lambda pair: pair[0].step(pair[1]), zip(environments, texts)))
+
+
+__all__ = ["MAX_RESULT_CHARS", "ToolEnvironment", "run_steps"]

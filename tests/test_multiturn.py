@@ -1,0 +1,225 @@
+"""The multi-turn rollout engine on a tiny Qwen2 over 8 CPU devices, with a scripted
+environment: the update batch is the chat template's rendering of the whole conversation,
+the loss mask is 1 exactly on the model's tokens, and the sampler's log-probs through the
+KV-cache turns and appends equal a fresh forward over the whole sequence."""
+
+from __future__ import annotations
+
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from grpo.core.contracts import Environment, EnvStep, MeshLayout
+from grpo.engine.parallel.mesh import build_mesh
+from grpo.engine.rollout.multiturn import MultiTurnSampler, append_bucket
+from grpo.engine.rollout.sampler import SamplingParams
+from grpo.models.loading import load_hf
+from grpo.models.qwen2 import positions_from_mask
+from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
+
+P, K, N, TURNS = 2, 4, 40, 3
+TEMP = 0.8
+
+
+class Scripted(Environment):
+    """Answers every turn with a fixed tool message; the episode ends after two replies."""
+
+    def __init__(self, row: int):
+        self.row = row
+        self.seen: list[str] = []
+
+    def reset(self, example):
+        return [{"role": "user", "content": example["q"]}]
+
+    def step(self, model_turn_text):
+        self.seen.append(model_turn_text)
+        if len(self.seen) > 2:
+            return EnvStep(None, True, {})
+        return EnvStep([{"role": "tool", "content": f"r{self.row}.{len(self.seen)}"}], False, {"tool_calls": 1})
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoTokenizer
+
+    directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_mt"), seed=3)
+    mesh = build_mesh(MeshLayout(dp=1, fsdp=8, tp=1))
+    graphdef, params = nnx.split(load_hf(directory, mesh))
+    return graphdef, params, mesh, AutoTokenizer.from_pretrained(directory)
+
+
+def render(tokenizer):
+    def fn(messages, tools, add_generation_prompt):
+        return tokenizer.apply_chat_template(list(messages), tokenize=False, add_generation_prompt=add_generation_prompt)
+
+    return fn
+
+
+def test_append_bucket():
+    assert [append_bucket(n) for n in (0, 1, 8, 9, 33)] == [8, 8, 8, 16, 64]
+
+
+def test_scripted_transcript_mask_and_logprobs(setup):
+    graphdef, params, mesh, tok = setup
+    eos = special_token_ids()["<|im_end|>"]
+    # Turns end at any lowercase letter, so a random model takes several turns.
+    letters = sorted({i for c in "abcdefghijklmnopqrstuvwxyz" for i in tok(c, add_special_tokens=False)["input_ids"]})
+    sampling = SamplingParams(max_new_tokens=N, num_generations=K, temperature=TEMP, eos_ids=(eos,),
+                              pad_id=tok.pad_token_id, early_stop_chunk=4)
+    mt = MultiTurnSampler(graphdef, mesh=mesh, batch_axes=("fsdp",), sampling=sampling, max_turns=TURNS,
+                          turn_stop_ids=letters)
+    examples = [{"q": "What is 2+3?"}, {"q": "Say hi"}]
+    envs = [Scripted(r) for r in range(P * K)]
+    openings = [envs[r].reset(examples[r // K]) for r in range(P * K)]
+    rend = render(tok)
+    prompts = [tok(rend(openings[p * K], {}, True), add_special_tokens=False)["input_ids"] for p in range(P)]
+    Lp = max(map(len, prompts))
+    ptok = np.full((P, Lp), tok.pad_token_id, np.int32)
+    pmask = np.zeros((P, Lp), np.int32)
+    for p, ids in enumerate(prompts):
+        ptok[p, Lp - len(ids):], pmask[p, Lp - len(ids):] = ids, 1
+    out, ep = mt.generate(params, ptok, pmask, jax.random.key(0), envs=envs, openings=openings, render=rend,
+                          tokenizer=tok)
+    tokens, mask, loss_mask = (np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask))
+    logprobs = np.asarray(out.logprobs)
+    assert ep.num_turns.max() >= 2 and ep.tool_calls.sum() > 0 and (mask - loss_mask).sum() > 0
+
+    for r in range(P * K):
+        n = int(mask[r].sum())
+        real, trained = tokens[r, :n].tolist(), loss_mask[r, :n]
+        # Runs of model tokens and of inserted tokens alternate, one run per turn / reply.
+        edges = np.flatnonzero(np.diff(trained)) + 1
+        runs = np.split(np.arange(n), edges)
+        assert [bool(trained[x[0]]) for x in runs] == [t["trained"] for t in ep.turns[r]][: len(runs)]
+        assert sum(bool(trained[x[0]]) for x in runs) == ep.num_turns[r]
+        assert np.all(logprobs[r][loss_mask[r] == 0] == 0) and np.all(loss_mask[r] <= mask[r])
+        # The conversation through the template, the last model turn as sampled (stop token
+        # included); rows whose turns re-tokenize to what was sampled compare token ids.
+        convo = ep.messages[r]
+        assert convo[-1]["role"] == "assistant"
+        last = [real[i] for i in runs[-1]]
+        whole = rend(convo[:-1], {}, True) + tok.decode(last, skip_special_tokens=False)
+        prompt = tok(rend(openings[r], {}, True), add_special_tokens=False)["input_ids"]
+        assert tok.decode(prompt + real, skip_special_tokens=False) == whole
+        model_runs = [[real[i] for i in x] for x in runs if trained[x[0]]]
+        if all(tok(tok.decode(ids), add_special_tokens=False)["input_ids"] == ids for ids in model_runs):
+            assert tok(whole, add_special_tokens=False)["input_ids"] == prompt + real
+
+    # A fresh forward over prompt + completion gives the sampler's log-probs on model tokens.
+    model = nnx.merge(graphdef, params)
+    full = jnp.concatenate([out.prompt_tokens, out.tokens], axis=1)
+    kv = jnp.concatenate([out.prompt_mask, out.mask], axis=1).astype(bool)
+    hidden, _ = model(full, positions_from_mask(kv), kv)
+    logits = model.logits(hidden[:, Lp - 1 : -1]) / TEMP
+    ref = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), out.tokens[..., None], -1)[..., 0]
+    ref = np.where(loss_mask == 1, np.asarray(ref), 0.0)
+    np.testing.assert_allclose(logprobs, ref, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- a trainer run with bad tools
+
+
+def flaky(mode: str) -> str:
+    """A tool that misbehaves as asked.
+
+    Args:
+        mode: raise, hang, flood or object.
+    """
+    if mode == "raise":
+        raise ValueError("asked to")
+    if mode == "hang":
+        time.sleep(2.0)
+    if mode == "flood":
+        return "7" * 100_000
+    return {"mode": [mode, 1]}  # not a string, whatever the annotation says
+
+
+MODES = ("raise", "hang", "flood", "object")
+
+
+TOOLS_RUN = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320],
+                "max_new_tokens": 320, "max_turns": 2,
+                "tool_timeout_s": 0.3, "early_stop_chunk": 8},
+    "task": {"name": "arithmetic", "options": {"max_operand": 9, "num_examples": 64, "num_test_examples": 8,
+                                               "chat_template": True,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "train": {"steps": 1, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": True},
+}
+
+
+def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, monkeypatch):
+    """One short step whose every row makes four tool calls (scripted: a random model never
+    writes a call): one raises, one hangs past ``rollout.tool_timeout_s``, one floods, one
+    returns a dict. The run goes on, errors and timeouts are counted, the sampler's
+    log-probs match the trainer's on the model's tokens, samples carry the turns, the plot
+    has the tool-call panel."""
+    import json
+
+    from grpo.core.config import load_config
+    from grpo.core.contracts import ToolCall
+    from grpo.engine.conversations import Conversations
+    from grpo.engine.runs import metrics as metrics_mod
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.trainer import Trainer
+    from grpo.plugins.tasks import ArithmeticTask
+    from grpo.plugins.tools import ToolEnvironment, _environment
+
+    class Calls(ToolEnvironment):
+        """Whatever the model writes first, it "calls" every tool once; then the episode ends."""
+
+        def step(self, model_turn_text):
+            if getattr(self, "stepped", False):
+                return EnvStep(None, True, {})
+            self.stepped = True
+            return super().step("".join(self.format.render_call(ToolCall("flaky", {"mode": m})) for m in MODES))
+
+    def environment(self, example, *, options, tool_format, timeout_s=10.0):
+        return Calls(tools={"flaky": flaky}, format=tool_format, opening=self.prompt_messages(example, options=options),
+                     timeout_s=timeout_s)
+
+    monkeypatch.setattr(ArithmeticTask, "environment", environment)
+    monkeypatch.setattr(_environment, "MAX_RESULT_CHARS", 30)
+    # A random model's turn ends at its first byte-level token (it never writes a stop).
+    monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
+    titles = []
+
+    def capture(fig, out, **kw):
+        titles.extend(ax.get_title() for ax in fig.axes)
+        return out
+
+    monkeypatch.setattr(metrics_mod.rundir, "write_figure", capture)
+    trainer = Trainer(load_config(TOOLS_RUN, []), tmp_path)
+    trainer.run()
+    rows = read_metrics(tmp_path)
+    [row] = rows
+    assert row["tools/calls_per_sample"] == 4.0
+    assert row["tools/errors"] == 16.0 and row["tools/timeouts"] == 16.0  # every row's raise and hang
+    assert row["turns/mean"] == 2.0
+    assert row["time/train/tools_s"] >= 0.3 and row["time/train/append_s"] > 0
+    # The trainer's log-probs of the model's tokens (tool replies between them) are the sampler's.
+    assert row["logprob_gap/sampler_trainer"] < 1e-4 and np.isfinite(row["loss"])
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    turns = samples[0]["turns"][0]
+    assert [t["role"] for t in turns] == ["assistant"] + ["tool"] * 4 + ["assistant"]
+    assert [t["trained"] for t in turns] == [True] + [False] * 4 + [True]
+    replies = [t["text"] for t in turns[1:5]]
+    assert "ValueError: asked to" in replies[0] and "0.3 s" in replies[1]
+    assert replies[2].startswith("7" * 30) and "cut" in replies[2] and json.loads(replies[3]) == {"mode": ["object", 1]}
+    assert "tool calls per sample (training rollouts)" in titles
+
+
+def test_max_turns_below_one_is_a_config_error_naming_the_field():
+    from grpo.core.config import load_config
+    from grpo.core.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"rollout\.max_turns") as err:
+        load_config(TOOLS_RUN, ["rollout.max_turns=0"])
+    assert err.value.exit_code == 2

@@ -1,0 +1,128 @@
+"""The synthetic ``lookup`` task (values only its tool knows) and GSM8K's ``tools`` option.
+Host only: no JAX."""
+
+from __future__ import annotations
+
+import pytest
+from click.testing import CliRunner
+
+from grpo.core.cli import cli
+from grpo.core.contracts import ToolCall
+from grpo.core.errors import UserError
+from grpo.core.plugins import get_plugins
+from grpo.plugins.tasks import LookupOptions, LookupTask, score_completions
+from grpo.plugins.tasks._lookup import call_progress, make_table, split_keys
+from grpo.plugins.tools import calculator, tool_call_format
+
+QWEN = tool_call_format("qwen")
+
+
+@pytest.fixture
+def task() -> LookupTask:
+    return get_plugins().get("task", "lookup")
+
+
+def test_table_splits_and_examples(task):
+    options = LookupOptions(num_keys=50, num_examples=300, num_test_examples=1000, seed=3)
+    table = make_table(seed=3, num_keys=50, key_digits=2, value_digits=2)
+    assert len(table) == 50 and all(len(k) == 2 == len(v) and k.isdigit() and v.isdigit() for k, v in table.items())
+    assert table == make_table(seed=3, num_keys=50, key_digits=2, value_digits=2)
+    assert table != make_table(seed=4, num_keys=50, key_digits=2, value_digits=2)
+    train = task.load(split="train", options=options)
+    test = task.load(split="test", options=options)
+    assert task.load(split="train", options=options) == train
+    assert len(train) == 300 and len(test) == 10  # 20% of 50 keys, each once
+    train_keys, test_keys = {e["key"] for e in train}, {e["key"] for e in test}
+    assert not train_keys & test_keys and len(train_keys) == 40
+    assert all(e["value"] == table[e["key"]] and e["seed"] == 3 for e in train + test)
+    assert (sorted(train_keys), sorted(test_keys)) == tuple(map(sorted, split_keys(table, seed=3, test_fraction=0.2)))
+    # The run's seed picks the table when the options give none.
+    assert task.load(split="test", options=LookupOptions(), seed=7)[0]["seed"] == 7
+    with pytest.raises(UserError, match="splits train, test"):
+        task.load(split="valid", options=options)
+
+
+def test_options_are_checked():
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="num_keys=200 exceeds the 100 keys of 2 digit"):
+        LookupOptions(num_keys=200)
+    with pytest.raises(ValidationError, match="unknown reward name"):
+        LookupOptions(reward_weights={"format": 1.0})
+    assert LookupOptions(reward_weights={"call": 0.0}).reward_weights == {
+        "correct": 1.0, "prefix": 0.5, "call": 0.0, "answer": 0.0
+    }
+
+
+def test_environment_answers_the_call_from_the_examples_table(task):
+    options = LookupOptions(num_keys=20, seed=None)
+    example = task.load(split="test", options=options, seed=5)[0]
+    env = task.environment(example, options=options, tool_format=QWEN, timeout_s=1.0)
+    assert env.reset(example) == [{"role": "user", "content": f"What is the value of {example['key']}?"}]
+    assert [s["function"]["name"] for s in env.schemas] == ["lookup"]
+    step = env.step(QWEN.render_call(ToolCall("lookup", {"key": example["key"]})))
+    assert step.messages == [{"role": "tool", "name": "lookup", "content": example["value"]}] and not step.done
+    missing = env.step(QWEN.render_call(ToolCall("lookup", {"key": "x"})))
+    assert missing.messages[0]["content"] == "error: KeyError: \"no key 'x' in the table\""
+    assert missing.info["tool_errors"] == 1
+    assert env.step(example["value"]).done
+    assert set(task.tools(options=options)) == {"lookup"}
+
+
+def test_call_progress_climbs_part_by_part():
+    ideal = QWEN.render_call(ToolCall("lookup", {"key": "37"}))
+    assert call_progress(ideal, "37") == 1.0
+    assert call_progress(ideal + "52", "37") == 1.0
+    assert call_progress('<tool_call>{"name":"lookup","arguments":{"key":"37"}}</tool_call>', "37") == 1.0
+    assert call_progress(ideal.replace("37", "38"), "37") == pytest.approx(5.5 / 6)  # "8": a digit, not the key's
+    assert call_progress(ideal.replace("37", "4x"), "37") == pytest.approx(2.5 / 6)  # no closing credit either
+    assert call_progress('<tool_call>\n{"name": "lookup", "arguments": {"key": "37', "37") == pytest.approx(4 / 6)
+    assert call_progress("<tool_call>\n{", "37") == pytest.approx(1 / 6)
+    assert call_progress("52", "37") == 0.0
+    assert call_progress(" " + ideal, "37") == 1.0
+
+
+def test_rewards_read_the_last_turn_and_the_first_call(task):
+    options = LookupOptions()
+    example = {"key": "37", "value": "52"}
+    call = QWEN.render_call(ToolCall("lookup", {"key": "37"}))
+    trajectory = [
+        {"role": "user", "content": "What is the value of 37?"},
+        {"role": "assistant", "content": call},
+        {"role": "tool", "name": "lookup", "content": "52"},
+        {"role": "assistant", "content": " 52"},
+    ]
+    fns = task.reward_functions(options=options)
+    rewards = {n: fn(" 52", {**example, "messages": trajectory}) for n, fn in fns.items()}
+    assert rewards == {"correct": 1.0, "prefix": 1.0, "call": 1.0, "answer": 1.0}
+    assert fns["answer"]("7 and", {**example, "messages": trajectory}) == 0.5
+    # Answered from memory, no call: correct but no call credit; single-turn scoring reads the completion.
+    assert {n: fn("52", example) for n, fn in fns.items()} == {"correct": 1.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
+    assert {n: fn("52<|x", example) for n, fn in fns.items()} == {"correct": 0.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
+    assert {n: fn(call, example) for n, fn in fns.items()} == {"correct": 0.0, "prefix": 0.0, "call": 1.0, "answer": 0.0}
+    scores = score_completions(task, options, [example, example], ["52", "53"])
+    assert scores.correct == [True, False] and scores.totals == [1.5, 0.0]
+    assert task.reward_weights(options=options) == {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
+
+
+def test_prepare_example(task):
+    assert task.prepare_example({"key": " 07", "value": "42"}, options=LookupOptions()) == {"key": "07", "value": "42"}
+    with pytest.raises(UserError, match="line 3: the 'value' of a lookup example must be digits"):
+        task.prepare_example({"key": "07", "value": "four"}, options=LookupOptions(), where="line 3")
+
+
+def test_gsm8k_tools_option(tmp_path):
+    gsm8k = get_plugins().get("task", "gsm8k")
+    options = gsm8k.Options(tools=["calculator"])
+    assert gsm8k.tools(options=options) == {"calculator": calculator}
+    assert gsm8k.tools(options=gsm8k.Options()) == {}
+    env = gsm8k.environment({"question": "1+1?", "answer": "2"}, options=options, tool_format=QWEN)
+    assert env.reset({})[-1] == {"role": "user", "content": "1+1?"}
+    config = tmp_path / "bad.yaml"
+    config.write_text(
+        "name: t\nmodel: {source: random, random: {preset: tiny}}\n"
+        "task: {name: gsm8k, options: {tools: [calculator, search]}}\n"
+    )
+    result = CliRunner().invoke(cli, ["config", "validate", str(config)])
+    assert result.exit_code == 2
+    assert "task.options.tools: unknown tool(s) 'search'; the built-in tools are: calculator" in result.output
