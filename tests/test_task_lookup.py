@@ -12,7 +12,7 @@ from grpo.core.errors import UserError
 from grpo.core.plugins import get_plugins
 from grpo.plugins.tasks import LookupOptions, LookupTask, score_completions
 from grpo.plugins.tasks._lookup import call_progress, make_table, split_keys
-from grpo.plugins.tools import calculator, tool_call_format
+from grpo.plugins.tools import calculator, task_environment, tool_call_format
 
 QWEN = tool_call_format("qwen")
 
@@ -57,7 +57,7 @@ def test_options_are_checked():
 def test_environment_answers_the_call_from_the_examples_table(task):
     options = LookupOptions(num_keys=20, seed=None)
     example = task.load(split="test", options=options, seed=5)[0]
-    env = task.environment(example, options=options, tool_format=QWEN, timeout_s=1.0)
+    env = task_environment(task, example, options=options, tool_format=QWEN, timeout_s=1.0)
     assert env.reset(example) == [{"role": "user", "content": f"What is the value of {example['key']}?"}]
     assert [s["function"]["name"] for s in env.schemas] == ["lookup"]
     step = env.step(QWEN.render_call(ToolCall("lookup", {"key": example["key"]})))
@@ -116,7 +116,7 @@ def test_gsm8k_tools_option(tmp_path):
     options = gsm8k.Options(tools=["calculator"])
     assert gsm8k.tools(options=options) == {"calculator": calculator}
     assert gsm8k.tools(options=gsm8k.Options()) == {}
-    env = gsm8k.environment({"question": "1+1?", "answer": "2"}, options=options, tool_format=QWEN)
+    env = task_environment(gsm8k, {"question": "1+1?", "answer": "2"}, options=options, tool_format=QWEN)
     assert env.reset({})[-1] == {"role": "user", "content": "1+1?"}
     config = tmp_path / "bad.yaml"
     config.write_text(

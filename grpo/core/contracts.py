@@ -598,19 +598,12 @@ class TaskPlugin(_PluginBase):
 
     def environment(self, example: Mapping[str, Any], *, options: BaseModel,
                     tool_format: ToolCallFormat, timeout_s: float = 10.0) -> "Environment | None":
-        """The environment of one rollout row for ``example``; None: a single-turn task
-        (prompt -> one completion). Default: the built-in tool environment over
-        :meth:`tools` when there are any, else None. ``timeout_s`` bounds each tool call
-        (``rollout.tool_timeout_s``)."""
-        tools = self.tools(options=options)
-        if not tools:
-            return None
-        from grpo.plugins.tools import ToolEnvironment
-
-        return ToolEnvironment(
-            tools=tools, format=tool_format, opening=self.prompt_messages(example, options=options),
-            timeout_s=timeout_s,
-        )
+        """The environment of one rollout row for ``example``, for a task that brings its
+        own; None (the default): the engine gives a task with :meth:`tools` the built-in
+        tool environment (:class:`grpo.plugins.tools.ToolEnvironment`: the model's calls
+        parsed in ``tool_format``, each run within ``timeout_s``, i.e.
+        ``rollout.tool_timeout_s``), and a task without tools is single-turn."""
+        return None
 
 
 # --------------------------------------------------------------------------- model

@@ -61,7 +61,12 @@ class Conversations:
         return conv
 
     def environment(self, example: Mapping[str, Any]) -> Environment | None:
-        return self.task.environment(example, options=self.options, tool_format=self.format, timeout_s=self.timeout_s)
+        """The task's own environment for ``example``, or for a task with tools and none of
+        its own the built-in tool environment; None: single-turn."""
+        from grpo.plugins.tools import task_environment
+
+        return task_environment(self.task, example, options=self.options, tool_format=self.format,
+                                timeout_s=self.timeout_s)
 
     def environments(self, examples: Sequence[Mapping[str, Any]]) -> tuple[list[Environment], list[list[dict]]]:
         """One environment per row and the opening messages its ``reset`` gave."""

@@ -6,6 +6,8 @@
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
+- ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
+  rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).

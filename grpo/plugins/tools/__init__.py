@@ -10,16 +10,17 @@ the model families, tool JSON schemas, and the built-in tools.
     messages = env.reset(example)          # the prompt
     step = env.step(model_turn_text)       # tool messages, or done
 
-A task gets the environment by returning tools from ``TaskPlugin.tools``; the schemas
+A task gets the environment by returning tools from ``TaskPlugin.tools``
+(:func:`task_environment` is what the engine calls); the schemas
 (``env.schemas``) reach the chat template's ``tools=`` argument. Import-light: nothing here
 imports JAX; transformers is imported only to build schemas.
 """
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Any, Iterable, Mapping
 
-from grpo.core.contracts import ToolFn
+from grpo.core.contracts import Environment, TaskPlugin, ToolCallFormat, ToolFn
 from grpo.core.errors import UserError
 from grpo.plugins.tools._calculator import calculator
 from grpo.plugins.tools._environment import MAX_RESULT_CHARS, ToolEnvironment, run_steps
@@ -40,6 +41,21 @@ def builtin_tools(names: Iterable[str], *, where: str = "tools") -> dict[str, To
     return out
 
 
+def task_environment(task: TaskPlugin, example: Mapping[str, Any], *, options: Any, tool_format: ToolCallFormat,
+                     timeout_s: float = 10.0) -> Environment | None:
+    """The environment of one rollout row: the task's own (``TaskPlugin.environment``), or
+    for a task with tools and none of its own a :class:`ToolEnvironment` over them opening
+    with the task's prompt; None: a single-turn task."""
+    env = task.environment(example, options=options, tool_format=tool_format, timeout_s=timeout_s)
+    if env is not None:
+        return env
+    tools = task.tools(options=options)
+    if not tools:
+        return None
+    return ToolEnvironment(tools=tools, format=tool_format, opening=task.prompt_messages(example, options=options),
+                           timeout_s=timeout_s)
+
+
 __all__ = [
     "BUILTIN_TOOLS",
     "FORMATS",
@@ -50,6 +66,7 @@ __all__ = [
     "builtin_tools",
     "calculator",
     "run_steps",
+    "task_environment",
     "tool_call_format",
     "tool_schema",
     "tool_schemas",
