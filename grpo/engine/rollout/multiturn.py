@@ -355,7 +355,8 @@ class MultiTurnSampler(Sampler):
                     if res.done or not reply:
                         active[r] = False
                         continue
-                    ins = self._inserted(render, messages[r] + reply, envs[r].tools, context[r], tokenizer)
+                    full = render(messages[r] + reply, envs[r].tools, True)
+                    ins = self._inserted(full, context[r], tokenizer)
                     last_model = [int(pieces[r][-1][0][-1])]
                     # Room for the reply and at least one more model token, in tokens and slots.
                     if ins is None or used[r] + len(ins) + 1 > N or start + 1 + len(ins) > cap:
@@ -365,7 +366,7 @@ class MultiTurnSampler(Sampler):
                     messages[r].extend(reply)
                     turns[r].extend({"role": str(m.get("role", "tool")), "text": str(m.get("content", "")),
                                      "trained": False} for m in reply)
-                    context[r] = render(messages[r], envs[r].tools, True)
+                    context[r] = full
                     pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), False))
                     used[r] += len(ins)
                     appends[r] = last_model + ins
@@ -389,12 +390,12 @@ class MultiTurnSampler(Sampler):
         return self._compact(pre, pieces, truncated), ep
 
     @staticmethod
-    def _inserted(render: Render, conversation, tools, context: str, tokenizer: Any) -> list[int] | None:
-        """The tokens the template adds after ``context`` (the row's text so far) to render
-        ``conversation`` up to the next generation prompt; None when the template does not
-        render the model's turn as it was sampled (the row then ends: what the model
-        would see next is not a continuation of what it wrote)."""
-        full = render(conversation, tools, True)
+    def _inserted(full: str, context: str, tokenizer: Any) -> list[int] | None:
+        """The tokens the template adds after ``context`` (the row's text so far) in
+        ``full`` (the conversation with the reply, rendered up to the next generation
+        prompt); None when the template does not render the model's turn as it was sampled
+        (the row then ends: what the model would see next is not a continuation of what it
+        wrote)."""
         if not full.startswith(context):
             log.warning("the chat template re-renders a model turn differently from how it was sampled; "
                         "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
