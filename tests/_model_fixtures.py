@@ -48,11 +48,11 @@ def checkpoint(name: str) -> Path:
 # name -> (transformers config class, its kwargs). Built by transformers itself and saved
 # with save_pretrained, so the HF side (names, layouts, config.json) is transformers' own.
 # Sizes are deliberately odd: head_dim unrelated to hidden/heads, MQA and GQA, 2 and 3
-# layers, a vocabulary of 311; hidden 48 divides over fsdp=8 so sharded loads really shard.
+# layers, a vocabulary of 320 (the tiny tokenizer has 319 tokens); hidden 48 divides over fsdp=8 so sharded loads really shard.
 _LLAMA3_ROPE = {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                 # wavelengths of head_dim 16 at theta 5e5 then fall in all three llama3 bands
                 "original_max_position_embeddings": 256}
-_COMMON = dict(vocab_size=311, hidden_size=48, bos_token_id=306, eos_token_id=308, pad_token_id=306)
+_COMMON = dict(vocab_size=320, hidden_size=48, bos_token_id=306, eos_token_id=308, pad_token_id=306)
 FAMILY_CHECKPOINTS: dict[str, tuple[str, dict]] = {
     "qwen3_tied": ("Qwen3Config", dict(
         _COMMON, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -212,7 +212,7 @@ def mistral_checkpoint():
     import transformers
 
     config = transformers.MistralConfig(
-        vocab_size=311, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
+        vocab_size=320, hidden_size=48, intermediate_size=72, num_hidden_layers=2, num_attention_heads=6,
         num_key_value_heads=2, head_dim=8, sliding_window=None, rms_norm_eps=1e-5, max_position_embeddings=512,
         bos_token_id=306, eos_token_id=308, pad_token_id=306,
     )

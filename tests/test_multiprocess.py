@@ -105,6 +105,8 @@ LORA = {
 # rolls out more: which groups it keeps is decided from rewards gathered from both
 # processes, and the kept rows (with their loss masks) are gathered across them.
 TOOLS = {
+    # The tiny tokenizer's tool tags are single tokens: a random policy writes some calls.
+    "model": {"random": {"preset": "tiny", "tool_tokens": True}},
     "task": {"name": "length", "options": {"num_examples": 64, "tools": True, "raise_every": 2}},
     "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}},
     "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320], "max_new_tokens": 128,

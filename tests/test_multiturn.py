@@ -142,7 +142,7 @@ MODES = ("raise", "hang", "flood", "object")
 
 
 TOOLS_RUN = {
-    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "model": {"source": "random", "random": {"preset": "tiny", "tool_tokens": True}},
     "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320],
                 "max_new_tokens": 320, "max_turns": 2,
                 "tool_timeout_s": 0.3, "early_stop_chunk": 8},

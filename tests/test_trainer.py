@@ -372,10 +372,18 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
                      "checkpoint.at_end": True})
     trainer = Trainer(cfg, tmp_path / "straight")
     scored, batches = [], []  # per round: (examples, tokens, mask, totals); per step: the update batch
-    score, update = trainer._score, trainer.update
+    score, update, generate = trainer._score, trainer.update, trainer.sampler.generate
+    rollouts = []  # per round: the sampler's (tokens, mask); each round is scored right after
 
-    def recording_score(examples, tokens, mask):
-        totals, per_fn, failed = score(examples, tokens, mask)
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        rollouts.append(jax.device_get((out.tokens, out.mask)))
+        return out
+
+    def recording_score(examples, texts, lengths):
+        totals, per_fn, failed = score(examples, texts, lengths)
+        tokens, mask = rollouts[len(scored)]
+        np.testing.assert_array_equal(lengths, mask.sum(axis=1))
         scored.append((examples, tokens, mask, totals))
         return totals, per_fn, failed
 
@@ -384,6 +392,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         return update(params, opt_state, ub, frozen)
 
     trainer._score, trainer.update = recording_score, recording_update
+    trainer.sampler.generate = recording_generate
     trainer.run()
     rows = read_metrics(tmp_path / "straight")
     scored_copy = list(scored)
@@ -422,10 +431,10 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     # task.overlong joins the scores as the reward `overlong` (host-side: no compile).
     examples, tokens, _ = scored_copy[0][:3]
     mask = (np.arange(3)[None] < (np.arange(len(examples)) % 4)[:, None]).astype(np.int32)  # lengths 0..3
-    plain, per_fn, failed = score(examples, tokens, mask)
+    texts, lengths = trainer.policy.decode(tokens, mask), mask.sum(1)
+    plain, per_fn, failed = score(examples, texts, lengths)
     trainer.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
-    shaped, per_fn, failed = score(examples, tokens, mask)
-    lengths = mask.sum(1)
+    shaped, per_fn, failed = score(examples, texts, lengths)
     penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
     assert penalty.min() == -0.5 and penalty.max() == 0.0
     np.testing.assert_allclose(per_fn["overlong"], penalty, atol=1e-7)

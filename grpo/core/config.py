@@ -51,6 +51,11 @@ class RandomModelConfig(Section):
         default_factory=dict,
         description="HF config fields to override on the preset (e.g. num_hidden_layers: 2).",
     )
+    tool_tokens: bool = Field(
+        False,
+        description="Give the tiny tokenizer Qwen2.5's tool tags and the lookup call as single tokens (the tools "
+        "quickstart); off, those ids decode to nothing, so single-turn runs sample and score as before they existed.",
+    )
 
 
 LORA_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

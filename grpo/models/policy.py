@@ -65,7 +65,8 @@ def load_tokenizer(cfg: ModelConfig) -> tuple[Any, str]:
         from grpo.models.tiny import write_tiny_tokenizer
 
         # Per-process temp dir: several processes on one host must not race on one file.
-        directory = str(write_tiny_tokenizer(tempfile.mkdtemp(prefix="grpo-tokenizer-")))
+        directory = str(write_tiny_tokenizer(tempfile.mkdtemp(prefix="grpo-tokenizer-"),
+                                             tool_tokens=cfg.random.tool_tokens))
     try:
         tok = AutoTokenizer.from_pretrained(directory)
     except Exception as err:  # noqa: BLE001

@@ -147,10 +147,15 @@ def special_token_ids() -> dict[str, int]:
     return {tok: len(vocab) + i for i, tok in enumerate(SPECIAL_TOKENS)}
 
 
-def write_tiny_tokenizer(directory: str | os.PathLike) -> Path:
+def write_tiny_tokenizer(directory: str | os.PathLike, *, tool_tokens: bool = True) -> Path:
     """Write ``tokenizer.json``, ``tokenizer_config.json`` and ``special_tokens_map.json``
     to ``directory`` (created if needed). ``AutoTokenizer.from_pretrained(directory)``
-    loads it and ``apply_chat_template`` works. Returns the directory."""
+    loads it and ``apply_chat_template`` works. Returns the directory.
+
+    ``tool_tokens=False`` leaves :data:`TOOL_TOKENS` out: their ids then decode to nothing,
+    as before the tools existed. A random model samples every id of its vocabulary, so
+    with them a single-turn task's completions read differently (an id that decoded to ""
+    now decodes to a tag), and so do its rewards and its learning curve."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     out = Path(directory)
@@ -160,7 +165,8 @@ def write_tiny_tokenizer(directory: str | os.PathLike) -> Path:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
+    tools = TOOL_TOKENS if tool_tokens else ()
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in tools])
     tok.save(str(out / "tokenizer.json"))
     ids = special_token_ids()
     tool_ids = tool_token_ids()
@@ -190,7 +196,7 @@ def write_tiny_tokenizer(directory: str | os.PathLike) -> Path:
                     "content": t, "lstrip": False, "normalized": False, "rstrip": False,
                     "single_word": False, "special": False,
                 }
-                for t in TOOL_TOKENS
+                for t in tools
             },
         },
     )
