@@ -63,7 +63,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
-from grpo.plugins.tasks._common import merge_weights, require_text
+from grpo.plugins.tasks._common import coerce_options, merge_weights, require_text
 
 DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "close": 0.0, "length": 0.0, "format": 0.0}
 
@@ -109,11 +109,7 @@ class ArithmeticOptions(PluginOptions):
 
 
 def _options(options: Any) -> ArithmeticOptions:
-    if isinstance(options, ArithmeticOptions):
-        return options
-    if options is None or isinstance(options, Mapping):
-        return ArithmeticOptions.model_validate(dict(options or {}))
-    raise TypeError(f"expected ArithmeticOptions, got {type(options).__name__}")
+    return coerce_options(ArithmeticOptions, options)
 
 
 _ENUMERATE_LIMIT = 100_000  # prompt spaces up to this size are listed and split exactly

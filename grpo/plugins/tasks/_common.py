@@ -3,9 +3,24 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Mapping
+from typing import Any, Mapping, TypeVar
+
+from pydantic import BaseModel
 
 from grpo.core.errors import UserError
+
+
+O = TypeVar("O", bound=BaseModel)
+
+
+def coerce_options(cls: type[O], options: Any) -> O:
+    """A task's options as its ``Options`` model: an instance as it is, a mapping (or None:
+    the defaults) validated; anything else is a TypeError."""
+    if isinstance(options, cls):
+        return options
+    if options is None or isinstance(options, Mapping):
+        return cls.model_validate(dict(options or {}))
+    raise TypeError(f"expected {cls.__name__}, got {type(options).__name__}")
 
 
 class UnparseableAnswer(UserError):

@@ -49,7 +49,7 @@ from pydantic import BaseModel, Field, field_validator
 
 from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
-from grpo.plugins.tasks._common import UnparseableAnswer, merge_weights, require_text, shorten
+from grpo.plugins.tasks._common import coerce_options, UnparseableAnswer, merge_weights, require_text, shorten
 from grpo.plugins.tasks._numbers import NumberToken, canonical, last_number, only_number, parse_number
 
 log = logging.getLogger("grpo.tasks.gsm8k")
@@ -254,11 +254,7 @@ _SYSTEM_PROMPTS = {
 
 
 def _options(options: Any) -> GSM8KOptions:
-    if isinstance(options, GSM8KOptions):
-        return options
-    if options is None or isinstance(options, Mapping):
-        return GSM8KOptions.model_validate(dict(options or {}))
-    raise TypeError(f"expected GSM8KOptions, got {type(options).__name__}")
+    return coerce_options(GSM8KOptions, options)
 
 
 @dataclasses.dataclass(frozen=True)

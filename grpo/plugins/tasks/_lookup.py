@@ -58,7 +58,7 @@ from pydantic import BaseModel, Field, field_validator, model_validator
 
 from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin, ToolFn
 from grpo.core.errors import UserError
-from grpo.plugins.tasks._common import merge_weights, require_text
+from grpo.plugins.tasks._common import coerce_options, merge_weights, require_text
 
 DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
 _LEADING_DIGITS = re.compile(r"[0-9]*")
@@ -92,11 +92,7 @@ class LookupOptions(PluginOptions):
 
 
 def _options(options: Any) -> LookupOptions:
-    if isinstance(options, LookupOptions):
-        return options
-    if options is None or isinstance(options, Mapping):
-        return LookupOptions.model_validate(dict(options or {}))
-    raise TypeError(f"expected LookupOptions, got {type(options).__name__}")
+    return coerce_options(LookupOptions, options)
 
 
 def make_table(*, seed: int, num_keys: int, key_digits: int, value_digits: int) -> dict[str, str]:
