@@ -351,8 +351,6 @@ def test_pallas_kernels_compile_with_mosaic(bt, bv):
 
 
 def test_block_sizes_mosaic_rejects_are_refused_before_compiling():
-    import dataclasses
-
     import jax.numpy as jnp
 
     from grpo.core.errors import UserError

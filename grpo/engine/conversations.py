@@ -121,6 +121,20 @@ def close_all(envs: Sequence[Environment]) -> None:
         env.close()
 
 
+def roll_out(conversations: Conversations, sampler: Any, params: Any, prompts: Any, prompt_mask: Any, rng: Any,
+             examples: Sequence[Mapping[str, Any]]) -> tuple[Any, Any, list[dict[str, Any]]]:
+    """This process's rows rolled out as conversations, one environment per row (closed
+    after, whatever happens): the rollout, its episodes, and the rows' examples with their
+    trajectory in ``messages`` (what reward functions read beside the last turn)."""
+    envs, openings = conversations.environments(examples)
+    try:
+        out, episodes = sampler.generate(params, prompts, prompt_mask, rng, envs=envs, openings=openings,
+                                         render=conversations.render, tokenizer=conversations.tokenizer)
+    finally:
+        close_all(envs)
+    return out, episodes, [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
+
+
 def tool_counts(episodes: Any) -> np.ndarray:
     """[rows, 4] int32 per-row counters of this process's rows: model turns, tool calls,
     tool errors, tool timeouts (summed over processes by the caller)."""
@@ -139,4 +153,4 @@ def tool_metrics(totals: Sequence[float], rows: int) -> dict[str, float]:
     }
 
 
-__all__ = ["Conversations", "close_all", "tool_counts", "tool_metrics"]
+__all__ = ["Conversations", "close_all", "roll_out", "tool_counts", "tool_metrics"]

@@ -138,7 +138,11 @@ class Evaluator:
             else:
                 # The environments of this process's rows (padding prompts' too: every
                 # process takes part in every turn's programs).
-                texts, examples = self._conversations(sampler, sampler_state, batch, rng, examples)
+                from grpo.engine.conversations import roll_out
+
+                _, episodes, examples = roll_out(self.conversations, sampler, sampler_state, batch.tokens,
+                                                 batch.mask, rng, examples)
+                texts = episodes.last_text
                 if keep == 0:
                     continue
             texts, examples = texts[: keep * k], examples[: keep * k]
@@ -155,20 +159,6 @@ class Evaluator:
         real_slots = np.arange(size)[None, :] < np.minimum(real, n - np.asarray(starts))[:, None]
         flat = every[real_slots]  # n 2, eval-split order
         return EvalScores(correct=flat[:, 0].astype(np.int64), reward=flat[:, 1])
-
-    def _conversations(self, sampler, sampler_state, batch, rng, examples):
-        """Multi-turn: this process's rows rolled out; their last turns, and their examples
-        with the trajectory (``messages``) that reward functions read."""
-        from grpo.engine.conversations import close_all
-
-        conv = self.conversations
-        envs, openings = conv.environments(examples)
-        try:
-            _, episodes = sampler.generate(sampler_state, batch.tokens, batch.mask, rng, envs=envs,
-                                           openings=openings, render=conv.render, tokenizer=self.policy.tokenizer)
-        finally:
-            close_all(envs)
-        return episodes.last_text, [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
 
     def __call__(self, step: int, sampler_state: Any) -> dict[str, Any]:
         """One evaluation of the policy whose sampler state is ``sampler_state`` (what

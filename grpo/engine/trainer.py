@@ -25,7 +25,7 @@ from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
 from grpo.core.errors import UserError
-from grpo.engine.conversations import Conversations, close_all, tool_counts, tool_metrics
+from grpo.engine.conversations import Conversations, roll_out, tool_counts, tool_metrics
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -291,19 +291,12 @@ class Trainer:
             local_mask = local_rows(out.mask)
             texts = self.policy.decode(local_rows(out.tokens), local_mask)
         else:
-            # Each process runs the environments (tools) of its own rows.
-            envs, openings = self.conversations.environments(examples)
-            try:
-                out, episodes = self.sampler.generate(
-                    self.policy_params(), prompts, prompt_mask, rng, envs=envs, openings=openings,
-                    render=self.conversations.render, tokenizer=self.policy.tokenizer,
-                )
-            finally:
-                close_all(envs)
+            # Each process runs the environments (tools) of its own rows. Reward
+            # functions see the model's last turn and the whole trajectory.
+            out, episodes, examples = roll_out(self.conversations, self.sampler, self.policy_params(), prompts,
+                                               prompt_mask, rng, examples)
             local_mask = local_rows(out.mask)
-            # Reward functions see the model's last turn and the whole trajectory.
             texts = episodes.last_text
-            examples = [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
         t_generate = time.perf_counter() - t0
 
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).

@@ -489,8 +489,6 @@ class Planner:
         state["rollout_parameters"] = _bytes_per_device(rollout_state) if rollout_state is not None else 0
         sampler_args = rollout_state if rollout_state is not None else full
 
-        from grpo.models.qwen2 import CACHE_AXES
-
         P, Lp = inputs["prompt_tokens"].shape
         B = P * config.rollout.num_generations
         seg = sampler.plan()
