@@ -63,15 +63,16 @@ def test_append_bucket():
     assert [append_bucket(n) for n in (0, 1, 8, 9, 33)] == [8, 8, 8, 16, 64]
 
 
-def test_scripted_transcript_mask_and_logprobs(setup):
+def scripted_rollout(setup, **sampler_kwargs):
+    """A rollout of P prompts x K rows through :class:`Scripted` environments; turns end at
+    any lowercase letter, so a random model takes several turns."""
     graphdef, params, mesh, tok = setup
     eos = special_token_ids()["<|im_end|>"]
-    # Turns end at any lowercase letter, so a random model takes several turns.
     letters = sorted({i for c in "abcdefghijklmnopqrstuvwxyz" for i in tok(c, add_special_tokens=False)["input_ids"]})
     sampling = SamplingParams(max_new_tokens=N, num_generations=K, temperature=TEMP, eos_ids=(eos,),
                               pad_id=tok.pad_token_id, early_stop_chunk=4)
     mt = MultiTurnSampler(graphdef, mesh=mesh, batch_axes=("fsdp",), sampling=sampling, max_turns=TURNS,
-                          turn_stop_ids=letters)
+                          turn_stop_ids=letters, **sampler_kwargs)
     examples = [{"q": "What is 2+3?"}, {"q": "Say hi"}]
     envs = [Scripted(r) for r in range(P * K)]
     openings = [envs[r].reset(examples[r // K]) for r in range(P * K)]
@@ -84,6 +85,12 @@ def test_scripted_transcript_mask_and_logprobs(setup):
         ptok[p, Lp - len(ids):], pmask[p, Lp - len(ids):] = ids, 1
     out, ep = mt.generate(params, ptok, pmask, jax.random.key(0), envs=envs, openings=openings, render=rend,
                           tokenizer=tok)
+    return out, ep, rend, openings, Lp, set(letters) | {eos}
+
+
+def test_scripted_transcript_mask_and_logprobs(setup):
+    graphdef, params, mesh, tok = setup
+    out, ep, rend, openings, Lp, _ = scripted_rollout(setup)
     tokens, mask, loss_mask = (np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask))
     logprobs = np.asarray(out.logprobs)
     assert ep.num_turns.max() >= 2 and ep.tool_calls.sum() > 0 and (mask - loss_mask).sum() > 0
@@ -118,6 +125,29 @@ def test_scripted_transcript_mask_and_logprobs(setup):
     ref = jnp.take_along_axis(jax.nn.log_softmax(logits, -1), out.tokens[..., None], -1)[..., 0]
     ref = np.where(loss_mask == 1, np.asarray(ref), 0.0)
     np.testing.assert_allclose(logprobs, ref, atol=1e-5)
+
+
+def test_max_turn_tokens_caps_every_turn_and_ends_a_capped_row(setup):
+    """``max_turn_tokens`` bounds each model turn; a turn that reaches it without a stop
+    token gets no reply and its row ends as truncated."""
+    cap = 3
+    out, ep, _, _, _, stops = scripted_rollout(setup, max_turn_tokens=cap)
+    tokens, mask, loss_mask = (np.asarray(x) for x in (out.tokens, out.mask, out.loss_mask))
+    truncated = np.asarray(out.truncated)
+    capped = 0
+    for r in range(P * K):
+        n = int(mask[r].sum())
+        trained = loss_mask[r, :n]
+        runs = np.split(np.arange(n), np.flatnonzero(np.diff(trained)) + 1)
+        model_runs = [tokens[r, x].tolist() for x in runs if trained[x[0]]]
+        assert model_runs and all(len(run) <= cap for run in model_runs)
+        for run in model_runs[:-1]:  # every turn that got a reply ended on a stop token
+            assert run[-1] in stops
+        last = model_runs[-1]
+        if len(last) == cap and last[-1] not in stops:
+            capped += 1
+            assert truncated[r] and bool(trained[-1]), r  # no reply after the capped turn
+    assert capped > 0 and ep.num_turns.max() >= 2
 
 
 # --------------------------------------------------------------------------- a trainer run with bad tools

@@ -45,8 +45,12 @@ def test_table_splits_and_examples(task):
 def test_options_are_checked():
     from pydantic import ValidationError
 
-    with pytest.raises(ValidationError, match="num_keys=200 exceeds the 100 keys of 2 digit"):
+    with pytest.raises(ValidationError, match="num_keys=200 exceeds the 100 possible keys"):
         LookupOptions(num_keys=200)
+    with pytest.raises(ValidationError, match="num_keys=40 exceeds the 30 possible keys"):
+        LookupOptions(num_keys=40, key_alphabets=["ABC", "0123456789"])
+    with pytest.raises(ValidationError, match="distinct ASCII letters or digits"):
+        LookupOptions(value_alphabet="aab")
     with pytest.raises(ValidationError, match="unknown reward name"):
         LookupOptions(reward_weights={"format": 1.0})
     assert LookupOptions(reward_weights={"call": 0.0}).reward_weights == {
@@ -95,7 +99,13 @@ def test_rewards_read_the_last_turn_and_the_first_call(task):
     fns = task.reward_functions(options=options)
     rewards = {n: fn(" 52", {**example, "messages": trajectory}) for n, fn in fns.items()}
     assert rewards == {"correct": 1.0, "prefix": 1.0, "call": 1.0, "answer": 1.0}
-    assert fns["answer"]("7 and", {**example, "messages": trajectory}) == 0.5
+    # `answer` reads the tool's reply: the last turn repeats it, right key or not.
+    assert fns["answer"]("7 and", {**example, "messages": trajectory}) == 0.0
+    wrong = [*trajectory[:2], {"role": "tool", "name": "lookup", "content": "61"}, {"role": "assistant", "content": "61"}]
+    assert {n: fn("61", {**example, "messages": wrong}) for n, fn in fns.items()} == {
+        "correct": 0.0, "prefix": 0.0, "call": 1.0, "answer": 1.0}
+    error = [*trajectory[:2], {"role": "tool", "name": "lookup", "content": "error: KeyError"}]
+    assert fns["answer"]("error", {**example, "messages": error}) == 0.0
     # Answered from memory, no call: correct but no call credit; single-turn scoring reads the completion.
     assert {n: fn("52", example) for n, fn in fns.items()} == {"correct": 1.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
     assert {n: fn("52<|x", example) for n, fn in fns.items()} == {"correct": 0.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
@@ -103,6 +113,36 @@ def test_rewards_read_the_last_turn_and_the_first_call(task):
     scores = score_completions(task, options, [example, example], ["52", "53"])
     assert scores.correct == [True, False] and scores.totals == [1.5, 0.0]
     assert task.reward_weights(options=options) == {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
+
+
+def test_call_progress_credits_and_strict_calls():
+    ideal = QWEN.render_call(ToolCall("lookup", {"key": "37"}))
+    assert call_progress(ideal.replace("37", "73"), "37", other=0.0, misplaced=0.5) == pytest.approx(5 / 6)
+    assert call_progress(ideal.replace("37", "38"), "37", other=0.0) == pytest.approx(5 / 6)
+    assert call_progress(ideal.replace("37", "38"), "37", other=0.0, strict=True) == pytest.approx(3 / 6)
+    assert call_progress(ideal, "37", strict=True) == 1.0
+    letters = ("ABC", "0123456789")
+    c7 = ideal.replace("37", "C7")
+    assert call_progress(c7, "C7", alphabets=letters) == 1.0
+    assert call_progress(c7.replace("C7", "A7"), "C7", other=0.25, alphabets=letters) == pytest.approx(5.25 / 6)
+    assert call_progress(c7.replace("C7", "7C"), "C7", alphabets=letters) == pytest.approx(3 / 6)  # out of alphabet
+
+
+def test_alphabets_make_the_table_the_prompt_and_the_rewards(task):
+    options = LookupOptions(key_alphabets=["ABCDE", "0123456789"], value_alphabet="abcdefghij", value_digits=1,
+                            num_keys=50, question="{key}")
+    train = task.load(split="train", options=options, seed=1)
+    keys = {e["key"] for e in train}
+    assert all(len(k) == 2 and k[0] in "ABCDE" and k[1].isdigit() for k in keys)
+    assert all(len(e["value"]) == 1 and e["value"] in "abcdefghij" for e in train)
+    assert task.prompt_messages(train[0], options=options) == [{"role": "user", "content": train[0]["key"]}]
+    fns = task.reward_functions(options=options)
+    example = {"key": "C7", "value": "d"}
+    assert {n: fn("d", example) for n, fn in fns.items()} == {"correct": 1.0, "prefix": 1.0, "call": 0.0, "answer": 0.0}
+    assert fns["prefix"]("d7", example) == 1.0 and fns["prefix"]("da", example) == 0.0
+    assert task.prepare_example({"key": "C7", "value": "d"}, options=options) == example
+    with pytest.raises(UserError, match="row: the 'key' of a lookup example must be 2 characters of 'ABCDE', '0123"):
+        task.prepare_example({"key": "7C", "value": "d"}, options=options)
 
 
 def test_prepare_example(task):

@@ -249,6 +249,11 @@ class RolloutConfig(Section):
         description="Model turns per conversation of a multi-turn task (one with tools or an environment): "
         "the rollout stops a row after this many; single-turn tasks ignore it.",
     )
+    max_turn_tokens: int | None = Field(
+        None, ge=1, le=131072,
+        description="Most tokens of one model turn of a multi-turn task; a turn that reaches it without a stop token "
+        "ends its conversation as truncated (as the whole budget, max_new_tokens, does). None = only max_new_tokens.",
+    )
     tool_timeout_s: float = Field(
         10.0, gt=0.0, le=3600.0,
         description="Wall-clock limit of one tool call; a call past it becomes a tool message saying so (counted).",

@@ -172,7 +172,8 @@ class RunPrograms:
                 self._samplers[key] = Sampler(self.graphdef, **kwargs)
             else:
                 self._samplers[key] = MultiTurnSampler(
-                    self.graphdef, max_turns=r.max_turns, turn_stop_ids=turn_stop_ids, **kwargs)
+                    self.graphdef, max_turns=r.max_turns, turn_stop_ids=turn_stop_ids,
+                    max_turn_tokens=r.max_turn_tokens, **kwargs)
         return self._samplers[key]
 
     @property

@@ -128,14 +128,20 @@ class MultiTurnSampler(Sampler):
     """A :class:`Sampler` whose rollouts alternate model turns and environment replies.
 
     Extra args: ``max_turns`` (model turns per row, >= 1); ``turn_stop_ids``: tokens that
-    end a turn without ending the sequence (a tool call's end). ``kv_segment`` is unused:
-    the turn loop's cache has its final size from the start."""
+    end a turn without ending the sequence (a tool call's end); ``max_turn_tokens``: most
+    tokens of one turn (a turn that reaches it without a stop token ends its row as
+    truncated, as the budget does; None: the budget alone). ``kv_segment`` is unused: the
+    turn loop's cache has its final size from the start."""
 
-    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] = (), **kwargs: Any):
+    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] = (),
+                 max_turn_tokens: int | None = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if max_turn_tokens is not None and max_turn_tokens < 1:
+            raise ValueError(f"max_turn_tokens must be >= 1, got {max_turn_tokens}")
         self.max_turns = int(max_turns)
+        self.max_turn_tokens = None if max_turn_tokens is None else int(max_turn_tokens)
         self.turn_stop_ids = tuple(sorted({int(t) for t in turn_stop_ids} - set(self.sampling.eos_ids)))
         self.start_jit = jax.jit(self._start_impl)  # grows the cache: a new buffer anyway
         self.turn_jit = jax.jit(self._turn_impl, static_argnames=("key_impl",), donate_argnums=(1, 2))
@@ -309,7 +315,10 @@ class MultiTurnSampler(Sampler):
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, b)))
         try:
             for turn in range(self.max_turns):
-                budget = np.where(active, np.minimum(N - used, cap - start + 1), 0).astype(np.int32)
+                budget = np.minimum(N - used, cap - start + 1)
+                if self.max_turn_tokens is not None:
+                    budget = np.minimum(budget, self.max_turn_tokens)
+                budget = np.where(active, budget, 0).astype(np.int32)
                 if self._global_max(budget) <= 0:
                     break
                 t0 = time.perf_counter()
@@ -336,7 +345,7 @@ class MultiTurnSampler(Sampler):
                     context[r] += raw_text
                     stopped_eos = n > 0 and int(ids[-1]) in eos
                     if not ended[r] or turn == self.max_turns - 1:
-                        # Budget or slots ran out mid-turn, or the last turn: no reply.
+                        # Budget, slots or the turn's cap ran out mid-turn, or the last turn: no reply.
                         active[r] = False
                         truncated[r] = not stopped_eos
                         continue

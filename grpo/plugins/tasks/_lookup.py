@@ -1,11 +1,14 @@
 """``lookup``: find the value stored under a key, which only the ``lookup`` tool knows —
 the tools quickstart's task.
 
-A seeded random table maps ``num_keys`` distinct keys (``key_digits`` digits each) to
-values (``value_digits`` digits each), drawn independently: nothing in a key says
-anything about its value. The prompt asks ``"What is the value of 37?"``; the task's one
-tool, ``lookup(key)``, returns the value (an unknown key raises, which the tool environment
-answers with an error message and counts). The ideal trajectory is two model turns::
+A seeded random table maps ``num_keys`` distinct keys to values, drawn independently:
+nothing in a key says anything about its value. A key has ``key_digits`` digits, or one
+character of each of ``key_alphabets`` (``["ABCDEFGHIJ", "0123456789"]`` makes keys like
+``C7``); a value has ``value_digits`` characters of ``value_alphabet`` (digits by
+default). The prompt is ``question`` with the key (``"What is the value of 37?"``); the
+task's one tool, ``lookup(key)``, returns the value (an unknown key raises, which the tool
+environment answers with an error message and counts). The ideal trajectory is two model
+turns::
 
     <tool_call>\\n{"name": "lookup", "arguments": {"key": "37"}}\\n</tool_call>
     (tool: 52)
@@ -20,36 +23,41 @@ the whole trajectory (a single-turn scoring, e.g. ``grpo task score``, sees the
 completion alone, as the trajectory's only model turn).
 
 - ``correct``: 1 when the last model turn, whitespace removed, is exactly the value.
-- ``prefix``: 1 when the last model turn's leading digits are exactly the value, whatever
-  follows: credit for the right value before the policy has learnt to end its turn
-  (weight 0.5, as the arithmetic task's ``prefix``).
+- ``prefix``: 1 when the last model turn's leading run of value characters is exactly the
+  value, whatever follows: credit for the right value before the policy has learnt to
+  end its turn (weight 0.5, as the arithmetic task's ``prefix``).
 - ``call``: shaping for a random policy, which never writes a whole call by chance: the
   share of the ideal call's parts — ``<tool_call>``, the JSON up to the key's opening
   quote, each character of the asked key, the JSON's closing ``"}}``, ``</tool_call>`` —
   that the first model turn starts with, in order (whitespace between the parts
-  tolerated); a key character that is another digit earns half its part. Each part it
-  gets right raises the reward, so GRPO's group advantage can climb the call one token at
-  a time: a random policy writes the right key digit once in ~300 samples (the tiny
-  vocabulary) but some digit once in ~30, and among digits the right one once in 10.
-  Weight 0.5 by default; 0 turns it off (it is still logged).
-- ``answer``: shaping for the turn after the tool's reply: 1 when the trajectory has a
-  tool reply and the last model turn starts with as many digits as a value has (0.5 for
-  a digit run of another length). Without it, a policy that has learnt to open every turn
-  with a call (the first turn's rewarded start) rarely tries a digit after the reply.
-  Weight 0 by default.
+  tolerated). A key character earns its whole part when right, ``misplaced_credit`` when
+  it is another character of the asked key, ``other_credit`` when it is another character
+  of its position's alphabet; the closing parts count after a key written in its
+  alphabets (``strict_call``: only after exactly the asked key). Weight 0.5 by default;
+  0 turns it off (it is still logged).
+- ``answer``: 1 when the last model turn starts with the last tool reply (whatever key
+  was asked): credit for reading the tool's answer, which varies with the trajectory, so
+  it cannot be earned by a constant answer. Weight 0 by default.
 
-What the shaping does and does not do (measured with configs/quickstart_tools.yaml, a
-random 2-layer 64-wide model, 16 samples x 8 prompts a step, on CPU): the call's fixed
-parts are learnt first (``<tool_call>`` by step ~30, the JSON by ~90) and every sample
-calls by step ~180-260; with the half credit for another digit the policy settles on one
-constant key, with entropy collapsing, so held-out pass@1 stays at 0.05-0.10 after 400
-steps; with no credit for another digit (exact key digits only) no key digit was learnt in
-350 steps (``call`` stuck at 2/6). Copying the asked key into the call is the part GRPO
-from scratch learns slowest, as the arithmetic task's ``copy`` check is.
+What GRPO learns from these (measured on CPU with configs/quickstart_tools.yaml's random
+2-layer 64-wide model, 16 samples x 8 prompts a step, ~0.25 s a step alone on 2 cores):
+it learns the call's fixed parts (``<tool_call>`` by step ~30, the JSON by ~90) and, with
+credit for any key character (``other_credit`` 0.1-0.5), to close the call and read the
+reply — every sample calls from step ~175-350 — but the key collapses onto one constant
+(``"72"``, ``"82"``, ``"G2"``) as the call's format locks in and entropy falls to ~0.002,
+so held-out pass@1 stays at 0-0.15. Without that credit (``other_credit`` 0, with or
+without ``misplaced_credit``, ``strict_call``, a bare ``question: "{key}"``, keys from a
+letter and a digit alphabet so that each key character is the only one of its kind in
+the context, a 128-wide model) no key character was learnt in 400-570 steps (``call``
+stuck at 2/6). The same model learns the arithmetic task's one-token ``copy`` (``"7="``
+-> ``"7"``, chat template on) in ~100 steps; copying into the third token of a call whose
+first two tokens are being learnt at the same time is what GRPO from scratch did not
+learn here.
 """
 
 from __future__ import annotations
 
+import math
 import random
 import re
 from typing import Any, ClassVar, Mapping
@@ -61,19 +69,57 @@ from grpo.core.errors import UserError
 from grpo.plugins.tasks._common import coerce_options, merge_weights, require_text
 
 DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "prefix": 0.5, "call": 0.5, "answer": 0.0}
-_LEADING_DIGITS = re.compile(r"[0-9]*")
+DIGITS = "0123456789"
+
+
+def _radix(index: int, alphabets: list[str] | tuple[str, ...]) -> str:
+    """``index`` written in the mixed radix of ``alphabets`` (the first most significant)."""
+    chars = []
+    for alphabet in reversed(alphabets):
+        index, rest = divmod(index, len(alphabet))
+        chars.append(alphabet[rest])
+    return "".join(reversed(chars))
+
+
+def _leading(text: str, alphabet: str) -> str:
+    """The leading run of ``text`` (whitespace removed) over ``alphabet``."""
+    text = "".join(text.split())
+    end = 0
+    while end < len(text) and text[end] in alphabet:
+        end += 1
+    return text[:end]
 
 
 class LookupOptions(PluginOptions):
     seed: int | None = Field(None, ge=0, le=2**63 - 1, description="Seed of the table and the examples; none = the run's seed.")
     num_keys: int = Field(100, ge=2, le=100_000, description="Keys in the table (at most 10**key_digits).")
     key_digits: int = Field(2, ge=1, le=8, description="Digits of a key.")
-    value_digits: int = Field(2, ge=1, le=8, description="Digits of a value.")
+    value_digits: int = Field(2, ge=1, le=8, description="Characters of a value.")
+    key_alphabets: list[str] | None = Field(
+        None, min_length=1, max_length=8,
+        description="One alphabet per key character (e.g. ['ABCDEFGHIJ', '0123456789']); none = key_digits digits.",
+    )
+    value_alphabet: str = Field(DIGITS, min_length=2, description="The characters of values.")
     test_fraction: float = Field(
         0.2, gt=0.0, lt=1.0, description="Share of the keys held out for the test split; training never asks them."
     )
     num_examples: int = Field(2000, ge=1, le=10_000_000, description="Training examples to draw (keys repeat).")
     num_test_examples: int = Field(200, ge=1, le=10_000_000, description="Test examples: up to this many distinct held-out keys.")
+    question: str = Field(
+        "What is the value of {key}?", description="The user message; {key} stands for the key.",
+    )
+    other_credit: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="The `call` reward's credit for a key character of its position's alphabet that is not the asked one "
+                    "(the right one earns 1).",
+    )
+    misplaced_credit: float = Field(
+        0.5, ge=0.0, le=1.0,
+        description="The `call` reward's credit for a key character that is another of the asked key's characters.",
+    )
+    strict_call: bool = Field(
+        False, description="The `call` reward credits the call's closing parts only after exactly the asked key.",
+    )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),
         description="Weight of each reward in the total (correct, prefix, call, answer); unnamed ones keep their defaults.",
@@ -84,10 +130,23 @@ class LookupOptions(PluginOptions):
     def _weights(cls, value: dict[str, float]) -> dict[str, float]:
         return merge_weights(value, DEFAULT_WEIGHTS)
 
+    @field_validator("key_alphabets", "value_alphabet")
+    @classmethod
+    def _alphabets(cls, value):
+        for alphabet in [value] if isinstance(value, str) else value or ():
+            if len(set(alphabet)) != len(alphabet) or not alphabet.isalnum() or not alphabet.isascii():
+                raise ValueError(f"an alphabet must be distinct ASCII letters or digits, got {alphabet!r}")
+        return value
+
+    @property
+    def alphabets(self) -> tuple[str, ...]:
+        return tuple(self.key_alphabets or [DIGITS] * self.key_digits)
+
     @model_validator(mode="after")
     def _fits(self):
-        if self.num_keys > 10**self.key_digits:
-            raise ValueError(f"num_keys={self.num_keys} exceeds the {10**self.key_digits} keys of {self.key_digits} digit(s)")
+        space = math.prod(len(a) for a in self.alphabets)
+        if self.num_keys > space:
+            raise ValueError(f"num_keys={self.num_keys} exceeds the {space} possible keys")
         return self
 
 
@@ -95,11 +154,16 @@ def _options(options: Any) -> LookupOptions:
     return coerce_options(LookupOptions, options)
 
 
-def make_table(*, seed: int, num_keys: int, key_digits: int, value_digits: int) -> dict[str, str]:
-    """key -> value, deterministic in the arguments; keys distinct, values independent."""
+def make_table(*, seed: int, num_keys: int, key_digits: int = 2, value_digits: int = 2,
+               key_alphabets: list[str] | tuple[str, ...] | None = None, value_alphabet: str = DIGITS) -> dict[str, str]:
+    """key -> value, deterministic in the arguments; keys distinct, values independent.
+    A key has one character of each of ``key_alphabets`` (default: ``key_digits`` digits);
+    a value ``value_digits`` characters of ``value_alphabet``."""
+    alphabets = tuple(key_alphabets or [DIGITS] * key_digits)
     rng = random.Random(f"grpo.lookup/{seed}/table")
-    keys = rng.sample(range(10**key_digits), num_keys)
-    return {f"{k:0{key_digits}d}": f"{rng.randrange(10**value_digits):0{value_digits}d}" for k in keys}
+    keys = rng.sample(range(math.prod(len(a) for a in alphabets)), num_keys)
+    values = [value_alphabet] * value_digits
+    return {_radix(k, alphabets): _radix(rng.randrange(len(value_alphabet) ** value_digits), values) for k in keys}
 
 
 def split_keys(table: Mapping[str, str], *, seed: int, test_fraction: float) -> tuple[list[str], list[str]]:
@@ -133,11 +197,15 @@ _CALL_OPEN = (r"\s*<tool_call>", r'\s*\{\s*"name"\s*:\s*"lookup"\s*,\s*"argument
 _CALL_CLOSE = (r'"\s*\}\s*\}', r"\s*</tool_call>")
 
 
-def call_progress(turn: str, key: str) -> float:
+def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.5, strict: bool = False,
+                  alphabets: tuple[str, ...] | None = None) -> float:
     """The credit of ``turn`` for starting with the ideal lookup call of ``key`` (see the
     module docstring): one part for each of the call's fixed parts matched in order, and
-    for each of the key's characters one part when it is right, half when it is another
-    digit, over the number of parts."""
+    for each of the key's characters one part when it is right, ``misplaced`` when it is
+    another character of the key, ``other`` when it is another character of its position's
+    alphabet (``alphabets``, digits by default), over the number of parts. The closing
+    parts count only after a key written wholly in its alphabets (``strict``: exactly the
+    asked key)."""
     total = len(_CALL_OPEN) + len(key) + len(_CALL_CLOSE)
     pos, credit = 0, 0.0
     for part in _CALL_OPEN:
@@ -146,8 +214,11 @@ def call_progress(turn: str, key: str) -> float:
             return credit / total
         pos, credit = match.end(), credit + 1
     written = turn[pos:pos + len(key)]
-    credit += sum(1.0 if ch == want else 0.5 if ch.isdigit() else 0.0 for ch, want in zip(written, key))
-    if len(written) < len(key) or not written.isdigit():
+    alphabets = alphabets or (DIGITS,) * len(key)
+    fits = [ch in alphabet for ch, alphabet in zip(written, alphabets)]
+    credit += sum(1.0 if ch == want else misplaced if ch in key else other if ok else 0.0
+                  for ch, want, ok in zip(written, key, fits))
+    if len(written) < len(key) or not all(fits) or (strict and written != key):
         return credit / total
     pos += len(key)
     for part in _CALL_CLOSE:
@@ -172,8 +243,8 @@ class LookupTask(TaskPlugin):
     Options: ClassVar[type[BaseModel]] = LookupOptions
 
     def _table(self, options: LookupOptions, seed: int) -> dict[str, str]:
-        return make_table(seed=seed, num_keys=options.num_keys, key_digits=options.key_digits,
-                          value_digits=options.value_digits)
+        return make_table(seed=seed, num_keys=options.num_keys, key_alphabets=options.alphabets,
+                          value_digits=options.value_digits, value_alphabet=options.value_alphabet)
 
     def load(self, *, split: str, options: BaseModel, seed: int = 0) -> list[dict[str, Any]]:
         options = _options(options)
@@ -190,17 +261,23 @@ class LookupTask(TaskPlugin):
         return [{"key": k, "value": table[k], "seed": seed, "split": split, "index": i} for i, k in enumerate(keys)]
 
     def prepare_example(self, record: Mapping[str, Any], *, options: BaseModel, where: str = "row") -> dict[str, Any]:
-        """An example from a raw row: ``key`` and ``value`` digit strings."""
+        """An example from a raw row: a ``key`` of one character of each key alphabet, and a
+        ``value`` over the value alphabet (digits by default)."""
+        opts = _options(options)
         example = dict(record)
+        alphabets = {"key": opts.alphabets, "value": (opts.value_alphabet,) * max(1, len(str(record.get("value", ""))))}
         for field in ("key", "value"):
             text = require_text(record, field, where).strip()
-            if not text.isdigit():
-                raise UserError(f"{where}: the {field!r} of a lookup example must be digits, got {text!r}")
+            want = alphabets[field]
+            if len(text) != len(want) or any(ch not in alphabet for ch, alphabet in zip(text, want)):
+                spell = "digits" if set(want) == {DIGITS} else "characters of " + ", ".join(repr(a) for a in dict.fromkeys(want))
+                raise UserError(f"{where}: the {field!r} of a lookup example must be {len(want) if field == 'key' else ''}"
+                                f"{' ' if field == 'key' else ''}{spell}, got {text!r}")
             example[field] = text
         return example
 
     def prompt_messages(self, example: Mapping[str, Any], *, options: BaseModel) -> list[dict[str, str]]:
-        return [{"role": "user", "content": f"What is the value of {example['key']}?"}]
+        return [{"role": "user", "content": _options(options).question.format(key=example["key"])}]
 
     def tools(self, *, options: BaseModel) -> dict[str, ToolFn]:
         """``lookup`` over the table of the options' seed (the run's seed when unset: the
@@ -220,21 +297,24 @@ class LookupTask(TaskPlugin):
         )
 
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
+        opts = _options(options)
+        other, misplaced, strict = opts.other_credit, opts.misplaced_credit, opts.strict_call
+        value_alphabet = opts.value_alphabet
+
         def correct(completion: str, example: Mapping[str, Any]) -> float:
             return 1.0 if "".join(completion.split()) == str(example["value"]) else 0.0
 
         def prefix(completion: str, example: Mapping[str, Any]) -> float:
-            run = _LEADING_DIGITS.match("".join(completion.split())).group(0)  # type: ignore[union-attr]
-            return 1.0 if run == str(example["value"]) else 0.0
+            return 1.0 if _leading(completion, value_alphabet) == str(example["value"]) else 0.0
 
         def call(completion: str, example: Mapping[str, Any]) -> float:
-            return call_progress(_model_turns(completion, example)[0], str(example["key"]))
+            return call_progress(_model_turns(completion, example)[0], str(example["key"]), other, misplaced, strict, opts.alphabets)
 
         def answer(completion: str, example: Mapping[str, Any]) -> float:
-            if not any(m.get("role") == "tool" for m in example.get("messages") or ()):
+            replies = [str(m.get("content") or "").strip() for m in example.get("messages") or () if m.get("role") == "tool"]
+            if not replies or not replies[-1] or any(ch not in value_alphabet for ch in replies[-1]):
                 return 0.0
-            run = _LEADING_DIGITS.match(completion.strip()).group(0)  # type: ignore[union-attr]
-            return 1.0 if len(run) == len(str(example["value"])) else 0.5 if run else 0.0
+            return 1.0 if _leading(completion, value_alphabet) == replies[-1] else 0.0
 
         return {"correct": correct, "prefix": prefix, "call": call, "answer": answer}
 
