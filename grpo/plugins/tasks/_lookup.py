@@ -40,19 +40,34 @@ completion alone, as the trajectory's only model turn).
   it cannot be earned by a constant answer. Weight 0 by default.
 
 What GRPO learns from these (measured on CPU with configs/quickstart_tools.yaml's random
-2-layer 64-wide model, 16 samples x 8 prompts a step, ~0.25 s a step alone on 2 cores):
-it learns the call's fixed parts (``<tool_call>`` by step ~30, the JSON by ~90) and, with
-credit for any key character (``other_credit`` 0.1-0.5), to close the call and read the
-reply — every sample calls from step ~175-350 — but the key collapses onto one constant
-(``"72"``, ``"82"``, ``"G2"``) as the call's format locks in and entropy falls to ~0.002,
-so held-out pass@1 stays at 0-0.15. Without that credit (``other_credit`` 0, with or
-without ``misplaced_credit``, ``strict_call``, a bare ``question: "{key}"``, keys from a
-letter and a digit alphabet so that each key character is the only one of its kind in
-the context, a 128-wide model) no key character was learnt in 400-570 steps (``call``
-stuck at 2/6). The same model learns the arithmetic task's one-token ``copy`` (``"7="``
--> ``"7"``, chat template on) in ~100 steps; copying into the third token of a call whose
-first two tokens are being learnt at the same time is what GRPO from scratch did not
-learn here.
+2-layer 64-wide model, 16 samples x 8 prompts a step, ~0.25 s a step alone on 2 cores, so
+300 s is ~900 steps):
+
+- Any credit that a constant key earns on most prompts — ``other_credit`` 0.05-0.5, and
+  ``answer`` (a constant key gets a constant reply to repeat) — makes the key collapse
+  onto one constant (``"72"``, ``"82"``, ``"G2"``, ``"D4"``, ``"B5"``) within ~100 steps
+  of the credit starting to pay, entropy falling to ~0.002 as the call's format locks in;
+  held-out pass@1 stays at 0-0.15. ``misplaced_credit`` (a prompt-specific credit)
+  teaches a copy by content, but settles on writing the same key character twice
+  (``"DD"`` for ``"D0"``, ``"22"`` for ``"A2"``).
+- Without such credit (``other_credit`` 0, ``misplaced_credit`` 0), only exact key
+  characters pay, found by chance (~1 sample in 300). With digit keys, a bare
+  ``question: "{key}"``, ``strict_call`` or a 128-wide model, none was learnt in 400-570
+  steps (``call`` stuck at 2/6): the first turn ran to the token budget, and ~16 untrained
+  tokens after the key carried each sample's advantage too.
+- Keys of a letter and a digit (``key_alphabets: [ABCDEFGHIJ, "0123456789"]``,
+  ``value_alphabet: abcdefghij``: each key character and the value is the only one of its
+  kind in the context) with turns capped at the call's 6 tokens
+  (``rollout.max_turn_tokens: 6``), lr 2e-3, entropy 0.1: the letter is copied by step
+  ~550, then the digit, and calls close and repeat the reply from ~1100 steps. With
+  ``answer`` 0.5 the key then collapsed (onto ``"B5"``) at ~1400 steps; with ``answer``
+  0 (configs/quickstart_tools.yaml) held-out pass@1 was 0.65 at 1,750 and 2,000 steps,
+  0.70 at 2,250, 0.55 at 2,500.
+
+The same model learns the arithmetic task's one-token ``copy`` (``"7="`` -> ``"7"``, chat
+template on) in ~100 steps; copying into the third and fourth tokens of a call whose first
+two tokens it learns at the same time, with one sequence-level reward for the whole
+trajectory, is what it learns slowly.
 """
 
 from __future__ import annotations
