@@ -96,6 +96,25 @@ def _radix(index: int, alphabets: list[str] | tuple[str, ...]) -> str:
     return "".join(reversed(chars))
 
 
+def _key_alphabets(key_alphabets: list[str] | tuple[str, ...] | None, key_digits: int) -> tuple[str, ...]:
+    """One alphabet per key character: ``key_alphabets``, or ``key_digits`` digit alphabets."""
+    return tuple(key_alphabets or [DIGITS] * key_digits)
+
+
+def _fits(text: str, alphabets: tuple[str, ...]) -> bool:
+    """Whether ``text`` has one character of each of ``alphabets``, in order."""
+    return len(text) == len(alphabets) and all(ch in a for ch, a in zip(text, alphabets))
+
+
+def _spell(alphabets: tuple[str, ...], *, counted: bool) -> str:
+    """How an error message names the strings of ``alphabets``: "2 digits", "characters
+    of 'AB', '01'" (``counted``: with their number)."""
+    count = f"{len(alphabets)} " if counted else ""
+    if set(alphabets) == {DIGITS}:
+        return count + "digits"
+    return count + "characters of " + ", ".join(repr(a) for a in dict.fromkeys(alphabets))
+
+
 def _leading(text: str, alphabet: str) -> str:
     """The leading run of ``text`` (whitespace removed) over ``alphabet``."""
     text = "".join(text.split())
@@ -155,7 +174,7 @@ class LookupOptions(PluginOptions):
 
     @property
     def alphabets(self) -> tuple[str, ...]:
-        return tuple(self.key_alphabets or [DIGITS] * self.key_digits)
+        return _key_alphabets(self.key_alphabets, self.key_digits)
 
     @model_validator(mode="after")
     def _fits(self):
@@ -174,7 +193,7 @@ def make_table(*, seed: int, num_keys: int, key_digits: int = 2, value_digits: i
     """key -> value, deterministic in the arguments; keys distinct, values independent.
     A key has one character of each of ``key_alphabets`` (default: ``key_digits`` digits);
     a value ``value_digits`` characters of ``value_alphabet``."""
-    alphabets = tuple(key_alphabets or [DIGITS] * key_digits)
+    alphabets = _key_alphabets(key_alphabets, key_digits)
     rng = random.Random(f"grpo.lookup/{seed}/table")
     keys = rng.sample(range(math.prod(len(a) for a in alphabets)), num_keys)
     values = [value_alphabet] * value_digits
@@ -230,10 +249,9 @@ def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.
         pos, credit = match.end(), credit + 1
     written = turn[pos:pos + len(key)]
     alphabets = alphabets or (DIGITS,) * len(key)
-    fits = [ch in alphabet for ch, alphabet in zip(written, alphabets)]
-    credit += sum(1.0 if ch == want else misplaced if ch in key else other if ok else 0.0
-                  for ch, want, ok in zip(written, key, fits))
-    if len(written) < len(key) or not all(fits) or (strict and written != key):
+    credit += sum(1.0 if ch == want else misplaced if ch in key else other if ch in alphabet else 0.0
+                  for ch, want, alphabet in zip(written, key, alphabets))
+    if not _fits(written, alphabets) or (strict and written != key):
         return credit / total
     pos += len(key)
     for part in _CALL_CLOSE:
@@ -280,14 +298,12 @@ class LookupTask(TaskPlugin):
         ``value`` over the value alphabet (digits by default)."""
         opts = _options(options)
         example = dict(record)
-        alphabets = {"key": opts.alphabets, "value": (opts.value_alphabet,) * max(1, len(str(record.get("value", ""))))}
         for field in ("key", "value"):
             text = require_text(record, field, where).strip()
-            want = alphabets[field]
-            if len(text) != len(want) or any(ch not in alphabet for ch, alphabet in zip(text, want)):
-                spell = "digits" if set(want) == {DIGITS} else "characters of " + ", ".join(repr(a) for a in dict.fromkeys(want))
-                raise UserError(f"{where}: the {field!r} of a lookup example must be {len(want) if field == 'key' else ''}"
-                                f"{' ' if field == 'key' else ''}{spell}, got {text!r}")
+            # A value may have any length: its alphabet once per character it has.
+            want = opts.alphabets if field == "key" else (opts.value_alphabet,) * max(1, len(text))
+            if not _fits(text, want):
+                raise UserError(f"{where}: the {field!r} of a lookup example must be {_spell(want, counted=field == 'key')}, got {text!r}")
             example[field] = text
         return example
 
@@ -327,7 +343,7 @@ class LookupTask(TaskPlugin):
 
         def answer(completion: str, example: Mapping[str, Any]) -> float:
             replies = [str(m.get("content") or "").strip() for m in example.get("messages") or () if m.get("role") == "tool"]
-            if not replies or not replies[-1] or any(ch not in value_alphabet for ch in replies[-1]):
+            if not replies or not _fits(replies[-1], (value_alphabet,) * max(1, len(replies[-1]))):
                 return 0.0
             return 1.0 if _leading(completion, value_alphabet) == replies[-1] else 0.0
 
