@@ -145,6 +145,36 @@ def test_alphabets_make_the_table_the_prompt_and_the_rewards(task):
         task.prepare_example({"key": "7C", "value": "d"}, options=options)
 
 
+def test_question_and_reply_templates(task):
+    from pydantic import ValidationError
+
+    options = LookupOptions(key_alphabets=["ABC", "0123456789"], value_alphabet="abcdefghij", value_digits=1,
+                            num_keys=30, question="{key} {key}", reply="{value} {value}", seed=2)
+    example = task.load(split="test", options=options, seed=2)[0]
+    assert task.prompt_messages(example, options=options) == [{"role": "user", "content": f"{example['key']} {example['key']}"}]
+    env = task_environment(task, example, options=options, tool_format=QWEN, timeout_s=1.0)
+    env.reset(example)
+    step = env.step(QWEN.render_call(ToolCall("lookup", {"key": example["key"]})))
+    assert step.messages[0]["content"] == f"{example['value']} {example['value']}"
+    assert task.tools(options=options)["lookup"](key=example["key"]) == f"{example['value']} {example['value']}"
+    # `answer` reads the value out of the reply's template; a reply that is not one pays nothing.
+    answer = task.reward_functions(options=options)["answer"]
+    call = {"role": "assistant", "content": QWEN.render_call(ToolCall("lookup", {"key": "A1"}))}
+    def said(reply: str, completion: str) -> float:
+        return answer(completion, {**example, "messages": [call, {"role": "tool", "name": "lookup", "content": reply}]})
+    assert said("c c", "c") == 1.0 and said(" c c\n", "c ") == 1.0
+    assert said("c c", "cc") == 0.0 and said("c d", "c") == 0.0 and said("error: KeyError", "c") == 0.0
+    for field, bad, message in [
+        ("question", "{value}", "must use {key} and nothing else"),
+        ("question", "What is {key} of {x}?", "must use {key} and nothing else"),
+        ("reply", "{value", "not a format template"),
+        ("reply", "the value", "must use {value} and nothing else"),
+    ]:
+        with pytest.raises(ValidationError, match=field) as info:
+            LookupOptions(**{field: bad})
+        assert message in str(info.value)
+
+
 def test_prepare_example(task):
     assert task.prepare_example({"key": " 07", "value": "42"}, options=LookupOptions()) == {"key": "07", "value": "42"}
     with pytest.raises(UserError, match="line 3: the 'value' of a lookup example must be digits"):

@@ -6,8 +6,9 @@ nothing in a key says anything about its value. A key has ``key_digits`` digits,
 character of each of ``key_alphabets`` (``["ABCDEFGHIJ", "0123456789"]`` makes keys like
 ``C7``); a value has ``value_digits`` characters of ``value_alphabet`` (digits by
 default). The prompt is ``question`` with the key (``"What is the value of 37?"``); the
-task's one tool, ``lookup(key)``, returns the value (an unknown key raises, which the tool
-environment answers with an error message and counts). The ideal trajectory is two model
+task's one tool, ``lookup(key)``, returns the value written through ``reply`` (``"{value}"``
+by default; an unknown key raises, which the tool environment answers with an error
+message and counts). The ideal trajectory is two model
 turns::
 
     <tool_call>\\n{"name": "lookup", "arguments": {"key": "37"}}\\n</tool_call>
@@ -35,8 +36,8 @@ completion alone, as the trajectory's only model turn).
   of its position's alphabet; the closing parts count after a key written in its
   alphabets (``strict_call``: only after exactly the asked key). Weight 0.5 by default;
   0 turns it off (it is still logged).
-- ``answer``: 1 when the last model turn starts with the last tool reply (whatever key
-  was asked): credit for reading the tool's answer, which varies with the trajectory, so
+- ``answer``: 1 when the last model turn starts with the value in the last tool reply
+  (whatever key was asked): credit for reading the tool's answer, which varies with the trajectory, so
   it cannot be earned by a constant answer. Weight 0 by default.
 
 What GRPO learns from these (measured on CPU with configs/quickstart_tools.yaml's random
@@ -75,6 +76,7 @@ from __future__ import annotations
 import math
 import random
 import re
+import string
 from typing import Any, ClassVar, Mapping
 
 from pydantic import BaseModel, Field, field_validator, model_validator
@@ -142,6 +144,9 @@ class LookupOptions(PluginOptions):
     question: str = Field(
         "What is the value of {key}?", description="The user message; {key} stands for the key.",
     )
+    reply: str = Field(
+        "{value}", description="What the `lookup` tool returns; {value} stands for the value (e.g. '{value} {value}').",
+    )
     other_credit: float = Field(
         0.5, ge=0.0, le=1.0,
         description="The `call` reward's credit for a key character of its position's alphabet that is not the asked one "
@@ -170,6 +175,18 @@ class LookupOptions(PluginOptions):
         for alphabet in [value] if isinstance(value, str) else value or ():
             if len(set(alphabet)) != len(alphabet) or not alphabet.isalnum() or not alphabet.isascii():
                 raise ValueError(f"an alphabet must be distinct ASCII letters or digits, got {alphabet!r}")
+        return value
+
+    @field_validator("question", "reply")
+    @classmethod
+    def _template(cls, value: str, info):
+        field = "key" if info.field_name == "question" else "value"
+        try:
+            names = {name for _, name, _, _ in string.Formatter().parse(value) if name is not None}
+        except ValueError as e:
+            raise ValueError(f"not a format template ({e}): {value!r}") from None
+        if names != {field}:
+            raise ValueError(f"the template must use {{{field}}} and nothing else, got {value!r}")
         return value
 
     @property
@@ -208,9 +225,10 @@ def split_keys(table: Mapping[str, str], *, seed: int, test_fraction: float) -> 
     return keys[n_test:], keys[:n_test]
 
 
-def make_lookup_tool(table: Mapping[str, str]) -> ToolFn:
-    """The ``lookup`` tool over ``table``. Its docstring is its schema's description (the
-    tiny tokenizer holds the rendered schema as one token: keep the two in step)."""
+def make_lookup_tool(table: Mapping[str, str], reply: str = "{value}") -> ToolFn:
+    """The ``lookup`` tool over ``table``, answering ``reply`` with the value. Its docstring
+    is its schema's description (the tiny tokenizer holds the rendered schema as one token:
+    keep the two in step)."""
     table = dict(table)
 
     def lookup(key: str) -> str:
@@ -220,9 +238,10 @@ def make_lookup_tool(table: Mapping[str, str]) -> ToolFn:
             key: The key.
         """
         try:
-            return table[str(key).strip()]
+            value = table[str(key).strip()]
         except KeyError:
             raise KeyError(f"no key {key!r} in the table") from None
+        return reply.format(value=value)
 
     return lookup
 
@@ -260,6 +279,15 @@ def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.
             break
         pos, credit = match.end(), credit + 1
     return credit / total
+
+
+def _reply_value(text: str, reply: str, alphabet: str) -> str | None:
+    """The value in a tool message written by ``reply`` (``None`` when it is not one: an
+    error message, or another template's text)."""
+    head, _, tail = reply.partition("{value}")
+    pattern = re.escape(head) + f"([{re.escape(alphabet)}]+)" + re.escape(tail).replace(r"\{value\}", r"\1")
+    match = re.fullmatch(pattern, text.strip())
+    return match.group(1) if match else None
 
 
 def _model_turns(completion: str, example: Mapping[str, Any]) -> list[str]:
@@ -314,7 +342,7 @@ class LookupTask(TaskPlugin):
         """``lookup`` over the table of the options' seed (the run's seed when unset: the
         engine passes examples from :meth:`load`, whose ``seed`` field names the table)."""
         options = _options(options)
-        return {"lookup": make_lookup_tool(self._table(options, options.seed or 0))}
+        return {"lookup": make_lookup_tool(self._table(options, options.seed or 0), options.reply)}
 
     def environment(self, example, *, options, tool_format, timeout_s=10.0):
         """The built-in tool environment, over the table the example was drawn from."""
@@ -323,7 +351,7 @@ class LookupTask(TaskPlugin):
         opts = _options(options)
         seed = int(example.get("seed", opts.seed or 0))
         return ToolEnvironment(
-            tools={"lookup": make_lookup_tool(self._table(opts, seed))}, format=tool_format,
+            tools={"lookup": make_lookup_tool(self._table(opts, seed), opts.reply)}, format=tool_format,
             opening=self.prompt_messages(example, options=options), timeout_s=timeout_s,
         )
 
@@ -342,10 +370,9 @@ class LookupTask(TaskPlugin):
             return call_progress(_model_turns(completion, example)[0], str(example["key"]), other, misplaced, strict, opts.alphabets)
 
         def answer(completion: str, example: Mapping[str, Any]) -> float:
-            replies = [str(m.get("content") or "").strip() for m in example.get("messages") or () if m.get("role") == "tool"]
-            if not replies or not _fits(replies[-1], (value_alphabet,) * max(1, len(replies[-1]))):
-                return 0.0
-            return 1.0 if _leading(completion, value_alphabet) == replies[-1] else 0.0
+            replies = [str(m.get("content") or "") for m in example.get("messages") or () if m.get("role") == "tool"]
+            value = _reply_value(replies[-1], opts.reply, value_alphabet) if replies else None
+            return 1.0 if value and _leading(completion, value_alphabet) == value else 0.0
 
         return {"correct": correct, "prefix": prefix, "call": call, "answer": answer}
 
