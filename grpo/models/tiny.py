@@ -13,11 +13,11 @@ with ``<tool_call>...</tool_call>`` — and ``tool`` messages as Qwen2.5 does, i
 without tools render byte-identically to the template without tool support. The tool-call
 tags are single tokens, as in Qwen2.5's tokenizer; so are Qwen2.5's tool boilerplate and the
 ``lookup`` task's schema and call skeleton (:data:`TOOL_TOKENS`), so that the tools
-quickstart's prompts stay ~30 tokens and a call is six: a 2-layer random model learns to
-call the tool within CPU minutes, which it would not through ~400 byte tokens of prompt
-and a dozen tokens of JSON per call. These are plain (not special) added tokens, appended
-after the earlier ids so that every other id, and the ``tiny`` preset's vocabulary size,
-stay as they were. :func:`write_tiny_checkpoint` writes a random
+quickstart's chat template and tool schema take 18 tokens and a call six: a 2-layer
+random model learns to call the tool within CPU minutes, which it would not through ~400
+byte tokens of prompt and a dozen tokens of JSON per call. These are plain (not special)
+added tokens, appended after the earlier ids so that every other id, and the ``tiny``
+preset's vocabulary size, stay as they were. :func:`write_tiny_checkpoint` writes a random
 Qwen2 ``config.json`` + safetensors (optionally sharded with an index) with NumPy.
 """
 

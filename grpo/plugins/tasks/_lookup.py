@@ -62,8 +62,22 @@ What GRPO learns from these (measured on CPU with configs/quickstart_tools.yaml'
   (``rollout.max_turn_tokens: 6``), lr 2e-3, entropy 0.1: the letter is copied by step
   ~550, then the digit, and calls close and repeat the reply from ~1100 steps. With
   ``answer`` 0.5 the key then collapsed (onto ``"B5"``) at ~1400 steps; with ``answer``
-  0 (configs/quickstart_tools.yaml) held-out pass@1 was 0.65 at 1,750 and 2,000 steps,
-  0.70 at 2,250, 0.55 at 2,500.
+  0, held-out pass@1 was 0.65 at 1,750 and 2,000 steps, 0.70 at 2,250, 0.55 at 2,500.
+  lr 4e-3: no key character in 1,000 steps; 32 samples a prompt: the letter by ~470
+  steps, at twice the step's cost.
+- Repeating what is copied (``question: "{key} {key} {key} {key}"``, ``reply: "{value}
+  {value} {value} {value}"``): a random 2-layer model attends diffusely, so a token that
+  is a larger share of the context is copied by chance more often. With entropy 0.05,
+  calls closed by ~500-800 steps (eight copies of the key: ~450), but groups then
+  turned deterministic on a wrong key or value character (no advantage within the group)
+  and held-out pass@1 levelled at 0.4 (steps 1,250-1,750, four or eight copies). Entropy
+  0.05 with the key and value once: the answer collapsed onto one constant letter; 26
+  values (a-z) slowed that (pass@1 0.2 at 1,200 steps). Entropy 0.1 with four copies
+  learnt the key no sooner than with one.
+- Eight copies of the key, four of the value, entropy 0.05 and sampling temperature 1.5
+  (configs/quickstart_tools.yaml; the loss reads the same tempered policy, so a
+  deterministic group takes larger logits): held-out pass@1 0.6 at 1,250 and 1,500 steps,
+  0.8 at 1,750, 0.7 at 2,000 (temperature 1.5 with four copies: 0.45 from 1,250 to 1,750).
 
 The same model learns the arithmetic task's one-token ``copy`` (``"7="`` -> ``"7"``, chat
 template on) in ~100 steps; copying into the third and fourth tokens of a call whose first
