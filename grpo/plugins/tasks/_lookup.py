@@ -8,8 +8,7 @@ character of each of ``key_alphabets`` (``["ABCDEFGHIJ", "0123456789"]`` makes k
 default). The prompt is ``question`` with the key (``"What is the value of 37?"``); the
 task's one tool, ``lookup(key)``, returns the value written through ``reply`` (``"{value}"``
 by default; an unknown key raises, which the tool environment answers with an error
-message and counts). The ideal trajectory is two model
-turns::
+message and counts). The ideal trajectory is two model turns::
 
     <tool_call>\\n{"name": "lookup", "arguments": {"key": "37"}}\\n</tool_call>
     (tool: 52)
@@ -37,12 +36,12 @@ completion alone, as the trajectory's only model turn).
   alphabets (``strict_call``: only after exactly the asked key). Weight 0.5 by default;
   0 turns it off (it is still logged).
 - ``answer``: 1 when the last model turn starts with the value in the last tool reply
-  (whatever key was asked): credit for reading the tool's answer, which varies with the trajectory, so
-  it cannot be earned by a constant answer. Weight 0 by default.
+  (whatever key was asked): credit for reading the tool's answer, which varies with the
+  trajectory, so it cannot be earned by a constant answer. Weight 0 by default.
 
 What GRPO learns from these (measured on CPU with configs/quickstart_tools.yaml's random
-2-layer 64-wide model, 16 samples x 8 prompts a step, ~0.25 s a step alone on 2 cores, so
-300 s is ~900 steps):
+2-layer 64-wide model, 16 samples x 8 prompts a step, ~0.25-0.3 s a step alone on 2
+cores, so 300 s is ~1,000 steps):
 
 - Any credit that a constant key earns on most prompts — ``other_credit`` 0.05-0.5, and
   ``answer`` (a constant key gets a constant reply to repeat) — makes the key collapse
@@ -260,8 +259,9 @@ def make_lookup_tool(table: Mapping[str, str], reply: str = "{value}") -> ToolFn
     return lookup
 
 
-_CALL_OPEN = (r"\s*<tool_call>", r'\s*\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"')
-_CALL_CLOSE = (r'"\s*\}\s*\}', r"\s*</tool_call>")
+_CALL_OPEN = tuple(map(re.compile, (
+    r"\s*<tool_call>", r'\s*\{\s*"name"\s*:\s*"lookup"\s*,\s*"arguments"\s*:\s*\{\s*"key"\s*:\s*"')))
+_CALL_CLOSE = tuple(map(re.compile, (r'"\s*\}\s*\}', r"\s*</tool_call>")))
 
 
 def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.5, strict: bool = False,
@@ -276,7 +276,7 @@ def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.
     total = len(_CALL_OPEN) + len(key) + len(_CALL_CLOSE)
     pos, credit = 0, 0.0
     for part in _CALL_OPEN:
-        match = re.compile(part).match(turn, pos)
+        match = part.match(turn, pos)
         if match is None:
             return credit / total
         pos, credit = match.end(), credit + 1
@@ -288,20 +288,18 @@ def call_progress(turn: str, key: str, other: float = 0.5, misplaced: float = 0.
         return credit / total
     pos += len(key)
     for part in _CALL_CLOSE:
-        match = re.compile(part).match(turn, pos)
+        match = part.match(turn, pos)
         if match is None:
             break
         pos, credit = match.end(), credit + 1
     return credit / total
 
 
-def _reply_value(text: str, reply: str, alphabet: str) -> str | None:
-    """The value in a tool message written by ``reply`` (``None`` when it is not one: an
-    error message, or another template's text)."""
-    head, _, tail = reply.partition("{value}")
-    pattern = re.escape(head) + f"([{re.escape(alphabet)}]+)" + re.escape(tail).replace(r"\{value\}", r"\1")
-    match = re.fullmatch(pattern, text.strip())
-    return match.group(1) if match else None
+def _reply_pattern(reply: str, alphabet: str) -> re.Pattern[str]:
+    """What a tool message written by the template ``reply`` matches in full (stripped),
+    its first group the value (every ``{value}`` the same run of ``alphabet``)."""
+    head, _, tail = reply.strip().partition("{value}")
+    return re.compile(re.escape(head) + f"([{re.escape(alphabet)}]+)" + re.escape(tail).replace(r"\{value\}", r"\1"))
 
 
 def _model_turns(completion: str, example: Mapping[str, Any]) -> list[str]:
@@ -373,6 +371,7 @@ class LookupTask(TaskPlugin):
         opts = _options(options)
         other, misplaced, strict = opts.other_credit, opts.misplaced_credit, opts.strict_call
         value_alphabet = opts.value_alphabet
+        reply = _reply_pattern(opts.reply, value_alphabet)
 
         def correct(completion: str, example: Mapping[str, Any]) -> float:
             return 1.0 if "".join(completion.split()) == str(example["value"]) else 0.0
@@ -385,8 +384,8 @@ class LookupTask(TaskPlugin):
 
         def answer(completion: str, example: Mapping[str, Any]) -> float:
             replies = [str(m.get("content") or "") for m in example.get("messages") or () if m.get("role") == "tool"]
-            value = _reply_value(replies[-1], opts.reply, value_alphabet) if replies else None
-            return 1.0 if value and _leading(completion, value_alphabet) == value else 0.0
+            match = reply.fullmatch(replies[-1].strip()) if replies else None
+            return 1.0 if match and _leading(completion, value_alphabet) == match.group(1) else 0.0
 
         return {"correct": correct, "prefix": prefix, "call": call, "answer": answer}
 
