@@ -185,6 +185,87 @@ TOOLS_RUN = {
 }
 
 
+def script_calls(monkeypatch, modes):
+    """The arithmetic task with tools: whatever the model writes first, its environment
+    "calls" ``flaky`` once per mode, then the episode ends after the model's next turn. A
+    random model's turn ends at its first byte-level token (it never writes a stop)."""
+    from grpo.core.contracts import ToolCall
+    from grpo.engine.conversations import Conversations
+    from grpo.plugins.tasks import ArithmeticTask
+    from grpo.plugins.tools import ToolEnvironment
+
+    class Calls(ToolEnvironment):
+        def step(self, model_turn_text):
+            if getattr(self, "stepped", False):
+                return EnvStep(None, True, {})
+            self.stepped = True
+            return super().step("".join(self.format.render_call(ToolCall("flaky", {"mode": m})) for m in modes))
+
+    def environment(self, example, *, options, tool_format, timeout_s=10.0):
+        return Calls(tools={"flaky": flaky}, format=tool_format, opening=self.prompt_messages(example, options=options),
+                     timeout_s=timeout_s)
+
+    monkeypatch.setattr(ArithmeticTask, "environment", environment)
+    monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
+
+
+def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
+    """``train.advantage.credit: turn`` in a real step: the update gets advantages [B, N]
+    that are, token by token, the sum of each scope's own group advantage of the step's
+    rewards (recomputed here with NumPy from the scored rewards, the weights, the task's
+    reward_turns and the config's override) over the model turns of the scope, 0 on
+    inserted tokens; and the turn scopes of an unknown reward are a config error."""
+    from grpo.core.config import load_config
+    from grpo.core.errors import ConfigError
+    from grpo.engine.trainer import Trainer
+    from grpo.plugins.tasks import ArithmeticTask
+
+    script_calls(monkeypatch, ("raise",))
+
+    def first_turn(completion, example):  # the random model's first turn: one byte-level token
+        return ord([m for m in example["messages"] if m["role"] == "assistant"][0]["content"][:1] or " ") % 5 / 4
+
+    rewards = {"a": lambda c, ex: float(len(c) % 3), "f": first_turn, "l": lambda c, ex: ord(c[-1:] or " ") % 7 / 6}
+    weights = {"a": 1.0, "f": 0.5, "l": 0.25}
+    monkeypatch.setattr(ArithmeticTask, "reward_functions", lambda self, *, options: rewards)
+    monkeypatch.setattr(ArithmeticTask, "reward_weights", lambda self, *, options: weights)
+    monkeypatch.setattr(ArithmeticTask, "reward_turns", lambda self, *, options: {"f": "first", "l": "all"})
+    run = {**TOOLS_RUN, "rollout": {**TOOLS_RUN["rollout"], "num_generations": 4},
+           "train": {**TOOLS_RUN["train"], "prompts_per_step": 2,
+                     "advantage": {"credit": "turn", "reward_turns": {"l": "last"}}},
+           "checkpoint": {"every_n_steps": 0, "at_end": False}, "logging": {"progress_bar": False, "plot": False}}
+    trainer = Trainer(load_config(run, []), tmp_path)
+    scored, batches = [], []
+    score, update = trainer._score, trainer.update
+    monkeypatch.setattr(trainer, "_score", lambda *a: scored.append(score(*a)) or scored[-1])
+    monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
+    trainer.train_step()
+    [(_, per_fn, _)], [ub] = scored, batches
+    own = np.asarray(ub.loss_mask)
+    assert np.asarray(ub.advantages).shape == own.shape and (own.sum(1) > 0).all()
+
+    def group_adv(r):  # GRPO's, by hand: (r - group mean) / (group std + 1e-4); equal rewards 0
+        g = np.asarray(r, np.float64).reshape(-1, 4)
+        adv = np.where(np.ptp(g, axis=1, keepdims=True) == 0, 0.0, (g - g.mean(1, keepdims=True)) / (g.std(1, keepdims=True) + 1e-4))
+        return adv.reshape(-1)
+
+    scopes = {"f": "first", "l": "last"}  # the task's, then the config's
+    comp = {s: sum(w * per_fn[n] for n, w in weights.items() if scopes.get(n, "all") == s) for s in ("all", "first", "last")}
+    adv = {s: group_adv(v) for s, v in comp.items()}
+    want = np.zeros(own.shape)
+    for b, row in enumerate(own):
+        starts = [t for t in range(len(row)) if row[t] and (t == 0 or not row[t - 1])]
+        assert len(starts) == 2  # the model's first turn, the tool's reply, the model's last turn
+        for t in np.flatnonzero(row):
+            turn = sum(s <= t for s in starts) - 1
+            want[b, t] = adv["all"][b] + (turn == 0) * adv["first"][b] + (turn == 1) * adv["last"][b]
+    np.testing.assert_allclose(np.asarray(ub.advantages), want, rtol=1e-4, atol=1e-5)
+    assert np.abs(want).max() > 0.1  # the step's rewards had a spread to credit
+    with pytest.raises(ConfigError, match=r"train\.advantage\.reward_turns: .*'answer'.*its rewards are a, f, l, overlong") as err:
+        load_config(run, ["train.advantage.reward_turns.answer=last"])
+    assert err.value.exit_code == 2
+
+
 def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, monkeypatch):
     """One short step whose every row makes four tool calls (scripted: a random model never
     writes a call): one raises, one hangs past ``rollout.tool_timeout_s``, one floods, one
@@ -194,31 +275,13 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     import json
 
     from grpo.core.config import load_config
-    from grpo.core.contracts import ToolCall
-    from grpo.engine.conversations import Conversations
     from grpo.engine.runs import metrics as metrics_mod
     from grpo.engine.runs.metrics import read_metrics
     from grpo.engine.trainer import Trainer
-    from grpo.plugins.tasks import ArithmeticTask
-    from grpo.plugins.tools import ToolEnvironment, _environment
+    from grpo.plugins.tools import _environment
 
-    class Calls(ToolEnvironment):
-        """Whatever the model writes first, it "calls" every tool once; then the episode ends."""
-
-        def step(self, model_turn_text):
-            if getattr(self, "stepped", False):
-                return EnvStep(None, True, {})
-            self.stepped = True
-            return super().step("".join(self.format.render_call(ToolCall("flaky", {"mode": m})) for m in MODES))
-
-    def environment(self, example, *, options, tool_format, timeout_s=10.0):
-        return Calls(tools={"flaky": flaky}, format=tool_format, opening=self.prompt_messages(example, options=options),
-                     timeout_s=timeout_s)
-
-    monkeypatch.setattr(ArithmeticTask, "environment", environment)
+    script_calls(monkeypatch, MODES)
     monkeypatch.setattr(_environment, "MAX_RESULT_CHARS", 30)
-    # A random model's turn ends at its first byte-level token (it never writes a stop).
-    monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
     titles = []
 
     def capture(fig, out, **kw):

@@ -384,6 +384,18 @@ class AdvantageConfig(Section):
         "or not at all (Dr.GRPO).",
     )
     epsilon: float = Field(1e-4, gt=0.0, le=1.0, description="Added to the std before dividing.")
+    credit: Literal["sequence", "turn"] = Field(
+        "sequence",
+        description="`sequence`: one advantage for every token of a completion (GRPO). `turn` (multi-turn tasks; "
+        "MT-GRPO): each reward's own group advantage credits only the model turns it scores (the task's "
+        "reward_turns, overridden by train.advantage.reward_turns): a tool call's reward moves the call's tokens, "
+        "a final answer's the answer's.",
+    )
+    reward_turns: dict[str, Literal["all", "first", "last"]] = Field(
+        default_factory=dict,
+        description="With credit: turn, which model turns a reward credits (all, first, last), by reward name; "
+        "unnamed rewards keep the task's choice (all by default).",
+    )
 
 
 class DynamicSamplingConfig(Section):
@@ -762,6 +774,21 @@ def cross_field_problems(config: RunConfig) -> list[str]:
     return problems
 
 
+def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
+    """``train.advantage.reward_turns`` names rewards of the task (or task.overlong's)."""
+    named = config.train.advantage.reward_turns
+    if not named:
+        return []
+    known = list(task.plugin.reward_functions(options=task.options)) + ["overlong"]
+    stray = sorted(set(named) - set(known))
+    if not stray:
+        return []
+    return [
+        f"train.advantage.reward_turns: task {config.task.name!r} has no reward named {', '.join(map(repr, stray))}; "
+        f"its rewards are {', '.join(known)}"
+    ]
+
+
 def load_config(
     source: str | os.PathLike | Mapping[str, Any],
     overrides: list[str] | tuple[str, ...] = (),
@@ -788,7 +815,7 @@ def load_config(
     except ValidationError as err:
         raise ConfigError("Invalid config:", problems=validation_problems(err)) from None
     selected = select_plugins(config, plugins)
-    problems = cross_field_problems(config)
+    problems = cross_field_problems(config) + _reward_turn_problems(config, selected["task"])
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
     updates: dict[str, Any] = {}

@@ -323,7 +323,8 @@ class LossPlugin(_PluginBase):
     ``compute`` is jittable and keyword-only. Shapes: ``hidden`` [B, T, D] (final hidden
     states, already normed), ``head_weight`` [D, V], ``targets`` [B, T] int (the token
     each position predicts), ``mask`` [B, T] (1 on completion tokens that count),
-    ``advantages`` [B], ``old_logprobs`` [B, T] or None (on-policy: the ratio is
+    ``advantages`` [B] (one per row), or [B, T] (one per token: turn-level credit,
+    ``train.advantage.credit: turn``), ``old_logprobs`` [B, T] or None (on-policy: the ratio is
     exp(logp - stop_gradient(logp))), ``ref_logprobs`` [B, T] or None (needed iff
     ``settings.beta > 0``), ``sampler_logprobs`` [B, T] (the sampler's log-probs; passed
     only when ``settings.mismatch`` is set, so an implementation without the mismatch
@@ -405,7 +406,8 @@ class ObjectivePlugin(_PluginBase):
     :meth:`per_token` is pure and jittable. Shapes: ``logprobs`` [B, T] f32 (carries the
     gradient), ``log_ratio`` [B, T] = ``logprobs - old`` on valid tokens and 0 elsewhere
     (``old`` is ``stop_gradient(logprobs)`` on-policy), ``valid`` [B, T] bool,
-    ``advantages`` [B, 1] f32. It returns ``(objective, metrics)``: the per-token objective
+    ``advantages`` [B, 1] f32 (or [B, T] with turn-level credit: write the math so that
+    it broadcasts). It returns ``(objective, metrics)``: the per-token objective
     [B, T] (maximised: the loss adds ``-objective``, weighted by the mismatch correction
     and aggregated like every other term; padding positions are ignored) and
     ``metrics``, name -> [B, T] per-token values that the loss reduces over the valid
@@ -583,6 +585,14 @@ class TaskPlugin(_PluginBase):
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         """Weight of each reward function in the total; default 1.0 each."""
         return {name: 1.0 for name in self.reward_functions(options=options)}
+
+    def reward_turns(self, *, options: BaseModel) -> dict[str, str]:
+        """Which model turns each reward scores, for turn-level credit
+        (``train.advantage.credit: turn``): ``"first"`` (e.g. a reward for the tool call),
+        ``"last"`` (the final answer's form) or ``"all"`` (an outcome every turn led to).
+        Rewards left out credit every turn; default: all of them. Under the default
+        sequence-level credit this is not used."""
+        return {}
 
     def is_correct(self, reward_values: Mapping[str, float], *, options: BaseModel) -> bool:
         """Whether a scored completion counts as solved (for pass@k); default: every

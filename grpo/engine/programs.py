@@ -335,7 +335,7 @@ class RunPrograms:
             prompt_mask=arr((b, lp), jnp.int32),
             tokens=arr((b, n), jnp.int32),
             mask=arr((b, n), jnp.int32),
-            advantages=arr((b,), jnp.float32),
+            advantages=arr((b, n) if cfg.train.advantage.credit == "turn" else (b,), jnp.float32),
             old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
             ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
             sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.mismatch is not None else None,

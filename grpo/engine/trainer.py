@@ -37,7 +37,7 @@ from grpo.engine.rollout.prompts import build_batch, default_buckets, position_i
 from grpo.engine.runs import rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import MetricsLogger, device_memory_metrics, plot_run
-from grpo.engine.training.advantages import group_advantages
+from grpo.engine.training.advantages import group_advantages, turn_advantages
 from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.families import family_of
@@ -232,6 +232,31 @@ class Trainer:
             masked = self.policy_logprobs(self.params, ub, self.frozen)
             ub = ub._replace(sampler_logprobs=ub.sampler_logprobs + (masked - free))
         return free, ub
+
+    def _turn_advantages(self, per_fn: dict[str, jax.Array], own: jax.Array) -> jax.Array:
+        """Per-token advantages [B, N] of turn-level credit (``train.advantage.credit:
+        turn``): the rewards (global [B] each, by name) summed by weight into one component
+        per scope (the task's ``reward_turns``, then ``train.advantage.reward_turns``;
+        ``task.overlong``'s penalty credits every turn), each component's group advantage
+        on the model turns it scores (``own``: the model's tokens [B, N])."""
+        from grpo.plugins.tasks import OVERLONG
+
+        adv = self.config.train.advantage
+        scopes = {**self.task.reward_turns(options=self.task_options), **adv.reward_turns}
+        weights = dict(self.task.reward_weights(options=self.task_options))
+        parts: dict[str, list[tuple[float, str]]] = {}
+        for name in per_fn:
+            weight = 1.0 if name == OVERLONG else float(weights.get(name, 1.0))
+            if weight:
+                parts.setdefault(scopes.get(name, "all"), []).append((weight, name))
+        if not hasattr(self, "_turn_adv"):
+            def turn_adv(per_fn, own):
+                components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+                return turn_advantages(components, own, num_generations=self.config.rollout.num_generations,
+                                       baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
+
+            self._turn_adv = jax.jit(turn_adv, out_shardings=own.sharding)
+        return self._turn_adv(per_fn, own)
 
     def _rollout_batch(self, position: int):
         """The prompts at ``position .. position + prompts_per_step`` of the data order
@@ -481,9 +506,12 @@ class Trainer:
         rewards = to_global(rewards_local, self.batch_sharding)
         per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
-        advantages = group_advantages(
-            rewards, num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
-        )
+        if adv.credit == "turn":
+            advantages = self._turn_advantages(per_fn, out.mask if out.loss_mask is None else out.loss_mask)
+        else:
+            advantages = group_advantages(
+                rewards, num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
+            )
 
         t1 = time.perf_counter()
         to_train = self._to_train

@@ -2,14 +2,19 @@
 
 Rewards arrive as one flat vector laid out group-major: the K completions of prompt i
 are rows ``i*K .. i*K+K-1``. Advantages are computed per group and broadcast to every
-token of a completion by the loss.
+token of a completion by the loss (:func:`group_advantages`, one per row), or with
+turn-level credit (``train.advantage.credit: turn``) given per token
+(:func:`turn_advantages`).
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Mapping
 
 import jax.numpy as jnp
+
+SCOPES = ("all", "first", "last")
+"""Which model turns a reward credits under turn-level credit: every turn, the first, the last."""
 
 
 def group_advantages(
@@ -50,3 +55,55 @@ def group_advantages(
     elif scale == "batch_std":
         adv = adv / (r.std() + epsilon)
     return adv.reshape(-1)
+
+
+def turn_ids(loss_mask: jnp.ndarray) -> tuple[jnp.ndarray, jnp.ndarray]:
+    """(turn [B, N] int32, turns [B] int32): the index of the model turn each of the
+    model's tokens (``loss_mask`` 1) belongs to, -1 elsewhere, and each row's number of
+    model turns. A turn is a maximal run of the model's own tokens: the environment's
+    inserted tokens (``loss_mask`` 0, inside the completion) separate them."""
+    own = loss_mask.astype(bool)
+    before = jnp.pad(own[:, :-1], ((0, 0), (1, 0)))
+    starts = own & ~before
+    count = jnp.cumsum(starts.astype(jnp.int32), axis=1)
+    return jnp.where(own, count - 1, -1), count[:, -1]
+
+
+def turn_advantages(
+    components: Mapping[str, jnp.ndarray],
+    loss_mask: jnp.ndarray,
+    *,
+    num_generations: int,
+    baseline: Literal["group_mean", "rloo"] = "group_mean",
+    scale: Literal["group_std", "batch_std", "none"] = "group_std",
+    epsilon: float = 1e-4,
+) -> jnp.ndarray:
+    """Per-token advantages [B, N] with turn-level credit (MT-GRPO: Zeng et al., 2025,
+    "Reinforcing Multi-Turn Reasoning in LLM Agents via Turn-Level Credit Assignment").
+
+    ``components`` maps a scope of :data:`SCOPES` to the weighted sum [B] of the rewards
+    that credit it (the task's :meth:`~grpo.TaskPlugin.reward_turns`). Each component
+    gets its own group advantage (:func:`group_advantages`, same options), and a token of
+    the model takes the sum of those of the scopes its turn belongs to: ``all`` every
+    model turn, ``first`` the first, ``last`` the last (a row with one turn: both). So a
+    reward that scores the tool call moves only the call's tokens, and one that scores the
+    final answer only the answer's, while an outcome reward (``all``) moves every turn
+    that led to it. Tokens outside the model's turns (``loss_mask`` 0) get 0.
+
+    With only ``all``, every model token of a row gets exactly
+    :func:`group_advantages` of the total: sequence-level GRPO."""
+    unknown = sorted(set(components) - set(SCOPES))
+    if unknown:
+        raise ValueError(f"unknown reward scopes {unknown}; choose from {list(SCOPES)}")
+    turn, turns = turn_ids(loss_mask)
+    own = turn >= 0
+    where = {
+        "all": own,
+        "first": own & (turn == 0),
+        "last": own & (turn == turns[:, None] - 1),
+    }
+    out = jnp.zeros(loss_mask.shape, jnp.float32)
+    for scope, rewards in components.items():
+        adv = group_advantages(rewards, num_generations=num_generations, baseline=baseline, scale=scale, epsilon=epsilon)
+        out = out + jnp.where(where[scope], adv[:, None], 0.0)
+    return out

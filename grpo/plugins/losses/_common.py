@@ -5,7 +5,8 @@ The ``jax`` and ``pallas`` implementations differ only in how the per-token log-
 and the output head. Everything after that — ratio, clipping, KL, aggregation, metrics —
 is this module, so the two cannot drift apart.
 
-Definitions (per token t of row b, ``A = advantages[b]``, ``r = exp(logp - old)``, ``old``
+Definitions (per token t of row b, ``A = advantages[b]``, or ``advantages[b, t]`` with
+turn-level credit, ``r = exp(logp - old)``, ``old``
 the pre-update log-probs, ``stop_gradient(logp)`` on-policy):
 
 - objective: the registered :class:`~grpo.core.contracts.ObjectivePlugin` named by
@@ -100,8 +101,8 @@ def check_inputs(
     for name, arr in (("targets", targets), ("mask", mask)):
         if arr.shape != (b, t):
             raise ValueError(f"{name} must be [B, T] = {(b, t)}, got shape {arr.shape}")
-    if advantages.shape != (b,):
-        raise ValueError(f"advantages must be [B] = {(b,)}, got shape {advantages.shape}")
+    if advantages.shape not in ((b,), (b, t)):
+        raise ValueError(f"advantages must be [B] = {(b,)} or [B, T] = {(b, t)}, got shape {advantages.shape}")
     if old_logprobs is not None and old_logprobs.shape != (b, t):
         raise ValueError(f"old_logprobs must be [B, T] = {(b, t)} or None, got shape {old_logprobs.shape}")
     if settings.beta > 0:
@@ -139,7 +140,8 @@ def grpo_objective(
     logp = logprobs.astype(jnp.float32)
     valid = mask.astype(bool)
     m = valid.astype(jnp.float32)
-    adv = advantages.astype(jnp.float32)[:, None]  # B 1
+    adv = advantages.astype(jnp.float32)
+    adv = adv[:, None] if adv.ndim == 1 else adv  # B 1, or B T (turn-level credit)
 
     old = jax.lax.stop_gradient(logp) if old_logprobs is None else old_logprobs.astype(jnp.float32)
     # Padding positions may hold anything (even -inf log-probs): keep them out of exp().

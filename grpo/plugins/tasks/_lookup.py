@@ -392,5 +392,11 @@ class LookupTask(TaskPlugin):
     def reward_weights(self, *, options: BaseModel) -> dict[str, float]:
         return dict(_options(options).reward_weights)
 
+    def reward_turns(self, *, options: BaseModel) -> dict[str, str]:
+        """Under turn-level credit: ``call`` scores the first model turn (the call),
+        ``answer`` the last (what is done with the tool's reply); ``correct`` and ``prefix``
+        are the outcome, credited to every turn that led to it."""
+        return {"call": "first", "answer": "last"}
+
     def is_correct(self, reward_values: Mapping[str, float], *, options: BaseModel) -> bool:
         return reward_values.get("correct", 0.0) >= 1.0
