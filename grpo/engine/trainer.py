@@ -238,18 +238,19 @@ class Trainer:
         turn``): the rewards (global [B] each, by name) summed by weight into one component
         per scope (the task's ``reward_turns``, then ``train.advantage.reward_turns``;
         ``task.overlong``'s penalty credits every turn), each component's group advantage
-        on the model turns it scores (``own``: the model's tokens [B, N])."""
-        from grpo.plugins.tasks import OVERLONG
-
-        adv = self.config.train.advantage
-        scopes = {**self.task.reward_turns(options=self.task_options), **adv.reward_turns}
-        weights = dict(self.task.reward_weights(options=self.task_options))
-        parts: dict[str, list[tuple[float, str]]] = {}
-        for name in per_fn:
-            weight = 1.0 if name == OVERLONG else float(weights.get(name, 1.0))
-            if weight:
-                parts.setdefault(scopes.get(name, "all"), []).append((weight, name))
+        on the model turns it scores (``own``: the model's tokens [B, N]). The scopes,
+        weights and program are built at the first step (a run's rewards never change)."""
         if not hasattr(self, "_turn_adv"):
+            from grpo.plugins.tasks import OVERLONG, reward_weights
+
+            adv = self.config.train.advantage
+            scopes = {**self.task.reward_turns(options=self.task_options), **adv.reward_turns}
+            weights = {**reward_weights(self.task, self.task_options), OVERLONG: 1.0}
+            parts: dict[str, list[tuple[float, str]]] = {}
+            for name in per_fn:
+                if weights[name]:
+                    parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
+
             def turn_adv(per_fn, own):
                 components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
                 return turn_advantages(components, own, num_generations=self.config.rollout.num_generations,

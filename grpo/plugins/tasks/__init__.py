@@ -19,7 +19,7 @@ from grpo.plugins.tasks._evaluation import EvalResult, evaluate_completions, gro
 from grpo.plugins.tasks._gsm8k import GSM8KOptions, GSM8KTask, LoadStats, extract_answer, parse_ground_truth
 from grpo.plugins.tasks._lookup import LookupOptions, LookupTask
 from grpo.plugins.tasks._prompts import render_messages, render_prompt, render_prompts
-from grpo.plugins.tasks._scoring import OVERLONG, Scores, overlong_penalty, score_completions
+from grpo.plugins.tasks._scoring import OVERLONG, Scores, overlong_penalty, reward_weights, score_completions
 
 __all__ = [
     "OVERLONG",
@@ -33,6 +33,7 @@ __all__ = [
     "LookupTask",
     "Scores",
     "evaluate_completions",
+    "reward_weights",
     "extract_answer",
     "group_metrics",
     "mean_correct",

@@ -97,6 +97,17 @@ def overlong_penalty(lengths: np.ndarray, *, max_new_tokens: int, buffer: int, f
     return np.minimum(-excess / buffer * factor, 0.0).astype(np.float32)
 
 
+def reward_weights(task: TaskPlugin, options: BaseModel, functions: Mapping[str, Any] | None = None) -> dict[str, float]:
+    """The weight of each of ``task``'s rewards in the total (1.0 for those its
+    ``reward_weights`` leaves out); ValueError for a weight naming no reward."""
+    functions = task.reward_functions(options=options) if functions is None else functions
+    weights = dict(task.reward_weights(options=options))
+    stray = sorted(set(weights) - set(functions))
+    if stray:
+        raise ValueError(f"task {task.name!r} gives weights for rewards it does not define: {stray}")
+    return {name: float(weights.get(name, 1.0)) for name in functions}
+
+
 def score_completions(
     task: TaskPlugin,
     options: BaseModel,
@@ -112,13 +123,9 @@ def score_completions(
     if len(examples) != len(completions):
         raise ValueError(f"{len(examples)} examples but {len(completions)} completions; pass one example per completion")
     functions = task.reward_functions(options=options)
-    weights = dict(task.reward_weights(options=options))
     if TOTAL in functions:
         raise ValueError(f"task {task.name!r} defines a reward named {TOTAL!r}, which is reserved for the weighted total")
-    stray = sorted(set(weights) - set(functions))
-    if stray:
-        raise ValueError(f"task {task.name!r} gives weights for rewards it does not define: {stray}")
-    weights = {name: float(weights.get(name, 1.0)) for name in functions}
+    weights = reward_weights(task, options, functions)
     names = tuple(functions)
     errors = {name: 0 for name in names}
     first_errors: dict[str, str] = {}
