@@ -98,6 +98,11 @@ BAD = [
     ({"train.dynamic_sampling": {"enabled": True, "max_rounds": 0}}, "train.dynamic_sampling.max_rounds",
      "greater than or equal to 1"),
     ({"task.overlong": {"buffer": 8}}, "task.overlong.buffer=8", "must be < rollout.max_new_tokens=8"),
+    ({"train.down_sampling": {"keep": 16}}, "train.down_sampling.keep=16", "at most rollout.num_generations"),
+    ({"train.down_sampling": {"keep": 1}}, "train.down_sampling.keep", "greater than or equal to 2"),
+    ({"train.down_sampling": {"keep": 2, "rule": "best"}}, "train.down_sampling.rule", "'max_variance' or 'random'"),
+    ({"train.down_sampling": {"keep": 2}, "train.micro_batch_size": 3}, "train.micro_batch_size=3",
+     "train.down_sampling.keep (2)"),
 ]
 
 

@@ -88,6 +88,10 @@ LORA = {
     "task": {"options": {"max_operand": 4, "num_examples": 64,
                          "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "checkpoint": {"at_end": True},
+    # PODS down-sampling: 4 samples of each prompt rolled out, the 2 of largest reward
+    # variance trained on (rows chosen from every process's rewards, gathered across them).
+    "rollout": {"num_generations": 4},
+    "train": {"down_sampling": {"keep": 2}},
     # Sampled pass@3 on the 5 test prompts in batches of 3: padded to 8 prompts on one
     # process's 8 rollout shards, to 4 on two processes with maxtext's 2 (dp) shards.
     "eval": {"every_n_steps": 2, "batch_size": 3, "k": 3, "greedy": False},
@@ -163,7 +167,8 @@ def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
 def test_two_processes_match_single_process(tmp_path, example_plugin, single_process_reference, mesh, style, model):
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
     style. The ``lora`` case trains LoRA with dropout (adapters sharded over both
-    processes' devices, per-row dropout keys, the frozen base beside them), and the
+    processes' devices, per-row dropout keys, the frozen base beside them) on
+    down-sampled groups (2 of 4 samples each, picked from both processes' rewards), and the
     adapters the two processes checkpointed export (PEFT) to the single-process run's, and
     its evaluations (batches that divide neither mesh's shards) are the single process's.
     The ``tools`` case (full fine-tuning) is a multi-turn task with dynamic sampling and a
@@ -185,6 +190,10 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
     for got, ref in zip(rows, want):
         for key in ("reward/mean", "loss", "grad_norm", "completion/length_mean", "kl"):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        kept = [key for key in ref if key.startswith("down_sampling/")]
+        assert bool(kept) == (model == "lora")
+        for key in kept:
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
         for key in ("reward_errors", "skipped_nonfinite_steps"):
             assert got[key] == ref[key], (key, got[key], ref[key])
         assert {k: v for k, v in got.items() if k.startswith("dynamic_sampling/")} == \

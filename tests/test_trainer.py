@@ -359,6 +359,75 @@ def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, 
     np.testing.assert_allclose(np.asarray(trained.logits(hidden)), ref, atol=1e-4)
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
+def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugin, dynamic):
+    """PODS's down-sampling: 4 samples of each prompt rolled out, 2 trained on. From the
+    recorded rollouts an independent reference (a brute force over every pair of each
+    group) says which rewards the update must see: the update batch's rows are rows of
+    their group whose rewards have the largest variance, its advantages are the group
+    advantages of the kept rewards, and the logs read the rewards of every sample rolled
+    out. With dynamic sampling too, only groups with a reward spread are kept (the flat
+    prompts of the `length` task never spread) before their samples are."""
+    from itertools import combinations
+
+    p, k, keep = 4, 4, 2
+    over = {"task": {"name": "length", "options": {"flat_every": 2}}, "train.steps": 2, "train.prompts_per_step": p,
+            "rollout.num_generations": k, "train.down_sampling": {"keep": keep}}
+    if dynamic:
+        over["train.dynamic_sampling"] = {"enabled": True, "max_rounds": 2}
+    trainer = Trainer(_config(**over), tmp_path)
+    assert trainer.config.sequences_per_step == p * keep and trainer.config.rollout_sequences_per_step == p * k
+    rollouts, batches = [], []
+    score, update, generate = trainer._score, trainer.update, trainer.sampler.generate
+
+    def recording_generate(*args, **kwargs):
+        out = generate(*args, **kwargs)
+        rollouts.append(list(jax.device_get((out.tokens, out.mask))))
+        return out
+
+    def recording_score(examples, texts, lengths):
+        totals, per_fn, failed = score(examples, texts, lengths)
+        rollouts[-1].append(totals)
+        return totals, per_fn, failed
+
+    def recording_update(params, opt_state, ub, frozen):
+        batches.append(jax.device_get(ub))
+        return update(params, opt_state, ub, frozen)
+
+    trainer._score, trainer.update, trainer.sampler.generate = recording_score, recording_update, recording_generate
+    trainer.run()
+    rows = read_metrics(tmp_path)
+    for row, ub in zip(rows, batches, strict=True):
+        # The rounds of this step: the rollout's groups (tokens, masks, rewards) in order.
+        rounds = [rollouts.pop(0)] + ([rollouts.pop(0)] if dynamic and row["dynamic_sampling/rounds"] == 2 else [])
+        groups = [(t[g * k:(g + 1) * k], m[g * k:(g + 1) * k], r[g * k:(g + 1) * k])
+                  for t, m, r in rounds for g in range(p)]
+        if dynamic:
+            spread = [g for g in groups if g[2].max() > g[2].min()]
+            groups = (spread + [g for g in groups if g[2].max() == g[2].min()])[:p]
+        else:
+            assert len(groups) == p
+        kept_all, rolled = [], []
+        for g, (tokens, mask, rewards) in enumerate(groups):
+            rolled.append(rewards)
+            got = slice(g * keep, (g + 1) * keep)
+            # Each trained row is a row of its group; its reward is that row's.
+            idx = [next(j for j in range(k) if (tokens[j] == t).all() and (mask[j] == m).all())
+                   for t, m in zip(ub.tokens[got], ub.mask[got])]
+            kept = rewards[idx]
+            best = max(np.var(rewards[list(c)]) for c in combinations(range(k), keep))
+            np.testing.assert_allclose(np.var(kept), best, atol=1e-9)
+            np.testing.assert_array_equal(ub.prompt_tokens[got], np.broadcast_to(ub.prompt_tokens[got][0],
+                                                                                  ub.prompt_tokens[got].shape))
+            adv = (kept - kept.mean()) / (kept.std() + 1e-4) if kept.max() > kept.min() else np.zeros(keep)
+            np.testing.assert_allclose(ub.advantages[got], adv, rtol=1e-5, atol=1e-6)
+            kept_all.append(kept)
+        assert any(r.max() > r.min() for r in kept_all)  # the step trains on something
+        np.testing.assert_allclose(row["reward/mean"], np.mean(rolled), rtol=1e-6)
+        np.testing.assert_allclose(row["down_sampling/kept_reward_mean"], np.mean(kept_all), rtol=1e-6)
+    assert not rollouts  # every rollout was accounted for
+
+
 def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bitwise(tmp_path, example_plugin):
     """DAPO's dynamic sampling on the `length` task, whose even prompts score 0.5 whatever
     the completion: every round's rollouts and rewards are recorded, and an independent

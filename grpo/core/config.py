@@ -413,6 +413,25 @@ class DynamicSamplingConfig(Section):
     )
 
 
+class DownSamplingConfig(Section):
+    """PODS (Xu et al. 2025, "Not All Rollouts are Useful"): roll out
+    ``rollout.num_generations`` samples of each prompt but train on ``keep`` of them.
+    Sampling is the cheap phase and the update the costly one, so a large group finds the
+    rare right answer (or the rare wrong one) that a small group misses, and the update
+    pays for ``keep`` rows. ``max_variance`` keeps the subset whose rewards have the
+    largest variance (the ``i`` highest and ``keep - i`` lowest rewards, for the best
+    ``i``); ``random`` a uniform subset (an unbiased baseline). The advantages are the
+    group advantages of the kept rows."""
+
+    keep: int | None = Field(
+        None, ge=2, le=1024,
+        description="Samples of each group the update trains on (at most rollout.num_generations); none = all.",
+    )
+    rule: Literal["max_variance", "random"] = Field(
+        "max_variance", description="Which samples: the largest reward variance (PODS) or a uniform draw.",
+    )
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps (one rollout batch each).")
     prompts_per_step: int = Field(16, ge=1, le=1_000_000, description="Prompts per step; sequences = prompts x num_generations.")
@@ -425,6 +444,9 @@ class TrainConfig(Section):
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Group advantage estimator.")
     dynamic_sampling: DynamicSamplingConfig = Field(
         default_factory=DynamicSamplingConfig, description="Drop groups with equal rewards and refill (DAPO)."
+    )
+    down_sampling: DownSamplingConfig = Field(
+        default_factory=DownSamplingConfig, description="Train on a subset of each group's samples (PODS)."
     )
 
 
@@ -483,7 +505,19 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
 
     @property
+    def group_size(self) -> int:
+        """Samples of each group the update trains on: ``train.down_sampling.keep`` or
+        all ``rollout.num_generations``."""
+        return self.train.down_sampling.keep or self.rollout.num_generations
+
+    @property
     def sequences_per_step(self) -> int:
+        """Rows of the update: prompts x :attr:`group_size`."""
+        return self.train.prompts_per_step * self.group_size
+
+    @property
+    def rollout_sequences_per_step(self) -> int:
+        """Rows of one rollout: prompts x ``rollout.num_generations``."""
         return self.train.prompts_per_step * self.rollout.num_generations
 
     @property
@@ -752,10 +786,17 @@ def cross_field_problems(config: RunConfig) -> list[str]:
     problems = []
     seqs = config.sequences_per_step
     mb = config.train.micro_batch_size
+    group = "train.down_sampling.keep" if config.train.down_sampling.keep else "rollout.num_generations"
     if mb is not None and seqs % mb:
         problems.append(
             f"train.micro_batch_size={mb} must divide the sequences per step, train.prompts_per_step "
-            f"({config.train.prompts_per_step}) x rollout.num_generations ({config.rollout.num_generations}) = {seqs}"
+            f"({config.train.prompts_per_step}) x {group} ({config.group_size}) = {seqs}"
+        )
+    keep = config.train.down_sampling.keep
+    if keep is not None and keep > config.rollout.num_generations:
+        problems.append(
+            f"train.down_sampling.keep={keep} must be at most rollout.num_generations={config.rollout.num_generations} "
+            "(it keeps that many of each group's samples)"
         )
     mismatch = config.loss.mismatch
     if config.loss.objective == "gspo" and mismatch is not None and mismatch.level == "token":
@@ -841,12 +882,20 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     loss = selected["loss"]
     problems += loss.plugin.check(layout=layout, options=loss.options)
     shards = style.plugin.rollout_shards(layout=layout, topology=topology, options=style.options)
-    seqs = config.sequences_per_step
+    seqs = config.rollout_sequences_per_step
     if seqs % shards:
         problems.append(
             f"the rollout batch of {seqs} sequences (train.prompts_per_step={config.train.prompts_per_step} x "
             f"rollout.num_generations={config.rollout.num_generations}) must divide evenly over the {shards} "
             f"rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape}"
+        )
+    keep = config.train.down_sampling.keep
+    if keep is not None and config.sequences_per_step % shards:
+        problems.append(
+            f"the down-sampled batch of {config.sequences_per_step} sequences (train.prompts_per_step="
+            f"{config.train.prompts_per_step} x train.down_sampling.keep={keep}) must divide evenly over the "
+            f"{shards} rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape} (it is "
+            "gathered in the rollout's layout)"
         )
     # The prompts themselves need not divide over the rollout shards: prefill shards them
     # over the largest part of the batch axes they divide (replicated at worst), and the

@@ -468,7 +468,7 @@ def rollout_placement(
     candidates = style.plugin.rollout_layouts(layout=layout, topology=topology, options=style.options, model=dims)
     if not candidates:
         return RolloutPlacement.training(mesh, batch_axes)
-    rows = config.sequences_per_step
+    rows = config.rollout_sequences_per_step
     if not any(rows % c.shards == 0 for c in candidates):
         raise UserError(
             f"rollout.style={config.rollout.style}: no layout it offers splits the {rows} sequences of a step "

@@ -32,7 +32,7 @@ from grpo.engine.parallel.mesh import build_mesh, current_topology
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.planning.tpu import chip_of
 from grpo.engine.programs import build_programs
-from grpo.engine.rollout.dynamic_sampling import GroupFilter, group_spread
+from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, group_spread
 from grpo.engine.rollout.prompts import build_batch, default_buckets, position_indices, process_slice, tokenize_prompts
 from grpo.engine.runs import rundir
 from grpo.engine.runs.checkpoint import Checkpointer
@@ -253,7 +253,7 @@ class Trainer:
 
             def turn_adv(per_fn, own):
                 components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
-                return turn_advantages(components, own, num_generations=self.config.rollout.num_generations,
+                return turn_advantages(components, own, num_generations=self.config.group_size,
                                        baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
 
             self._turn_adv = jax.jit(turn_adv, out_shardings=own.sharding)
@@ -348,8 +348,8 @@ class Trainer:
 
     def _assemble(self, outs: list[Any], rows: np.ndarray) -> Any:
         """One rollout of global ``rows`` [B] of the rounds ``outs`` stacked in order, prompts
-        left-padded to the widest round's. A jitted gather with replicated indices: the rows
-        a process trains on may have been sampled on another."""
+        left-padded to the widest round's, in the update's row layout. A jitted gather with
+        replicated indices: the rows a process trains on may have been sampled on another."""
         if not hasattr(self, "_gather_rows"):
             def gather(outs, rows, width, pad_id):
                 def widen(o):
@@ -359,7 +359,7 @@ class Trainer:
                 stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[widen(o) for o in outs])
                 return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
 
-            shardings = jax.tree.map(lambda x: x.sharding, outs[0])  # the sampler's layout
+            shardings = jax.tree.map(lambda x: self.train_sharding if x.ndim else self.programs.replicated, outs[0])
             self._gather_rows = jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings)
         rows = rows.astype(np.int32)
         rows = jax.make_array_from_callback(rows.shape, self.programs.replicated, lambda idx: rows[idx])
@@ -368,9 +368,10 @@ class Trainer:
 
     def _dynamic_rollout(self):
         """Rounds of rollouts until the step holds ``prompts_per_step`` groups with a reward
-        spread (see :mod:`grpo.engine.rollout.dynamic_sampling`): the batch's rollout,
-        this process's totals and rewards by name, the reward-error counts, the sampler's
-        seconds and the ``dynamic_sampling/*`` metrics."""
+        spread (see :mod:`grpo.engine.rollout.dynamic_sampling`): the rounds the batch takes
+        groups from, its rows in them (:meth:`_assemble`'s), their totals and rewards by
+        name (every process's rows), the reward-error counts, the sampler's seconds, the
+        generated tokens, the ``dynamic_sampling/*`` metrics and the tool counters."""
         cfg = self.config
         p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
         picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
@@ -391,13 +392,43 @@ class Trainer:
         used = sorted({r for r, _ in groups})  # rounds the batch takes groups from
         slot = {r: i for i, r in enumerate(used)}
         rows = np.asarray([(slot[r] * p + g) * k + j for r, g in groups for j in range(k)])
-        out = self._assemble([outs[r] for r in used], rows)
-        # The batch's rewards, every row then this process's slice (rows of a round: r*B + row).
+        # The batch's rewards, every process's rows (rows of a round: r*B + row).
         src = np.asarray([r * p * k + (g * k + j) for r, g in groups for j in range(k)])
-        mine = process_slice(p * k, jax.process_index(), jax.process_count())
-        rewards_local = np.concatenate(totals)[src][mine]
-        per_fn_local = {n: np.concatenate([f[n] for f in per_fn])[src][mine] for n in per_fn[0]}
-        return out, rewards_local, per_fn_local, errors, t_generate, sum(generated), picker.metrics(), tools
+        full = np.concatenate(totals)[src]
+        per_full = {n: np.concatenate([f[n] for f in per_fn])[src] for n in per_fn[0]}
+        return ([outs[r] for r in used], rows, full, per_full, errors, t_generate, sum(generated), picker.metrics(),
+                tools)
+
+    def _selected_rollout(self):
+        """The step's rollout when rows are selected (dynamic sampling, down-sampling): the
+        update batch's rollout in the update's layout, its rewards and rewards by name
+        (global arrays), the same over every row rolled out for the batch's groups (host
+        arrays, for the logs: down-sampling keeps a biased subset), the reward-error
+        counts, the sampler's seconds, the generated tokens, the metrics and the tool
+        counters. Down-sampling (:func:`~grpo.engine.rollout.dynamic_sampling.down_sample`)
+        keeps ``train.down_sampling.keep`` rows of each group the step trains on."""
+        cfg = self.config
+        k = cfg.rollout.num_generations
+        if cfg.train.dynamic_sampling.enabled:
+            outs, rows, full, per_full, errors, t_rollout, generated, metrics, tools = self._dynamic_rollout()
+        else:
+            out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
+            self.data_position += cfg.train.prompts_per_step
+            outs, rows, generated, metrics = [out], np.arange(out.tokens.shape[0]), jnp.sum(out.lengths), {}
+            full = self._all_rows(rewards_local)
+            per_full = {n: self._all_rows(v) for n, v in per_fn_local.items()}
+        logged = (full, per_full)
+        ds = cfg.train.down_sampling
+        if ds.keep is not None:
+            rng = np.random.default_rng([cfg.train.seed, self.step]) if ds.rule == "random" else None
+            keep = down_sample(full, k, ds.keep, rule=ds.rule, rng=rng)
+            rows, full, per_full = rows[keep], full[keep], {n: v[keep] for n, v in per_full.items()}
+            metrics = {**metrics, "down_sampling/kept_reward_mean": float(np.mean(full)),
+                       "down_sampling/kept_reward_std": float(np.std(full))}
+        out = self._assemble(outs, rows)
+        place = lambda a: jax.make_array_from_callback(a.shape, self.train_sharding, lambda idx: a[idx])  # noqa: E731
+        rewards, per_fn = place(full), {n: place(v) for n, v in per_full.items()}
+        return out, rewards, per_fn, logged, errors, t_rollout, generated, metrics, tools
 
     def _add_reward_errors(self, names: list[str], counts: np.ndarray) -> None:
         """Add a step's failures of each reward function, counted over every process's
@@ -496,22 +527,22 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         cfg = self.config
-        k = cfg.rollout.num_generations
         t0 = time.perf_counter()
-        if cfg.train.dynamic_sampling.enabled:
-            out, rewards_local, per_fn_local, errors, t_rollout, generated, ds_metrics, tools = self._dynamic_rollout()
+        logged = None  # the rewards of every row rolled out, where they are not the batch's
+        if cfg.train.dynamic_sampling.enabled or cfg.train.down_sampling.keep is not None:
+            out, rewards, per_fn, logged, errors, t_rollout, generated, ds_metrics, tools = self._selected_rollout()
         else:
             out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
             self.data_position += cfg.train.prompts_per_step
             generated, ds_metrics = jnp.sum(out.lengths), {}
-        rewards = to_global(rewards_local, self.batch_sharding)
-        per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
+            rewards = to_global(rewards_local, self.batch_sharding)
+            per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
         if adv.credit == "turn":
             advantages = self._turn_advantages(per_fn, out.mask if out.loss_mask is None else out.loss_mask)
         else:
             advantages = group_advantages(
-                rewards, num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
+                rewards, num_generations=cfg.group_size, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon
             )
 
         t1 = time.perf_counter()
@@ -561,8 +592,6 @@ class Trainer:
         # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
         is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
         scalars = {
-            "reward/mean": jnp.mean(rewards),
-            "reward/std": jnp.std(rewards),
             "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
             "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
             "logprob_gap/sampler_trainer": gap,
@@ -572,11 +601,17 @@ class Trainer:
             "valid_tokens": jnp.sum(out.mask.astype(jnp.float32)),
             "rollout/generated_tokens": generated,  # every round's completions, trained on or not
         }
-        for name, v in per_fn.items():
-            scalars[f"reward/{name}/mean"] = jnp.mean(v)
+        # Over the batch's groups: with down-sampling every sample rolled out for them (what
+        # the policy earns), not only the subset trained on.
+        if logged is None:
+            scalars.update({"reward/mean": jnp.mean(rewards), "reward/std": jnp.std(rewards)})
+            scalars.update({f"reward/{name}/mean": jnp.mean(v) for name, v in per_fn.items()})
         scalars, error_counts, tool_totals = jax.device_get((scalars, errors, None if tools is None else tools[0]))
         scalars = {k_: float(v) for k_, v in scalars.items()}
-        self._add_reward_errors(list(per_fn_local), error_counts)
+        if logged is not None:
+            scalars.update({"reward/mean": float(np.mean(logged[0])), "reward/std": float(np.std(logged[0]))})
+            scalars.update({f"reward/{name}/mean": float(np.mean(v)) for name, v in logged[1].items()})
+        self._add_reward_errors(list(per_fn), error_counts)
         m = epoch_summary(jax.device_get(epoch_metrics), off_policy_prefixes=(f"{cfg.loss.objective}/",))
         row: dict[str, Any] = {"step": self.step}
         row.update({k_: scalars[k_] for k_ in scalars if k_.startswith("reward/")})

@@ -217,7 +217,8 @@ def program_costs(
       each) — prefill writes the KV cache of its rows, decode reads the weights and the
       live KV cache once per step, and the optimizer reads and writes parameters,
       gradients and its state, split over ``fsdp x tp`` (``dp`` replicates them);
-    - rows per device: the update's ``B / (dp fsdp)``, decode's ``B / rollout shards``;
+    - rows per device: the update's ``P keep / (dp fsdp)`` (``keep``: ``train.down_sampling.keep``,
+      else ``K``), decode's ``P K / rollout shards``;
       prefill's prompts are split over the part of the rollout shards they divide;
     - evaluation (``eval.every_n_steps > 0``): ``eval_prefill`` and ``eval_decode`` are
       prefill and decode of one eval batch — ``eval.k`` samples of each of its prompts,
@@ -272,7 +273,7 @@ def program_costs(
     inputs = programs.abstract_rollout_inputs()
     P, Lp = inputs["prompt_tokens"].shape
     K = cfg.rollout.num_generations
-    B = P * K
+    B = P * cfg.group_size  # the update's rows (down-sampling trains on keep of the K rolled out)
     kv_tok = 2 * Lyr * Hk * E * w / kv_split
 
     def rollout(prompts: int, k: int, sampler: Any) -> tuple[Cost, ...]:
@@ -734,6 +735,7 @@ class Planner:
             },
             "shape": {
                 "sequences_per_step": config.sequences_per_step,
+                "rollout_sequences_per_step": config.rollout_sequences_per_step,
                 "micro_batch_size": config.micro_batch_size,
                 "prompt_length": Lp,
                 "max_new_tokens": config.rollout.max_new_tokens,
@@ -936,7 +938,10 @@ def format_report(rep: dict[str, Any]) -> str:
     lines = [
         f"{rep['topology']} ({rep['topology_raw']}): {rep['processes']} process(es) x {rep['devices_per_process']} "
         f"{rep['device_kind']}; mesh " + ", ".join(f"{k}={v}" for k, v in rep["mesh"].items()),
-        f"shape: {rep['shape']['sequences_per_step']} sequences/step, micro-batch {rep['shape']['micro_batch_size']}, "
+        f"shape: {rep['shape']['sequences_per_step']} sequences/step"
+        + (f" (of {rep['shape']['rollout_sequences_per_step']} rolled out)"
+           if rep["shape"]["rollout_sequences_per_step"] != rep["shape"]["sequences_per_step"] else "")
+        + f", micro-batch {rep['shape']['micro_batch_size']}, "
         f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
         f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
         "state per device (GiB): " + ", ".join(

@@ -1,4 +1,5 @@
-"""DAPO's dynamic sampling, host side: which rolled-out groups a step trains on.
+"""Which rolled-out rows a step trains on, host side: DAPO's dynamic sampling (which
+groups) and PODS's down-sampling (which samples of each group).
 
 A group whose rewards are all equal has exactly zero advantage: it adds nothing to the
 policy gradient but still dilutes a ``token_mean`` loss. With ``train.dynamic_sampling``
@@ -94,4 +95,40 @@ class GroupFilter:
         }
 
 
-__all__ = ["GroupFilter", "group_spread"]
+def down_sample(rewards: np.ndarray, num_generations: int, keep: int, *, rule: str = "max_variance",
+                rng: np.random.Generator | None = None) -> np.ndarray:
+    """PODS's down-sampling (Xu et al. 2025): the rows [G*keep] to train on of ``rewards``
+    [G*K] (row ``g*K + j``: sample j of group g), ``keep`` of each group, ascending within
+    their group, groups in order.
+
+    ``max_variance``: the ``keep`` rewards of largest variance, which are the ``i`` highest
+    and ``keep - i`` lowest of the group for some ``i`` (the paper's lemma), so each ``i``
+    is tried over the sorted rewards in O(K log K); ties go to the smallest ``i``, then to
+    the earlier row among equal rewards (a stable sort), so every process picks alike.
+    ``random``: a uniform draw without replacement from ``rng``."""
+    groups = np.asarray(rewards, np.float64).reshape(-1, num_generations)  # G K
+    n = num_generations
+    if not 1 <= keep <= n:
+        raise ValueError(f"keep must be in [1, {n}], got {keep}")
+    picks = []
+    for g, row in enumerate(groups):
+        if rule == "random":
+            if rng is None:
+                raise ValueError("down_sample(rule='random') needs an rng")
+            chosen = rng.choice(n, size=keep, replace=False)
+        elif rule == "max_variance":
+            order = np.argsort(row, kind="stable")
+            cum = np.concatenate([[0.0], np.cumsum(row[order])])
+            cum2 = np.concatenate([[0.0], np.cumsum(row[order] ** 2)])
+            top = np.arange(keep + 1)  # i highest, keep - i lowest
+            total = cum[keep - top] + cum[n] - cum[n - top]
+            total2 = cum2[keep - top] + cum2[n] - cum2[n - top]
+            i = int(np.argmax(total2 / keep - (total / keep) ** 2))
+            chosen = np.concatenate([order[:keep - i], order[n - i:]])
+        else:
+            raise ValueError(f"unknown down-sampling rule {rule!r}; choose max_variance or random")
+        picks.append(g * n + np.sort(chosen))
+    return np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
+
+
+__all__ = ["GroupFilter", "down_sample", "group_spread"]
