@@ -141,7 +141,8 @@ def test_tool_prompt_and_lookup_call_are_a_few_tokens(tokenizer):
         "input_ids"
     ]
     tool = tool_token_ids()
-    assert ids == [tool["<tool_call>"], tool[LOOKUP_CALL_OPEN], ord("3"), ord("7"), tool[LOOKUP_CALL_CLOSE], tool["</tool_call>"]]
+    assert ids == [tool["<tool_call>"], tool[LOOKUP_CALL_OPEN], ord("3"), ord("7"), tool[LOOKUP_CALL_CLOSE]]
+    assert tokenizer("a</tool_call>", add_special_tokens=False)["input_ids"] == [ord("a"), tool["</tool_call>"]]
     # The model's own tokens decode back to the call (plain added tokens: kept by skip_special_tokens).
     assert tokenizer.decode(ids, skip_special_tokens=True).endswith("</tool_call>")
 

@@ -316,3 +316,20 @@ def test_max_turns_below_one_is_a_config_error_naming_the_field():
     with pytest.raises(ConfigError, match=r"rollout\.max_turns") as err:
         load_config(TOOLS_RUN, ["rollout.max_turns=0"])
     assert err.value.exit_code == 2
+
+
+def test_a_token_ending_with_the_call_tag_ends_a_turn(tmp_path):
+    """The tiny tokenizer holds the lookup call's closing JSON and ``</tool_call>`` as one
+    token: it ends a turn as the tag alone does (so does Qwen's tool-prompt footer, whose
+    text ends with the tag), and no other token does."""
+    from transformers import AutoTokenizer
+
+    from grpo.engine.conversations import Conversations
+    from grpo.models.tiny import LOOKUP_CALL_CLOSE, QWEN_TOOLS_FOOTER, tool_token_ids, write_tiny_tokenizer
+    from grpo.plugins.tasks._lookup import LookupOptions, LookupTask
+
+    tok = AutoTokenizer.from_pretrained(write_tiny_tokenizer(tmp_path))
+    conv = Conversations(LookupTask(), LookupOptions(), tok, tool_format="qwen", timeout_s=1.0)
+    ids = tool_token_ids()
+    assert LOOKUP_CALL_CLOSE.endswith("</tool_call>")
+    assert conv.turn_stop_ids() == tuple(sorted(ids[t] for t in ("</tool_call>", LOOKUP_CALL_CLOSE, QWEN_TOOLS_FOOTER)))

@@ -84,6 +84,25 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
     assert b["temp_bytes"] > 2 * s["temp_bytes"]
 
 
+def test_down_sampling_plans_the_rollout_and_the_update_rows_apart(tiny_config):
+    """``train.down_sampling.keep``: the rollout of prompts x num_generations rows, the
+    update of prompts x keep. Rolling out 8 of each prompt and training on 4 compiles the
+    decode of an 8-sample run and the update of a 4-sample one."""
+    args = (tiny_config, "--topology", "v6e:2x2", "--json")
+    code, down = plan(*args, "--set", "rollout.num_generations=8", "--set", "train.down_sampling.keep=4")
+    assert code == 0, down
+    code, wide = plan(*args, "--set", "rollout.num_generations=8")
+    assert code == 0, wide
+    code, narrow = plan(*args)  # 4 samples per prompt
+    assert code == 0, narrow
+    assert (down["shape"]["sequences_per_step"], down["shape"]["rollout_sequences_per_step"]) == (32, 64)
+    for name in ("prefill", "decode"):
+        assert down["programs"][name]["flops"] == wide["programs"][name]["flops"]
+        assert down["programs"][name]["temp_bytes"] == wide["programs"][name]["temp_bytes"]
+    assert down["programs"]["update"]["flops"] == pytest.approx(narrow["programs"]["update"]["flops"])
+    assert down["programs"]["update"]["flops"] < 0.6 * wide["programs"]["update"]["flops"]
+
+
 def test_multi_host_plan_with_reference_pass(tiny_config):
     code, rep = plan(tiny_config, "--topology", "v6e:4x4", "--json", "--set", "train.prompts_per_step=16",
                      "--set", "train.micro_batch_size=16", "--set", "loss.beta=0.04")

@@ -113,7 +113,11 @@ class Conversations:
         if not end:
             return ()
         ids = self.tokenizer(end, add_special_tokens=False)["input_ids"]
-        return (int(ids[0]),) if len(ids) == 1 else ()
+        stops = {int(ids[0])} if len(ids) == 1 else set()
+        # An added token that ends with it ends a call too (a tokenizer that holds a call's
+        # closing text as one token, as the tiny one does for the lookup call).
+        stops |= {int(i) for text, i in self.tokenizer.get_added_vocab().items() if text.endswith(end)}
+        return tuple(sorted(stops))
 
 
 def close_all(envs: Sequence[Environment]) -> None:

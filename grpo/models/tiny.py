@@ -13,9 +13,14 @@ with ``<tool_call>...</tool_call>`` — and ``tool`` messages as Qwen2.5 does, i
 without tools render byte-identically to the template without tool support. The tool-call
 tags are single tokens, as in Qwen2.5's tokenizer; so are Qwen2.5's tool boilerplate and the
 ``lookup`` task's schema and call skeleton (:data:`TOOL_TOKENS`), so that the tools
-quickstart's chat template and tool schema take 18 tokens and a call six: a 2-layer
+quickstart's chat template and tool schema take 18 tokens and a call five: a 2-layer
 random model learns to call the tool within CPU minutes, which it would not through ~400
-byte tokens of prompt and a dozen tokens of JSON per call. These are plain (not special)
+byte tokens of prompt and a dozen tokens of JSON per call. The call's closing JSON and
+``</tool_call>`` are one token (an added token ending with the call's end tag ends a turn
+as the tag does): with them apart, a policy that had learnt the closing JSON would, on
+some runs, repeat it where ``</tool_call>`` goes (a random model's next token leans to
+its current one) until every sample of every group wrote the same unclosed call, which
+no group advantage can move. These are plain (not special)
 added tokens, appended after the earlier ids so that every other id, and the ``tiny``
 preset's vocabulary size, stay as they were. :func:`write_tiny_checkpoint` writes a random
 Qwen2 ``config.json`` + safetensors (optionally sharded with an index) with NumPy.
@@ -53,14 +58,14 @@ QWEN_TOOLS_FOOTER = (
     "</tool_call>"
 )
 # The lookup task's tool schema as the template renders it, and its call's fixed parts:
-# <tool_call> LOOKUP_CALL_OPEN <key digits> LOOKUP_CALL_CLOSE </tool_call>.
+# <tool_call> LOOKUP_CALL_OPEN <key digits> LOOKUP_CALL_CLOSE (which ends with </tool_call>).
 LOOKUP_SCHEMA = (
     '{"type": "function", "function": {"name": "lookup", "description": "The value stored under a key.", '
     '"parameters": {"type": "object", "properties": {"key": {"type": "string", "description": "The key."}}, '
     '"required": ["key"]}, "return": {"type": "string"}}}'
 )
 LOOKUP_CALL_OPEN = '\n{"name": "lookup", "arguments": {"key": "'
-LOOKUP_CALL_CLOSE = '"}}\n'
+LOOKUP_CALL_CLOSE = '"}}\n</tool_call>'
 TOOL_TOKENS: tuple[str, ...] = (
     "<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>",
     QWEN_DEFAULT_SYSTEM, QWEN_TOOLS_HEADER, QWEN_TOOLS_FOOTER, LOOKUP_SCHEMA, LOOKUP_CALL_OPEN, LOOKUP_CALL_CLOSE,
