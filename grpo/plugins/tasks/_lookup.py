@@ -111,7 +111,11 @@ cores, so 300 s is ~1,000 steps):
   trajectory's advantage, pulled the second turn's first token along; pass@1 0); with
   seed 1 the same config reached 0.85 at step 500. With turn credit (``call`` moving only
   the call's tokens) 8 of 64 never collapsed but levelled lower: 0.65 at 600, 0.6 at 800
-  (seed 1: 0.35). The shipped config with seed 1: 0.35 at 1,000, the failures mostly keys
+  (seed 1: 0.35). The shipped config with turn credit: 0.9 at 600-800 steps on one core,
+  but 0.05 with seed 1 (the answer collapsed) and 0.55 at 800-1,000 alone on 2 cores (a
+  run's numerics, so its curve, differ with the core count). Sampling temperature 2.0: the
+  keys exact by 900 steps, then the answer turn collapsed onto ``<tool_call>`` (seed 1:
+  0.1). The shipped config with seed 1: 0.35 at 1,000, the failures mostly keys
   whose letter is copied as another (``D`` as ``G``, ``K`` as ``H``). The answer's and the
   key's copies are both found, then kept or lost, by chance: the runs are fast but not
   robust to the seed.
