@@ -366,6 +366,13 @@ class Trainer:
         width = max(o.prompt_tokens.shape[1] for o in outs)
         return self._gather_rows(outs, rows, width, self.policy.pad_id)
 
+    def _next_round(self):
+        """One rollout of the next ``prompts_per_step`` prompts of the data order (the data
+        position moves past them): :meth:`_rollout_round`'s results and the generated tokens."""
+        out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
+        self.data_position += self.config.train.prompts_per_step
+        return out, rewards_local, per_fn_local, errors, t_rollout, tools, jnp.sum(out.lengths)
+
     def _dynamic_rollout(self):
         """Rounds of rollouts until the step holds ``prompts_per_step`` groups with a reward
         spread (see :mod:`grpo.engine.rollout.dynamic_sampling`): the rounds the batch takes
@@ -412,9 +419,8 @@ class Trainer:
         if cfg.train.dynamic_sampling.enabled:
             outs, rows, full, per_full, errors, t_rollout, generated, metrics, tools = self._dynamic_rollout()
         else:
-            out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
-            self.data_position += cfg.train.prompts_per_step
-            outs, rows, generated, metrics = [out], np.arange(out.tokens.shape[0]), jnp.sum(out.lengths), {}
+            out, rewards_local, per_fn_local, errors, t_rollout, tools, generated = self._next_round()
+            outs, rows, metrics = [out], np.arange(out.tokens.shape[0]), {}
             full = self._all_rows(rewards_local)
             per_full = {n: self._all_rows(v) for n, v in per_fn_local.items()}
         logged = (full, per_full)
@@ -532,9 +538,8 @@ class Trainer:
         if cfg.train.dynamic_sampling.enabled or cfg.train.down_sampling.keep is not None:
             out, rewards, per_fn, logged, errors, t_rollout, generated, ds_metrics, tools = self._selected_rollout()
         else:
-            out, rewards_local, per_fn_local, errors, t_rollout, tools = self._rollout_round(self.data_position, 0)
-            self.data_position += cfg.train.prompts_per_step
-            generated, ds_metrics = jnp.sum(out.lengths), {}
+            out, rewards_local, per_fn_local, errors, t_rollout, tools, generated = self._next_round()
+            ds_metrics = {}
             rewards = to_global(rewards_local, self.batch_sharding)
             per_fn = {n: to_global(v, self.batch_sharding) for n, v in per_fn_local.items()}
         adv = cfg.train.advantage
