@@ -126,6 +126,9 @@ def test_schema_from_hints_and_docstring():
     assert fn["parameters"]["properties"]["expression"]["type"] == "string"
     assert fn["parameters"]["required"] == ["expression"]
     assert tool_schema(calculator, name="calc")["function"]["name"] == "calc"
+    # Schemas are cached per function; a renamed or edited copy leaves the cached one alone.
+    tool_schema(calculator)["function"]["parameters"]["required"].append("x")
+    assert tool_schema(calculator) == schema and schema["function"]["name"] == "calculator"
 
 
 def _no_hint(x):

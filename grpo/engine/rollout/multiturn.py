@@ -312,6 +312,7 @@ class MultiTurnSampler(Sampler):
         ep = Episodes(messages, turns, last_text, counts["turns"], counts["tool_calls"], counts["tool_errors"],
                       counts["tool_timeouts"])
         start = Lp
+        encoded: dict[str, list[int]] = {}  # inserted text -> tokens (rows often get the same reply)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, b)))
         try:
             for turn in range(self.max_turns):
@@ -365,7 +366,7 @@ class MultiTurnSampler(Sampler):
                         active[r] = False
                         continue
                     full = render(messages[r] + reply, envs[r].tools, True)
-                    ins = self._inserted(full, context[r], tokenizer)
+                    ins = self._inserted(full, context[r], tokenizer, encoded)
                     last_model = [int(pieces[r][-1][0][-1])]
                     # Room for the reply and at least one more model token, in tokens and slots.
                     if ins is None or used[r] + len(ins) + 1 > N or start + 1 + len(ins) > cap:
@@ -399,7 +400,7 @@ class MultiTurnSampler(Sampler):
         return self._compact(pre, pieces, truncated), ep
 
     @staticmethod
-    def _inserted(full: str, context: str, tokenizer: Any) -> list[int] | None:
+    def _inserted(full: str, context: str, tokenizer: Any, memo: dict[str, list[int]] | None = None) -> list[int] | None:
         """The tokens the template adds after ``context`` (the row's text so far) in
         ``full`` (the conversation with the reply, rendered up to the next generation
         prompt); None when the template does not render the model's turn as it was sampled
@@ -409,7 +410,13 @@ class MultiTurnSampler(Sampler):
             log.warning("the chat template re-renders a model turn differently from how it was sampled; "
                         "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
             return None
-        return list(tokenizer(full[len(context):], add_special_tokens=False)["input_ids"])
+        text = full[len(context):]
+        ids = None if memo is None else memo.get(text)
+        if ids is None:
+            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+            if memo is not None:
+                memo[text] = ids
+        return list(ids)
 
     def _compact(self, pre, pieces, truncated: np.ndarray) -> RolloutOutput:
         s = self.sampling

@@ -128,6 +128,7 @@ trajectory, is what it learns slowly.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 import re
@@ -256,6 +257,20 @@ class LookupOptions(PluginOptions):
         return self
 
 
+@functools.lru_cache(maxsize=16)
+def _cached_table(seed: int, num_keys: int, alphabets: tuple[str, ...], value_digits: int,
+                  value_alphabet: str) -> dict[str, str]:
+    # Shared: callers must not edit it (LookupTask._table hands out copies).
+    return make_table(seed=seed, num_keys=num_keys, key_alphabets=alphabets, value_digits=value_digits,
+                      value_alphabet=value_alphabet)
+
+
+@functools.lru_cache(maxsize=16)
+def _cached_tool(seed: int, num_keys: int, alphabets: tuple[str, ...], value_digits: int, value_alphabet: str,
+                 reply: str) -> ToolFn:
+    return make_lookup_tool(_cached_table(seed, num_keys, alphabets, value_digits, value_alphabet), reply)
+
+
 def _options(options: Any) -> LookupOptions:
     return coerce_options(LookupOptions, options)
 
@@ -358,8 +373,14 @@ class LookupTask(TaskPlugin):
     Options: ClassVar[type[BaseModel]] = LookupOptions
 
     def _table(self, options: LookupOptions, seed: int) -> dict[str, str]:
-        return make_table(seed=seed, num_keys=options.num_keys, key_alphabets=options.alphabets,
-                          value_digits=options.value_digits, value_alphabet=options.value_alphabet)
+        return dict(_cached_table(seed, options.num_keys, options.alphabets, options.value_digits,
+                                  options.value_alphabet))
+
+    def _tool(self, options: LookupOptions, seed: int) -> ToolFn:
+        """The ``lookup`` tool of the table of ``seed``: one function object per table and
+        reply (every rollout row's environment shares it, and its schema is parsed once)."""
+        return _cached_tool(seed, options.num_keys, options.alphabets, options.value_digits, options.value_alphabet,
+                            options.reply)
 
     def load(self, *, split: str, options: BaseModel, seed: int = 0) -> list[dict[str, Any]]:
         options = _options(options)
@@ -396,7 +417,7 @@ class LookupTask(TaskPlugin):
         """``lookup`` over the table of the options' seed (the run's seed when unset: the
         engine passes examples from :meth:`load`, whose ``seed`` field names the table)."""
         options = _options(options)
-        return {"lookup": make_lookup_tool(self._table(options, options.seed or 0), options.reply)}
+        return {"lookup": self._tool(options, options.seed or 0)}
 
     def environment(self, example, *, options, tool_format, timeout_s=10.0):
         """The built-in tool environment, over the table the example was drawn from."""
@@ -405,7 +426,7 @@ class LookupTask(TaskPlugin):
         opts = _options(options)
         seed = int(example.get("seed", opts.seed or 0))
         return ToolEnvironment(
-            tools={"lookup": make_lookup_tool(self._table(opts, seed), opts.reply)}, format=tool_format,
+            tools={"lookup": self._tool(opts, seed)}, format=tool_format,
             opening=self.prompt_messages(example, options=options), timeout_s=timeout_s,
         )
 

@@ -38,7 +38,7 @@ from typing import Any, Mapping, Sequence
 
 from grpo.core.contracts import Environment, EnvStep, Message, ToolCall, ToolCallFormat, ToolFn
 from grpo.plugins.tools._formats import tool_call_format
-from grpo.plugins.tools._schema import tool_schemas
+from grpo.plugins.tools._schema import check_tools, tool_schemas
 
 MAX_RESULT_CHARS = 1000
 _STEP_WORKERS = 32
@@ -93,10 +93,15 @@ class ToolEnvironment(Environment):
         if timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
         self.tools = dict(tools)
-        self.schemas = tool_schemas(self.tools)
+        check_tools(self.tools)
         self.format = tool_call_format(format) if isinstance(format, str) else format
         self.opening = [dict(m) for m in opening]
         self.timeout_s = float(timeout_s)
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools' JSON schemas (``apply_chat_template(tools=...)``)."""
+        return tool_schemas(self.tools)
 
     def reset(self, example: Mapping[str, Any]) -> list[Message]:
         return [dict(m) for m in self.opening]
