@@ -60,7 +60,9 @@ def render(tokenizer):
 
 
 def test_append_bucket():
-    assert [append_bucket(n) for n in (0, 1, 8, 9, 33)] == [8, 8, 8, 16, 64]
+    assert [append_bucket(n) for n in (0, 1, 8, 9, 16, 17, 22, 33, 100, 129)] == [8, 8, 8, 16, 16, 24, 24, 40, 112, 160]
+    widths = [append_bucket(n) for n in range(1, 1025)]
+    assert widths == sorted(widths) and all(n <= w <= 1.25 * n + 8 for n, w in zip(range(1, 1025), widths))
 
 
 def scripted_rollout(setup, **sampler_kwargs):

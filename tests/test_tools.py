@@ -274,6 +274,23 @@ def test_environment_done_without_calls_and_after_hung_tools():
     assert dict(final.info) == {"tool_calls": 0, "tool_errors": 0, "tool_timeouts": 0, "tool_truncated": 0}
 
 
+def test_tool_threads_are_reused_and_hung_ones_never_claimed():
+    env = _env(timeout_s=0.05)
+    env.step(_turn(ToolCall("calculator", {"expression": "1+1"})))
+    tool_threads = lambda: sum(t.name == "grpo-tool" for t in threading.enumerate())  # noqa: E731
+    before = tool_threads()
+    for i in range(50):  # one call at a time: the idle thread of the last call takes the next
+        assert env.step(_turn(ToolCall("calculator", {"expression": f"{i}+1"}))).messages[0]["content"] == str(i + 1)
+    assert tool_threads() == before
+    _RELEASE.clear()
+    assert env.step(_turn(ToolCall("hang", {"seconds": 1}))).info["tool_timeouts"] == 1
+    # The hung call keeps its thread: the next call gets another one and answers at once.
+    started = time.monotonic()
+    assert env.step(_turn(ToolCall("calculator", {"expression": "2*3"}))).messages[0]["content"] == "6"
+    assert time.monotonic() - started < 0.05
+    _RELEASE.set()
+
+
 def test_run_steps_matches_stepping_one_by_one():
     envs = [_env() for _ in range(5)]
     texts = [_turn(ToolCall("calculator", {"expression": f"{i}*{i}"})) if i % 2 else "done" for i in range(5)]

@@ -32,9 +32,9 @@ Then, for each turn:
    (sampled, never fed) and its reply tokens are written at the same slots ``[S, S+L)``,
    ragged rows right-padded and hidden (``kv_valid`` 0); RoPE positions continue each
    row's count of real tokens, so the cache holds exactly what a fresh forward over the
-   row's real tokens would. One forward over the ``[B, L]`` chunk (``L`` padded to a
-   power of two: few compiles) gives the next turn's first logits at each row's last
-   real position.
+   row's real tokens would. One forward over the ``[B, L]`` chunk (``L`` padded by under
+   25%, see :func:`append_bucket`: few compiles) gives the next turn's first logits at
+   each row's last real position.
 
 Budgets: ``max_new_tokens`` N bounds each row's completion, model and inserted tokens
 together (the completion of the update batch). Slots are shared by all rows (one write
@@ -78,11 +78,14 @@ run (tools = the environment's name -> callable, rendered through ``tools=``).""
 
 
 def append_bucket(length: int, smallest: int = 8) -> int:
-    """The padded length of an append chunk: the next power of two >= ``length``."""
-    b = smallest
-    while b < length:
-        b *= 2
-    return b
+    """The padded length of an append chunk: ``length`` rounded up to a multiple of the
+    largest power of two <= ``length / 4`` (at least ``smallest``): under 25% padding (a
+    22-token reply is appended as 24, not 32: the append runs the model over every row's
+    chunk) and at most four programs per doubling of the length."""
+    step = smallest
+    while step * 8 <= length:
+        step *= 2
+    return max(smallest, -(-length // step) * step)
 
 
 @dataclasses.dataclass

@@ -2,10 +2,12 @@
 tool messages.
 
 Running untrusted calls
-    Every call runs in a daemon thread of its own and is waited on for ``timeout_s``
-    seconds at most. Python cannot kill a thread, so a call that hangs past its timeout
-    keeps its thread until it returns; because the thread is a daemon it never blocks a
-    later call (each call has its own thread) nor the process's exit, which a
+    Every call runs on a daemon thread and is waited on for ``timeout_s`` seconds at
+    most: an idle thread of an earlier call, or a new one when none is idle (a rollout
+    makes a call per row, so threads are reused rather than started per call). Python
+    cannot kill a thread, so a call that hangs past its timeout keeps its thread until it
+    returns; since a call never waits for a busy thread, it never blocks a later call,
+    and since the threads are daemons, nor the process's exit, which a
     ``ThreadPoolExecutor`` worker would. The calls of one turn start together, so a turn
     with several calls waits for the slowest, not the sum. :func:`run_steps` steps the
     environments of many rows at once from a shared thread pool (the engine's per-process
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import queue
 import threading
 import time
 from typing import Any, Mapping, Sequence
@@ -58,17 +61,53 @@ def _describe(err: BaseException) -> str:
     return f"error: {type(err).__name__}: {text}" if text else f"error: {type(err).__name__}"
 
 
+class _Workers:
+    """Daemon threads that run tool calls: :meth:`submit` hands a call to an idle thread,
+    or starts one when every thread is busy (or hung), so no call waits behind another.
+    ``idle`` counts the threads waiting for work that no submitted call has claimed; a
+    thread idle for ``linger_s`` exits."""
+
+    def __init__(self, linger_s: float = 60.0) -> None:
+        self.linger_s = linger_s
+        self.idle = 0
+        self._lock = threading.Lock()
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+
+    def submit(self, fn: ToolFn, arguments: Mapping[str, Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            start = self.idle == 0
+            if not start:
+                self.idle -= 1  # claimed: that thread takes this call (or one as new as it)
+        self._queue.put((future, fn, arguments))
+        if start:
+            threading.Thread(target=self._work, name="grpo-tool", daemon=True).start()
+        return future
+
+    def _work(self) -> None:
+        while True:
+            try:
+                future, fn, arguments = self._queue.get(timeout=self.linger_s)
+            except queue.Empty:
+                with self._lock:
+                    if self.idle > 0:  # unclaimed: every queued call still has a thread
+                        self.idle -= 1
+                        return
+                continue
+            try:
+                future.set_result(fn(**arguments))
+            except BaseException as err:  # noqa: BLE001 - reported to the model, never raised
+                future.set_exception(err)
+            del future, fn, arguments
+            with self._lock:
+                self.idle += 1
+
+
+_WORKERS = _Workers()
+
+
 def _start(fn: ToolFn, arguments: Mapping[str, Any]) -> concurrent.futures.Future:
-    future: concurrent.futures.Future = concurrent.futures.Future()
-
-    def work() -> None:
-        try:
-            future.set_result(fn(**arguments))
-        except BaseException as err:  # noqa: BLE001 - reported to the model, never raised
-            future.set_exception(err)
-
-    threading.Thread(target=work, name=f"grpo-tool-{getattr(fn, '__name__', 'call')}", daemon=True).start()
-    return future
+    return _WORKERS.submit(fn, arguments)
 
 
 class ToolEnvironment(Environment):
