@@ -36,7 +36,6 @@ class Conversations:
         self.format = tool_call_format(tool_format)
         self.timeout_s = float(timeout_s)
         self.template_kwargs = dict(task.chat_template_kwargs(options=options))
-        self._schemas: dict[tuple, list[dict[str, Any]]] = {}
 
     @classmethod
     def of(cls, task: TaskPlugin, options: Any, tokenizer: Any, example: Mapping[str, Any], *, tool_format: str,
@@ -81,15 +80,13 @@ class Conversations:
         return envs, openings
 
     def schemas(self, tools: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-        """The tools' JSON schemas (cached: every row of every turn renders with them)."""
+        """The tools' JSON schemas (each function's is parsed once:
+        :func:`~grpo.plugins.tools.tool_schemas` caches them per function object)."""
         if not tools:
             return None
-        key = tuple((name, id(fn)) for name, fn in tools.items())
-        if key not in self._schemas:
-            from grpo.plugins.tools import tool_schemas
+        from grpo.plugins.tools import tool_schemas
 
-            self._schemas[key] = tool_schemas(tools, where=f"task {self.task.name!r} tools")
-        return self._schemas[key]
+        return tool_schemas(tools, where=f"task {self.task.name!r} tools")
 
     def render(self, messages: Sequence[Mapping[str, Any]], tools: Mapping[str, Any], add_generation_prompt: bool) -> str:
         """A conversation through the chat template, the tools in its ``tools=``."""

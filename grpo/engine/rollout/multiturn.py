@@ -403,23 +403,20 @@ class MultiTurnSampler(Sampler):
         return self._compact(pre, pieces, truncated), ep
 
     @staticmethod
-    def _inserted(full: str, context: str, tokenizer: Any, memo: dict[str, list[int]] | None = None) -> list[int] | None:
+    def _inserted(full: str, context: str, tokenizer: Any, memo: dict[str, list[int]]) -> list[int] | None:
         """The tokens the template adds after ``context`` (the row's text so far) in
         ``full`` (the conversation with the reply, rendered up to the next generation
         prompt); None when the template does not render the model's turn as it was sampled
         (the row then ends: what the model would see next is not a continuation of what it
-        wrote)."""
+        wrote). ``memo``: inserted text -> tokens, shared by one rollout's rows."""
         if not full.startswith(context):
             log.warning("the chat template re-renders a model turn differently from how it was sampled; "
                         "the episode ends there (rendered %r, sampled %r)", full[-300:], context[-300:])
             return None
         text = full[len(context):]
-        ids = None if memo is None else memo.get(text)
-        if ids is None:
-            ids = list(tokenizer(text, add_special_tokens=False)["input_ids"])
-            if memo is not None:
-                memo[text] = ids
-        return list(ids)
+        if text not in memo:  # rows often get the same reply
+            memo[text] = list(tokenizer(text, add_special_tokens=False)["input_ids"])
+        return list(memo[text])
 
     def _compact(self, pre, pieces, truncated: np.ndarray) -> RolloutOutput:
         s = self.sampling

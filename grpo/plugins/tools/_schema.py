@@ -53,7 +53,8 @@ def _schema(fn: ToolFn, name: str | None, where: str, fresh: bool) -> dict[str, 
 
 
 def tool_schema(fn: ToolFn, *, name: str | None = None, where: str = "tools") -> dict[str, Any]:
-    """The JSON schema of ``fn``, under ``name`` (default: the function's own name)."""
+    """The JSON schema of ``fn``, under ``name`` (default: the function's own name): parsed
+    once per function object, a fresh copy on every call."""
     schema = _schema(fn, name, where, fresh=True)
     if name is not None:
         schema["function"]["name"] = name
