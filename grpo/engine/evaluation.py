@@ -36,7 +36,6 @@ import jax
 import numpy as np
 
 from grpo.core.config import RunConfig
-from grpo.engine.parallel.rows import row_range
 from grpo.engine.programs import RunPrograms
 from grpo.engine.rollout.prompts import (
     PromptSet,
@@ -74,7 +73,6 @@ class Evaluator:
         policy: Any,
         render: Callable[[dict], str],
         buckets: tuple[int, ...],
-        conversations: Any = None,
     ):
         self.config = config
         self.programs = programs
@@ -83,7 +81,6 @@ class Evaluator:
         self.policy = policy
         self.render = render
         self.buckets = buckets
-        self.conversations = conversations  # grpo.engine.conversations.Conversations: multi-turn
         self._prompts: PromptSet | None = None
         self._sampler: Any = None
 
@@ -100,8 +97,7 @@ class Evaluator:
                 examples, self.render, self.policy.tokenizer,
                 max_prompt_length=cfg.rollout.max_prompt_length, split=cfg.task.eval_split,
             )
-            conv = self.conversations
-            self._sampler = self.programs.eval_sampler(None if conv is None else conv.turn_stop_ids())
+            self._sampler = self.programs.eval_sampler()
         return self._prompts, self._sampler
 
     def scores(self, sampler_state: Any) -> EvalScores:
@@ -115,7 +111,6 @@ class Evaluator:
         real, size = self.programs.eval_batch(n)
         width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
         local = process_slice(size, jax.process_index(), jax.process_count())
-        rows = slice(local.start * k, local.stop * k)
         starts = range(0, n, real)
         mine = np.zeros((len(starts), local.stop - local.start, 2), np.float64)  # correct, reward
         for b, start in enumerate(starts):
@@ -126,25 +121,15 @@ class Evaluator:
                                 width=width)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
             # This process's prompts' samples, rows p*k .. p*k+k-1 of prompt p; padding
-            # prompts' samples are sampled with the rest but never detokenized or scored.
+            # prompts' samples are sampled with the rest but never scored.
             keep = (np.arange(local.start, local.stop) < count).sum()
             examples = [ex for ex in batch.examples[local] for _ in range(k)]
-            if self.conversations is None:
-                out = sampler.generate(sampler_state, batch.tokens, batch.mask, rng)
-                if keep == 0:
-                    continue
-                tokens, mask = row_range(out.tokens, rows), row_range(out.mask, rows)
-                texts = self.policy.decode(tokens[: keep * k], mask[: keep * k])
-            else:
-                # The environments of this process's rows (padding prompts' too: every
-                # process takes part in every turn's programs).
-                from grpo.engine.conversations import roll_out
-
-                _, episodes, examples = roll_out(self.conversations, sampler, sampler_state, batch.tokens,
-                                                 batch.mask, rng, examples)
-                texts = episodes.last_text
-                if keep == 0:
-                    continue
+            # The environments of a multi-turn task's rows are made for padding prompts too:
+            # every process takes part in every turn's programs.
+            sampled = sampler.sample(sampler_state, batch.tokens, batch.mask, rng, examples)
+            if keep == 0:
+                continue
+            texts, examples = sampled.texts, sampled.examples
             texts, examples = texts[: keep * k], examples[: keep * k]
             scored = score_completions(self.task, self.task_options, examples, texts)
             mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)

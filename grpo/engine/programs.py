@@ -44,6 +44,7 @@ from typing import Any, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -62,12 +63,6 @@ def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int
     return math.ceil(prompts / unit) * unit
 
 
-def mesh_platform(mesh: Mesh) -> str:
-    """The platform (``cpu``/``gpu``/``tpu``) the mesh's devices belong to: what programs
-    on this mesh are compiled for, whatever ``jax.default_backend()`` says."""
-    return mesh.devices.flat[0].platform
-
-
 @dataclasses.dataclass
 class RunPrograms:
     """The jitted programs of a run and the pieces they are made of."""
@@ -84,8 +79,12 @@ class RunPrograms:
     eos_ids: tuple[int, ...]
     pad_id: int
     rollout: Any = None  # grpo.engine.rollout.layout.RolloutPlacement
+    # The run's text side (None in `grpo plan` and benchmarks, which sample no text): the
+    # single-turn rows' detokenizer (Policy.decode), or a multi-turn task's conversations.
+    detokenize: Any = None
+    conversations: Any = None  # grpo.engine.rollout.conversations.Conversations
     _samplers: dict = dataclasses.field(default_factory=dict)
-    _merge: Any = None  # the jitted LoRA merge of merged sampling, built on first use
+    _jitted: dict = dataclasses.field(default_factory=dict)  # name -> jitted program, built on first use
 
     # ------------------------------------------------------------------ shardings
 
@@ -129,27 +128,24 @@ class RunPrograms:
         shards = math.prod(mesh.shape[a] for a in self.batch_axes)
         return prompts, eval_batch_size(prompts, k=ev.k, shards=shards, processes=self.process_count)
 
-    def eval_sampler(self, turn_stop_ids: tuple[int, ...] | None = None):
-        """The evaluation sampler: greedy or sampled, ``eval.k`` samples per prompt
-        (multi-turn with ``turn_stop_ids``, as :meth:`sampler`)."""
-        return self.sampler(greedy=self.config.eval.greedy, num_generations=self.config.eval.k,
-                            turn_stop_ids=turn_stop_ids)
+    def eval_sampler(self):
+        """The evaluation sampler: greedy or sampled, ``eval.k`` samples per prompt."""
+        return self.sampler(greedy=self.config.eval.greedy, num_generations=self.config.eval.k)
 
     # ------------------------------------------------------------------ programs
 
-    def sampler(self, *, greedy: bool = False, num_generations: int | None = None,
-                turn_stop_ids: tuple[int, ...] | None = None):
-        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k).
-
-        ``turn_stop_ids`` not None: the multi-turn sampler of a task with environments
-        (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`, ``rollout.max_turns``
-        turns; these tokens end a turn, e.g. the tool format's call end)."""
+    def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
+        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k):
+        :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler` (``rollout.max_turns``
+        turns) when the run is :attr:`multi_turn`, else the single-turn
+        :class:`~grpo.engine.rollout.sampler.Sampler`. Both are called the same way
+        (``sample``) and lower their own programs for the plan (``lowerings``)."""
         from grpo.engine.rollout.multiturn import MultiTurnSampler
         from grpo.engine.rollout.sampler import Sampler, SamplingParams
 
         r = self.config.rollout
         k = r.num_generations if num_generations is None else num_generations
-        key = (greedy, k, turn_stop_ids)
+        key = (greedy, k)
         if key not in self._samplers:
             sampling = SamplingParams(
                 max_new_tokens=r.max_new_tokens,
@@ -168,20 +164,23 @@ class RunPrograms:
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
                 activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
-            if turn_stop_ids is None:
-                self._samplers[key] = Sampler(self.graphdef, **kwargs)
-            else:
+            if self.multi_turn:
                 self._samplers[key] = MultiTurnSampler(
-                    self.graphdef, max_turns=r.max_turns, turn_stop_ids=turn_stop_ids,
+                    self.graphdef, max_turns=r.max_turns, conversations=self.conversations,
                     max_turn_tokens=r.max_turn_tokens, **kwargs)
+            else:
+                self._samplers[key] = Sampler(self.graphdef, detokenize=self.detokenize, **kwargs)
         return self._samplers[key]
 
     @property
     def multi_turn(self) -> bool:
-        """Whether the task gives tools for its options: its rows then have environments
-        and the rollout is :meth:`sampler` with turn stops (``grpo plan`` plans that one).
-        A task with an environment of its own and no tools shows only on an example: the
-        trainer probes one (:class:`~grpo.engine.conversations.Conversations`)."""
+        """Whether the run rolls out conversations: it has a multi-turn task's
+        conversations, or (``grpo plan``, which has none) its task gives tools for its
+        options. A task with an environment of its own and no tools shows only on an
+        example: the trainer probes one
+        (:meth:`~grpo.engine.rollout.conversations.Conversations.of`)."""
+        if self.conversations is not None:
+            return True
         task = self.plugins.get("task") if self.plugins else None
         return task is not None and bool(task.plugin.tools(options=task.options))
 
@@ -209,17 +208,117 @@ class RunPrograms:
             return fn(params, frozen) if self._merging(frozen) else fn(state)
         if not self._merging(frozen):
             return merge_params(params, frozen)
-        if self._merge is None:
-            shardings = jax.tree.map(lambda x: x.sharding, merge_params(params, frozen))
-            self._merge = jax.jit(self._merged, out_shardings=shardings)
-        return self._merge(params, frozen)
+        return self.merge_jit(merge_params(params, frozen))(params, frozen)
 
     def reshard_jit(self, state: Any):
         """The jitted once-per-step reshard into the rollout layout: ``fn(state)``, or
         ``fn(params, frozen)`` merging LoRA adapters on the way (``merged_sampling``).
         ``state``: the full sampler state (concrete or abstract), for its shardings."""
         merging = self.merged_sampling and self.config.model.lora is not None
-        return self.rollout.reshard_jit(state, self._merged if merging else None)
+        return self._program("reshard", lambda: self.rollout.reshard_jit(state, self._merged if merging else None))
+
+    def merge_jit(self, state: Any):
+        """The jitted LoRA merge of ``model.lora.sampler: merged`` on the training layout:
+        ``fn(params, frozen)`` -> the sampler state with the adapters merged in, each
+        array in its sharding in ``state`` (the unmerged whole state, concrete or abstract)."""
+        shardings = jax.tree.map(lambda x: x.sharding, state)
+        return self._program("merge", lambda: jax.jit(self._merged, out_shardings=shardings))
+
+    def _program(self, name: str, build: Any) -> Any:
+        """The jitted program ``name``, built by ``build()`` on first use (one per run)."""
+        if name not in self._jitted:
+            self._jitted[name] = build()
+        return self._jitted[name]
+
+    def jitted(self) -> dict[str, list[Any]]:
+        """Every jitted program built so far, by the name ``grpo plan`` lists it under:
+        this builder's own and its samplers' (evaluation's as ``eval_<name>``)."""
+        out: dict[str, list[Any]] = {name: [fn] for name, fn in self._jitted.items()}
+        for (greedy, k), sampler in self._samplers.items():
+            evaluating = (greedy, k) != (False, self.config.rollout.num_generations)
+            for name, fns in sampler.jitted().items():
+                out.setdefault(f"eval_{name}" if evaluating else name, []).extend(fns)
+        return out
+
+    # ------------------------------------------------------------------ the step's glue programs
+
+    def to_train(self, x: jax.Array) -> jax.Array:
+        """A rollout-layout batch array resharded to the update's (dp, fsdp) row layout
+        (a jitted identity: it works for arrays spanning several processes)."""
+        return self._program("to_train", lambda: jax.jit(lambda a: a, out_shardings=self.train_sharding))(x)
+
+    def row_sums(self, x: jax.Array) -> jax.Array:
+        """Column sums [C] of a batch-sharded global array [B, C], replicated on every
+        process (the step's reward-error and tool counters, each process's rows summed)."""
+        build = lambda: jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.replicated)  # noqa: E731
+        return self._program("row_sums", build)(x)
+
+    def dropout_keys(self, step: int, rows: int) -> jax.Array | None:
+        """One LoRA-dropout key per row of step ``step`` (raw key data [rows, 2], in the
+        update's layout; None without dropout), derived from (seed, step): a resumed run
+        draws the same masks."""
+        if not self.lora_dropout:
+            return None
+        seed = self.config.train.seed
+
+        def make(step):
+            base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0xD80), step)
+            return jax.random.key_data(jax.random.split(base, rows))
+
+        return self._program("dropout_keys", lambda: jax.jit(make, out_shardings=self.train_sharding))(jnp.int32(step))
+
+    def turn_advantages(self, per_fn: dict[str, jax.Array], own: jax.Array) -> jax.Array:
+        """Per-token advantages [B, N] of turn-level credit (``train.advantage.credit:
+        turn``): the rewards (global [B] each, by name) summed by weight into one component
+        per scope (the task's ``reward_turns``, then ``train.advantage.reward_turns``;
+        ``task.overlong``'s penalty credits every turn), each component's group advantage
+        on the model turns it scores (``own``: the model's tokens [B, N]), in ``own``'s
+        sharding. The scopes and weights are read when the program is built (a run's
+        rewards never change)."""
+        return self._program("turn_advantages", lambda: self._turn_advantages(list(per_fn), own.sharding))(
+            per_fn, own)
+
+    def _turn_advantages(self, names: list[str], sharding: Any) -> Any:
+        from grpo.engine.training.advantages import turn_advantages
+        from grpo.plugins.tasks import OVERLONG, reward_weights
+
+        task = self.plugins["task"]
+        adv = self.config.train.advantage
+        scopes = {**task.plugin.reward_turns(options=task.options), **adv.reward_turns}
+        weights = {**reward_weights(task.plugin, task.options), OVERLONG: 1.0}
+        parts: dict[str, list[tuple[float, str]]] = {}
+        for name in names:
+            if weights[name]:
+                parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
+
+        def turn_adv(per_fn, own):
+            components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+            return turn_advantages(components, own, num_generations=self.config.group_size,
+                                   baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
+
+        return jax.jit(turn_adv, out_shardings=sharding)
+
+    def gather_rows(self, outs: Sequence[Any], rows: np.ndarray) -> Any:
+        """One rollout of global ``rows`` [B] (host indices, the same on every process) of
+        the rounds ``outs`` (rollout outputs) stacked in order, prompts left-padded to the
+        widest round's, in the update's row layout. A jitted gather with replicated
+        indices: the rows a process trains on may have been sampled on another."""
+        rows = np.asarray(rows).astype(np.int32)
+        rows = jax.make_array_from_callback(rows.shape, self.replicated, lambda idx: rows[idx])
+        width = max(o.prompt_tokens.shape[1] for o in outs)
+        return self._program("gather_rows", lambda: self._gather_rows(outs[0]))(list(outs), rows, width, self.pad_id)
+
+    def _gather_rows(self, example: Any) -> Any:
+        def gather(outs, rows, width, pad_id):
+            def widen(o):
+                pad = ((0, 0), (width - o.prompt_tokens.shape[1], 0))  # left, like build_batch
+                return o._replace(prompt_tokens=jnp.pad(o.prompt_tokens, pad, constant_values=pad_id),
+                                  prompt_mask=jnp.pad(o.prompt_mask, pad))
+            stacked = jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=0), *[widen(o) for o in outs])
+            return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
+
+        shardings = jax.tree.map(lambda x: self.train_sharding if x.ndim else self.replicated, example)
+        return jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings)
 
     def _merging(self, frozen: Any) -> bool:
         return frozen is not None and self.merged_sampling
@@ -234,7 +333,7 @@ class RunPrograms:
         opt_state, metrics, logprobs)``; ``params`` are the trainable parameters (with
         LoRA the adapters, ``frozen`` the base). With example state its output shardings
         are pinned."""
-        return self.update_step.jit(params, opt_state)
+        return self._program("update", lambda: self.update_step.jit(params, opt_state))
 
     def reference(self):
         """The jitted reference pass ``(ref_params, UpdateBatch, frozen=None) -> [B, N]
@@ -242,7 +341,7 @@ class RunPrograms:
         base, adapters off), or None when ``loss.beta == 0`` (no reference model then)."""
         if self.config.loss.beta <= 0:
             return None
-        return self.update_step.jit_reference()
+        return self._program("reference", self.update_step.jit_reference)
 
     @property
     def lora_dropout(self) -> bool:
@@ -257,7 +356,7 @@ class RunPrograms:
         ``loss.mismatch`` the masked ones the mismatch weight is corrected by."""
         if not self.lora_dropout:
             return None
-        return self.update_step.jit_policy_logprobs()
+        return self._program("policy_logprobs", self.update_step.jit_policy_logprobs)
 
     def init_opt_state(self, params: Any) -> Any:
         """The optimizer state of concrete ``params`` (with the f32 master copy when the
@@ -405,9 +504,15 @@ def build_programs(
     topology: Any = None,
     state: Any = None,
     chip: Any = None,
+    detokenize: Any = None,
+    conversations: Any = None,
 ) -> RunPrograms:
     """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
     ``nnx.split`` of a concrete or an abstract model).
+
+    ``detokenize`` (``Policy.decode``) and ``conversations`` (a multi-turn task's) are the
+    run's text side, which the samplers' ``sample`` needs; ``grpo plan`` and the
+    benchmarks, which only compile and time programs, have none.
 
     A rollout style with its own layouts needs the model's config ``arch`` and the
     ``topology``; to pick among several (``tensor_parallel: auto``) it uses the chip
@@ -446,6 +551,8 @@ def build_programs(
         eos_ids=tuple(int(e) for e in eos_ids),
         pad_id=int(pad_id),
         rollout=placement,
+        detokenize=detokenize,
+        conversations=conversations,
     )
 
 
@@ -493,4 +600,4 @@ def rollout_placement(
     return RolloutPlacement.of_layout(mesh, chosen, estimates)
 
 
-__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program", "mesh_platform", "rollout_placement"]
+__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program", "rollout_placement"]

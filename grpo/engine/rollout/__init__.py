@@ -2,10 +2,16 @@
 
 - ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
   each process's slice of them (the rollout's inputs).
-- ``sampler``: the jitted prefill + KV-cache decode (:class:`Sampler`).
+- ``sampler``: the one rollout interface (``sample`` -> :class:`Sampled`, ``lowerings``
+  for the plan), the shared chunked decode loop, and the single-turn jitted prefill +
+  KV-cache decode (:class:`Sampler`).
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
+- ``conversations``: a multi-turn task's environments and chat rendering with tools
+  (the wiring between a task plugin and the multi-turn rollout).
+- ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,
+  scoring, dynamic sampling and down-sampling (:class:`StepCollector`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
   rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own

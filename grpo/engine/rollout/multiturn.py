@@ -4,9 +4,13 @@ the replies' tokens are appended to each row's KV cache, and decoding goes on.
 Usage (the trainer, for a task whose rows have environments)::
 
     mt = MultiTurnSampler(graphdef, mesh=mesh, batch_axes=axes, sampling=sampling,
-                          max_turns=4, turn_stop_ids=(call_end_id,))
-    out, episodes = mt.generate(params, prompt_tokens, prompt_mask, rng,
-                                envs=envs, openings=openings, render=render, tokenizer=tok)
+                          max_turns=4, conversations=conversations)
+    sampled = mt.sample(params, prompt_tokens, prompt_mask, rng, examples)   # Sampled, as single-turn
+
+:meth:`MultiTurnSampler.sample` makes each row's environment from its example
+(:class:`~grpo.engine.rollout.conversations.Conversations`), runs the turns
+(:meth:`MultiTurnSampler.converse`, which takes the environments themselves) and closes
+them.
 
 How it runs
 -----------
@@ -63,11 +67,12 @@ from typing import Any, Callable, Mapping, NamedTuple, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
-from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
-from grpo.engine.rollout.sampler import RolloutOutput, Sampler, effective_chunk
+from grpo.engine.rollout._sampling import row_keys, step_keys
+from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, run_chunks
 from grpo.models.qwen2 import KVCache
 
 log = logging.getLogger(__name__)
@@ -127,18 +132,129 @@ class TurnOutput(NamedTuple):
     steps: jax.Array  # [] int32: the longest row's turn (slots written: steps - 1)
 
 
-class MultiTurnSampler(Sampler):
-    """A :class:`Sampler` whose rollouts alternate model turns and environment replies.
+class _Decoding(NamedTuple):
+    """The device side of a multi-turn rollout between programs."""
+
+    cache: KVCache
+    kv_valid: jax.Array  # [B, C] bool
+    logits: jax.Array  # [B, V] the next turn's first logits
+    pos: jax.Array  # [B] int32
+    start: int  # the next free slot (shared by every row)
+
+
+@dataclasses.dataclass
+class _Talk:
+    """The host side of this process's rows of a multi-turn rollout (local row order)."""
+
+    render: Render
+    tokenizer: Any
+    eos: set[int]
+    envs: Sequence[Environment]
+    context: list[str]  # each row's text so far, as the template rendered it
+    pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]]  # tokens, log-probs, trained
+    used: np.ndarray  # [b] int64 completion tokens so far (model and inserted)
+    active: np.ndarray  # [b] bool still in its episode
+    truncated: np.ndarray  # [b] bool
+    episodes: Episodes
+    encoded: dict[str, list[int]]  # inserted text -> tokens (rows often get the same reply)
+
+    @classmethod
+    def open(cls, envs: Sequence[Environment], openings: Sequence[list[dict[str, Any]]], render: Render,
+             tokenizer: Any, *, eos: set[int]) -> "_Talk":
+        b = len(envs)
+        counts = {k: np.zeros(b, np.int32) for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+        ep = Episodes([list(m) for m in openings], [[] for _ in range(b)], [""] * b, counts["turns"],
+                      counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"])
+        return cls(render=render, tokenizer=tokenizer, eos=eos, envs=envs,
+                   context=[render(m, env.tools, True) for m, env in zip(openings, envs)],
+                   pieces=[[] for _ in range(b)], used=np.zeros(b, np.int64), active=np.ones(b, bool),
+                   truncated=np.zeros(b, bool), episodes=ep, encoded={})
+
+    @property
+    def last_text(self) -> list[str]:
+        return self.episodes.last_text
+
+    def record_turn(self, out: "TurnOutput", budget: np.ndarray, *, last: bool) -> list[int]:
+        """Each sampling row's turn added to its transcript; the rows whose environment
+        steps next (the others' episodes end here)."""
+        ep, tok_ = self.episodes, self.tokenizer
+        tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
+        count, ended = local_rows(out.count), local_rows(out.ended)
+        stepping = []
+        for r in np.flatnonzero(budget > 0):
+            n = int(count[r])
+            ids = tok[r, :n]
+            self.pieces[r].append((ids, lp[r, :n], True))
+            self.used[r] += n
+            ep.num_turns[r] += 1
+            raw_text = tok_.decode(ids.tolist(), skip_special_tokens=False)
+            text = tok_.decode([int(t) for t in ids if int(t) not in self.eos], skip_special_tokens=False)
+            ep.last_text[r] = text
+            ep.messages[r].append({"role": "assistant", "content": text})
+            ep.turns[r].append({"role": "assistant", "text": text, "trained": True})
+            self.context[r] += raw_text
+            stopped_eos = n > 0 and int(ids[-1]) in self.eos
+            if not ended[r] or last:
+                # Budget, slots or the turn's cap ran out mid-turn, or the last turn: no reply.
+                self.active[r] = False
+                self.truncated[r] = not stopped_eos
+                continue
+            stepping.append(int(r))
+        return stepping
+
+    def add_replies(self, stepping: list[int], steps: Sequence[EnvStep], *, room: int, slots_left: int,
+                    inserted: Any) -> dict[int, list[int]]:
+        """The environments' replies added to the transcripts: each continuing row's tokens
+        to append (its last sampled token, then the reply's). A row ends when its
+        environment is done, or the reply and one more model token do not fit in ``room``
+        completion tokens or ``slots_left`` slots."""
+        ep = self.episodes
+        appends: dict[int, list[int]] = {}
+        for r, res in zip(stepping, steps):
+            for key, into in (("tool_calls", ep.tool_calls), ("tool_errors", ep.tool_errors),
+                              ("tool_timeouts", ep.tool_timeouts)):
+                into[r] += int(res.info.get(key, 0) or 0)
+            reply = [dict(m) for m in (res.messages or ())]
+            if res.done or not reply:
+                self.active[r] = False
+                continue
+            full = self.render(ep.messages[r] + reply, self.envs[r].tools, True)
+            ins = inserted(full, self.context[r], self.tokenizer, self.encoded)
+            last_model = [int(self.pieces[r][-1][0][-1])]
+            # Room for the reply and at least one more model token, in tokens and slots.
+            if ins is None or self.used[r] + len(ins) + 1 > room or 1 + len(ins) > slots_left:
+                self.active[r] = False
+                self.truncated[r] = ins is not None
+                continue
+            ep.messages[r].extend(reply)
+            ep.turns[r].extend({"role": str(m.get("role", "tool")), "text": str(m.get("content", "")),
+                                "trained": False} for m in reply)
+            self.context[r] = full
+            self.pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), False))
+            self.used[r] += len(ins)
+            appends[r] = last_model + ins
+        return appends
+
+
+class MultiTurnSampler(BaseSampler):
+    """A sampler whose rollouts alternate model turns and environment replies.
 
     Extra args: ``max_turns`` (model turns per row, >= 1); ``turn_stop_ids``: tokens that
-    end a turn without ending the sequence (a tool call's end); ``max_turn_tokens``: most
-    tokens of one turn (a turn that reaches it without a stop token ends its row as
-    truncated, as the budget does; None: the budget alone). ``kv_segment`` is unused: the
-    turn loop's cache has its final size from the start."""
+    end a turn without ending the sequence (a tool call's end; default: the
+    conversations' own, :meth:`~grpo.engine.rollout.conversations.Conversations.turn_stop_ids`);
+    ``max_turn_tokens``: most tokens of one turn (a turn that reaches it without a stop
+    token ends its row as truncated, as the budget does; None: the budget alone);
+    ``conversations``: the task's environments and chat template
+    (:class:`~grpo.engine.rollout.conversations.Conversations`), which :meth:`sample`
+    needs. ``kv_segment`` is unused: the turn loop's cache has its final size from the
+    start."""
 
-    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] = (),
-                 max_turn_tokens: int | None = None, **kwargs: Any):
+    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,
+                 max_turn_tokens: int | None = None, conversations: Any = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
+        self.conversations = conversations
+        if turn_stop_ids is None:
+            turn_stop_ids = conversations.turn_stop_ids() if conversations is not None else ()
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
         if max_turn_tokens is not None and max_turn_tokens < 1:
@@ -194,12 +310,7 @@ class MultiTurnSampler(Sampler):
             return self._constrain(x, ("batch",) + names)
 
         def record(st: _TurnState, step, logits, live) -> _TurnState:
-            tok, lp = sample_tokens(
-                logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
-            )
-            tok = jnp.where(live, tok, jnp.int32(s.pad_id))
-            lp = jnp.where(live, lp, 0.0)
-            stopped = live & jnp.any(tok[:, None] == stops[None, :], axis=1) if stops.size else jnp.zeros_like(live)
+            tok, lp, stopped = draw(logits, keys, step, live, sampling=s, stops=stops)
             count = st.count + live.astype(jnp.int32)
             return st._replace(
                 prev=jnp.where(live, tok, st.prev),
@@ -228,17 +339,7 @@ class MultiTurnSampler(Sampler):
             st = st._replace(cache=cache, kv_valid=kv_valid, pos=st.pos + st.live.astype(jnp.int32))
             return record(st, t, model.logits(hidden)[:, 0, :], st.live)
 
-        n_chunks = (W - 1) // C
-
-        def cond(carry):
-            i, st = carry
-            return (i < n_chunks) & jnp.any(st.live)
-
-        def body(carry):
-            i, st = carry
-            return i + 1, jax.lax.fori_loop(0, C, lambda j, x: step(1 + i * C + j, x), st)
-
-        _, st = jax.lax.while_loop(cond, body, (jnp.int32(0), st))
+        st = run_chunks(step, st, first=1, n_chunks=(W - 1) // C, chunk=C, going=lambda st: jnp.any(st.live))
         return TurnOutput(
             cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.tokens, logprobs=st.logprobs,
             count=st.count, ended=st.ended, steps=jnp.max(st.count),
@@ -262,10 +363,58 @@ class MultiTurnSampler(Sampler):
 
     # ------------------------------------------------------------------ the turn loop
 
+    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+               examples: Sequence[Mapping[str, Any]]) -> Sampled:
+        """The rows rolled out as conversations, one environment per row of this process
+        (made from its example, closed after whatever happens); each row's example comes
+        back with its trajectory in ``messages`` (what reward functions read beside the
+        last turn)."""
+        conv = self.conversations
+        if conv is None:
+            raise ValueError("this MultiTurnSampler was built without conversations: sample() needs them")
+        envs, openings = conv.environments(examples)
+        try:
+            out, episodes = self.converse(params, prompt_tokens, prompt_mask, rng, envs=envs, openings=openings,
+                                          render=conv.memo_render(), tokenizer=conv.tokenizer)
+        finally:
+            for env in envs:
+                env.close()
+        examples = [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
+        return Sampled(output=out, texts=episodes.last_text, examples=examples, episodes=episodes)
+
+    def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
+        rows, slots = prompts * self.sampling.num_generations, self.allocated(prompt_length)
+        scalar = jax.ShapeDtypeStruct((), jnp.int32, sharding=NamedSharding(self.mesh, PartitionSpec()))
+
+        def start():
+            cache, _ = self._abstract_decode_state(params, rows, prompt_length + self._first_slots())
+            return self.start_jit.lower(cache, self._rows(rows, prompt_length))
+
+        def turn():
+            cache, logits = self._abstract_decode_state(params, rows, slots)
+            raw, impl = self._abstract_key(key)
+            return self.turn_jit.lower(params, cache, self._rows(rows, slots, dtype=bool), logits, self._rows(rows),
+                                       scalar, self._rows(rows), raw, scalar, key_impl=impl)
+
+        def append():
+            cache, logits = self._abstract_decode_state(params, rows, slots)
+            L = append_bucket(self.sampling.max_new_tokens)
+            return self.append_jit.lower(params, cache, self._rows(rows, slots, dtype=bool), logits,
+                                         self._rows(rows), scalar, self._rows(rows, L), self._rows(rows, L))
+
+        return {"prefill": lambda: self._lower_prefill(params, prompts, prompt_length), "start": start,
+                "decode": turn, "append": append}
+
+    def jitted(self) -> dict[str, list[Any]]:
+        return {**super().jitted(), "start": [self.start_jit], "decode": [self.turn_jit], "append": [self.append_jit]}
+
+    def cache_slots(self, prompt_length: int) -> int:
+        return self.allocated(prompt_length)
+
     def _global(self, local: np.ndarray) -> jax.Array:
         names = ("batch",) + ("length",) * (local.ndim - 1)
         full = (local.shape[0] * jax.process_count(),) + local.shape[1:]
-        return to_global(local, self._sharding(full, names))
+        return to_global(local, self.sharding(full, names))
 
     def _global_max(self, local: np.ndarray) -> int:
         """The maximum of a per-row host value over every process's rows."""
@@ -275,7 +424,7 @@ class MultiTurnSampler(Sampler):
 
         return int(np.asarray(multihost_utils.process_allgather(np.int64(local.max(initial=0)))).max())
 
-    def generate(  # type: ignore[override]
+    def converse(
         self,
         params: Any,
         prompt_tokens: Any,
@@ -288,119 +437,71 @@ class MultiTurnSampler(Sampler):
         tokenizer: Any,
         workers: int = 32,
     ) -> tuple[RolloutOutput, Episodes]:
-        """A multi-turn rollout. ``envs``/``openings``: the environments of this process's
-        rows (local row order) and the messages their ``reset`` gave (what the prompts
-        were rendered from)."""
-        s = self.sampling
-        N, eos = s.max_new_tokens, set(s.eos_ids)
+        """The device and host sides of :meth:`sample`, given the environments:
+        ``envs``/``openings`` are those of this process's rows (local row order) and the
+        messages their ``reset`` gave (what the prompts were rendered from)."""
         pre = self.prefill(params, prompt_tokens, prompt_mask)
         B, Lp = pre.prompt_tokens.shape
         b = len(envs)
         if b * jax.process_count() != B:
             raise ValueError(f"{b} environments on each of {jax.process_count()} processes for {B} rows")
-        cap = self.slots(Lp)
         cache, kv_valid, pos = self.start_jit(pre.cache, pre.prompt_mask)
-        logits = pre.logits
+        dev = _Decoding(cache=cache, kv_valid=kv_valid, logits=pre.logits, pos=pos, start=Lp)
+        talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
         raw, impl = self.place_key(rng)
-
-        context = [render(m, env.tools, True) for m, env in zip(openings, envs)]  # text so far
-        messages = [list(m) for m in openings]
-        turns: list[list[dict[str, Any]]] = [[] for _ in range(b)]
-        pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]] = [[] for _ in range(b)]  # tokens, lp, trained
-        last_text = [""] * b
-        used = np.zeros(b, np.int64)
-        active = np.ones(b, bool)
-        truncated = np.zeros(b, bool)
-        counts = {k: np.zeros(b, np.int32) for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
-        ep = Episodes(messages, turns, last_text, counts["turns"], counts["tool_calls"], counts["tool_errors"],
-                      counts["tool_timeouts"])
-        start = Lp
-        encoded: dict[str, list[int]] = {}  # inserted text -> tokens (rows often get the same reply)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, b)))
         try:
             for turn in range(self.max_turns):
-                budget = np.minimum(N - used, cap - start + 1)
-                if self.max_turn_tokens is not None:
-                    budget = np.minimum(budget, self.max_turn_tokens)
-                budget = np.where(active, budget, 0).astype(np.int32)
+                budget = self._budget(talk, dev.start, self.slots(Lp))
                 if self._global_max(budget) <= 0:
                     break
                 t0 = time.perf_counter()
-                out = self.turn_jit(params, cache, kv_valid, logits, pos, jnp.int32(start), self._global(budget),
-                                    raw, jnp.int32(turn), key_impl=impl)
-                cache, kv_valid, pos = out.cache, out.kv_valid, out.pos
-                tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
-                count, ended = local_rows(out.count), local_rows(out.ended)
-                start += max(int(out.steps) - 1, 0)
-                ep.turn_s.append(time.perf_counter() - t0)
-
-                stepping = []
-                for r in np.flatnonzero(budget > 0):
-                    n = int(count[r])
-                    ids = tok[r, :n]
-                    pieces[r].append((ids, lp[r, :n], True))
-                    used[r] += n
-                    counts["turns"][r] += 1
-                    raw_text = tokenizer.decode(ids.tolist(), skip_special_tokens=False)
-                    text = tokenizer.decode([int(t) for t in ids if int(t) not in eos], skip_special_tokens=False)
-                    last_text[r] = text
-                    messages[r].append({"role": "assistant", "content": text})
-                    turns[r].append({"role": "assistant", "text": text, "trained": True})
-                    context[r] += raw_text
-                    stopped_eos = n > 0 and int(ids[-1]) in eos
-                    if not ended[r] or turn == self.max_turns - 1:
-                        # Budget, slots or the turn's cap ran out mid-turn, or the last turn: no reply.
-                        active[r] = False
-                        truncated[r] = not stopped_eos
-                        continue
-                    stepping.append(int(r))
+                out = self.turn_jit(params, dev.cache, dev.kv_valid, dev.logits, dev.pos, jnp.int32(dev.start),
+                                    self._global(budget), raw, jnp.int32(turn), key_impl=impl)
+                dev = dev._replace(cache=out.cache, kv_valid=out.kv_valid, pos=out.pos,
+                                   start=dev.start + max(int(out.steps) - 1, 0))
+                talk.episodes.turn_s.append(time.perf_counter() - t0)
+                stepping = talk.record_turn(out, budget, last=turn == self.max_turns - 1)
 
                 t1 = time.perf_counter()
-                steps: list[EnvStep] = list(pool.map(lambda r: envs[r].step(last_text[r]), stepping))
-                ep.tools_s += time.perf_counter() - t1
+                steps: list[EnvStep] = list(pool.map(lambda r: envs[r].step(talk.last_text[r]), stepping))
+                talk.episodes.tools_s += time.perf_counter() - t1
 
                 t2 = time.perf_counter()
-                appends: dict[int, list[int]] = {}
-                for r, res in zip(stepping, steps):
-                    for key in ("tool_calls", "tool_errors", "tool_timeouts"):
-                        counts[key][r] += int(res.info.get(key, 0) or 0)
-                    reply = [dict(m) for m in (res.messages or ())]
-                    if res.done or not reply:
-                        active[r] = False
-                        continue
-                    full = render(messages[r] + reply, envs[r].tools, True)
-                    ins = self._inserted(full, context[r], tokenizer, encoded)
-                    last_model = [int(pieces[r][-1][0][-1])]
-                    # Room for the reply and at least one more model token, in tokens and slots.
-                    if ins is None or used[r] + len(ins) + 1 > N or start + 1 + len(ins) > cap:
-                        active[r] = False
-                        truncated[r] = ins is not None
-                        continue
-                    messages[r].extend(reply)
-                    turns[r].extend({"role": str(m.get("role", "tool")), "text": str(m.get("content", "")),
-                                     "trained": False} for m in reply)
-                    context[r] = full
-                    pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), False))
-                    used[r] += len(ins)
-                    appends[r] = last_model + ins
+                appends = talk.add_replies(stepping, steps, room=self.sampling.max_new_tokens,
+                                           slots_left=self.slots(Lp) - dev.start, inserted=self._inserted)
                 width = self._global_max(np.asarray([len(v) for v in appends.values()] or [0]))
+                if width:
+                    dev = self._append(params, dev, appends, width, rows=b)
+                talk.episodes.append_s += time.perf_counter() - t2
                 if width == 0:
-                    ep.append_s += time.perf_counter() - t2
                     break
-                L = append_bucket(width)
-                chunk = np.full((b, L), s.pad_id, np.int32)
-                cmask = np.zeros((b, L), np.int32)
-                for r, ids in appends.items():
-                    chunk[r, : len(ids)] = ids
-                    cmask[r, : len(ids)] = 1
-                cache, kv_valid, logits, pos = self.append_jit(
-                    params, cache, kv_valid, logits, pos, jnp.int32(start), self._global(chunk), self._global(cmask))
-                jax.block_until_ready(logits)
-                start += width
-                ep.append_s += time.perf_counter() - t2
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return self._compact(pre, pieces, truncated), ep
+        return self._compact(pre, talk.pieces, talk.truncated), talk.episodes
+
+    def _budget(self, talk: "_Talk", start: int, cap: int) -> np.ndarray:
+        """Tokens each of this process's rows may sample in the next turn (0: none)."""
+        budget = np.minimum(self.sampling.max_new_tokens - talk.used, cap - start + 1)
+        if self.max_turn_tokens is not None:
+            budget = np.minimum(budget, self.max_turn_tokens)
+        return np.where(talk.active, budget, 0).astype(np.int32)
+
+    def _append(self, params: Any, dev: "_Decoding", appends: dict[int, list[int]], width: int, *,
+                rows: int) -> "_Decoding":
+        """Every continuing row's tokens written into the cache (one append program at the
+        padded ``width`` of the widest row of every process)."""
+        L = append_bucket(width)
+        chunk = np.full((rows, L), self.sampling.pad_id, np.int32)
+        cmask = np.zeros((rows, L), np.int32)
+        for r, ids in appends.items():
+            chunk[r, : len(ids)] = ids
+            cmask[r, : len(ids)] = 1
+        cache, kv_valid, logits, pos = self.append_jit(
+            params, dev.cache, dev.kv_valid, dev.logits, dev.pos, jnp.int32(dev.start), self._global(chunk),
+            self._global(cmask))
+        jax.block_until_ready(logits)
+        return _Decoding(cache=cache, kv_valid=kv_valid, logits=logits, pos=pos, start=dev.start + width)
 
     @staticmethod
     def _inserted(full: str, context: str, tokenizer: Any, memo: dict[str, list[int]]) -> list[int] | None:

@@ -6,7 +6,15 @@ Usage (the trainer)::
     sampler = Sampler(graphdef, mesh=mesh, batch_axes=style.batch_axes(layout, opts),
                       sampling=SamplingParams(max_new_tokens=256, num_generations=8,
                                               temperature=1.0, eos_ids=(151643, 151645)))
-    out = sampler.generate(params, prompt_tokens, prompt_mask, rng)   # RolloutOutput
+    out = sampler.generate(params, prompt_tokens, prompt_mask, rng)   # RolloutOutput (device arrays)
+
+Every sampler (this single-turn one and
+:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) also implements the one rollout
+interface the trainer, the evaluator and the benchmarks call, whatever the kind::
+
+    sampled = sampler.sample(params, prompt_tokens, prompt_mask, rng, examples)   # Sampled
+
+and lowers its own programs for ``grpo plan`` (:meth:`BaseSampler.lowerings`).
 
 How a rollout runs
 ------------------
@@ -65,7 +73,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -73,6 +81,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
 from grpo.models.qwen2 import CACHE_AXES, KVCache, positions_from_mask
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
@@ -156,6 +165,22 @@ class Prefilled(NamedTuple):
     prompt_mask: jax.Array  # [B, Lp] int32
 
 
+@dataclasses.dataclass
+class Sampled:
+    """What one rollout gives, whatever the sampler: the rows as global device arrays and
+    what the host knows of this process's rows (lists in global row order).
+
+    ``texts`` are what reward functions score (a multi-turn row's last model turn);
+    ``examples`` are the rows' examples (a multi-turn row's carries its trajectory in
+    ``messages``); ``episodes`` is the multi-turn host record (turns, tool counters, host
+    seconds: :class:`~grpo.engine.rollout.multiturn.Episodes`), None for single-turn."""
+
+    output: RolloutOutput
+    texts: list[str]
+    examples: list[dict[str, Any]]
+    episodes: Any = None
+
+
 # --------------------------------------------------------------------------- plan
 
 
@@ -200,14 +225,54 @@ class _State(NamedTuple):
     steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
 
 
-# --------------------------------------------------------------------------- sampler
+# --------------------------------------------------------------------------- the decode loop
 
 
-class Sampler:
-    """Generates K completions per prompt with a jitted prefill + decode.
+def draw(logits: jax.Array, keys: jax.Array, step: jax.Array, live: jax.Array, *, sampling: SamplingParams,
+         stops: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One sampling step of every row: the tokens [B] (``pad_id`` where not ``live``), their
+    log-probs [B] (0 where not ``live``) and which live rows drew one of ``stops`` [B]."""
+    s = sampling
+    tok, lp = sample_tokens(
+        logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
+    )
+    tok = jnp.where(live, tok, jnp.int32(s.pad_id))
+    lp = jnp.where(live, lp, 0.0)
+    if stops is None or not stops.size:
+        return tok, lp, jnp.zeros_like(live)
+    return tok, lp, live & jnp.any(tok[:, None] == stops[None, :], axis=1)
+
+
+def run_chunks(step: Any, state: Any, *, first: int, n_chunks: int, chunk: int, going: Any) -> Any:
+    """Decode steps ``first .. first + n_chunks * chunk - 1`` of ``step(t, state)``:
+    ``lax.fori_loop`` chunks of ``chunk`` steps (a static trip count) inside a
+    ``lax.while_loop`` that exits once ``going(state)`` is false, so the "all rows done?"
+    predicate (a host copy on GPU) is read once per chunk, never per token. The single-turn
+    decode and the multi-turn turn loop both run this loop."""
+
+    def cond(carry):
+        i, st = carry
+        return (i < n_chunks) & going(st)
+
+    def body(carry):
+        i, st = carry
+        start = first + i * chunk
+        return i + 1, jax.lax.fori_loop(0, chunk, lambda j, x: step(start + j, x), st)
+
+    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+    return state
+
+
+# --------------------------------------------------------------------------- samplers
+
+
+class BaseSampler:
+    """What every sampler shares: prefill, placement and sharding of rows, keys and the KV
+    cache. Subclasses implement :meth:`sample` (the one rollout interface) and
+    :meth:`lowerings` (their programs, for ``grpo plan``).
 
     Args:
-      graphdef: from ``nnx.split(model)`` (a :class:`grpo.models.qwen2.Qwen2`).
+      graphdef: from ``nnx.split(model)`` (a :class:`grpo.models.decoder.Decoder`).
       mesh: the device mesh the parameters live on.
       batch_axes: mesh axes the rollout batch is sharded over (a rollout style's
         ``batch_axes``); other mesh axes replicate it.
@@ -253,58 +318,55 @@ class Sampler:
         self.rules = with_batch_axes(ACTIVATION_RULES if activation_rules is None else activation_rules, self.batch_axes)
         self.cache_rules = self.rules if cache_rules is None else with_batch_axes(cache_rules, self.batch_axes)
         self.prefill_jit = jax.jit(self._prefill_impl)
-        # Donation only helps when decode can hand the same buffer back (one segment);
-        # with several segments the first growth copies the cache anyway.
-        self._decode_donating = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
-        self._decode_plain = jax.jit(self._decode_impl, static_argnames=("key_impl",))
 
-    # ------------------------------------------------------------------ public API
+    # ------------------------------------------------------------------ the interface
 
-    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
-        """Sample ``num_generations`` completions for each of the P prompts.
+    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+               examples: Sequence[Mapping[str, Any]]) -> Sampled:
+        """Roll out ``num_generations`` samples of each of the P prompts.
 
         Args:
-          params: the model's ``nnx.State`` (the live training arrays; not copied, not
+          params: what the sampler reads (``RunPrograms.sampler_state``; not copied, not
             donated).
           prompt_tokens, prompt_mask: [P, Lp] int (numpy or global ``jax.Array``),
             left-padded (right padding is accepted too); every prompt needs >= 1 token.
           rng: a PRNG key (typed or raw) for this rollout.
+          examples: this process's rows' examples, in row order (row ``b*K + j``: sample j
+            of prompt b).
         """
-        out, _ = self.decode(params, self.prefill(params, prompt_tokens, prompt_mask), rng)
-        return out
+        raise NotImplementedError
+
+    def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
+        """Each program of a rollout of ``prompts`` prompts of ``prompt_length`` tokens,
+        by name in the order they run, as a function lowering it for abstract (or
+        concrete) ``params`` and this PRNG ``key`` (its shape and impl): what
+        ``grpo plan`` compiles."""
+        raise NotImplementedError
+
+    def cache_slots(self, prompt_length: int) -> int:
+        """Slots of the rollout's final KV cache after a prompt of ``prompt_length``."""
+        raise NotImplementedError
+
+    def jitted(self) -> dict[str, list[Any]]:
+        """This sampler's jitted programs by the names :meth:`lowerings` gives them."""
+        return {"prefill": [self.prefill_jit]}
+
+    def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
+        """Per-device bytes of the final KV cache (keys and values) of ``rows`` rows."""
+        cache, _ = self._abstract_decode_state(params, rows, self.cache_slots(prompt_length))
+        return 2 * math.prod(cache.k.sharding.shard_shape(cache.k.shape)) * jnp.dtype(cache.k.dtype).itemsize
+
+    # ------------------------------------------------------------------ placement
 
     def prefill(self, params: Any, prompt_tokens: Any, prompt_mask: Any) -> Prefilled:
         tokens, mask = self.place_prompts(prompt_tokens, prompt_mask)
         return self.prefill_jit(params, tokens, mask)
-
-    def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array) -> tuple[RolloutOutput, jax.Array]:
-        """Decode from a :class:`Prefilled` (whose cache is donated: do not reuse it).
-
-        Returns the rollout and the number of sampling steps that ran (a device scalar,
-        at most ``max_new_tokens``; fewer when every row stopped early)."""
-        fn = self.decode_jit()
-        raw, impl = self.place_key(rng)
-        out, steps, _cache = fn(params, prefilled.cache, prefilled.logits, prefilled.prompt_tokens,
-                                prefilled.prompt_mask, raw, key_impl=impl)
-        return out, steps
-
-    # ------------------------------------------------------------------ lower-level pieces (benchmarks)
-
-    def decode_jit(self):
-        """The jitted decode:
-        ``fn(params, cache, logits, prompt_tokens, prompt_mask, raw_key, *, key_impl)
-        -> (RolloutOutput, steps, final cache)``, the cache donated when it can be."""
-        return self._decode_donating if len(self.plan()) <= 1 else self._decode_plain
 
     def chunk(self) -> int:
         """Decode steps between "all stopped?" checks (0: none — also when there are no
         stop tokens, as nothing could ever stop)."""
         s = self.sampling
         return effective_chunk(s.max_new_tokens, s.early_stop_chunk) if s.eos_ids else 0
-
-    def plan(self) -> tuple[tuple[int, int], ...]:
-        """The decode segments (see :func:`segment_plan`)."""
-        return segment_plan(self.sampling.max_new_tokens, early_stop_chunk=self.chunk(), kv_segment=self.kv_segment)
 
     def place_prompts(self, prompt_tokens: Any, prompt_mask: Any) -> tuple[jax.Array, jax.Array]:
         """[P, Lp] prompts as int32 global arrays with the batch sharding."""
@@ -330,16 +392,45 @@ class Sampler:
         data = np.asarray(rng, dtype=np.uint32)
         return jax.make_array_from_callback(data.shape, replicated, lambda idx: data[idx]), impl
 
-    # ------------------------------------------------------------------ internals
-
-    def _sharding(self, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+    def sharding(self, shape: Sequence[int], names: Sequence[str | None]) -> NamedSharding:
+        """The sharding of a rollout array of ``shape`` with logical axis ``names``."""
         return fit_sharding(shape, names, self.mesh, self.rules)
 
+    def cache_sharding(self, shape: Sequence[int]) -> NamedSharding:
+        """The sharding of a KV-cache array (``k`` or ``v``) of ``shape``."""
+        return fit_sharding(shape, CACHE_AXES, self.mesh, self.cache_rules)
+
+    def _rows(self, rows: int, *rest: int, dtype: Any = jnp.int32, names: Sequence[str] = ("length",)):
+        """An abstract [rows, *rest] rollout array (batch over the rollout axes)."""
+        shape = (rows, *rest)
+        return jax.ShapeDtypeStruct(shape, dtype, sharding=self.sharding(shape, ("batch", *names[: len(rest)])))
+
+    def _abstract_decode_state(self, params: Any, rows: int, slots: int) -> tuple[KVCache, Any]:
+        """An abstract KV cache of ``rows`` x ``slots`` and next-token logits [rows, V], as
+        prefill hands them on (the model's shapes and cache dtype read off ``params``)."""
+        model = nnx.merge(self.graphdef, params)
+        arch = model.config
+        shape = (arch.num_hidden_layers, rows, slots, arch.num_key_value_heads, arch.head_dim)
+        kv = jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=self.cache_sharding(shape))
+        logits = self._rows(rows, arch.vocab_size, dtype=jnp.float32, names=("vocab",))
+        return KVCache(k=kv, v=kv), logits
+
+    def _abstract_key(self, key: jax.Array) -> tuple[Any, str]:
+        data = jax.random.key_data(key)
+        replicated = NamedSharding(self.mesh, PartitionSpec())
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=replicated), jax.random.key_impl(key)
+
+    def _lower_prefill(self, params: Any, prompts: int, prompt_length: int) -> Any:
+        tok = self._rows(prompts, prompt_length)
+        return self.prefill_jit.lower(params, tok, tok)
+
+    # ------------------------------------------------------------------ internals
+
     def _constrain(self, x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-        return jax.lax.with_sharding_constraint(x, self._sharding(x.shape, names))
+        return jax.lax.with_sharding_constraint(x, self.sharding(x.shape, names))
 
     def _place(self, x: Any, names: Sequence[str]) -> jax.Array:
-        sharding = self._sharding(np.shape(x), names)
+        sharding = self.sharding(np.shape(x), names)
         if isinstance(x, jax.Array):
             return jax.device_put(x.astype(jnp.int32), sharding)
         data = np.asarray(x, dtype=np.int32)
@@ -356,10 +447,6 @@ class Sampler:
     def _cache_dtype(self, model) -> Any:
         return model.dtype if self.cache_dtype is None else jnp.dtype(self.cache_dtype)
 
-    def cache_sharding(self, shape: Sequence[int]) -> NamedSharding:
-        """The sharding of a KV-cache array (``k`` or ``v``) of ``shape``."""
-        return fit_sharding(shape, CACHE_AXES, self.mesh, self.cache_rules)
-
     def _constrain_cache(self, cache: KVCache) -> KVCache:
         return KVCache(*(jax.lax.with_sharding_constraint(x, self.cache_sharding(x.shape)) for x in cache))
 
@@ -369,6 +456,15 @@ class Sampler:
             return cache
         pad = ((0, 0), (0, 0), (0, extra), (0, 0), (0, 0))
         return self._constrain_cache(KVCache(k=jnp.pad(cache.k, pad), v=jnp.pad(cache.v, pad)))
+
+    def plan(self) -> tuple[tuple[int, int], ...]:
+        """The decode segments (see :func:`segment_plan`)."""
+        return segment_plan(self.sampling.max_new_tokens, early_stop_chunk=self.chunk(), kv_segment=self.kv_segment)
+
+    def _first_slots(self) -> int:
+        """Decode slots the prefilled cache is grown by (the whole first segment)."""
+        plan = self.plan()
+        return plan[0][1] if plan else 0
 
     def _prefill_impl(self, params: Any, tokens: jax.Array, mask: jax.Array) -> Prefilled:
         model = self._model(params)
@@ -382,15 +478,86 @@ class Sampler:
         cache = model.init_cache(P, Lp, dtype=self._cache_dtype(model))
         hidden, cache = model(tokens, positions_from_mask(mask), mask.astype(bool), cache=cache, write_index=0)
         logits = model.logits(hidden[:, -1:, :])[:, 0, :]  # P V
-        plan = self.plan()
-        first = Lp + (plan[0][1] if plan else 0)
-        cache = self._grow(self._constrain_cache(cache.repeat(K)), first)
+        cache = self._grow(self._constrain_cache(cache.repeat(K)), Lp + self._first_slots())
         return Prefilled(
             cache=cache,
             logits=self._constrain(jnp.repeat(logits, K, axis=0), ("batch", "vocab")),
             prompt_tokens=self._constrain(jnp.repeat(tokens, K, axis=0), ("batch", "length")),
             prompt_mask=self._constrain(jnp.repeat(mask, K, axis=0), ("batch", "length")),
         )
+
+
+class Sampler(BaseSampler):
+    """Generates K single-turn completions per prompt with a jitted prefill + decode.
+
+    Args (beside :class:`BaseSampler`'s): ``detokenize(tokens [b, N], mask [b, N]) ->
+    texts``, what :meth:`sample` scores rows by (e.g. ``Policy.decode``); only
+    :meth:`sample` needs it."""
+
+    def __init__(self, graphdef: Any, *, detokenize: Callable[[np.ndarray, np.ndarray], list[str]] | None = None,
+                 **kwargs: Any):
+        super().__init__(graphdef, **kwargs)
+        self.detokenize = detokenize
+        # Donation only helps when decode can hand the same buffer back (one segment);
+        # with several segments the first growth copies the cache anyway.
+        self._decode_donating = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
+        self._decode_plain = jax.jit(self._decode_impl, static_argnames=("key_impl",))
+
+    # ------------------------------------------------------------------ public API
+
+    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+               examples: Sequence[Mapping[str, Any]]) -> Sampled:
+        if self.detokenize is None:
+            raise ValueError("this Sampler was built without detokenize: sample() needs it for the rows' texts")
+        out = self.generate(params, prompt_tokens, prompt_mask, rng)
+        b = len(examples)
+        mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows
+        texts = self.detokenize(row_range(out.tokens, mine), row_range(out.mask, mine))
+        return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
+
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
+        """The device side of :meth:`sample`: the rollout's global arrays alone."""
+        out, _ = self.decode(params, self.prefill(params, prompt_tokens, prompt_mask), rng)
+        return out
+
+    def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array) -> tuple[RolloutOutput, jax.Array]:
+        """Decode from a :class:`Prefilled` (whose cache is donated: do not reuse it).
+
+        Returns the rollout and the number of sampling steps that ran (a device scalar,
+        at most ``max_new_tokens``; fewer when every row stopped early)."""
+        fn = self.decode_jit()
+        raw, impl = self.place_key(rng)
+        out, steps, _cache = fn(params, prefilled.cache, prefilled.logits, prefilled.prompt_tokens,
+                                prefilled.prompt_mask, raw, key_impl=impl)
+        return out, steps
+
+    def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
+        rows = prompts * self.sampling.num_generations
+
+        def decode():
+            cache, logits = self._abstract_decode_state(params, rows, prompt_length + self._first_slots())
+            raw, impl = self._abstract_key(key)
+            toks = self._rows(rows, prompt_length)
+            return self.decode_jit().lower(params, cache, logits, toks, toks, raw, key_impl=impl)
+
+        return {"prefill": lambda: self._lower_prefill(params, prompts, prompt_length), "decode": decode}
+
+    def jitted(self) -> dict[str, list[Any]]:
+        return {**super().jitted(), "decode": [self._decode_donating, self._decode_plain]}
+
+    def cache_slots(self, prompt_length: int) -> int:
+        seg = self.plan()
+        return prompt_length + (seg[-1][1] if seg else 0)
+
+    # ------------------------------------------------------------------ lower-level pieces (benchmarks)
+
+    def decode_jit(self):
+        """The jitted decode:
+        ``fn(params, cache, logits, prompt_tokens, prompt_mask, raw_key, *, key_impl)
+        -> (RolloutOutput, steps, final cache)``, the cache donated when it can be."""
+        return self._decode_donating if len(self.plan()) <= 1 else self._decode_plain
+
+    # ------------------------------------------------------------------ internals
 
     def _decode_impl(
         self,
@@ -415,14 +582,9 @@ class Sampler:
         W = (plan[-1][1] if plan else 0) + 1  # buffer width: steps 0 .. n (n >= N - 1)
 
         def record(state: _State, step: jax.Array, logits: jax.Array, cache: KVCache) -> _State:
-            tok, lp = sample_tokens(
-                logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
-            )
             # Steps past the cap (the rounding of the last chunk) change nothing.
             active = ~state.done & (step < N)
-            tok = jnp.where(active, tok, jnp.int32(s.pad_id))
-            lp = jnp.where(active, lp, 0.0)
-            stopped = active & (jnp.any(tok[:, None] == eos[None, :], axis=1) if eos is not None else False)
+            tok, lp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos)
             return _State(
                 cache=cache,
                 prev=tok,
@@ -471,18 +633,9 @@ class Sampler:
             if C == 0:
                 state = jax.lax.fori_loop(a + 1, b + 1, step, state)
                 continue
-            n_chunks = (b - a) // C  # segments are whole chunks (segment_plan)
-
-            def cond(carry, n_chunks=n_chunks):
-                i, st = carry
-                return (i < n_chunks) & ~jnp.all(st.done)
-
-            def body(carry, a=a, step=step):
-                i, st = carry
-                first = a + 1 + i * C
-                return i + 1, jax.lax.fori_loop(0, C, lambda j, x: step(first + j, x), st)
-
-            _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+            # Segments are whole chunks (segment_plan).
+            state = run_chunks(step, state, first=a + 1, n_chunks=(b - a) // C, chunk=C,
+                               going=lambda st: ~jnp.all(st.done))
 
         positions = jnp.arange(N, dtype=jnp.int32)[None, :]
         out = RolloutOutput(
@@ -497,4 +650,7 @@ class Sampler:
         return out, jnp.minimum(state.steps, N), state.cache
 
 
-__all__ = ["Prefilled", "RolloutOutput", "Sampler", "SamplingParams", "effective_chunk", "segment_plan"]
+__all__ = [
+    "BaseSampler", "Prefilled", "RolloutOutput", "Sampled", "Sampler", "SamplingParams", "draw", "effective_chunk",
+    "run_chunks", "segment_plan",
+]

@@ -11,6 +11,8 @@ import math
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+
 from grpo.core.errors import UserError
 from grpo.engine.runs import rundir
 
@@ -37,6 +39,116 @@ def device_memory_metrics(devices: Iterable[Any]) -> dict[str, float]:
     if peak:
         out["memory/train/peak_bytes_in_use_max_gib"] = max(peak) / GIB
     return out
+
+
+# Measured against the pre-update policy: exactly on-policy (ratio 1) in the first PPO
+# epoch, so with several epochs they are reported from the later ones, where clipping happens.
+OFF_POLICY_METRICS = ("clip_frac/low", "clip_frac/high", "ratio/mean", "approx_kl")
+
+
+def epoch_summary(epochs: list[dict[str, Any]], off_policy_prefixes: tuple[str, ...] = ()) -> dict[str, float]:
+    """One row from the per-epoch update metrics of a step: the mean over the epochs (the
+    minimum / maximum for ``/min`` / ``/max`` metrics), and for :data:`OFF_POLICY_METRICS`
+    and keys starting with ``off_policy_prefixes`` (the objective's own, all ratio-based)
+    over epochs 2.. when there are several."""
+    out: dict[str, float] = {}
+    for key in epochs[0]:
+        if key == "finite":
+            continue
+        off_policy = key in OFF_POLICY_METRICS or key.startswith(off_policy_prefixes)
+        chosen = epochs[1:] if off_policy and len(epochs) > 1 else epochs
+        reduce = np.min if key.endswith("/min") else np.max if key.endswith("/max") else np.mean
+        out[key] = float(reduce([float(e[key]) for e in chosen]))
+    return out
+
+
+def tool_metrics(totals: Any, rows: int) -> dict[str, float]:
+    """A step's tool metrics from its counters summed over every row rolled out:
+    ``totals`` = (model turns, tool calls, tool errors, tool timeouts)."""
+    turns, calls, errors, timeouts = (float(x) for x in totals)
+    return {
+        "tools/calls_per_sample": calls / rows,
+        "tools/errors": errors,
+        "tools/timeouts": timeouts,
+        "turns/mean": turns / rows,
+    }
+
+
+def rollout_scalars(rollout: Any, trainer_logprobs: Any) -> dict[str, Any]:
+    """A step's rollout metrics as device scalars (one transfer for them all): lengths,
+    truncation, the sampler/trainer log-prob gap and importance ratio over the model's
+    own tokens (inserted tokens have no sampler log-prob), the valid tokens, the tokens
+    generated over every round, and ``reward/*`` (see :func:`reward_scalars`).
+    ``rollout``: a :class:`~grpo.engine.rollout.step.StepRollout`."""
+    import jax.numpy as jnp
+
+    out, trained = rollout.output, rollout.trained
+    mask_f = trained.astype(jnp.float32)
+    n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
+    valid = trained > 0
+    gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
+    # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
+    is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
+    scalars = {
+        "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
+        "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
+        "logprob_gap/sampler_trainer": gap,
+        "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
+        "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
+        "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
+        "valid_tokens": jnp.sum(out.mask.astype(jnp.float32)),
+        "rollout/generated_tokens": rollout.generated_tokens,  # every round's completions, trained on or not
+    }
+    return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
+
+
+def reward_scalars(rewards: Any, by_fn: Mapping[str, Any]) -> dict[str, Any]:
+    """``reward/mean``, ``reward/std`` and ``reward/<name>/mean``, reduced where the
+    rewards are held: on device for the step's global arrays, on the host for the host
+    arrays of every row rolled out (down-sampling, dynamic sampling)."""
+    import jax.numpy as jnp
+
+    xp = np if isinstance(rewards, np.ndarray) else jnp
+    out = {"reward/mean": xp.mean(rewards), "reward/std": xp.std(rewards)}
+    out.update({f"reward/{name}/mean": xp.mean(v) for name, v in by_fn.items()})
+    return out
+
+
+def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float], *, objective: str,
+             extra: Mapping[str, Any], times: Mapping[str, float]) -> dict[str, Any]:
+    """The metrics row of a training step: ``scalars`` (:func:`rollout_scalars`, read
+    back), ``update`` (:func:`epoch_summary` of the update's metrics), the objective's
+    name (its own metrics are ``<objective>/...``), ``extra`` (dynamic/down-sampling
+    metrics, counters, the learning rate) and the step's ``times`` (``rollout``,
+    ``update``, ``step`` seconds)."""
+    row: dict[str, Any] = {"step": step}
+    row.update({k: v for k, v in scalars.items() if k.startswith("reward/")})
+    row.update(
+        {
+            "completion/length_mean": scalars["completion/length_mean"],
+            "completion/clipped_frac": scalars["completion/clipped_frac"],
+            "loss": update.get("loss"),
+            "grad_norm": update.get("grad_norm"),
+            "clip_frac/low": update.get("clip_frac/low"),
+            "clip_frac/high": update.get("clip_frac/high"),
+            "ratio/mean": update.get("ratio/mean"),
+            "approx_kl": update.get("approx_kl"),
+            "kl": update.get("kl", 0.0),
+            "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
+            **{k: v for k, v in scalars.items() if k.startswith("is_ratio/")},
+            # The objective's own metrics (named `<objective>/...`) and the mismatch correction's.
+            **{k: v for k, v in update.items() if k.startswith(("mismatch/", f"{objective}/"))},
+            "rollout/generated_tokens": scalars["rollout/generated_tokens"],
+            **extra,
+            "time/train/rollout_generate_s": times["rollout"],
+            "time/train/update_s": times["update"],
+            "time/train/step_s": times["step"],
+            "throughput/train/valid_tokens_per_s": scalars["valid_tokens"] / times["step"],
+        }
+    )
+    if "entropy" in update:
+        row["entropy"] = update["entropy"]
+    return row
 
 
 def _jsonable(v: Any) -> Any:
@@ -101,10 +213,6 @@ class MetricsLogger:
             from tqdm.auto import tqdm
 
             self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
-
-    @property
-    def wandb_run_dir(self) -> str | None:
-        return None if self._wandb is None else self._wandb.dir
 
     def log(self, metrics: dict[str, Any]) -> None:
         if "time/train/step_s" in metrics:
@@ -243,4 +351,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
     return out
 
 
-__all__ = ["MetricsLogger", "device_memory_metrics", "plot_run", "read_eval", "read_metrics"]
+__all__ = [
+    "MetricsLogger", "OFF_POLICY_METRICS", "device_memory_metrics", "epoch_summary", "plot_run", "read_eval",
+    "read_metrics", "reward_scalars", "rollout_scalars", "step_row", "tool_metrics",
+]

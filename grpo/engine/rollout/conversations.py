@@ -1,12 +1,12 @@
-"""The multi-turn side of a run: a task's environments, the chat template with tools, and
-the samples and metrics of conversations.
+"""The multi-turn side of a run: a task's environments and the chat template with tools.
 
 A task is multi-turn when its :meth:`~grpo.TaskPlugin.environment` gives an environment
 (a task with tools gets the built-in :class:`~grpo.plugins.tools.ToolEnvironment`); then
 :class:`Conversations` makes one environment per rollout row, renders prompts as the
 environment's opening messages with its tools' schemas in the template's ``tools=``, and
-hands the rollout (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) the render
-function it builds every reply's tokens with. Single-turn tasks never construct one: their
+hands the rollout (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`, which makes
+each row's environment through it) the render function it builds every reply's tokens
+with. Single-turn tasks never construct one: their
 path and programs are unchanged.
 """
 
@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import json
 from typing import Any, Callable, Mapping, Sequence
-
-import numpy as np
 
 from grpo.core.contracts import Environment, TaskPlugin
 from grpo.core.errors import UserError
@@ -134,41 +132,4 @@ class Conversations:
         return tuple(sorted(stops))
 
 
-def close_all(envs: Sequence[Environment]) -> None:
-    for env in envs:
-        env.close()
-
-
-def roll_out(conversations: Conversations, sampler: Any, params: Any, prompts: Any, prompt_mask: Any, rng: Any,
-             examples: Sequence[Mapping[str, Any]]) -> tuple[Any, Any, list[dict[str, Any]]]:
-    """This process's rows rolled out as conversations, one environment per row (closed
-    after, whatever happens): the rollout, its episodes, and the rows' examples with their
-    trajectory in ``messages`` (what reward functions read beside the last turn)."""
-    envs, openings = conversations.environments(examples)
-    try:
-        out, episodes = sampler.generate(params, prompts, prompt_mask, rng, envs=envs, openings=openings,
-                                         render=conversations.memo_render(), tokenizer=conversations.tokenizer)
-    finally:
-        close_all(envs)
-    return out, episodes, [dict(ex, messages=m) for ex, m in zip(examples, episodes.messages)]
-
-
-def tool_counts(episodes: Any) -> np.ndarray:
-    """[rows, 4] int32 per-row counters of this process's rows: model turns, tool calls,
-    tool errors, tool timeouts (summed over processes by the caller)."""
-    return np.stack([episodes.num_turns, episodes.tool_calls, episodes.tool_errors, episodes.tool_timeouts],
-                    axis=1).astype(np.int32)
-
-
-def tool_metrics(totals: Sequence[float], rows: int) -> dict[str, float]:
-    """The step's metrics from :func:`tool_counts` summed over every row of the step."""
-    turns, calls, errors, timeouts = (float(x) for x in totals)
-    return {
-        "tools/calls_per_sample": calls / rows,
-        "tools/errors": errors,
-        "tools/timeouts": timeouts,
-        "turns/mean": turns / rows,
-    }
-
-
-__all__ = ["Conversations", "close_all", "roll_out", "tool_counts", "tool_metrics"]
+__all__ = ["Conversations"]

@@ -1,0 +1,301 @@
+"""A training step's rollout as one record: :class:`StepRollout`, built by
+:meth:`StepCollector.collect`.
+
+The collector owns everything between the data order and the update batch:
+
+1. **Rounds.** A round rolls out ``train.prompts_per_step`` prompts of the data order,
+   ``rollout.num_generations`` samples each, through the run's sampler (single- or
+   multi-turn alike: :meth:`~grpo.engine.rollout.sampler.BaseSampler.sample`), and scores
+   every row with the task's reward functions (``task.overlong``'s length penalty joins
+   as the reward ``overlong``). Round 0 samples with the step's key
+   ``fold_in(key(seed), step)``; round r with that key folded with r.
+2. **Dynamic sampling** (DAPO, ``train.dynamic_sampling``): rounds until the step holds
+   ``prompts_per_step`` groups with a reward spread
+   (:class:`~grpo.engine.rollout.dynamic_sampling.GroupFilter`).
+3. **Down-sampling** (PODS, ``train.down_sampling``): ``keep`` rows of each group the
+   step trains on (:func:`~grpo.engine.rollout.dynamic_sampling.down_sample`).
+
+Without 2 and 3 the step's rollout is its one round as sampled (the rollout's layout);
+with either, the rows trained on are gathered from the rounds into the update's row
+layout (the builder's ``gather_rows``). Either way the record says what the logs report
+of the rewards: with down-sampling every sample rolled out for the batch's groups (what
+the policy earns), not only the subset trained on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import operator
+import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo.core.errors import UserError
+from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, group_spread
+from grpo.engine.rollout.prompts import PromptSet, build_batch, position_indices, process_slice
+from grpo.engine.rollout.sampler import RolloutOutput, Sampled
+
+
+@dataclasses.dataclass
+class ToolTotals:
+    """The tool counters of a step's rounds: ``counts`` [4] (model turns, tool calls,
+    errors, timeouts) over every process's rows (a replicated device array), the rows
+    rolled out, and this process's host seconds in the environments and in rendering +
+    appends."""
+
+    counts: jax.Array
+    rows: int
+    tools_s: float
+    append_s: float
+
+    def __add__(self, other: "ToolTotals") -> "ToolTotals":
+        return ToolTotals(self.counts + other.counts, self.rows + other.rows, self.tools_s + other.tools_s,
+                          self.append_s + other.append_s)
+
+
+@dataclasses.dataclass
+class SampleGroup:
+    """The first prompt's group of completions of a step (what ``samples.jsonl`` shows):
+    its example, the completions' texts and total rewards, and in a multi-turn rollout
+    each completion's turns ``[{role, text, trained}]``."""
+
+    example: dict[str, Any]
+    texts: list[str]
+    rewards: np.ndarray
+    turns: list[list[dict[str, Any]]] | None
+
+
+@dataclasses.dataclass
+class StepRollout:
+    """A training step's rollout: the rows the update trains on and what the logs report.
+
+    - ``output``: the rows trained on (global arrays ``[B, ...]``; row ``b*K + j`` is
+      sample j of prompt b): in the rollout's layout as sampled, or in the update's when
+      rows were selected (dynamic sampling, down-sampling).
+    - ``rewards`` [B] and ``rewards_by_fn`` (name -> [B]): their total and per-function
+      rewards, global arrays in ``output``'s row layout.
+    - ``logged_rewards`` / ``logged_by_fn``: the rewards ``reward/*`` reports: the same
+      arrays, or with rows selected host arrays of every row rolled out for the batch's
+      groups.
+    - ``reward_names``, ``reward_errors`` [functions]: each reward function's failures
+      over every process's rows of every round (replicated).
+    - ``generated_tokens``: completion tokens of every round, trained on or not.
+    - ``rollout_s``: the sampler's seconds (every round); ``tools``: the tool counters
+      (multi-turn only); ``metrics``: ``dynamic_sampling/*`` and ``down_sampling/*``;
+      ``group``: round 0's first group when asked for; ``prompts_drawn``: prompts taken
+      from the data order (the data position moves past them).
+    """
+
+    output: RolloutOutput
+    rewards: jax.Array
+    rewards_by_fn: dict[str, jax.Array]
+    logged_rewards: Any
+    logged_by_fn: dict[str, Any]
+    reward_names: list[str]
+    reward_errors: jax.Array
+    generated_tokens: jax.Array
+    rollout_s: float
+    tools: ToolTotals | None
+    metrics: dict[str, float]
+    group: SampleGroup | None
+    prompts_drawn: int
+
+    @property
+    def trained(self) -> jax.Array:
+        """The tokens the loss trains on [B, N]: the model's own (every real token of a
+        single-turn row; a multi-turn row's inserted tokens excluded)."""
+        out = self.output
+        return out.mask if out.loss_mask is None else out.loss_mask
+
+
+@dataclasses.dataclass
+class _Round:
+    """One round: the rollout (global arrays) and this process's rows' rewards."""
+
+    output: RolloutOutput
+    totals: np.ndarray  # [b] float32
+    by_fn: dict[str, np.ndarray]  # name -> [b] float32
+    errors: jax.Array  # [functions] int32, every process's rows (replicated)
+    seconds: float
+    tools: ToolTotals | None
+    group: SampleGroup | None
+
+
+class StepCollector:
+    """Builds each step's :class:`StepRollout` (see the module docstring).
+
+    ``programs``: the run's :class:`~grpo.engine.programs.RunPrograms` (shardings, the
+    ``row_sums`` and ``gather_rows`` programs); ``sampler``: the run's sampler;
+    ``prompts``: the tokenized training prompts; ``task``/``task_options``: the task
+    plugin whose reward functions score the rows."""
+
+    def __init__(self, config: Any, programs: Any, sampler: Any, *, prompts: PromptSet, buckets: Any, pad_id: int,
+                 task: Any, task_options: Any):
+        self.config = config
+        self.programs = programs
+        self.sampler = sampler
+        self.prompts = prompts
+        self.buckets = buckets
+        self.pad_id = pad_id
+        self.task = task
+        self.task_options = task_options
+
+    def collect(self, *, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
+        """The rollout of step ``step`` (0-based) from data position ``position``.
+        ``params()`` gives what the sampler reads (called once per round);
+        ``sample_group``: keep round 0's first group for ``samples.jsonl``."""
+        train = self.config.train
+        if train.dynamic_sampling.enabled or train.down_sampling.keep is not None:
+            return self._selected(step, position, params, sample_group)
+        r = self._round(step, position, 0, params, sample_group)
+        rewards = to_global(r.totals, self.programs.rollout_sharding)
+        by_fn = {n: to_global(v, self.programs.rollout_sharding) for n, v in r.by_fn.items()}
+        return StepRollout(
+            output=r.output, rewards=rewards, rewards_by_fn=by_fn, logged_rewards=rewards, logged_by_fn=by_fn,
+            reward_names=list(r.by_fn), reward_errors=r.errors, generated_tokens=jnp.sum(r.output.lengths),
+            rollout_s=r.seconds, tools=r.tools, metrics={}, group=r.group, prompts_drawn=train.prompts_per_step,
+        )
+
+    # ------------------------------------------------------------------ one round
+
+    def _round(self, step: int, position: int, round_: int, params: Callable[[], Any], sample_group: bool) -> _Round:
+        """Roll out and score the ``prompts_per_step`` prompts at ``position``."""
+        cfg = self.config
+        k = cfg.rollout.num_generations
+        t0 = time.perf_counter()
+        batch = self._prompt_batch(position)
+        sharding = self.programs.prompt_sharding((cfg.train.prompts_per_step, batch.tokens.shape[1]))
+        rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+        if round_:
+            rng = jax.random.fold_in(rng, round_)
+        examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
+        sampled: Sampled = self.sampler.sample(params(), to_global(batch.tokens, sharding),
+                                               to_global(batch.mask, sharding), rng, examples)
+        seconds = time.perf_counter() - t0
+
+        out = sampled.output
+        # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
+        totals, by_fn, failed = self._score(sampled.examples, sampled.texts, local_rows(out.mask).sum(axis=1))
+        errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
+        ep = sampled.episodes
+        group = None
+        if round_ == 0 and sample_group:
+            group = SampleGroup(batch.examples[0], sampled.texts[:k], totals[:k],
+                                None if ep is None else ep.turns[:k])
+        tools = None
+        if ep is not None:
+            counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts], axis=1)
+            counts = self.programs.row_sums(to_global(counts.astype(np.int32), self.programs.rollout_sharding))
+            tools = ToolTotals(counts, out.tokens.shape[0], ep.tools_s, ep.append_s)
+        return _Round(out, totals, by_fn, errors, seconds, tools, group)
+
+    def _prompt_batch(self, position: int):
+        """The prompts at ``position .. position + prompts_per_step`` of the data order
+        (this process's slice of them)."""
+        cfg = self.config
+        indices = position_indices(len(self.prompts), start=position, count=cfg.train.prompts_per_step,
+                                   seed=cfg.train.seed)
+        local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
+        return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.pad_id)
+
+    def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray):
+        """This process's rows scored: totals [b], each reward [b] by name, and which
+        reward functions failed on each row [b, rewards] (int32, in ``by_fn``'s order).
+        With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
+        from grpo.plugins.tasks import OVERLONG, overlong_penalty, score_completions
+
+        scored = score_completions(self.task, self.task_options, examples, texts)
+        by_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
+        failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
+        failed = failed.reshape(len(texts), len(scored.names))
+        totals = np.asarray(scored.totals, np.float32)
+        overlong = self.config.task.overlong
+        if overlong.buffer:
+            if OVERLONG in by_fn:
+                raise UserError(
+                    f"task {self.task.name!r} defines a reward named {OVERLONG!r}, the name task.overlong's penalty "
+                    "is logged under; rename the task's reward or set task.overlong.buffer=0."
+                )
+            penalty = overlong_penalty(
+                lengths, max_new_tokens=self.config.rollout.max_new_tokens,
+                buffer=overlong.buffer, factor=overlong.factor,
+            )
+            by_fn[OVERLONG] = penalty
+            totals = totals + penalty
+            failed = np.concatenate([failed, np.zeros((len(texts), 1), np.int32)], axis=1)  # it never fails
+        return totals, by_fn, failed
+
+    # ------------------------------------------------------------------ selected rows
+
+    def _dynamic_rounds(self, step: int, position: int, params: Callable[[], Any],
+                        sample_group: bool) -> tuple[list[_Round], GroupFilter]:
+        """Rounds until the step holds ``prompts_per_step`` groups with a reward spread,
+        and the filter that picked them."""
+        cfg = self.config
+        p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
+        rounds: list[_Round] = []
+        while not picker.done:
+            rounds.append(self._round(step, position + p * len(rounds), picker.rounds, params, sample_group))
+            picker.add(group_spread(_all_rows(rounds[-1].totals), k))
+        return rounds, picker
+
+    def _selected(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
+        """The step's rollout when rows are selected (dynamic sampling, down-sampling):
+        the rows trained on gathered from the rounds into the update's layout."""
+        cfg = self.config
+        p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        if cfg.train.dynamic_sampling.enabled:
+            rounds, picker = self._dynamic_rounds(step, position, params, sample_group)
+        else:
+            rounds, picker = [self._round(step, position, 0, params, sample_group)], None
+        totals = [_all_rows(r.totals) for r in rounds]
+        by_fn = [{n: _all_rows(v) for n, v in r.by_fn.items()} for r in rounds]
+        if picker is not None:
+            groups, _ = picker.picks()
+            used = sorted({r for r, _ in groups})  # rounds the batch takes groups from
+            slot = {r: i for i, r in enumerate(used)}
+            rows = np.asarray([(slot[r] * p + g) * k + j for r, g in groups for j in range(k)])
+            # The batch's rewards, every process's rows (rows of a round: r*B + row).
+            src = np.asarray([r * p * k + (g * k + j) for r, g in groups for j in range(k)])
+            full = np.concatenate(totals)[src]
+            per_full = {n: np.concatenate([f[n] for f in by_fn])[src] for n in by_fn[0]}
+            metrics = picker.metrics()
+        else:
+            used, rows, full, per_full, metrics = [0], np.arange(rounds[0].output.tokens.shape[0]), totals[0], by_fn[0], {}
+        logged = (full, per_full)
+        ds = cfg.train.down_sampling
+        if ds.keep is not None:
+            rng = np.random.default_rng([cfg.train.seed, step]) if ds.rule == "random" else None
+            keep = down_sample(full, k, ds.keep, rule=ds.rule, rng=rng)
+            rows, full, per_full = rows[keep], full[keep], {n: v[keep] for n, v in per_full.items()}
+            metrics = {**metrics, "down_sampling/kept_reward_mean": float(np.mean(full)),
+                       "down_sampling/kept_reward_std": float(np.std(full))}
+        out = self.programs.gather_rows([rounds[r].output for r in used], rows)
+        place = lambda a: jax.make_array_from_callback(a.shape, self.programs.train_sharding, lambda idx: a[idx])  # noqa: E731
+        tools = [r.tools for r in rounds if r.tools is not None]
+        return StepRollout(
+            output=out, rewards=place(full), rewards_by_fn={n: place(v) for n, v in per_full.items()},
+            logged_rewards=logged[0], logged_by_fn=logged[1], reward_names=list(rounds[0].by_fn),
+            reward_errors=functools.reduce(operator.add, (r.errors for r in rounds)),
+            generated_tokens=sum(jnp.sum(r.output.lengths) for r in rounds), rollout_s=sum(r.seconds for r in rounds),
+            tools=sum(tools[1:], tools[0]) if tools else None, metrics=metrics, group=rounds[0].group,
+            prompts_drawn=p * len(rounds),
+        )
+
+
+def _all_rows(local: np.ndarray) -> np.ndarray:
+    """Every process's rows of a host array, in global row order (tiny: rewards)."""
+    if jax.process_count() == 1:
+        return local
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+
+
+__all__ = ["SampleGroup", "StepCollector", "StepRollout", "ToolTotals"]
