@@ -180,3 +180,44 @@ def test_rooms_import_only_what_they_declare(room):
         if _within(m, room)
     }
     assert {m: d for m, d in bad.items() if d} == {}, f"{room} may import only {sorted(allowed)}"
+
+
+def _functions(path: Path):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield node
+
+
+def test_no_function_is_over_100_lines():
+    long = {
+        f"{module}.{fn.name}": fn.end_lineno - fn.lineno + 1
+        for module, path in MODULES.items()
+        for fn in _functions(path)
+        if fn.end_lineno - fn.lineno + 1 > 100
+    }
+    assert long == {}
+
+
+def _jit_calls(path: Path) -> list[str]:
+    """Where a module builds a jitted program: ``jax.jit(...)``, ``jit(...)``,
+    ``nnx.jit(...)``, ``@jax.jit`` or ``partial(jax.jit, ...)``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Attribute) and node.attr in {"jit", "pmap"}:
+            found.append(f"{path.name}:{node.lineno}")
+        elif isinstance(node, ast.Name) and node.id in {"jit", "pmap"}:
+            found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_jit_reader_finds_jits(tmp_path):
+    probe = tmp_path / "probe.py"
+    probe.write_text("import jax\nf = jax.jit(lambda x: x)\nfrom jax import jit\n@jit\ndef g(x):\n    return x\n")
+    assert len(_jit_calls(probe)) == 3
+
+
+@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.evaluation", "grpo.engine.rollout.step"])
+def test_the_loop_jits_nothing(module):
+    # Every program a run executes comes from the program builder (grpo.engine.programs),
+    # which `grpo plan` compiles and lists: the loop only calls them.
+    assert _jit_calls(MODULES[module]) == []

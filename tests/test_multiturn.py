@@ -85,7 +85,7 @@ def scripted_rollout(setup, **sampler_kwargs):
     pmask = np.zeros((P, Lp), np.int32)
     for p, ids in enumerate(prompts):
         ptok[p, Lp - len(ids):], pmask[p, Lp - len(ids):] = ids, 1
-    out, ep = mt.generate(params, ptok, pmask, jax.random.key(0), envs=envs, openings=openings, render=rend,
+    out, ep = mt.converse(params, ptok, pmask, jax.random.key(0), envs=envs, openings=openings, render=rend,
                           tokenizer=tok)
     return out, ep, rend, openings, Lp, set(letters) | {eos}
 
@@ -192,7 +192,7 @@ def script_calls(monkeypatch, modes):
     "calls" ``flaky`` once per mode, then the episode ends after the model's next turn. A
     random model's turn ends at its first byte-level token (it never writes a stop)."""
     from grpo.core.contracts import ToolCall
-    from grpo.engine.conversations import Conversations
+    from grpo.engine.rollout.conversations import Conversations
     from grpo.plugins.tasks import ArithmeticTask
     from grpo.plugins.tools import ToolEnvironment
 
@@ -238,8 +238,8 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
            "checkpoint": {"every_n_steps": 0, "at_end": False}, "logging": {"progress_bar": False, "plot": False}}
     trainer = Trainer(load_config(run, []), tmp_path)
     scored, batches = [], []
-    score, update = trainer._score, trainer.update
-    monkeypatch.setattr(trainer, "_score", lambda *a: scored.append(score(*a)) or scored[-1])
+    score, update = trainer.collector._score, trainer.update
+    monkeypatch.setattr(trainer.collector, "_score", lambda *a: scored.append(score(*a)) or scored[-1])
     monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
     trainer.train_step()
     [(_, per_fn, _)], [ub] = scored, batches
@@ -326,7 +326,7 @@ def test_a_token_ending_with_the_call_tag_ends_a_turn(tmp_path):
     text ends with the tag), and no other token does."""
     from transformers import AutoTokenizer
 
-    from grpo.engine.conversations import Conversations
+    from grpo.engine.rollout.conversations import Conversations
     from grpo.models.tiny import LOOKUP_CALL_CLOSE, QWEN_TOOLS_FOOTER, tool_token_ids, write_tiny_tokenizer
     from grpo.plugins.tasks._lookup import LookupOptions, LookupTask
 

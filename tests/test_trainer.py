@@ -312,7 +312,7 @@ def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     trainer = Trainer(cfg, tmp_path / "run")
     # Every EOS id stops a completion: the tokenizer's and the generation config's.
     assert {1, 2, trainer.policy.tokenizer.eos_token_id} <= set(trainer.policy.eos_ids)
-    prompt = trainer.render(trainer.prompts.examples[0])
+    prompt = trainer.render(trainer.collector.prompts.examples[0])
     assert prompt.startswith("<|im_start|>") and "Tom has" in prompt
     summary = trainer.run()
     [row] = read_metrics(tmp_path / "run")
@@ -378,7 +378,7 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
     trainer = Trainer(_config(**over), tmp_path)
     assert trainer.config.sequences_per_step == p * keep and trainer.config.rollout_sequences_per_step == p * k
     rollouts, batches = [], []
-    score, update, generate = trainer._score, trainer.update, trainer.sampler.generate
+    score, update, generate = trainer.collector._score, trainer.update, trainer.collector.sampler.generate
 
     def recording_generate(*args, **kwargs):
         out = generate(*args, **kwargs)
@@ -394,7 +394,8 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         batches.append(jax.device_get(ub))
         return update(params, opt_state, ub, frozen)
 
-    trainer._score, trainer.update, trainer.sampler.generate = recording_score, recording_update, recording_generate
+    trainer.collector._score, trainer.update, trainer.collector.sampler.generate = (
+        recording_score, recording_update, recording_generate)
     trainer.run()
     rows = read_metrics(tmp_path)
     for row, ub in zip(rows, batches, strict=True):
@@ -441,7 +442,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
                      "checkpoint.at_end": True})
     trainer = Trainer(cfg, tmp_path / "straight")
     scored, batches = [], []  # per round: (examples, tokens, mask, totals); per step: the update batch
-    score, update, generate = trainer._score, trainer.update, trainer.sampler.generate
+    score, update, generate = trainer.collector._score, trainer.update, trainer.collector.sampler.generate
     rollouts = []  # per round: the sampler's (tokens, mask); each round is scored right after
 
     def recording_generate(*args, **kwargs):
@@ -460,8 +461,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         batches.append(jax.device_get(ub))
         return update(params, opt_state, ub, frozen)
 
-    trainer._score, trainer.update = recording_score, recording_update
-    trainer.sampler.generate = recording_generate
+    trainer.collector._score, trainer.update = recording_score, recording_update
+    trainer.collector.sampler.generate = recording_generate
     trainer.run()
     rows = read_metrics(tmp_path / "straight")
     scored_copy = list(scored)
