@@ -145,7 +145,7 @@ class Trainer:
         self.lr_schedule = self.programs.lr_schedule  # of the optimizer's update count
         self.opt_state = self.programs.init_opt_state(self.params)
 
-        from grpo.plugins.tasks import render_prompt
+        from grpo.engine.rollout.prompts import render_prompt
 
         tok = self.policy.tokenizer
         examples = self.task.load(split=config.task.train_split, options=self.task_options, seed=config.train.seed)
@@ -241,7 +241,7 @@ class Trainer:
         on the model turns it scores (``own``: the model's tokens [B, N]). The scopes,
         weights and program are built at the first step (a run's rewards never change)."""
         if not hasattr(self, "_turn_adv"):
-            from grpo.plugins.tasks import OVERLONG, reward_weights
+            from grpo.engine.rollout.scoring import OVERLONG, reward_weights
 
             adv = self.config.train.advantage
             scopes = {**self.task.reward_turns(options=self.task_options), **adv.reward_turns}
@@ -271,7 +271,7 @@ class Trainer:
         """This process's rows scored: totals [b], each reward [b] by name, and which
         reward functions failed on each row [b, rewards] (int32, in ``per_fn``'s order).
         With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
-        from grpo.plugins.tasks import OVERLONG, overlong_penalty, score_completions
+        from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
 
         scored = score_completions(self.task, self.task_options, examples, texts)
         per_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}

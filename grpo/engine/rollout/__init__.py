@@ -1,11 +1,16 @@
 """The rollout: prompts in, K completions per prompt out.
 
-- ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
-  each process's slice of them (the rollout's inputs).
+- ``prompts``: a task's examples rendered into prompt text (through the chat template),
+  tokenized prompts, prompt-length buckets, the prompts of each step and each process's
+  slice of them (the rollout's inputs).
 - ``sampler``: the jitted prefill + KV-cache decode (:class:`Sampler`).
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
+- ``tools``: the tool environment of a task with tools (calls run on reused daemon
+  threads), the model families' tool-call formats and tool JSON schemas.
+- ``scoring``: completions scored with a task's named reward functions and weights, and
+  DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
   rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
