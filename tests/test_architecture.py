@@ -1,5 +1,6 @@
 """The import graph of the ``grpo`` package, read from the source (AST, lazy imports
-inside functions included): no cycles, nothing below the engine imports it, and each
+inside functions included): no cycles, nothing below the engine imports it, the built-in
+plugins are leaves (nothing in core, the engine or the models imports them), and each
 room of ``grpo.engine`` imports only what its ``__init__`` docstring allows."""
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def test_the_graph_is_read():
     # The reader sees lazy imports inside functions and `from pkg import submodule`.
     assert "grpo.engine.evaluation" in GRAPH["grpo.engine.trainer"]
     assert "grpo.engine.runs.rundir" in GRAPH["grpo.engine.trainer"]  # from grpo.engine.runs import rundir
-    assert "grpo.plugins.tasks" in GRAPH["grpo.engine.trainer"]  # imported inside a method
+    assert "grpo.engine.rollout.scoring" in GRAPH["grpo.plugins.tasks.cli"]  # imported inside a command
     assert len(MODULES) > 60
 
 
@@ -130,13 +131,30 @@ def test_no_import_cycles():
     assert _cycles(GRAPH) == []
 
 
-@pytest.mark.parametrize("below", ["grpo.models", "grpo.plugins", "grpo.sharding", "grpo.core"])
+@pytest.mark.parametrize("below", ["grpo.models", "grpo.sharding", "grpo.core"])
 def test_nothing_below_the_engine_imports_it(below):
     # grpo.core.cli dispatches `grpo <command>` to the engine's commands: the one way up.
     offenders = {
         m: sorted(d for d in deps if _within(d, "grpo.engine"))
         for m, deps in GRAPH.items()
         if _within(m, below) and m != "grpo.core.cli"
+    }
+    assert {m: d for m, d in offenders.items() if d} == {}
+
+
+# The loss benchmark still reaches into the Pallas loss plugin's private kernels; issue 37's
+# bench work moves that out. Remove the entry with it.
+_PLUGIN_IMPORTS_LEFT = {"grpo.engine.bench.loss"}
+
+
+@pytest.mark.parametrize("layer", ["grpo.core", "grpo.engine", "grpo.models", "grpo.sharding"])
+def test_plugins_are_leaves(layer):
+    # Built-in plugins use the engine as third-party plugins would; nothing under them
+    # imports a plugin module (grpo.core.plugins names the built-ins by string).
+    offenders = {
+        m: sorted(d for d in deps if _within(d, "grpo.plugins"))
+        for m, deps in GRAPH.items()
+        if _within(m, layer) and m not in _PLUGIN_IMPORTS_LEFT
     }
     assert {m: d for m, d in offenders.items() if d} == {}
 

@@ -207,7 +207,7 @@ def test_down_sampling_keeps_the_max_variance_subset():
 
 
 def test_overlong_penalty_matches_the_dapo_formula():
-    from grpo.plugins.tasks import overlong_penalty
+    from grpo.engine.rollout.scoring import overlong_penalty
 
     lengths = np.arange(0, 17)
     got = overlong_penalty(lengths, max_new_tokens=16, buffer=4, factor=0.5)

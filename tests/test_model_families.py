@@ -274,7 +274,7 @@ def test_gsm8k_thinking_switch_reaches_the_chat_template(tmp_path):
 
     from grpo.core.plugins import get_plugins
     from grpo.models.tiny import write_tiny_tokenizer
-    from grpo.plugins.tasks import render_prompt
+    from grpo.engine.rollout.prompts import render_prompt
 
     directory = write_tiny_tokenizer(tmp_path / "tok")
     tok_cfg = json.loads((directory / "tokenizer_config.json").read_text())

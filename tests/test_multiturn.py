@@ -194,7 +194,7 @@ def script_calls(monkeypatch, modes):
     from grpo.core.contracts import ToolCall
     from grpo.engine.rollout.conversations import Conversations
     from grpo.plugins.tasks import ArithmeticTask
-    from grpo.plugins.tools import ToolEnvironment
+    from grpo.engine.rollout.tools import ToolEnvironment
 
     class Calls(ToolEnvironment):
         def step(self, model_turn_text):
@@ -280,7 +280,7 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     from grpo.engine.runs import metrics as metrics_mod
     from grpo.engine.runs.metrics import read_metrics
     from grpo.engine.trainer import Trainer
-    from grpo.plugins.tools import _environment
+    from grpo.engine.rollout.tools import environment as _environment
 
     script_calls(monkeypatch, MODES)
     monkeypatch.setattr(_environment, "MAX_RESULT_CHARS", 30)

@@ -6,7 +6,8 @@ import pytest
 
 from grpo.core.errors import UserError
 from grpo.core.plugins import get_plugins
-from grpo.plugins.tasks import render_prompt, score_completions
+from grpo.engine.rollout.prompts import render_prompt
+from grpo.engine.rollout.scoring import score_completions
 from grpo.plugins.tasks._arithmetic import arithmetic_rewards
 
 

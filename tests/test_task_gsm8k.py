@@ -10,11 +10,11 @@ import pytest
 
 from grpo.core.errors import UserError
 from grpo.core.plugins import get_plugins
+from grpo.engine.rollout.scoring import score_completions
 from grpo.plugins.tasks import (
     GSM8KTask,
     extract_answer,
     parse_ground_truth,
-    score_completions,
 )
 
 # Synthetic GSM8K rows: reasoning with calculator annotations, then '#### N'.

@@ -10,9 +10,11 @@ from grpo.core.cli import cli
 from grpo.core.contracts import ToolCall
 from grpo.core.errors import UserError
 from grpo.core.plugins import get_plugins
-from grpo.plugins.tasks import LookupOptions, LookupTask, score_completions
+from grpo.engine.rollout.scoring import score_completions
+from grpo.engine.rollout.tools import task_environment, tool_call_format
+from grpo.plugins.tasks import LookupOptions, LookupTask
 from grpo.plugins.tasks._lookup import call_progress, make_table, split_keys
-from grpo.plugins.tools import calculator, task_environment, tool_call_format
+from grpo.plugins.tools import calculator
 
 QWEN = tool_call_format("qwen")
 

@@ -9,14 +9,9 @@ from typing import ClassVar
 import pytest
 
 from grpo.core.contracts import NoOptions, TaskPlugin
-from grpo.plugins.tasks import (
-    evaluate_completions,
-    group_metrics,
-    pass_at_k,
-    render_messages,
-    render_prompt,
-    score_completions,
-)
+from grpo.engine.eval_metrics import evaluate_completions, group_metrics, pass_at_k
+from grpo.engine.rollout.prompts import render_messages, render_prompt
+from grpo.engine.rollout.scoring import score_completions
 
 
 class FlakyTask(TaskPlugin):

@@ -12,15 +12,14 @@ import pytest
 
 from grpo.core.contracts import ToolCall
 from grpo.core.errors import UserError
-from grpo.plugins.tools import (
+from grpo.engine.rollout.tools import (
     MAX_RESULT_CHARS,
     ToolEnvironment,
-    builtin_tools,
-    calculator,
     run_steps,
     tool_call_format,
     tool_schema,
 )
+from grpo.plugins.tools import builtin_tools, calculator
 
 
 # ----------------------------------------------------------------------------- calculator

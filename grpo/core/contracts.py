@@ -602,7 +602,7 @@ class TaskPlugin(_PluginBase):
     def tools(self, *, options: BaseModel) -> dict[str, ToolFn]:
         """The tools the model may call (name -> typed, documented callable); default none.
         A task with tools and no :meth:`environment` of its own gets the built-in tool
-        environment (:mod:`grpo.plugins.tools`): the model's calls are parsed in its
+        environment (:mod:`grpo.engine.rollout.tools`): the model's calls are parsed in its
         family's :class:`ToolCallFormat`, run, and answered with tool messages."""
         return {}
 
@@ -610,7 +610,7 @@ class TaskPlugin(_PluginBase):
                     tool_format: ToolCallFormat, timeout_s: float = 10.0) -> "Environment | None":
         """The environment of one rollout row for ``example``, for a task that brings its
         own; None (the default): the engine gives a task with :meth:`tools` the built-in
-        tool environment (:class:`grpo.plugins.tools.ToolEnvironment`: the model's calls
+        tool environment (:class:`grpo.engine.rollout.tools.ToolEnvironment`: the model's calls
         parsed in ``tool_format``, each run within ``timeout_s``, i.e.
         ``rollout.tool_timeout_s``), and a task without tools is single-turn."""
         return None

@@ -5,8 +5,9 @@ checkpoints/metrics, plus parallelism, planning and benchmarks. Each room's ``__
 says what it holds and what it may import (``tests/test_architecture.py`` enforces it):
 
 - ``parallel/``: the mesh, multi-process start-up, rows of batch-sharded arrays.
-- ``rollout/``: prompts in, completions out (prompt batches, the samplers, conversations,
-  the step's rollout record).
+- ``rollout/``: prompts in, completions out (prompt rendering and batches, the samplers,
+  conversations and tool environments, scoring with a task's rewards, the step's rollout
+  record).
 - ``training/``: advantages, the update step (loss, gradients, optimizer), the optimizer.
 - ``runs/``: the run directory, metrics, checkpoints, export.
 - ``planning/``: ``grpo plan`` (the TPU compiler on abstract state).
@@ -18,9 +19,12 @@ One floor above the rooms, the modules that wire them together:
   ``grpo plan`` and ``grpo bench`` all build theirs here.
 - ``trainer``: the GRPO loop (one :class:`~grpo.engine.trainer.Trainer` per process).
 - ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.
+- ``eval_metrics``: pass@k and mean@n over groups of scored samples (pure).
 - ``cli``: ``grpo run``, ``export``, ``plot``, ``plan``.
 
 Below the engine: ``grpo.core`` (config, contracts, plugins), ``grpo.sharding`` (logical
-axis rules), ``grpo.models`` (the decoder families) and ``grpo.plugins`` (built-ins).
-Nothing below imports the engine.
+axis rules) and ``grpo.models`` (the decoder families); nothing below imports the engine.
+The built-in plugins (``grpo.plugins``) are leaves: they use the engine's machinery as a
+third-party plugin would, and nothing in ``grpo.core``, the engine or the models imports
+them (``grpo.core.plugins`` names them by string to register them).
 """

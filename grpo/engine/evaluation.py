@@ -102,7 +102,7 @@ class Evaluator:
 
     def scores(self, sampler_state: Any) -> EvalScores:
         """Per-example results of the policy whose sampler state is ``sampler_state``."""
-        from grpo.plugins.tasks import score_completions
+        from grpo.engine.rollout.scoring import score_completions
 
         cfg = self.config
         k = cfg.eval.k
@@ -148,7 +148,7 @@ class Evaluator:
     def __call__(self, step: int, sampler_state: Any) -> dict[str, Any]:
         """One evaluation of the policy whose sampler state is ``sampler_state`` (what
         :meth:`~grpo.engine.programs.RunPrograms.sampler_state` gives), logged at ``step``."""
-        from grpo.plugins.tasks import group_metrics
+        from grpo.engine.eval_metrics import group_metrics
 
         k = self.config.eval.k
         t0 = time.perf_counter()

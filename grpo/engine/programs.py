@@ -280,7 +280,7 @@ class RunPrograms:
 
     def _turn_advantages(self, names: list[str], sharding: Any) -> Any:
         from grpo.engine.training.advantages import turn_advantages
-        from grpo.plugins.tasks import OVERLONG, reward_weights
+        from grpo.engine.rollout.scoring import OVERLONG, reward_weights
 
         task = self.plugins["task"]
         adv = self.config.train.advantage

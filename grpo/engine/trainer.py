@@ -150,7 +150,7 @@ class Trainer:
         template with its tools, else the task's own prompt rendering."""
         if self.conversations is not None:
             return self.conversations.prompt
-        from grpo.plugins.tasks import render_prompt
+        from grpo.engine.rollout.prompts import render_prompt
 
         tok = self.policy.tokenizer
         return lambda ex: render_prompt(self.task, self.task_options, ex, tok)

@@ -1,7 +1,8 @@
 """The rollout: prompts in, K completions per prompt out.
 
-- ``prompts``: tokenized prompts, prompt-length buckets, the prompts of each step and
-  each process's slice of them (the rollout's inputs).
+- ``prompts``: a task's examples rendered into prompt text (through the chat template),
+  tokenized prompts, prompt-length buckets, the prompts of each step and each process's
+  slice of them (the rollout's inputs).
 - ``sampler``: the one rollout interface (``sample`` -> :class:`Sampled`, ``lowerings``
   for the plan), the shared chunked decode loop, and the single-turn jitted prefill +
   KV-cache decode (:class:`Sampler`).
@@ -12,6 +13,10 @@
   (the wiring between a task plugin and the multi-turn rollout).
 - ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,
   scoring, dynamic sampling and down-sampling (:class:`StepCollector`).
+- ``tools``: the tool environment of a task with tools (calls run on reused daemon
+  threads), the model families' tool-call formats and tool JSON schemas.
+- ``scoring``: completions scored with a task's named reward functions and weights, and
+  DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
   rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own

@@ -1,7 +1,7 @@
 """The multi-turn side of a run: a task's environments and the chat template with tools.
 
 A task is multi-turn when its :meth:`~grpo.TaskPlugin.environment` gives an environment
-(a task with tools gets the built-in :class:`~grpo.plugins.tools.ToolEnvironment`); then
+(a task with tools gets the built-in :class:`~grpo.engine.rollout.tools.ToolEnvironment`); then
 :class:`Conversations` makes one environment per rollout row, renders prompts as the
 environment's opening messages with its tools' schemas in the template's ``tools=``, and
 hands the rollout (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`, which makes
@@ -26,7 +26,7 @@ class Conversations:
     (``ModelPlugin.tool_call_format``); ``timeout_s``: ``rollout.tool_timeout_s``."""
 
     def __init__(self, task: TaskPlugin, options: Any, tokenizer: Any, *, tool_format: str, timeout_s: float):
-        from grpo.plugins.tools import tool_call_format
+        from grpo.engine.rollout.tools import tool_call_format
 
         self.task = task
         self.options = options
@@ -41,7 +41,7 @@ class Conversations:
         """The conversations of a task whose ``example`` has an environment; None for a
         single-turn task. A multi-turn task needs the tokenizer's chat template (its
         replies are rendered by it): without one it is a :class:`grpo.UserError`."""
-        from grpo.plugins.tasks._prompts import has_chat_template
+        from grpo.engine.rollout.prompts import has_chat_template
 
         if type(task).environment is TaskPlugin.environment and not task.tools(options=options):
             return None  # the default environment() of a task without tools: single-turn
@@ -61,7 +61,7 @@ class Conversations:
     def environment(self, example: Mapping[str, Any]) -> Environment | None:
         """The task's own environment for ``example``, or for a task with tools and none of
         its own the built-in tool environment; None: single-turn."""
-        from grpo.plugins.tools import task_environment
+        from grpo.engine.rollout.tools import task_environment
 
         return task_environment(self.task, example, options=self.options, tool_format=self.format,
                                 timeout_s=self.timeout_s)
@@ -79,10 +79,10 @@ class Conversations:
 
     def schemas(self, tools: Mapping[str, Any]) -> list[dict[str, Any]] | None:
         """The tools' JSON schemas (each function's is parsed once:
-        :func:`~grpo.plugins.tools.tool_schemas` caches them per function object)."""
+        :func:`~grpo.engine.rollout.tools.tool_schemas` caches them per function object)."""
         if not tools:
             return None
-        from grpo.plugins.tools import tool_schemas
+        from grpo.engine.rollout.tools import tool_schemas
 
         return tool_schemas(tools, where=f"task {self.task.name!r} tools")
 

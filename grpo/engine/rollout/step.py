@@ -207,7 +207,7 @@ class StepCollector:
         """This process's rows scored: totals [b], each reward [b] by name, and which
         reward functions failed on each row [b, rewards] (int32, in ``by_fn``'s order).
         With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
-        from grpo.plugins.tasks import OVERLONG, overlong_penalty, score_completions
+        from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
 
         scored = score_completions(self.task, self.task_options, examples, texts)
         by_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}

@@ -434,7 +434,7 @@ class LookupTask(TaskPlugin):
 
     def environment(self, example, *, options, tool_format, timeout_s=10.0):
         """The built-in tool environment, over the table the example was drawn from."""
-        from grpo.plugins.tools import ToolEnvironment
+        from grpo.engine.rollout.tools import ToolEnvironment
 
         opts = _options(options)
         seed = int(example.get("seed", opts.seed or 0))

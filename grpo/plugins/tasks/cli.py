@@ -142,7 +142,7 @@ def score(name: str, input_path: str, output_path: str | None, overrides: tuple[
     on that line. The mean of each reward goes to stderr.
     """
     from grpo.core.plugins import get_plugins
-    from grpo.plugins.tasks._scoring import TOTAL, score_completions
+    from grpo.engine.rollout.scoring import TOTAL, score_completions
 
     plugin = get_plugins().get("task", name)
     options = _task_options(plugin, overrides)

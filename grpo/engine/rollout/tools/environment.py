@@ -1,5 +1,5 @@
-"""The built-in tool environment: parse the model's tool calls, run them, answer with
-tool messages.
+"""The engine's tool environment: parse the model's tool calls, run them, answer with
+tool messages; and :func:`task_environment`, the environment of one rollout row.
 
 Running untrusted calls
     Every call runs on a daemon thread and is waited on for ``timeout_s`` seconds at
@@ -39,9 +39,9 @@ import threading
 import time
 from typing import Any, Mapping, Sequence
 
-from grpo.core.contracts import Environment, EnvStep, Message, ToolCall, ToolCallFormat, ToolFn
-from grpo.plugins.tools._formats import tool_call_format
-from grpo.plugins.tools._schema import check_tools, tool_schemas
+from grpo.core.contracts import Environment, EnvStep, Message, TaskPlugin, ToolCall, ToolCallFormat, ToolFn
+from grpo.engine.rollout.tools.formats import tool_call_format
+from grpo.engine.rollout.tools.schema import check_tools, tool_schemas
 
 MAX_RESULT_CHARS = 1000
 _STEP_WORKERS = 32
@@ -209,4 +209,19 @@ def run_steps(environments: Sequence[Environment], texts: Sequence[str]) -> list
     return list(_POOL.map(lambda pair: pair[0].step(pair[1]), zip(environments, texts)))
 
 
-__all__ = ["MAX_RESULT_CHARS", "ToolEnvironment", "run_steps"]
+def task_environment(task: TaskPlugin, example: Mapping[str, Any], *, options: Any, tool_format: ToolCallFormat,
+                     timeout_s: float = 10.0) -> Environment | None:
+    """The environment of one rollout row: the task's own (``TaskPlugin.environment``), or
+    for a task with tools and none of its own a :class:`ToolEnvironment` over them opening
+    with the task's prompt; None: a single-turn task."""
+    env = task.environment(example, options=options, tool_format=tool_format, timeout_s=timeout_s)
+    if env is not None:
+        return env
+    tools = task.tools(options=options)
+    if not tools:
+        return None
+    return ToolEnvironment(tools=tools, format=tool_format, opening=task.prompt_messages(example, options=options),
+                           timeout_s=timeout_s)
+
+
+__all__ = ["MAX_RESULT_CHARS", "ToolEnvironment", "run_steps", "task_environment"]

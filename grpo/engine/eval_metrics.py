@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 from pydantic import BaseModel
 
 from grpo.core.contracts import TaskPlugin
-from grpo.plugins.tasks._scoring import Scores, score_completions
+from grpo.engine.rollout.scoring import Scores, score_completions
 
 
 def pass_at_k(*, n: int, c: int, k: int) -> float:
