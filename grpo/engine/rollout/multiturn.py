@@ -68,7 +68,7 @@ from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
 from grpo.engine.rollout.sampler import RolloutOutput, Sampler, effective_chunk
-from grpo.models.qwen2 import KVCache
+from grpo.models.decoder import KVCache
 
 log = logging.getLogger(__name__)
 
