@@ -449,7 +449,9 @@ class DecoderLayers(nnx.Module):
 DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 
-def constrain(x: jax.Array, names: Sequence[str], mesh: Mesh | None, rules: Sequence[tuple[str, Any]]) -> jax.Array:
+def constrain(
+    x: jax.Array, names: Sequence[str], mesh: Mesh | None, rules: Sequence[tuple[str, Any]]
+) -> jax.Array:
     """``x`` constrained to the logical axes ``names`` under the activation ``rules`` on
     ``mesh`` (unchanged without a mesh)."""
     if mesh is None:
@@ -481,7 +483,9 @@ class LayerContext:
         return constrain(x, names, self.mesh, self.rules)
 
 
-def project(ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array) -> jax.Array:
+def project(
+    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
+) -> jax.Array:
     """``x`` through projection ``name`` (``eq``: its einsum, x first): the (dequantized)
     base weight plus, when targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``,
     never merged."""
@@ -494,7 +498,9 @@ def project(ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array]
     return y + _adapter(ctx, eq, x, p, name, layer)
 
 
-def _adapter(ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array) -> jax.Array:
+def _adapter(
+    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
+) -> jax.Array:
     """The adapter's term of projection ``name``: ``x`` [lead..., contracted...] through
     A [contracted..., r] then B [r, kept...], scaled by ``alpha / r``."""
     dt = ctx.dtype
@@ -523,7 +529,9 @@ def _adapter_dropout(ctx: LayerContext, x: jax.Array, name: str, layer: jax.Arra
     return jnp.where(jax.vmap(row_mask)(ctx.dropout_keys), x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
-def qkv(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+def qkv(
+    ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The attention block's inputs: the residual stream h [B, T, D] normed and projected
     to q [B, T, H, E] and k, v [B, T, K, E] (biases, Qwen3's q/k norms, RoPE)."""
     c, dt = ctx.config, ctx.dtype
@@ -584,14 +592,20 @@ def mlp_block(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer
     return ctx.constrain(h, ("batch", "length", "embed"))
 
 
-def out_and_mlp(ctx: LayerContext, h: jax.Array, a: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> jax.Array:
+def out_and_mlp(
+    ctx: LayerContext, h: jax.Array, a: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
+) -> jax.Array:
     """What follows attention: the output projection of a [B, T, H, E] added to h, then
     the MLP block."""
     h = h + project(ctx, "bthe,hed->btd", a, p, "o_proj", layer)
     return mlp_block(ctx, h, p, layer)
 
 
-def _layer(ctx: LayerContext, pre: Callable, post: Callable, h: jax.Array, p: Any, kv: Any, layer: jax.Array) -> tuple[jax.Array, Any]:
+def _layer(
+    ctx: LayerContext, pre: Callable, post: Callable, h: jax.Array, p: Any, kv: Any, layer: jax.Array
+) -> tuple[jax.Array, Any]:
+    """One layer: ``pre`` (:func:`qkv`), :func:`attend`, ``post`` (:func:`out_and_mlp`),
+    each possibly checkpointed."""
     q, k, v = pre(h, p, layer)
     a, kv = attend(ctx, q, k, v, kv)
     return post(h, a, p, layer), kv
@@ -642,7 +656,8 @@ def run_layers(
         return h, None
     # The whole cache rides in the carry: each layer writes only its T new slots in place
     # instead of re-emitting a full per-layer slice as a scan output.
-    (h, ck, cv), _ = jax.lax.scan(functools.partial(_scan_cached_step, layer_fn), (h, cache.k, cache.v), (stacked, layers))
+    step = functools.partial(_scan_cached_step, layer_fn)
+    (h, ck, cv), _ = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
     return h, KVCache(k=ck, v=cv)
 
 
