@@ -65,10 +65,6 @@ def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
     return PartitionSpec(*out)
 
 
-def named_sharding(mesh: Mesh, names: Sequence[str | None], rules: Rules) -> NamedSharding:
-    return NamedSharding(mesh, logical_to_spec(names, rules))
-
-
 def with_batch_axes(rules: Rules, batch_axes: Sequence[str]) -> dict:
     """Activation rules with the batch dimension over ``batch_axes`` (a rollout style's)."""
     out = dict(rules)

@@ -8,6 +8,7 @@ no adapter einsums, no frozen/trainable split)."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -167,6 +168,28 @@ def test_step0_log_probs_equal_the_base_model_exactly(lora_tiny):
     for name in ALL:
         assert not np.any(np.asarray(getattr(lora.lora, f"{name}_b")[...]))
         assert np.any(np.asarray(getattr(lora.lora, f"{name}_a")[...]))
+
+
+def test_use_adapters_switches_the_adapter_term_off_and_on(lora_tiny):
+    _, base, _, graphdef, adapters, frozen = lora_tiny
+    moved = _randomise(adapters)  # B != 0: the adapters change the output
+    tokens = jnp.asarray(np.arange(12, dtype=np.int32).reshape(2, 6) % base.config.vocab_size)
+    positions = jnp.broadcast_to(jnp.arange(6, dtype=jnp.int32), (2, 6))
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def hidden(enabled, state):
+        model = nnx.merge(graphdef, state, frozen)
+        assert model.use_adapters(enabled) is model
+        return model(tokens, positions)[0]
+
+    off = np.asarray(hidden(False, moved))
+    # Off, the adapters are not read at all; the base model's output, up to how XLA
+    # compiles another program.
+    np.testing.assert_array_equal(off, np.asarray(hidden(False, adapters)))
+    gd_base, p_base = nnx.split(base)
+    plain = jax.jit(lambda s: nnx.merge(gd_base, s)(tokens, positions)[0])(p_base)
+    np.testing.assert_allclose(off, np.asarray(plain), rtol=0, atol=1e-5)
+    assert np.abs(np.asarray(hidden(True, moved)) - off).max() > 1e-3
 
 
 def _merged_loss_fn(base, step_base, batch, graphdef, frozen):

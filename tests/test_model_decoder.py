@@ -17,7 +17,8 @@ from flax import nnx
 from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, padded_batch
 from grpo.core.errors import UserError
 from grpo.models.loading import load_hf
-from grpo.models.qwen2 import KVCache, Qwen2Config, positions_from_mask, repeat_batch
+from grpo.models.decoder import KVCache, positions_from_mask, repeat_batch
+from grpo.models.qwen2 import Qwen2Config
 
 
 @functools.cache

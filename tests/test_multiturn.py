@@ -18,7 +18,7 @@ from grpo.engine.parallel.mesh import build_mesh
 from grpo.engine.rollout.multiturn import MultiTurnSampler, append_bucket
 from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.loading import load_hf
-from grpo.models.qwen2 import positions_from_mask
+from grpo.models.decoder import positions_from_mask
 from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
 
 P, K, N, TURNS = 2, 4, 40, 3

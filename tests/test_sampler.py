@@ -18,7 +18,7 @@ from grpo.core.contracts import MeshLayout, NoOptions
 from grpo.engine.parallel.mesh import build_mesh, current_topology
 from grpo.engine.rollout.sampler import RolloutOutput, Sampler, SamplingParams
 from grpo.models.loading import load_hf
-from grpo.models.qwen2 import positions_from_mask
+from grpo.models.decoder import positions_from_mask
 from grpo.models.tiny import write_tiny_checkpoint
 from grpo.plugins.rollout import LegacyStyle, MaxTextStyle
 

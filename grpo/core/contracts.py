@@ -653,7 +653,7 @@ class ModelPlugin(_PluginBase):
       ``kv_heads``, ``head_dim``, ``mlp``, ``layers``, ``norm``). The loaders place each
       parameter by these names (:data:`grpo.sharding.PARAM_RULES`), so FSDP, tp
       and memory planning need nothing else from the family.
-    - :meth:`tensor_maps` — one :class:`grpo.models._hf_layout.TensorMap` per parameter:
+    - :meth:`tensor_maps` — one :class:`grpo.models.hf.TensorMap` per parameter:
       its HF tensor name (``{i}`` = layer for stacked layer parameters), HF shape, and
       how HF dims split and transpose into ours. The same description loads a slice of
       a tensor straight into its shard and exports it back.

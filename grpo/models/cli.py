@@ -97,7 +97,7 @@ def _inspect(path: str, *, architecture: str) -> dict[str, Any]:
             "files": [],
             "problems": [],
         }
-    from grpo.models._hf_layout import check_tensors
+    from grpo.models.hf import check_tensors
     from grpo.models.loading import SafetensorsCheckpoint, read_family, resolve_checkpoint
 
     directory = resolve_checkpoint(path)

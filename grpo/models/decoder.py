@@ -15,7 +15,8 @@ What the rest of the framework uses
   :class:`grpo.models.llama.LlamaConfig`) builds it from a transformers config with
   ``from_hf`` (which refuses what is not implemented: sliding-window attention, rope
   scalings other than the family's, other activations, quantization) and turns it back
-  with ``to_hf_dict``.
+  with ``to_hf_dict``; the translation itself is :mod:`grpo.models.hf`'s, beside the HF
+  tensor layout.
 - :class:`Decoder` — the NNX module (``Qwen2`` is the same class). Build it with
   :func:`grpo.models.loading.load_hf` or :func:`grpo.models.loading.random_init` (both
   create every parameter directly in its sharding); the constructor here is the
@@ -47,6 +48,21 @@ What the rest of the framework uses
 - :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
   repeated K times in place: rows ``b*K .. b*K+K-1`` come from prompt ``b``); repeat the
   ``kv_mask`` and positions the same way with :func:`repeat_batch`.
+- :meth:`Decoder.attach_adapters` / :meth:`Decoder.use_adapters` — LoRA adapters
+  (:func:`grpo.models.lora.apply_lora` attaches them) and the switch that turns them off
+  for the reference pass.
+
+Layers
+------
+
+``Decoder.__call__`` reads as embed -> layers -> norm. One layer is module-level pure
+functions of a frozen :class:`LayerContext` (what is fixed for the call: config, compute
+dtype, mesh and rules, quantization, adapters and dropout keys, RoPE tables, the
+attention form and its mask) and the layer's parameters: :func:`project` (a projection,
+with QLoRA dequantization and the LoRA term), :func:`qkv` (norm, q/k/v, RoPE),
+:func:`attend` (cache write and attention), :func:`out_and_mlp` (output projection and
+:func:`mlp_block`); :func:`layer_function` composes them under the remat policy and
+:func:`run_layers` scans it.
 
 Layout and numerics
 -------------------
@@ -67,8 +83,9 @@ do.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
-from typing import Any, ClassVar, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Literal, Mapping, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -77,7 +94,10 @@ from flax import nnx
 from jax.sharding import Mesh
 
 from grpo.core.errors import UserError
-from grpo.sharding import ACTIVATION_RULES
+from grpo.models.attention import sharded
+from grpo.models.hf import LLAMA3_ROPE_KEYS, config_from_hf, hf_fields
+from grpo.models.quant import dequantize
+from grpo.sharding import ACTIVATION_RULES, fit_sharding
 
 Remat = Literal["none", "full", "dots"]
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
@@ -86,37 +106,13 @@ DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "flo
 # --------------------------------------------------------------------------- config
 
 
-def _getter(hf: Any):
-    """``get(key, default)`` over a transformers config object or its ``to_dict()``."""
-    if isinstance(hf, Mapping):
-        return hf.get
-    return lambda k, d=None: getattr(hf, k, d)
-
-
-def rope_settings(get: Any) -> tuple[str, dict[str, Any], float]:
-    """(rope type, its parameters, rope_theta) of an HF config, in the 4.x layout
-    (top-level ``rope_theta`` + ``rope_scaling``) or 5.x's (``rope_parameters``)."""
-    rope = get("rope_parameters") or get("rope_scaling") or {}
-    if not isinstance(rope, Mapping):
-        rope = {}
-    rope_type = rope.get("rope_type", rope.get("type", "default")) or "default"
-    theta = rope.get("rope_theta")
-    if theta is None:
-        theta = get("rope_theta", None)
-    params = {k: v for k, v in rope.items() if k not in ("rope_type", "type", "rope_theta")}
-    return str(rope_type), params, theta
-
-
-LLAMA3_ROPE_KEYS: tuple[str, ...] = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
-
-
 @dataclasses.dataclass(frozen=True)
 class DecoderConfig:
     """The shared decoder's architecture. Field names follow transformers' configs.
 
-    A family subclass sets the class variables (the switches and its HF names) and
-    implements :meth:`from_hf` checks through :meth:`_family_problems` and
-    :meth:`_family_fields`. ``head_dim`` 0 means ``hidden_size // num_attention_heads``.
+    A family subclass sets the class variables (the switches and its HF names), adds its
+    refusals of an HF config in :meth:`_family_problems` and its own HF fields in
+    :meth:`to_hf_dict`. ``head_dim`` 0 means ``hidden_size // num_attention_heads``.
     ``rope_scaling`` is ``()`` (plain RoPE) or the sorted ``(key, value)`` pairs of a
     ``llama3`` scaling (:data:`LLAMA3_ROPE_KEYS`). Hashable, so it can be a static jit
     argument.
@@ -207,80 +203,10 @@ class DecoderConfig:
 
     @classmethod
     def from_hf(cls, hf: Any) -> "DecoderConfig":
-        """From a transformers config object of this family (or its ``to_dict()``).
-
-        Raises :class:`UserError` for anything this implementation would get wrong:
-        another ``model_type``, sliding-window attention switched on, a rope scaling the
-        family does not implement, an activation other than SiLU, attention dropout,
-        quantized weights, and the family's own refusals (:meth:`_family_problems`).
-        """
-        get = _getter(hf)
-        model_type = get("model_type")
-        accepted = cls.model_types or (cls.model_type,)
-        if model_type not in accepted:
-            archs = get("architectures")
-            raise UserError(
-                f"Unexpected architecture: model_type={model_type!r}"
-                + (f" (architectures {list(archs)})" if archs else "")
-                + f"; the {cls.family} model plugin implements model_type "
-                + " or ".join(repr(t) for t in accepted) + " only."
-            )
-        problems = []
-        act = get("hidden_act", "silu")
-        if act not in ("silu", "swish"):
-            problems.append(f"hidden_act={act!r}: only 'silu' is implemented")
-        layer_types = get("layer_types") or ()
-        if get("use_sliding_window", False) or any(t != "full_attention" for t in layer_types):
-            problems.append(
-                f"sliding-window attention is switched on (use_sliding_window="
-                f"{get('use_sliding_window')}, sliding_window={get('sliding_window')}, "
-                f"max_window_layers={get('max_window_layers')}); only full attention is implemented"
-            )
-        rope_type, rope_params, theta = rope_settings(get)
-        scaling: tuple[tuple[str, Any], ...] = ()
-        if rope_type not in cls.rope_types:
-            shown = {"rope_type": rope_type, **rope_params}
-            problems.append(
-                f"rope scaling type {rope_type!r} ({shown}) is not implemented; {cls.family} implements "
-                + " and ".join(repr(t) for t in cls.rope_types) + " RoPE"
-            )
-        elif rope_type == "llama3":
-            missing = [k for k in LLAMA3_ROPE_KEYS if rope_params.get(k) is None]
-            if missing:
-                problems.append(f"rope_scaling of type 'llama3' lacks {', '.join(missing)} ({rope_params})")
-            else:
-                scaling = tuple(sorted(
-                    (k, int(rope_params[k]) if k == "original_max_position_embeddings" else float(rope_params[k]))
-                    for k in LLAMA3_ROPE_KEYS
-                ))
-        if theta is None:
-            theta = 10000.0
-        if float(get("attention_dropout", 0.0) or 0.0) != 0.0:
-            problems.append(f"attention_dropout={get('attention_dropout')} is not implemented (only 0)")
-        if get("quantization_config"):
-            problems.append("quantized checkpoints (quantization_config) are not supported")
-        problems += cls._family_problems(get)
-        if problems:
-            raise UserError(f"Unsupported {cls.label_of()} config:", problems=problems)
-        eos = get("eos_token_id")
-        return cls(
-            vocab_size=get("vocab_size"),
-            hidden_size=get("hidden_size"),
-            intermediate_size=get("intermediate_size"),
-            num_hidden_layers=get("num_hidden_layers"),
-            num_attention_heads=get("num_attention_heads"),
-            num_key_value_heads=get("num_key_value_heads") or get("num_attention_heads"),
-            head_dim=get("head_dim") or 0,
-            rope_theta=float(theta),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            tie_word_embeddings=bool(get("tie_word_embeddings", False)),
-            max_position_embeddings=int(get("max_position_embeddings", 32768)),
-            initializer_range=float(get("initializer_range", 0.02)),
-            bos_token_id=get("bos_token_id"),
-            eos_token_id=tuple(eos) if isinstance(eos, (list, tuple)) else eos,
-            pad_token_id=get("pad_token_id"),
-            rope_scaling=scaling,
-        )
+        """From a transformers config object of this family (or its ``to_dict()``);
+        refuses what this implementation would get wrong
+        (:func:`grpo.models.hf.config_from_hf`)."""
+        return config_from_hf(cls, hf)
 
     @classmethod
     def label_of(cls) -> str:
@@ -293,44 +219,12 @@ class DecoderConfig:
         return []
 
     def to_hf_dict(self) -> dict[str, Any]:
-        """Keyword arguments for the family's transformers config class (no ``model_type``)."""
-        out: dict[str, Any] = dict(
-            architectures=[self.hf_architecture],
-            vocab_size=self.vocab_size,
-            hidden_size=self.hidden_size,
-            intermediate_size=self.intermediate_size,
-            num_hidden_layers=self.num_hidden_layers,
-            num_attention_heads=self.num_attention_heads,
-            num_key_value_heads=self.num_key_value_heads,
-            hidden_act="silu",
-            max_position_embeddings=self.max_position_embeddings,
-            initializer_range=self.initializer_range,
-            rms_norm_eps=self.rms_norm_eps,
-            # transformers 5 folds rope_theta (and rope_scaling) into rope_parameters;
-            # 4.x reads them directly. Both read this, the published checkpoints' layout.
-            rope_theta=self.rope_theta,
-            tie_word_embeddings=self.tie_word_embeddings,
-            attention_dropout=0.0,
-            bos_token_id=self.bos_token_id,
-            eos_token_id=list(self.eos_token_id) if isinstance(self.eos_token_id, tuple) else self.eos_token_id,
-            pad_token_id=self.pad_token_id,
-        )
-        if self.rope_scaling:
-            out["rope_scaling"] = {"rope_type": "llama3", **dict(self.rope_scaling)}
-        if self.head_dim != self.hidden_size // self.num_attention_heads:
-            out["head_dim"] = self.head_dim
-        return out
-
-    def hf_config_dict(self) -> dict[str, Any]:
-        """``config.json`` contents (``model_type`` first)."""
-        return {"model_type": self.model_type, **self.to_hf_dict()}
+        """Keyword arguments for the family's transformers config class (no ``model_type``;
+        :func:`grpo.models.hf.hf_config_dict` writes the ``config.json``). A family adds
+        its own fields to ``super().to_hf_dict()``."""
+        return hf_fields(self)
 
     # ------------------------------------------------------------------ shapes
-
-    @property
-    def num_groups(self) -> int:
-        """Query heads per KV head."""
-        return self.num_attention_heads // self.num_key_value_heads
 
     def layer_params(self) -> tuple[str, ...]:
         """Names of the stacked per-layer parameters this family has, in a fixed order."""
@@ -511,13 +405,6 @@ def attention_mask(kv_mask: jax.Array, q_slots: jax.Array) -> jax.Array:
 
 # --------------------------------------------------------------------------- module
 
-LAYER_PARAMS: tuple[str, ...] = (
-    "attn_norm", "q_proj", "q_bias", "k_proj", "k_bias", "v_proj", "v_bias", "q_norm", "k_norm", "o_proj",
-    "mlp_norm", "gate_proj", "up_proj", "down_proj",
-)
-"""Every per-layer parameter any family has; a config's own are :meth:`DecoderConfig.layer_params`."""
-
-
 def _param(value: jax.Array, names: Sequence[str]) -> nnx.Param:
     # Logical names live in flax's standard `out_sharding` metadata; eager sharding is
     # off because the names are logical, not mesh axes — the loaders place each array
@@ -552,6 +439,246 @@ class DecoderLayers(nnx.Module):
             else:
                 value = (jax.random.normal(rngs.params(), shape, jnp.float32) * std).astype(param_dtype)
             setattr(self, name, _param(value, names))
+
+
+# --------------------------------------------------------------------------- layers
+# One decoder layer, as pure functions of a LayerContext (what is fixed for one call of
+# the model) and the layer's parameters p (name -> one layer's slice of the stacked
+# arrays). Decoder.__call__ builds the context and scans layer_function over the layers.
+
+DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+
+
+def constrain(
+    x: jax.Array, names: Sequence[str], mesh: Mesh | None, rules: Sequence[tuple[str, Any]]
+) -> jax.Array:
+    """``x`` constrained to the logical axes ``names`` under the activation ``rules`` on
+    ``mesh`` (unchanged without a mesh)."""
+    if mesh is None:
+        return x
+    return jax.lax.with_sharding_constraint(x, fit_sharding(x.shape, names, mesh, dict(rules)))
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerContext:
+    """What every decoder layer reads besides its own parameters, fixed for one call of
+    :class:`Decoder` (built by it; the layer functions are pure in it)."""
+
+    config: DecoderConfig
+    dtype: Any  # the compute dtype
+    mesh: Mesh | None
+    rules: tuple[tuple[str, Any], ...]  # activation rules (Decoder.activation_rules)
+    quantization: str  # how the base projections are stored: none | nf4 | int8
+    lora: Any  # the LoraSpec of the adapters in use; None: no adapters, or switched off
+    dropout_keys: jax.Array | None  # [B] adapter-dropout key data; None: no dropout
+    cos: jax.Array  # [B, T, head_dim] float32 RoPE tables
+    sin: jax.Array  # [B, T, head_dim]
+    kernel: Any  # the blocked attention kernel of this call, or None (dense attention)
+    dense_impl: Any  # jax.nn.dot_product_attention's implementation (dense attention)
+    mask: jax.Array | None  # [B, 1, T, S] bool, dense attention only
+    segment_ids: jax.Array | None  # [B, S] int32 (1 real token, 0 padding), kernel only
+    write_index: jax.Array | None  # scalar int32: the cache slot of the first token
+
+    def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
+        return constrain(x, names, self.mesh, self.rules)
+
+
+def project(
+    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
+) -> jax.Array:
+    """``x`` through projection ``name`` (``eq``: its einsum, x first): the (dequantized)
+    base weight plus, when targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``,
+    never merged."""
+    w = p[name]
+    if f"{name}_scale" in p:
+        w = dequantize(w, p[f"{name}_scale"], ctx.quantization, ctx.dtype, axis=0)
+    y = jnp.einsum(eq, x, w.astype(ctx.dtype))
+    if f"{name}_lora_a" not in p:
+        return y
+    return y + _adapter(ctx, eq, x, p, name, layer)
+
+
+def _adapter(
+    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
+) -> jax.Array:
+    """The adapter's term of projection ``name``: ``x`` [lead..., contracted...] through
+    A [contracted..., r] then B [r, kept...], scaled by ``alpha / r``."""
+    dt = ctx.dtype
+    ins, out = eq.split("->")
+    xs, ws = ins.split(",")
+    contracted = "".join(ch for ch in ws if ch in xs)
+    kept = "".join(ch for ch in ws if ch not in xs)
+    lead = "".join(ch for ch in out if ch not in kept)
+    if ctx.dropout_keys is not None:
+        x = _adapter_dropout(ctx, x, name, layer)
+    t = jnp.einsum(f"{xs},{contracted}r->{lead}r", x, p[f"{name}_lora_a"].astype(dt))
+    d = jnp.einsum(f"{lead}r,r{kept}->{out}", t, p[f"{name}_lora_b"].astype(dt))
+    return d * jnp.asarray(ctx.lora.scale, dt)
+
+
+def _adapter_dropout(ctx: LayerContext, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
+    """Inverted dropout on an adapter's input [B, ...]: one mask per row from that row's
+    key, folded with the layer and the projection (so every adapter draws its own)."""
+    keep = 1.0 - ctx.lora.dropout
+    salt = ctx.config.layer_params().index(name)
+
+    def row_mask(k):
+        k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), layer), salt)
+        return jax.random.bernoulli(k, keep, x.shape[1:])
+
+    return jnp.where(jax.vmap(row_mask)(ctx.dropout_keys), x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
+
+
+def qkv(
+    ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The attention block's inputs: the residual stream h [B, T, D] normed and projected
+    to q [B, T, H, E] and k, v [B, T, K, E] (biases, Qwen3's q/k norms, RoPE)."""
+    c, dt = ctx.config, ctx.dtype
+    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
+    q = project(ctx, "btd,dhe->bthe", x, p, "q_proj", layer)
+    k = project(ctx, "btd,dke->btke", x, p, "k_proj", layer)
+    v = project(ctx, "btd,dke->btke", x, p, "v_proj", layer)
+    if c.qkv_bias:
+        q = q + p["q_bias"].astype(dt)
+        k = k + p["k_bias"].astype(dt)
+        v = v + p["v_bias"].astype(dt)
+    if c.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
+        q = rms_norm(q, p["q_norm"], c.rms_norm_eps, dt)
+        k = rms_norm(k, p["k_norm"], c.rms_norm_eps, dt)
+    q = ctx.constrain(apply_rope(q, ctx.cos, ctx.sin), ("batch", "length", "heads", "head_dim"))
+    k = ctx.constrain(apply_rope(k, ctx.cos, ctx.sin), ("batch", "length", "kv_heads", "head_dim"))
+    v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
+    return q, k, v
+
+
+def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any) -> tuple[jax.Array, Any]:
+    """Attention of q [B, T, H, E] over the new keys/values or, with a cache carry ``kv``
+    = (k, v, layer), over the cache after writing them at ``write_index``. Returns the
+    output [B, T, H, E] and the carry ((k, v) updated; None without a cache)."""
+    dt = ctx.dtype
+    if kv is None:
+        k_all, v_all = k_new, v_new
+    else:
+        ck, cv, layer = kv
+        start = (layer, jnp.int32(0), ctx.write_index, jnp.int32(0), jnp.int32(0))
+        ck = jax.lax.dynamic_update_slice(ck, k_new.astype(ck.dtype)[None], start)
+        cv = jax.lax.dynamic_update_slice(cv, v_new.astype(cv.dtype)[None], start)
+        ck = ctx.constrain(ck, CACHE_AXES)
+        cv = ctx.constrain(cv, CACHE_AXES)
+        k_all = jax.lax.dynamic_index_in_dim(ck, layer, axis=0, keepdims=False).astype(dt)
+        v_all = jax.lax.dynamic_index_in_dim(cv, layer, axis=0, keepdims=False).astype(dt)
+        kv = (ck, cv)
+    scale = 1.0 / math.sqrt(ctx.config.head_dim)
+    if ctx.kernel is not None:
+        out = sharded(
+            ctx.kernel, q, k_all, v_all, ctx.segment_ids, scale=scale, mesh=ctx.mesh, rules=dict(ctx.rules),
+        )
+        return out, kv
+    out = jax.nn.dot_product_attention(
+        q, k_all, v_all, mask=ctx.mask, scale=scale, implementation=ctx.dense_impl
+    )  # B T H E
+    return out, kv
+
+
+def mlp_block(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> jax.Array:
+    """The MLP block with its residual: h [B, T, D] + down(silu(gate(x)) * up(x)), x the
+    normed h."""
+    x = rms_norm(h, p["mlp_norm"], ctx.config.rms_norm_eps, ctx.dtype)
+    g = project(ctx, "btd,df->btf", x, p, "gate_proj", layer)
+    u = project(ctx, "btd,df->btf", x, p, "up_proj", layer)
+    y = ctx.constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
+    h = h + project(ctx, "btf,fd->btd", y, p, "down_proj", layer)
+    return ctx.constrain(h, ("batch", "length", "embed"))
+
+
+def out_and_mlp(
+    ctx: LayerContext, h: jax.Array, a: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
+) -> jax.Array:
+    """What follows attention: the output projection of a [B, T, H, E] added to h, then
+    the MLP block."""
+    h = h + project(ctx, "bthe,hed->btd", a, p, "o_proj", layer)
+    return mlp_block(ctx, h, p, layer)
+
+
+def _layer(
+    ctx: LayerContext, pre: Callable, post: Callable, h: jax.Array, p: Any, kv: Any, layer: jax.Array
+) -> tuple[jax.Array, Any]:
+    """One layer: ``pre`` (:func:`qkv`), :func:`attend`, ``post`` (:func:`out_and_mlp`),
+    each possibly checkpointed."""
+    q, k, v = pre(h, p, layer)
+    a, kv = attend(ctx, q, k, v, kv)
+    return post(h, a, p, layer), kv
+
+
+def layer_function(ctx: LayerContext, remat: Remat) -> Callable:
+    """One decoder layer ``(h, p, kv, layer) -> (h, kv)`` under the ``remat`` policy.
+
+    With ``dots`` and a blocked kernel, the weight matmuls are kept, and the kernel stays
+    outside the rematerialised parts: its output and log-sum-exp (linear in T) are saved
+    as AD residuals, so the backward pass reruns no attention forward (a remat policy
+    cannot name residuals inside a custom_vjp).
+    """
+    pre = functools.partial(qkv, ctx)
+    post = functools.partial(out_and_mlp, ctx)
+    if remat == "dots" and ctx.kernel is not None:
+        pre = jax.checkpoint(pre, prevent_cse=False, policy=DOTS)
+        post = jax.checkpoint(post, prevent_cse=False, policy=DOTS)
+    fn = functools.partial(_layer, ctx, pre, post)
+    if remat == "full":
+        fn = jax.checkpoint(fn, prevent_cse=False)
+    elif remat == "dots" and ctx.kernel is None:
+        fn = jax.checkpoint(fn, prevent_cse=False, policy=DOTS)
+    return fn
+
+
+def _scan_step(layer_fn: Callable, h: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+    p, layer = xs
+    h, _ = layer_fn(h, p, None, layer)
+    return h, None
+
+
+def _scan_cached_step(layer_fn: Callable, carry: Any, xs: Any) -> tuple[Any, None]:
+    h, ck, cv = carry
+    p, layer = xs
+    h, (ck, cv) = layer_fn(h, p, (ck, cv, layer), layer)
+    return (h, ck, cv), None
+
+
+def run_layers(
+    layer_fn: Callable, h: jax.Array, stacked: Mapping[str, jax.Array], num_layers: int, cache: KVCache | None
+) -> tuple[jax.Array, KVCache | None]:
+    """h [B, T, D] through every layer (``lax.scan`` over the stacked parameters [L, ...]);
+    returns h and the updated cache (None without one)."""
+    layers = jnp.arange(num_layers, dtype=jnp.int32)
+    if cache is None:
+        h, _ = jax.lax.scan(functools.partial(_scan_step, layer_fn), h, (stacked, layers))
+        return h, None
+    # The whole cache rides in the carry: each layer writes only its T new slots in place
+    # instead of re-emitting a full per-layer slice as a scan output.
+    step = functools.partial(_scan_cached_step, layer_fn)
+    (h, ck, cv), _ = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
+    return h, KVCache(k=ck, v=cv)
+
+
+def _query_slots(
+    B: int, T: int, cache: KVCache | None, write_index: jax.Array | int | None
+) -> tuple[jax.Array, jax.Array | None, int]:
+    """(the T queries' slots [T] int32, write_index as a scalar int32 array (None without
+    a cache), the number of key slots S), checking the cache against the batch."""
+    if cache is None:
+        if write_index is not None:
+            raise ValueError("write_index is only meaningful with a cache")
+        return jnp.arange(T, dtype=jnp.int32), None, T
+    if cache.batch_size != B:
+        raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
+    S = cache.max_length
+    if T > S:
+        raise ValueError(f"{T} tokens do not fit a cache of {S} slots")
+    write_index = jnp.asarray(0 if write_index is None else write_index, jnp.int32)
+    if write_index.ndim != 0:
+        raise ValueError("write_index must be a scalar (one slot for the whole batch)")
+    return write_index + jnp.arange(T, dtype=jnp.int32), write_index, S
 
 
 class Decoder(nnx.Module):
@@ -606,10 +733,11 @@ class Decoder(nnx.Module):
         self.layers = DecoderLayers(config, rngs=rngs, param_dtype=pd)
         shape, names = specs["final_norm"]
         self.final_norm = _param(jnp.ones(shape, pd), names)
-        # LoRA / QLoRA (grpo.models.lora.apply_lora sets these after the base is built).
+        # LoRA / QLoRA: set by attach_adapters (grpo.models.lora.apply_lora, after the base
+        # is built) and use_adapters (the reference pass switches the adapters off).
         self.lora = nnx.data(None)
         self.lora_spec = None
-        self.lora_enabled = True  # the reference pass (beta > 0) switches the adapters off
+        self.lora_enabled = True
         self.base_quantization = "none"
         if config.tie_word_embeddings:
             self.lm_head = None
@@ -627,14 +755,24 @@ class Decoder(nnx.Module):
             sorted((k, tuple(v) if isinstance(v, (list, tuple)) else v) for k, v in rules.items())
         )
 
-    def _constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
-        if self.mesh is None:
-            return x
-        from grpo.sharding import fit_sharding
+    # ------------------------------------------------------------------ adapters
 
-        return jax.lax.with_sharding_constraint(
-            x, fit_sharding(x.shape, names, self.mesh, dict(self.activation_rules))
-        )
+    def attach_adapters(self, adapters: nnx.Module, spec: Any, *, base_quantization: str = "none") -> None:
+        """Give the model LoRA ``adapters`` (``lora.<name>_a|b``, described by ``spec``, a
+        :class:`grpo.models.lora.LoraSpec`) and say how the base projections are stored
+        (``nf4``/``int8``: QLoRA codes with ``<name>_scale`` beside them). Called by
+        :func:`grpo.models.lora.apply_lora`, which builds both."""
+        self.lora = nnx.data(adapters)
+        self.lora_spec = spec
+        self.base_quantization = base_quantization
+
+    def use_adapters(self, enabled: bool) -> "Decoder":
+        """Switch the LoRA adapters on (the policy) or off (the base model: the reference
+        pass when beta > 0, a rollout of the base) for this model object; nothing changes
+        without adapters. The switch is static (part of the graph definition), so set it
+        on a model merged inside a jitted function. Returns the model."""
+        self.lora_enabled = bool(enabled)
+        return self
 
     # ------------------------------------------------------------------ API
 
@@ -656,7 +794,7 @@ class Decoder(nnx.Module):
         out = jnp.einsum(
             "btd,dv->btv", hidden.astype(dt), self.head_weight().astype(dt), preferred_element_type=jnp.float32
         )
-        return self._constrain(out, ("batch", "length", "vocab"))
+        return constrain(out, ("batch", "length", "vocab"), self.mesh, self.activation_rules)
 
     def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> KVCache:
         """An all-zero cache for ``batch_size`` rows of ``max_length`` slots (compute dtype
@@ -665,8 +803,8 @@ class Decoder(nnx.Module):
         shape = (c.num_hidden_layers, batch_size, max_length, c.num_key_value_heads, c.head_dim)
         dt = self.dtype if dtype is None else _dtype(dtype)
         return KVCache(
-            k=self._constrain(jnp.zeros(shape, dt), CACHE_AXES),
-            v=self._constrain(jnp.zeros(shape, dt), CACHE_AXES),
+            k=constrain(jnp.zeros(shape, dt), CACHE_AXES, self.mesh, self.activation_rules),
+            v=constrain(jnp.zeros(shape, dt), CACHE_AXES, self.mesh, self.activation_rules),
         )
 
     def num_params(self) -> int:
@@ -682,181 +820,69 @@ class Decoder(nnx.Module):
         write_index: jax.Array | int | None = None,
         dropout_keys: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
+        ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys)
+        h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
+        h = ctx.constrain(h, ("batch", "length", "embed"))
+        layer_fn = layer_function(ctx, self.remat)
+        h, new_cache = run_layers(layer_fn, h, self._stacked(ctx), self.config.num_hidden_layers, cache)
+        h = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps, ctx.dtype)
+        return ctx.constrain(h, ("batch", "length", "embed")), new_cache
+
+    def _layer_context(
+        self,
+        tokens: jax.Array,
+        positions: jax.Array,
+        kv_mask: jax.Array | None,
+        cache: KVCache | None,
+        write_index: jax.Array | int | None,
+        dropout_keys: jax.Array | None,
+    ) -> LayerContext:
+        """The call's :class:`LayerContext`: the attention form and its mask, the RoPE
+        tables and the adapters in use (the shapes are checked here)."""
         c = self.config
-        dt = self.dtype
         B, T = tokens.shape
         if positions.shape != (B, T):
             raise ValueError(f"positions {positions.shape} must match tokens {tokens.shape}")
         # Whole sequences (the update, the reference pass, prefill into a cache of exactly
         # T slots from slot 0) may take a blocked kernel; decode steps take the XLA form.
         whole = cache is None or (isinstance(write_index, int) and write_index == 0 and cache.max_length == T)
-        blocked = self.attention_impl if (whole and callable(self.attention_impl)) else None
-        dense_impl = "xla" if callable(self.attention_impl) else self.attention_impl
-        if cache is None:
-            if write_index is not None:
-                raise ValueError("write_index is only meaningful with a cache")
-            S = T
-            q_slots = jnp.arange(T, dtype=jnp.int32)
-        else:
-            if cache.batch_size != B:
-                raise ValueError(f"cache batch {cache.batch_size} != tokens batch {B}")
-            S = cache.max_length
-            if T > S:
-                raise ValueError(f"{T} tokens do not fit a cache of {S} slots")
-            write_index = jnp.asarray(0 if write_index is None else write_index, jnp.int32)
-            if write_index.ndim != 0:
-                raise ValueError("write_index must be a scalar (one slot for the whole batch)")
-            q_slots = write_index + jnp.arange(T, dtype=jnp.int32)
+        kernel = self.attention_impl if (whole and callable(self.attention_impl)) else None
+        q_slots, write_index, S = _query_slots(B, T, cache, write_index)
         if kv_mask is None:
             kv_mask = jnp.ones((B, S), bool)
         if kv_mask.shape != (B, S):
             raise ValueError(f"kv_mask {kv_mask.shape} must be [batch, {'tokens' if cache is None else 'cache slots'}] = {(B, S)}")
-        if blocked is None:
+        mask = segment_ids = None
+        if kernel is None:
             mask = attention_mask(kv_mask, q_slots)  # B 1 T S
         else:  # 1 = real token, 0 = padding: the kernel masks causally within a segment
             segment_ids = kv_mask.astype(jnp.int32)
         # Plain RoPE keeps its in-graph frequencies; a scaled one is a host constant.
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
+        spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
+        drop = spec is not None and spec.dropout > 0 and dropout_keys is not None
+        return LayerContext(
+            config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
+            quantization=self.base_quantization, lora=spec, dropout_keys=dropout_keys if drop else None,
+            cos=cos, sin=sin, kernel=kernel, dense_impl="xla" if callable(self.attention_impl) else self.attention_impl,
+            mask=mask, segment_ids=segment_ids, write_index=write_index,
+        )
 
-        h = jnp.take(self.embed[...], tokens, axis=0).astype(dt)  # B T D
-        h = self._constrain(h, ("batch", "length", "embed"))
-        stacked = {name: getattr(self.layers, name)[...] for name in c.layer_params()}
-        quant = self.base_quantization
-        if quant != "none":
-            from grpo.models.quant import dequantize
-
-            for name in c.layer_params():
+    def _stacked(self, ctx: LayerContext) -> dict[str, jax.Array]:
+        """Every stacked layer array [L, ...] the layer functions read, by name: the base
+        parameters, their quantization scales (``<name>_scale``) and the adapters in use
+        (``<name>_lora_a|b``)."""
+        names = self.config.layer_params()
+        stacked = {name: getattr(self.layers, name)[...] for name in names}
+        if ctx.quantization != "none":
+            for name in names:
                 if hasattr(self.layers, f"{name}_scale"):
                     stacked[f"{name}_scale"] = getattr(self.layers, f"{name}_scale")[...]
-        spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
-        if spec is not None:
-            for name in spec.targets:
+        if ctx.lora is not None:
+            for name in ctx.lora.targets:
                 stacked[f"{name}_lora_a"] = getattr(self.lora, f"{name}_a")[...]
                 stacked[f"{name}_lora_b"] = getattr(self.lora, f"{name}_b")[...]
-        drop = spec is not None and spec.dropout > 0 and dropout_keys is not None
-
-        def proj(eq: str, x: jax.Array, p: dict, name: str, layer) -> jax.Array:
-            """``x`` through projection ``name``: the (dequantized) base weight plus, when
-            targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``, never merged."""
-            w = p[name]
-            if f"{name}_scale" in p:
-                w = dequantize(w, p[f"{name}_scale"], quant, dt, axis=0)
-            y = jnp.einsum(eq, x, w.astype(dt))
-            if f"{name}_lora_a" not in p:
-                return y
-            ins, out = eq.split("->")
-            xs, ws = ins.split(",")
-            contracted = "".join(ch for ch in ws if ch in xs)
-            kept = "".join(ch for ch in ws if ch not in xs)
-            lead = "".join(ch for ch in out if ch not in kept)
-            if drop:
-                keep = 1.0 - spec.dropout
-                salt = c.layer_params().index(name)
-
-                def row_mask(k):
-                    k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), layer), salt)
-                    return jax.random.bernoulli(k, keep, x.shape[1:])
-
-                x = jnp.where(jax.vmap(row_mask)(dropout_keys), x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
-            t = jnp.einsum(f"{xs},{contracted}r->{lead}r", x, p[f"{name}_lora_a"].astype(dt))
-            d = jnp.einsum(f"{lead}r,r{kept}->{out}", t, p[f"{name}_lora_b"].astype(dt))
-            return y + d * jnp.asarray(spec.scale, dt)
-
-        def attend(q, k_new, v_new, kv):
-            """Returns the attention output and the (possibly updated) cache carry."""
-            if kv is None:
-                k_all, v_all = k_new, v_new
-            else:
-                ck, cv, layer = kv
-                start = (layer, jnp.int32(0), write_index, jnp.int32(0), jnp.int32(0))
-                ck = jax.lax.dynamic_update_slice(ck, k_new.astype(ck.dtype)[None], start)
-                cv = jax.lax.dynamic_update_slice(cv, v_new.astype(cv.dtype)[None], start)
-                ck = self._constrain(ck, CACHE_AXES)
-                cv = self._constrain(cv, CACHE_AXES)
-                k_all = jax.lax.dynamic_index_in_dim(ck, layer, axis=0, keepdims=False).astype(dt)
-                v_all = jax.lax.dynamic_index_in_dim(cv, layer, axis=0, keepdims=False).astype(dt)
-                kv = (ck, cv)
-            scale = 1.0 / math.sqrt(c.head_dim)
-            if blocked is not None:
-                from grpo.models.attention import sharded
-
-                out = sharded(
-                    blocked, q, k_all, v_all, segment_ids, scale=scale, mesh=self.mesh,
-                    rules=dict(self.activation_rules),
-                )
-                return out, kv
-            out = jax.nn.dot_product_attention(
-                q, k_all, v_all, mask=mask, scale=scale, implementation=dense_impl
-            )  # B T H E
-            return out, kv
-
-        def qkv_fn(h, p, layer):
-            x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
-            q = proj("btd,dhe->bthe", x, p, "q_proj", layer)
-            k = proj("btd,dke->btke", x, p, "k_proj", layer)
-            v = proj("btd,dke->btke", x, p, "v_proj", layer)
-            if c.qkv_bias:
-                q = q + p["q_bias"].astype(dt)
-                k = k + p["k_bias"].astype(dt)
-                v = v + p["v_bias"].astype(dt)
-            if c.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
-                q = rms_norm(q, p["q_norm"], c.rms_norm_eps, dt)
-                k = rms_norm(k, p["k_norm"], c.rms_norm_eps, dt)
-            q = self._constrain(apply_rope(q, cos, sin), ("batch", "length", "heads", "head_dim"))
-            k = self._constrain(apply_rope(k, cos, sin), ("batch", "length", "kv_heads", "head_dim"))
-            v = self._constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-            return q, k, v
-
-        def out_mlp_fn(h, a, p, layer):
-            h = h + proj("bthe,hed->btd", a, p, "o_proj", layer)
-            x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, dt)
-            g = proj("btd,df->btf", x, p, "gate_proj", layer)
-            u = proj("btd,df->btf", x, p, "up_proj", layer)
-            y = self._constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-            h = h + proj("btf,fd->btd", y, p, "down_proj", layer)
-            return self._constrain(h, ("batch", "length", "embed"))
-
-        dots = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-        if self.remat == "dots" and blocked is not None:
-            # The weight matmuls are kept, and the kernel stays outside the rematerialised
-            # parts: its output and log-sum-exp (linear in T) are saved as AD residuals, so
-            # the backward pass reruns no attention forward (a remat policy cannot name
-            # residuals inside a custom_vjp).
-            qkv_fn = jax.checkpoint(qkv_fn, prevent_cse=False, policy=dots)
-            out_mlp_fn = jax.checkpoint(out_mlp_fn, prevent_cse=False, policy=dots)
-
-        def layer_fn(h, p, kv, layer):
-            q, k, v = qkv_fn(h, p, layer)
-            a, kv = attend(q, k, v, kv)
-            return out_mlp_fn(h, a, p, layer), kv
-
-        if self.remat == "full":
-            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False)
-        elif self.remat == "dots" and blocked is None:
-            layer_fn = jax.checkpoint(layer_fn, prevent_cse=False, policy=dots)
-
-        layers = jnp.arange(c.num_hidden_layers, dtype=jnp.int32)
-        if cache is None:
-            def body(h, xs):
-                p, layer = xs
-                h, _ = layer_fn(h, p, None, layer)
-                return h, None
-
-            h, _ = jax.lax.scan(body, h, (stacked, layers))
-            new_cache = None
-        else:
-            # The whole cache rides in the carry: each layer writes only its T new slots
-            # in place instead of re-emitting a full per-layer slice as a scan output.
-            def body(carry, xs):
-                h, ck, cv = carry
-                p, layer = xs
-                h, (ck, cv) = layer_fn(h, p, (ck, cv, layer), layer)
-                return (h, ck, cv), None
-
-            (h, ck, cv), _ = jax.lax.scan(body, (h, cache.k, cache.v), (stacked, layers))
-            new_cache = KVCache(k=ck, v=cv)
-        h = rms_norm(h, self.final_norm[...], c.rms_norm_eps, dt)
-        return self._constrain(h, ("batch", "length", "embed")), new_cache
+        return stacked
 
 
 __all__ = [
@@ -865,13 +891,20 @@ __all__ = [
     "Decoder",
     "DecoderConfig",
     "KVCache",
-    "LAYER_PARAMS",
-    "LLAMA3_ROPE_KEYS",
-    "rope_inv_freq",
+    "LayerContext",
     "apply_rope",
+    "attend",
     "attention_mask",
+    "constrain",
+    "layer_function",
+    "mlp_block",
+    "out_and_mlp",
     "positions_from_mask",
+    "project",
+    "qkv",
     "repeat_batch",
     "rms_norm",
+    "rope_inv_freq",
     "rope_tables",
+    "run_layers",
 ]

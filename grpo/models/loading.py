@@ -48,7 +48,7 @@ from jax.sharding import Mesh
 
 from grpo.core.contracts import MESH_AXES
 from grpo.core.errors import UserError
-from grpo.models._hf_layout import (
+from grpo.models.hf import (
     TensorMap,
     check_tensors,
     read_hf_slice,

@@ -222,7 +222,6 @@ def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = Fal
                 codes, scales = fn(getattr(model.layers, name)[...])
             setattr(model.layers, name, nnx.Param(codes, out_sharding=tuple(names), eager_sharding=False))
             setattr(model.layers, f"{name}_scale", nnx.Param(scales, out_sharding=tuple(names), eager_sharding=False))
-        model.base_quantization = kind
 
     shapes = adapter_specs(config, spec)
     if abstract:
@@ -238,8 +237,9 @@ def apply_lora(model: Any, lora_cfg: Any, *, seed: int = 0, abstract: bool = Fal
         frozen_sh = None if out_sh is None else tuple(sorted(out_sh.items()))
         values = _jitted_init(spec, frozen_shapes, frozen_sh)(jax.random.fold_in(jax.random.key(seed), 0x10A))
     names_of = {path.split(".", 1)[1]: names for path, (_, names) in shapes.items()}
-    model.lora = nnx.data(LoraAdapters({attr: (values[attr], names_of[attr]) for attr in names_of}))
-    model.lora_spec = spec
+    model.attach_adapters(
+        LoraAdapters({attr: (values[attr], names_of[attr]) for attr in names_of}), spec, base_quantization=kind
+    )
     return model
 
 

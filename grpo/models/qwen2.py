@@ -1,9 +1,8 @@
 """Qwen2 / Qwen2.5: the shared decoder with biases on the q, k and v projections.
 
 :class:`Qwen2Config` is the family's :class:`~grpo.models.decoder.DecoderConfig`;
-``Qwen2`` is :class:`~grpo.models.decoder.Decoder` (one module serves every family).
-The cache and padding helpers are re-exported from :mod:`grpo.models.decoder` for code
-written against this module.
+``Qwen2`` is :class:`~grpo.models.decoder.Decoder` (one module serves every family);
+the cache and padding helpers live in :mod:`grpo.models.decoder`.
 """
 
 from __future__ import annotations
@@ -11,22 +10,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-from grpo.models.decoder import (  # noqa: F401 - re-exported
-    CACHE_AXES,
-    DTYPES,
-    LAYER_PARAMS,
-    Decoder,
-    DecoderConfig,
-    KVCache,
-    _dtype,
-    _dtype_name,
-    apply_rope,
-    attention_mask,
-    positions_from_mask,
-    repeat_batch,
-    rms_norm,
-    rope_tables,
-)
+from grpo.models.decoder import Decoder, DecoderConfig
 
 Qwen2 = Decoder
 
@@ -50,17 +34,4 @@ class Qwen2Config(DecoderConfig):
         return HFQwen2Config(**self.to_hf_dict())
 
 
-__all__ = [
-    "CACHE_AXES",
-    "DTYPES",
-    "KVCache",
-    "LAYER_PARAMS",
-    "Qwen2",
-    "Qwen2Config",
-    "apply_rope",
-    "attention_mask",
-    "positions_from_mask",
-    "repeat_batch",
-    "rms_norm",
-    "rope_tables",
-]
+__all__ = ["Qwen2", "Qwen2Config"]

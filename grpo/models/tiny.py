@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from grpo.models._hf_layout import expected_tensors, hf_config_dict, write_json
+from grpo.models.hf import expected_tensors, hf_config_dict, write_json
 from grpo.models.presets import preset_config
 
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")

@@ -543,7 +543,7 @@ class Planner:
             return jax.ShapeDtypeStruct(shape, dtype, sharding=sampler._sharding(shape, ("batch", *names[: len(rest)])))
 
         def rollout_state(sampler: Any, B: int, slots: int) -> tuple:
-            from grpo.models.qwen2 import KVCache
+            from grpo.models.decoder import KVCache
 
             shape = (arch.num_hidden_layers, B, slots, arch.num_key_value_heads, arch.head_dim)
             kv = jax.ShapeDtypeStruct(shape, dt, sharding=sampler.cache_sharding(shape))

@@ -73,7 +73,7 @@ from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout._sampling import row_keys, step_keys
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, run_chunks
-from grpo.models.qwen2 import KVCache
+from grpo.models.decoder import KVCache
 
 log = logging.getLogger(__name__)
 

@@ -83,7 +83,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
-from grpo.models.qwen2 import CACHE_AXES, KVCache, positions_from_mask
+from grpo.models.decoder import CACHE_AXES, KVCache, positions_from_mask
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
@@ -441,7 +441,7 @@ class BaseSampler:
         model.mesh = self.mesh
         model.set_activation_rules(self.rules)
         if not self.lora_adapters:
-            model.lora_enabled = False
+            model.use_adapters(False)
         return model
 
     def _cache_dtype(self, model) -> Any:

@@ -99,7 +99,7 @@ def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, drop
     """Hidden states [B, N, D] at the positions that predict each completion token
     (``dropout_keys`` [B, 2]: one LoRA-dropout key per row, so a row's mask does not
     depend on which micro-batch it is in)."""
-    from grpo.models.qwen2 import positions_from_mask
+    from grpo.models.decoder import positions_from_mask
 
     lp = prompt_tokens.shape[1]
     full = jnp.concatenate([prompt_tokens, tokens], axis=1)  # B L
@@ -303,7 +303,7 @@ class UpdateStep:
         None); ``adapters=False`` switches LoRA adapters off (the reference model)."""
         model = nnx.merge(self.graphdef, params) if frozen is None else nnx.merge(self.graphdef, params, frozen)
         if not adapters:
-            model.lora_enabled = False
+            model.use_adapters(False)
         return model
 
     def _loss_args(self, params, mb: UpdateBatch, frozen=None, *, adapters: bool = True) -> dict[str, Any]:

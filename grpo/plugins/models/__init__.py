@@ -38,13 +38,15 @@ class DecoderFamily(ModelPlugin):
         return self.config_type().from_hf(hf_config)
 
     def hf_config(self, config: Any) -> dict[str, Any]:
-        return config.hf_config_dict()
+        from grpo.models.hf import hf_config_dict
+
+        return hf_config_dict(config)
 
     def param_specs(self, config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
         return config.param_specs()
 
     def tensor_maps(self, config: Any) -> Sequence[Any]:
-        from grpo.models._hf_layout import tensor_maps
+        from grpo.models.hf import tensor_maps
 
         return tensor_maps(config)
 
