@@ -174,6 +174,7 @@ def test_evaluation_pads_awkward_batches_and_matches_unpadded(tmp_path):
         policy = Recording()
         ev = Evaluator(cfg, programs, task=trainer.task, task_options=trainer.task_options, policy=policy,
                        render=trainer.render, buckets=trainer.buckets)
+        ev.prepare()[1].detokenize = policy.decode  # the eval sampler's texts, recorded
         scores = ev.scores(state)
         assert len(scores.correct) == len(scores.reward) == 7 and len(policy.texts) == 7 * k
         return programs.eval_batch(7), scores, policy.texts
@@ -503,7 +504,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     mask = (np.arange(3)[None] < (np.arange(len(examples)) % 4)[:, None]).astype(np.int32)  # lengths 0..3
     texts, lengths = trainer.policy.decode(tokens, mask), mask.sum(1)
     plain, per_fn, failed = score(examples, texts, lengths)
-    trainer.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
+    trainer.config = trainer.collector.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
     shaped, per_fn, failed = score(examples, texts, lengths)
     penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
     assert penalty.min() == -0.5 and penalty.max() == 0.0

@@ -121,7 +121,7 @@ class Evaluator:
                                 width=width)
             rng = jax.random.fold_in(jax.random.key(cfg.train.seed + 1), start)
             # This process's prompts' samples, rows p*k .. p*k+k-1 of prompt p; padding
-            # prompts' samples are sampled with the rest but never scored.
+            # prompts' samples are sampled with the rest but never detokenized or scored.
             keep = (np.arange(local.start, local.stop) < count).sum()
             examples = [ex for ex in batch.examples[local] for _ in range(k)]
             # The environments of a multi-turn task's rows are made for padding prompts too:
@@ -129,8 +129,7 @@ class Evaluator:
             sampled = sampler.sample(sampler_state, batch.tokens, batch.mask, rng, examples)
             if keep == 0:
                 continue
-            texts, examples = sampled.texts, sampled.examples
-            texts, examples = texts[: keep * k], examples[: keep * k]
+            texts, examples = sampled.texts[: keep * k], sampled.examples[: keep * k]
             scored = score_completions(self.task, self.task_options, examples, texts)
             mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)
             mine[b, :keep, 1] = np.asarray(scored.totals, np.float64).reshape(keep, k).sum(1)

@@ -245,13 +245,18 @@ class RunPrograms:
     def to_train(self, x: jax.Array) -> jax.Array:
         """A rollout-layout batch array resharded to the update's (dp, fsdp) row layout
         (a jitted identity: it works for arrays spanning several processes)."""
-        return self._program("to_train", lambda: jax.jit(lambda a: a, out_shardings=self.train_sharding))(x)
+        return self._to_train_jit()(x)
+
+    def _to_train_jit(self) -> Any:
+        return self._program("to_train", lambda: jax.jit(lambda a: a, out_shardings=self.train_sharding))
 
     def row_sums(self, x: jax.Array) -> jax.Array:
         """Column sums [C] of a batch-sharded global array [B, C], replicated on every
         process (the step's reward-error and tool counters, each process's rows summed)."""
-        build = lambda: jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.replicated)  # noqa: E731
-        return self._program("row_sums", build)(x)
+        return self._row_sums_jit()(x)
+
+    def _row_sums_jit(self) -> Any:
+        return self._program("row_sums", lambda: jax.jit(lambda a: jnp.sum(a, axis=0), out_shardings=self.replicated))
 
     def dropout_keys(self, step: int, rows: int) -> jax.Array | None:
         """One LoRA-dropout key per row of step ``step`` (raw key data [rows, 2], in the
@@ -259,13 +264,16 @@ class RunPrograms:
         draws the same masks."""
         if not self.lora_dropout:
             return None
+        return self._dropout_keys_jit(rows)(jnp.int32(step))
+
+    def _dropout_keys_jit(self, rows: int) -> Any:
         seed = self.config.train.seed
 
         def make(step):
             base = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), 0xD80), step)
             return jax.random.key_data(jax.random.split(base, rows))
 
-        return self._program("dropout_keys", lambda: jax.jit(make, out_shardings=self.train_sharding))(jnp.int32(step))
+        return self._program("dropout_keys", lambda: jax.jit(make, out_shardings=self.train_sharding))
 
     def turn_advantages(self, per_fn: dict[str, jax.Array], own: jax.Array) -> jax.Array:
         """Per-token advantages [B, N] of turn-level credit (``train.advantage.credit:
@@ -275,12 +283,14 @@ class RunPrograms:
         on the model turns it scores (``own``: the model's tokens [B, N]), in ``own``'s
         sharding. The scopes and weights are read when the program is built (a run's
         rewards never change)."""
-        return self._program("turn_advantages", lambda: self._turn_advantages(list(per_fn), own.sharding))(
-            per_fn, own)
+        return self._turn_advantages_jit(list(per_fn), own.sharding)(per_fn, own)
 
-    def _turn_advantages(self, names: list[str], sharding: Any) -> Any:
-        from grpo.engine.training.advantages import turn_advantages
+    def _turn_advantages_jit(self, names: list[str], sharding: Any) -> Any:
+        return self._program("turn_advantages", lambda: self._build_turn_advantages(names, sharding))
+
+    def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
         from grpo.engine.rollout.scoring import OVERLONG, reward_weights
+        from grpo.engine.training.advantages import turn_advantages
 
         task = self.plugins["task"]
         adv = self.config.train.advantage
@@ -306,9 +316,11 @@ class RunPrograms:
         rows = np.asarray(rows).astype(np.int32)
         rows = jax.make_array_from_callback(rows.shape, self.replicated, lambda idx: rows[idx])
         width = max(o.prompt_tokens.shape[1] for o in outs)
-        return self._program("gather_rows", lambda: self._gather_rows(outs[0]))(list(outs), rows, width, self.pad_id)
+        return self._gather_rows_jit(outs[0])(list(outs), rows, width, self.pad_id)
 
-    def _gather_rows(self, example: Any) -> Any:
+    def _gather_rows_jit(self, example: Any) -> Any:
+        """``example``: a rollout output (concrete or abstract), for the outputs' structure."""
+
         def gather(outs, rows, width, pad_id):
             def widen(o):
                 pad = ((0, 0), (width - o.prompt_tokens.shape[1], 0))  # left, like build_batch
@@ -318,15 +330,7 @@ class RunPrograms:
             return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), stacked)
 
         shardings = jax.tree.map(lambda x: self.train_sharding if x.ndim else self.replicated, example)
-        return jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings)
-
-    def _merging(self, frozen: Any) -> bool:
-        return frozen is not None and self.merged_sampling
-
-    def _merged(self, params: Any, frozen: Any) -> Any:
-        from grpo.models.lora import merge_into_state
-
-        return merge_into_state(self.graphdef, params, frozen)
+        return self._program("gather_rows", lambda: jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings))
 
     def update(self, params: Any = None, opt_state: Any = None):
         """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,
@@ -374,6 +378,58 @@ class RunPrograms:
         return init_optimizer_state(self.optimizer, params, master_weights=self.config.master_weights)
 
     # ------------------------------------------------------------------ abstract state (grpo plan)
+
+    @property
+    def selects_rows(self) -> bool:
+        """Whether a step trains on rows selected from its rounds (dynamic sampling,
+        down-sampling): they are gathered into the update's layout (``gather_rows``)."""
+        train = self.config.train
+        return train.dynamic_sampling.enabled or train.down_sampling.keep is not None
+
+    def step_lowerings(self, params: Any, frozen: Any, full: Any) -> dict[str, Any]:
+        """The step's glue programs (beside the samplers', the reference pass and the
+        update) that ``config`` runs, by name in the order a step runs them, each as a
+        function lowering it on abstract state: ``params`` (trainable), ``frozen`` (the
+        LoRA base or None) and ``full`` (the whole model state). What ``grpo plan``
+        compiles beside :meth:`~grpo.engine.rollout.sampler.BaseSampler.lowerings`."""
+        from grpo.engine.rollout.scoring import OVERLONG, reward_weights
+
+        cfg = self.config
+        task = self.plugins["task"]
+        names = list(reward_weights(task.plugin, task.options)) + ([OVERLONG] if cfg.task.overlong.buffer else [])
+        b_ro, b = cfg.rollout_sequences_per_step, cfg.sequences_per_step
+        n = cfg.rollout.max_new_tokens
+        # Rows as the loop holds them: the rollout's layout, or the update's once selected.
+        held = self.train_sharding if self.selects_rows else self.rollout_sharding
+        arr = lambda shape, dtype, sh: jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)  # noqa: E731
+        out: dict[str, Any] = {}
+        if self.merged_sampling and frozen is not None and not self.rollout.resharded:
+            out["merge"] = lambda: self.merge_jit(full).lower(params, frozen)
+        # The reward-error counts (the tool counters, [rows, 4], are a smaller variant).
+        out["row_sums"] = lambda: self._row_sums_jit().lower(arr((b_ro, len(names)), jnp.int32, self.rollout_sharding))
+        if self.selects_rows:
+            out["gather_rows"] = lambda: self._lower_gather_rows()
+        if cfg.train.advantage.credit == "turn":
+            own = arr((b, n), jnp.int32, held)
+            per_fn = {name: arr((b,), jnp.float32, held) for name in names}
+            out["turn_advantages"] = lambda: self._turn_advantages_jit(names, held).lower(per_fn, own)
+        # The largest array it moves ([B, N] float32: the sampler's log-probs).
+        out["to_train"] = lambda: self._to_train_jit().lower(arr((b, n), jnp.float32, held))
+        if self.lora_dropout:
+            out["dropout_keys"] = lambda: self._dropout_keys_jit(b).lower(jax.ShapeDtypeStruct((), jnp.int32))
+        return out
+
+    def _lower_gather_rows(self) -> Any:
+        """``gather_rows`` of the most rounds a step can take (``dynamic_sampling.max_rounds``;
+        one without dynamic sampling), every round at the largest prompt bucket."""
+        from grpo.engine.rollout.prompts import default_buckets
+
+        cfg = self.config
+        rounds = cfg.train.dynamic_sampling.max_rounds if cfg.train.dynamic_sampling.enabled else 1
+        lp = max(cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length))
+        out = self.sampler().abstract_output(prompts=cfg.train.prompts_per_step, prompt_length=lp)
+        rows = jax.ShapeDtypeStruct((cfg.sequences_per_step,), jnp.int32, sharding=self.replicated)
+        return self._gather_rows_jit(out).lower([out] * rounds, rows, lp, self.pad_id)
 
     def abstract_opt_state(self, params: Any) -> Any:
         """``init_opt_state`` of abstract ``params``: shapes from ``jax.eval_shape`` of

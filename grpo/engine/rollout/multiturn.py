@@ -249,6 +249,8 @@ class MultiTurnSampler(BaseSampler):
     needs. ``kv_segment`` is unused: the turn loop's cache has its final size from the
     start."""
 
+    loss_mask = True
+
     def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,
                  max_turn_tokens: int | None = None, conversations: Any = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)

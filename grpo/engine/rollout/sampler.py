@@ -71,6 +71,7 @@ bucketing is the caller's job (one compilation per distinct ``(P, Lp)``).
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
@@ -165,18 +166,40 @@ class Prefilled(NamedTuple):
     prompt_mask: jax.Array  # [B, Lp] int32
 
 
+class Texts(collections.abc.Sequence):
+    """The texts of this process's rows of a single-turn rollout, detokenized when read:
+    rows nobody reads (an evaluation batch's padding) are never detokenized.
+    ``detokenize(tokens [n, N], mask [n, N]) -> n texts``."""
+
+    def __init__(self, detokenize: Callable[[np.ndarray, np.ndarray], list[str]], tokens: np.ndarray,
+                 mask: np.ndarray):
+        self._detokenize, self._tokens, self._mask = detokenize, tokens, mask
+
+    def __len__(self) -> int:
+        return len(self._tokens)
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return list(self._detokenize(self._tokens[index], self._mask[index]))
+        return self[index: index + 1 if index != -1 else None][0]
+
+    def __iter__(self):
+        return iter(self[:])
+
+
 @dataclasses.dataclass
 class Sampled:
     """What one rollout gives, whatever the sampler: the rows as global device arrays and
     what the host knows of this process's rows (lists in global row order).
 
-    ``texts`` are what reward functions score (a multi-turn row's last model turn);
+    ``texts`` are what reward functions score (a multi-turn row's last model turn;
+    single-turn rows are detokenized when read, :class:`Texts`);
     ``examples`` are the rows' examples (a multi-turn row's carries its trajectory in
     ``messages``); ``episodes`` is the multi-turn host record (turns, tool counters, host
     seconds: :class:`~grpo.engine.rollout.multiturn.Episodes`), None for single-turn."""
 
     output: RolloutOutput
-    texts: list[str]
+    texts: Sequence[str]
     examples: list[dict[str, Any]]
     episodes: Any = None
 
@@ -351,6 +374,20 @@ class BaseSampler:
         """This sampler's jitted programs by the names :meth:`lowerings` gives them."""
         return {"prefill": [self.prefill_jit]}
 
+    # The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
+    loss_mask: bool = False
+
+    def abstract_output(self, *, prompts: int, prompt_length: int) -> RolloutOutput:
+        """The :class:`RolloutOutput` of ``prompts`` prompts as abstract arrays in this
+        sampler's layout (what a round hands on, for ``grpo plan``)."""
+        rows, n = prompts * self.sampling.num_generations, self.sampling.max_new_tokens
+        completion = self._rows(rows, n)
+        return RolloutOutput(
+            prompt_tokens=self._rows(rows, prompt_length), prompt_mask=self._rows(rows, prompt_length),
+            tokens=completion, mask=completion, lengths=self._rows(rows), truncated=self._rows(rows, dtype=bool),
+            logprobs=self._rows(rows, n, dtype=jnp.float32), loss_mask=completion if self.loss_mask else None,
+        )
+
     def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
         """Per-device bytes of the final KV cache (keys and values) of ``rows`` rows."""
         cache, _ = self._abstract_decode_state(params, rows, self.cache_slots(prompt_length))
@@ -512,7 +549,7 @@ class Sampler(BaseSampler):
         out = self.generate(params, prompt_tokens, prompt_mask, rng)
         b = len(examples)
         mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows
-        texts = self.detokenize(row_range(out.tokens, mine), row_range(out.mask, mine))
+        texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
         return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
     def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
@@ -651,6 +688,6 @@ class Sampler(BaseSampler):
 
 
 __all__ = [
-    "BaseSampler", "Prefilled", "RolloutOutput", "Sampled", "Sampler", "SamplingParams", "draw", "effective_chunk",
-    "run_chunks", "segment_plan",
+    "BaseSampler", "Prefilled", "RolloutOutput", "Sampled", "Sampler", "SamplingParams", "Texts", "draw",
+    "effective_chunk", "run_chunks", "segment_plan",
 ]

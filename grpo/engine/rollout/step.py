@@ -180,12 +180,13 @@ class StepCollector:
 
         out = sampled.output
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
-        totals, by_fn, failed = self._score(sampled.examples, sampled.texts, local_rows(out.mask).sum(axis=1))
+        texts = list(sampled.texts)
+        totals, by_fn, failed = self._score(sampled.examples, texts, local_rows(out.mask).sum(axis=1))
         errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
         ep = sampled.episodes
         group = None
         if round_ == 0 and sample_group:
-            group = SampleGroup(batch.examples[0], sampled.texts[:k], totals[:k],
+            group = SampleGroup(batch.examples[0], texts[:k], totals[:k],
                                 None if ep is None else ep.turns[:k])
         tools = None
         if ep is not None:
