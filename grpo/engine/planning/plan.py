@@ -3,7 +3,9 @@
 The programs are the ones ``grpo run`` executes (:mod:`grpo.engine.programs`), lowered on
 abstract state — parameters and optimizer state as ``jax.ShapeDtypeStruct`` in their real
 shardings on a ``Mesh`` of the topology's devices — and compiled by the TPU compiler
-(libtpu). Nothing is allocated, downloaded or run.
+(libtpu). Nothing is allocated, downloaded or run. The counted costs are
+:mod:`grpo.engine.planning.costs`'s, ``--search`` is :mod:`grpo.engine.planning.search`,
+the text report :mod:`grpo.engine.planning.report`.
 
 Memory (per device, exact, from ``compiled.memory_analysis()``): a program needs
 ``argument + output - alias + temp + generated code`` bytes while it runs. Parameters and
