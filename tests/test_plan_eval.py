@@ -71,7 +71,8 @@ def test_plan_compiles_the_eval_sampler_and_a_large_eval_does_not_fit():
 
 
 def _costs(*overrides: str, topology: str = "v6e:2x2"):
-    from grpo.engine.planning.plan import Planner, program_costs
+    from grpo.engine.planning.costs import program_costs
+    from grpo.engine.planning.plan import Planner
 
     planner = Planner(topology)
     programs, _, arch = planner.build(_config(*overrides))

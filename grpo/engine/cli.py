@@ -152,7 +152,9 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
     require_libtpu()
     for noisy in ("absl", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    from grpo.engine.planning.plan import Planner, format_report, search
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.planning.report import format_report
+    from grpo.engine.planning.search import search
 
     planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None, dump_hlo=dump_hlo)
     if search_field:

@@ -224,6 +224,14 @@ class RunPrograms:
         shardings = jax.tree.map(lambda x: x.sharding, state)
         return self._program("merge", lambda: jax.jit(self._merged, out_shardings=shardings))
 
+    def _merging(self, frozen: Any) -> bool:
+        return frozen is not None and self.merged_sampling
+
+    def _merged(self, params: Any, frozen: Any) -> Any:
+        from grpo.models.lora import merge_into_state
+
+        return merge_into_state(self.graphdef, params, frozen)
+
     def _program(self, name: str, build: Any) -> Any:
         """The jitted program ``name``, built by ``build()`` on first use (one per run)."""
         if name not in self._jitted:

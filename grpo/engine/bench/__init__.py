@@ -7,8 +7,8 @@
   :func:`grpo.engine.programs.loss_program`), and its compiled memory.
 - ``memory``: an FSDP-sharded buffer against its all-gathered copy.
 
-May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.plugins``,
-``grpo.engine.programs`` and the rooms it builds on: ``grpo.engine.parallel``,
-``grpo.engine.rollout``, ``grpo.engine.training``; ``grpo.engine.planning`` (the chip
-figures a serving layout's ``auto`` weighs).
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.programs``
+and the rooms it builds on: ``grpo.engine.parallel``, ``grpo.engine.rollout``,
+``grpo.engine.training``; ``grpo.engine.planning`` (the chip figures a serving layout's
+``auto`` weighs). No module of grpo.plugins: plugins are reached through the registry.
 """

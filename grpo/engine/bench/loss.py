@@ -66,35 +66,18 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
     """Time value+grad (w.r.t. hidden states and head weight) of a loss and report its memory."""
     import jax
     import jax.numpy as jnp
-    from pydantic import ValidationError
 
-    from grpo.core.config import validation_problems
     from grpo.core.contracts import LossSettings
-    from grpo.core.plugins import get_plugins
     from grpo.engine.programs import loss_program
 
     if opaque_kernels and (impl != "pallas" or not compile_only):
         raise UserError("--opaque-kernels goes with --impl pallas and --compile-only (opaque kernels cannot run).")
-    plugin = get_plugins().get("loss", impl)
-    raw = _options(impl, block_v=block_v, block_t=block_t, block_d=block_d, schedule=schedule, interpret=interpret)
-    try:
-        options = plugin.parse_options(raw)
-    except ValidationError as err:
-        raise UserError(f"Invalid options for loss {impl!r}:", problems=validation_problems(err, "options")) from None
+    plugin, options = _plugin(impl, block_v=block_v, block_t=block_t, block_d=block_d, schedule=schedule,
+                              interpret=interpret)
     settings = LossSettings(beta=beta, temperature=temperature, aggregation=aggregation, max_completion_length=time_)
     dt = jnp.dtype(DTYPES[dtype])
     b, t, d, v = batch, time_, hidden, vocab
     off_policy = mode == "off_policy"
-
-    shapes = (
-        jax.ShapeDtypeStruct((b, t, d), dt),
-        jax.ShapeDtypeStruct((d, v), dt),
-        jax.ShapeDtypeStruct((b, t), jnp.int32),
-        jax.ShapeDtypeStruct((b, t), jnp.float32),
-        jax.ShapeDtypeStruct((b,), jnp.float32),
-        jax.ShapeDtypeStruct((b, t), jnp.float32),
-        jax.ShapeDtypeStruct((b, t), jnp.float32),
-    )
     device = jax.devices()[0]
     result: dict[str, Any] = {
         "impl": impl,
@@ -107,20 +90,60 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
         "aggregation": aggregation,
         "options": options.model_dump(),
     }
-    if impl == "pallas":
-        from grpo.plugins.losses import _pallas
-
-        cfg = _pallas.resolve_config(options, dtype=dt, hidden_size=d)
-        result["kernel"] = {"block_t": cfg.block_t, "block_v": cfg.block_v, "block_d": cfg.block_d,
-                            "schedule": cfg.schedule, "interpret": cfg.interpret}
+    kernel = getattr(plugin, "kernel_report", None)
+    if kernel is not None:
+        result["kernel"] = kernel(options, dtype=dt, hidden_size=d)
 
     # The program the update runs for this loss (the builder's), not a copy of it.
     jitted = loss_program(plugin, options, settings, old_logprobs=off_policy, ref_logprobs=beta > 0)
-    t0 = time.perf_counter()
-    if opaque_kernels:
-        from grpo.plugins.losses import _pallas
+    opaque = plugin.opaque_kernels() if opaque_kernels else None
+    compiled = _compile(jitted, _shapes(b, t, d, v, dt), result, opaque=opaque)
+    result["logits_bytes_f32"] = b * t * v * 4  # what materialising [B, T, V] f32 once costs
+    if not compile_only:
+        result.update(_timed(jitted, compiled, _inputs(b, t, d, v, dt, seed), compile_s=result["compile_s"],
+                             warmup=warmup, iters=iters))
+    result["peak_bytes_in_use"] = _peak_bytes_in_use(device)
+    click.echo(json.dumps(result, indent=None if as_json else 2))
 
-        with _pallas.opaque_kernels():
+
+def _plugin(impl: str, **flags: Any) -> tuple[Any, Any]:
+    """The loss plugin ``impl`` and its options from the kernel flags."""
+    from pydantic import ValidationError
+
+    from grpo.core.config import validation_problems
+    from grpo.core.plugins import get_plugins
+
+    plugin = get_plugins().get("loss", impl)
+    raw = _options(impl, **flags)
+    try:
+        return plugin, plugin.parse_options(raw)
+    except ValidationError as err:
+        raise UserError(f"Invalid options for loss {impl!r}:", problems=validation_problems(err, "options")) from None
+
+
+def _shapes(b: int, t: int, d: int, v: int, dt: Any) -> tuple:
+    """The loss program's arguments, abstract: hidden [B, T, D], head [D, V], targets,
+    mask [B, T], advantages [B], old and reference log-probs [B, T]."""
+    import jax
+    import jax.numpy as jnp
+
+    return (
+        jax.ShapeDtypeStruct((b, t, d), dt),
+        jax.ShapeDtypeStruct((d, v), dt),
+        jax.ShapeDtypeStruct((b, t), jnp.int32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        jax.ShapeDtypeStruct((b,), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+        jax.ShapeDtypeStruct((b, t), jnp.float32),
+    )
+
+
+def _compile(jitted: Any, shapes: tuple, result: dict[str, Any], *, opaque: Any = None) -> Any:
+    """Lower and compile (within ``opaque``, the plugin's opaque-kernels context, when
+    given); ``compile_s`` and the compiled memory go into ``result``."""
+    t0 = time.perf_counter()
+    if opaque is not None:
+        with opaque:
             compiled = jitted.lower(*shapes).compile()
         result["kernel"]["opaque"] = True
     else:
@@ -134,39 +157,56 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
         result["compiled_generated_code_bytes"] = int(mem.generated_code_size_in_bytes)
     else:
         result["compiled_temp_bytes"] = None
-    result["logits_bytes_f32"] = b * t * v * 4  # what materialising [B, T, V] f32 once costs
+    return compiled
 
-    if not compile_only:
-        keys = jax.random.split(jax.random.PRNGKey(seed), 5)
-        h = (jax.random.normal(keys[0], (b, t, d), jnp.float32)).astype(dt)
-        w = (jax.random.normal(keys[1], (d, v), jnp.float32) * (d ** -0.5)).astype(dt)
-        targets = jax.random.randint(keys[2], (b, t), 0, v, jnp.int32)
-        mask = jnp.ones((b, t), jnp.float32)
-        adv = jax.random.normal(keys[3], (b,), jnp.float32)
-        noise = 0.05 * jax.random.normal(keys[4], (b, t), jnp.float32)
-        # Plausible old/ref log-probs: near the current ones is what a real run sees, but
-        # any finite values exercise the same code; a constant keeps set-up cheap.
-        old = jnp.full((b, t), -float(jnp.log(v)), jnp.float32) + noise
-        ref = old - noise
-        args = (h, w, targets, mask, adv, old, ref)
-        t0 = time.perf_counter()
-        loss, grads = jitted(*args)
-        jax.block_until_ready((loss, grads))
-        result["first_call_s"] = round(time.perf_counter() - t0 + result["compile_s"], 3)
-        for _ in range(warmup):
-            jax.block_until_ready(compiled(*args))
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            out = compiled(*args)
-        jax.block_until_ready(out)
-        result["avg_step_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 3)
-        result["iters"] = iters
-        result["loss"] = float(loss)
-        result["grad_finite"] = bool(all(bool(jnp.isfinite(g).all()) for g in grads))
+
+def _inputs(b: int, t: int, d: int, v: int, dt: Any, seed: int) -> tuple:
+    """Random arguments of the shapes of :func:`_shapes`."""
+    import jax
+    import jax.numpy as jnp
+
+    keys = jax.random.split(jax.random.PRNGKey(seed), 5)
+    h = (jax.random.normal(keys[0], (b, t, d), jnp.float32)).astype(dt)
+    w = (jax.random.normal(keys[1], (d, v), jnp.float32) * (d ** -0.5)).astype(dt)
+    targets = jax.random.randint(keys[2], (b, t), 0, v, jnp.int32)
+    mask = jnp.ones((b, t), jnp.float32)
+    adv = jax.random.normal(keys[3], (b,), jnp.float32)
+    noise = 0.05 * jax.random.normal(keys[4], (b, t), jnp.float32)
+    # Plausible old/ref log-probs: near the current ones is what a real run sees, but
+    # any finite values exercise the same code; a constant keeps set-up cheap.
+    old = jnp.full((b, t), -float(jnp.log(v)), jnp.float32) + noise
+    ref = old - noise
+    return (h, w, targets, mask, adv, old, ref)
+
+
+def _timed(jitted: Any, compiled: Any, args: tuple, *, compile_s: float, warmup: int, iters: int) -> dict[str, Any]:
+    """The first call (compile included), then the mean of ``iters`` compiled steps after
+    ``warmup``; the loss and whether every gradient is finite."""
+    import jax
+    import jax.numpy as jnp
+
+    out: dict[str, Any] = {}
+    t0 = time.perf_counter()
+    loss, grads = jitted(*args)
+    jax.block_until_ready((loss, grads))
+    out["first_call_s"] = round(time.perf_counter() - t0 + compile_s, 3)
+    for _ in range(warmup):
+        jax.block_until_ready(compiled(*args))
+    t0 = time.perf_counter()
+    for _ in range(iters):
+        step = compiled(*args)
+    jax.block_until_ready(step)
+    out["avg_step_ms"] = round((time.perf_counter() - t0) / iters * 1e3, 3)
+    out["iters"] = iters
+    out["loss"] = float(loss)
+    out["grad_finite"] = bool(all(bool(jnp.isfinite(g).all()) for g in grads))
+    return out
+
+
+def _peak_bytes_in_use(device: Any) -> int | None:
     stats = None
     try:
         stats = device.memory_stats()
     except Exception:  # noqa: BLE001 - backends without memory stats raise or return None
         stats = None
-    result["peak_bytes_in_use"] = int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None
-    click.echo(json.dumps(result, indent=None if as_json else 2))
+    return int(stats["peak_bytes_in_use"]) if stats and "peak_bytes_in_use" in stats else None

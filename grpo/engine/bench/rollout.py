@@ -23,6 +23,7 @@ with the bandwidth measured by a copy kernel on the device (or ``--bandwidth-gbp
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import time
@@ -171,26 +172,57 @@ def _memory_stats() -> dict[str, int]:
 def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | None, **settings: Any) -> dict[str, Any]:
     """Build the run config of ``settings`` (:func:`bench_config`'s keywords), its policy
     and its sampler through the program builder, then time prefill + decode."""
-    import jax
-    from flax import nnx
-
-    from grpo.core.plugins import get_plugins
-    from grpo.engine.parallel.mesh import build_mesh, current_topology
-    from grpo.engine.programs import build_programs
-    from grpo.models.loading import build_model, resolve_checkpoint
-    from grpo.models.lora import count_params, split_params
-    from grpo.models.quant import bits_per_element
-
     model_path, preset = settings["model_path"], settings["preset"]
     batch, generations = settings["batch"], settings["generations"]
-    prompt_len, new_tokens, seed = settings["prompt_len"], settings["new_tokens"], settings["seed"]
-    dtype, style, kv_segment = settings["dtype"], settings["style"], settings["kv_segment"]
-    lora_rank, base_quantization = settings.get("lora_rank", 0), settings.get("base_quantization", "none")
     if (model_path is None) == (preset is None):
         raise UserError("Give exactly one of --model PATH and --preset NAME.")
     if batch % generations:
         raise UserError(f"--batch {batch} must be a multiple of --generations {generations}.")
     config = bench_config(**settings)
+    built = _build(config, settings)
+    sampler = built.programs.sampler()
+    params, reshard_s, weight_bytes = _sampler_state(built, settings, repeats)
+    tokens, mask = _random_prompts(built.arch, built.eos, batch=batch, generations=generations,
+                                   prompt_len=settings["prompt_len"], seed=settings["seed"])
+    timing = _time_rollout(sampler, params, tokens, mask, seed=settings["seed"], repeats=repeats)
+    result = _result(built, sampler, settings, timing, reshard_s=reshard_s, weight_bytes=weight_bytes)
+    result.update(_roofline(built, settings, timing, weight_bytes=weight_bytes, bandwidth=bandwidth,
+                            bandwidth_gbps=bandwidth_gbps))
+    return result
+
+
+@dataclasses.dataclass
+class _Built:
+    """The bench's run as ``grpo run`` builds it: layout, policy (split as the run splits
+    it) and the program builder."""
+
+    layout: Any
+    mesh: Any
+    graphdef: Any
+    state: Any
+    adapters: Any
+    frozen: Any
+    arch: Any
+    eos: tuple[int, ...]
+    pad: int
+    source: str
+    programs: Any
+    lora: dict[str, Any] | None  # the JSON's lora section (None without LoRA)
+
+
+def _build(config: Any, settings: dict[str, Any]) -> _Built:
+    import jax
+    from flax import nnx
+
+    from grpo.core.plugins import get_plugins
+    from grpo.engine.parallel.mesh import build_mesh, current_topology
+    from grpo.engine.planning.tpu import chip_of
+    from grpo.engine.programs import build_programs
+    from grpo.models.loading import build_model, resolve_checkpoint
+    from grpo.models.lora import count_params, split_params
+
+    model_path, preset, seed = settings["model_path"], settings["preset"], settings["seed"]
+    lora_rank, base_quantization = settings.get("lora_rank", 0), settings.get("base_quantization", "none")
     plugins = get_plugins()
     topology = current_topology()
     # The layout of `grpo run`, with the rollout style's own checks; the batch-divisibility
@@ -222,39 +254,71 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
         lora_info = {"rank": lora_rank, "base_quantization": base_quantization,
                      "trainable_params": count_params(adapters)}
     pad = int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0))
-    from grpo.engine.planning.tpu import chip_of
-
     programs = build_programs(
         config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad, arch=cfg, topology=topology,
         state=state, chip=chip_of(jax.devices()[0]),
     )
-    batch_axes = programs.batch_axes
-    sampler = programs.sampler()
+    return _Built(layout, mesh, graphdef, state, adapters, frozen, cfg, eos, pad, source, programs, lora_info)
+
+
+def _sampler_state(built: _Built, settings: dict[str, Any], repeats: int) -> tuple[Any, float | None, int]:
+    """What the sampler reads, the serving layout's reshard time (None without one) and
+    the state's bytes; with LoRA the builder's merge time goes into ``built.lora``."""
+    import jax
+
+    from grpo.engine.programs import build_programs
+    from grpo.models.quant import bits_per_element
+
+    programs, adapters, frozen = built.programs, built.adapters, built.frozen
     params = jax.block_until_ready(programs.sampler_state(adapters, frozen))
     # A serving layout's once-per-step reshard (timed like the rest: best of --repeats).
     reshard_s = None
     if programs.rollout.resharded:
         reshard_s = round(_best_of(lambda: programs.sampler_state(adapters, frozen), repeats), 6)
-    if lora_info is not None:
-        if base_quantization == "none":
+    if built.lora is not None:
+        if settings.get("base_quantization", "none") == "none":
             # What `model.lora.sampler: merged` adds per step: the builder's own merge.
             merged = build_programs(
-                bench_config(**settings, lora_sampler="merged"), mesh=mesh, layout=layout, graphdef=graphdef,
-                eos_ids=eos, pad_id=pad,
+                bench_config(**settings, lora_sampler="merged"), mesh=built.mesh, layout=built.layout,
+                graphdef=built.graphdef, eos_ids=built.eos, pad_id=built.pad,
             )
-            lora_info["merge_s"] = round(_best_of(lambda: merged.sampler_state(adapters, frozen)), 6)
+            built.lora["merge_s"] = round(_best_of(lambda: merged.sampler_state(adapters, frozen)), 6)
         else:
-            lora_info["merge_s"] = None
-            lora_info["merge_note"] = "model.lora.sampler=merged needs an unquantized base"
+            built.lora["merge_s"] = None
+            built.lora["merge_note"] = "model.lora.sampler=merged needs an unquantized base"
     weight_bytes = sum((x.size * bits_per_element(x.dtype) + 7) // 8 for x in jax.tree.leaves(params))
+    return params, reshard_s, weight_bytes
 
+
+def _random_prompts(arch: Any, eos: tuple[int, ...], *, batch: int, generations: int, prompt_len: int,
+                    seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """``batch / generations`` prompts [P, prompt_len] of random non-stop tokens, lengths
+    uniform in [prompt_len/2, prompt_len], left-padded."""
     P = batch // generations
     rs = np.random.default_rng(seed)
     lengths = rs.integers(max(1, prompt_len // 2), prompt_len + 1, size=P)
-    allowed = np.setdiff1d(np.arange(cfg.vocab_size), np.asarray(eos, dtype=np.int64))
+    allowed = np.setdiff1d(np.arange(arch.vocab_size), np.asarray(eos, dtype=np.int64))
     tokens = rs.choice(allowed, size=(P, prompt_len)).astype(np.int32)
     mask = (np.arange(prompt_len)[None, :] >= prompt_len - lengths[:, None]).astype(np.int32)
     tokens = np.where(mask == 1, tokens, 0).astype(np.int32)
+    return tokens, mask
+
+
+@dataclasses.dataclass
+class _Timing:
+    compile_s: float
+    prefill_s: float  # the fastest of the repeats
+    decode_s: float
+    steps: int  # sampling steps of the last run
+    out: Any  # its RolloutOutput
+    memory: Any  # the compiled decode's memory analysis (None where the backend has none)
+
+
+def _time_rollout(sampler: Any, params: Any, tokens: np.ndarray, mask: np.ndarray, *, seed: int,
+                  repeats: int) -> _Timing:
+    """Compile prefill and decode ahead of time, run them once untimed, then
+    ``repeats`` timed runs."""
+    import jax
 
     ptoks, pmask = sampler.place_prompts(tokens, mask)
     raw_key, impl = sampler.place_key(jax.random.key(seed))
@@ -287,35 +351,43 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
     jax.block_until_ready(out)
     del pre, cache
     runs = [run_once() for _ in range(max(1, repeats))]
-    prefill_s = min(r[0] for r in runs)
-    decode_s = min(r[1] for r in runs)
-    out, steps = runs[-1][2], runs[-1][3]
+    return _Timing(compile_s=compile_s, prefill_s=min(r[0] for r in runs), decode_s=min(r[1] for r in runs),
+                   steps=runs[-1][3], out=runs[-1][2], memory=mem)
 
+
+def _result(built: _Built, sampler: Any, settings: dict[str, Any], timing: _Timing, *, reshard_s: float | None,
+            weight_bytes: int) -> dict[str, Any]:
+    """The bench's JSON, the roofline apart."""
+    import jax
+
+    cfg, layout, dtype = built.arch, built.layout, settings["dtype"]
+    batch, steps, mem = settings["batch"], timing.steps, timing.memory
+    prefill_s, decode_s = timing.prefill_s, timing.decode_s
     dev = jax.devices()[0]
     forward_steps = max(steps - 1, 0)  # the first token comes from the prefill logits
     result: dict[str, Any] = {
         "device": dev.device_kind,
         "platform": dev.platform,
         "num_devices": jax.device_count(),
-        "source": source,
+        "source": built.source,
         "params": cfg.num_params(),
         "dtype": dtype,
-        "style": style,
+        "style": settings["style"],
         "mesh_shape": layout.shape,
-        "rollout_layout": programs.rollout.describe(),
+        "rollout_layout": built.programs.rollout.describe(),
         "reshard_s": reshard_s,
-        "batch_axes": list(batch_axes),
+        "batch_axes": list(built.programs.batch_axes),
         "batch": batch,
-        "prompts": P,
-        "generations": generations,
-        "prompt_len": prompt_len,
-        "new_tokens": new_tokens,
+        "prompts": batch // settings["generations"],
+        "generations": settings["generations"],
+        "prompt_len": settings["prompt_len"],
+        "new_tokens": settings["new_tokens"],
         "early_stop": settings["early_stop"],
         "early_stop_chunk": sampler.chunk(),
-        "kv_segment": kv_segment,
+        "kv_segment": settings["kv_segment"],
         "decode_steps": steps,
-        "generated_tokens": int(np.asarray(out.lengths).sum()),
-        "compile_s": round(compile_s, 4),
+        "generated_tokens": int(np.asarray(timing.out.lengths).sum()),
+        "compile_s": round(timing.compile_s, 4),
         "prefill_s": round(prefill_s, 6),
         "decode_s": round(decode_s, 6),
         "ms_per_decode_step": round(1000 * decode_s / max(forward_steps, 1), 4),
@@ -331,38 +403,46 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
         if mem is not None
         else None,
     }
-    if lora_info is not None:
-        result["lora"] = lora_info
+    if built.lora is not None:
+        result["lora"] = built.lora
     result.update(_memory_stats())
     if "peak_bytes_in_use" not in result:
         result["peak_bytes_in_use"] = None
         result["peak_bytes_note"] = f"the {dev.platform} backend reports no memory stats"
-
-    if dev.platform in ("gpu", "tpu", "cuda", "rocm"):
-        if bandwidth_gbps is not None:
-            bw, bw_source = bandwidth_gbps * 1e9, f"--bandwidth-gbps {bandwidth_gbps}"
-        elif bandwidth == "nominal" and nominal_bandwidth(dev.device_kind):
-            bw, bw_source = nominal_bandwidth(dev.device_kind), f"nominal spec for {dev.device_kind}"
-        else:
-            bw, bw_source = measure_bandwidth(), "measured: bf16 x+1 copy kernel over 2 GiB (read + write)"
-        # Per device: every device reads all weights each step (gathered when FSDP
-        # shards them); the KV cache is split over the batch shards.
-        shards = max(1, math.prod(layout.shape[a] for a in batch_axes))
-        kv_tok = cfg.kv_bytes_per_token(dtype) * batch / shards
-        live = sum(prompt_len + s for s in range(1, forward_steps + 1))  # slots attended over all steps
-        ideal_s = (forward_steps * weight_bytes + kv_tok * live) / bw
-        result.update(
-            hbm_roofline_fraction=round(ideal_s / decode_s, 4),
-            roofline_decode_s=round(ideal_s, 6),
-            bandwidth_bytes_per_s=bw,
-            bandwidth_source=bw_source,
-        )
-    else:
-        result.update(
-            hbm_roofline_fraction=None,
-            roofline_note=f"not computed on {dev.platform}: the HBM roofline is for accelerators",
-        )
     return result
+
+
+def _roofline(built: _Built, settings: dict[str, Any], timing: _Timing, *, weight_bytes: int, bandwidth: str,
+              bandwidth_gbps: float | None) -> dict[str, Any]:
+    """On an accelerator, the decode against the HBM roofline (see the module docstring)."""
+    import jax
+
+    dev = jax.devices()[0]
+    if dev.platform not in ("gpu", "tpu", "cuda", "rocm"):
+        return {
+            "hbm_roofline_fraction": None,
+            "roofline_note": f"not computed on {dev.platform}: the HBM roofline is for accelerators",
+        }
+    if bandwidth_gbps is not None:
+        bw, bw_source = bandwidth_gbps * 1e9, f"--bandwidth-gbps {bandwidth_gbps}"
+    elif bandwidth == "nominal" and nominal_bandwidth(dev.device_kind):
+        bw, bw_source = nominal_bandwidth(dev.device_kind), f"nominal spec for {dev.device_kind}"
+    else:
+        bw, bw_source = measure_bandwidth(), "measured: bf16 x+1 copy kernel over 2 GiB (read + write)"
+    # Per device: every device reads all weights each step (gathered when FSDP
+    # shards them); the KV cache is split over the batch shards.
+    layout, prompt_len = built.layout, settings["prompt_len"]
+    forward_steps = max(timing.steps - 1, 0)
+    shards = max(1, math.prod(layout.shape[a] for a in built.programs.batch_axes))
+    kv_tok = built.arch.kv_bytes_per_token(settings["dtype"]) * settings["batch"] / shards
+    live = sum(prompt_len + s for s in range(1, forward_steps + 1))  # slots attended over all steps
+    ideal_s = (forward_steps * weight_bytes + kv_tok * live) / bw
+    return {
+        "hbm_roofline_fraction": round(ideal_s / timing.decode_s, 4),
+        "roofline_decode_s": round(ideal_s, 6),
+        "bandwidth_bytes_per_s": bw,
+        "bandwidth_source": bw_source,
+    }
 
 
 @click.command("rollout")

@@ -1,8 +1,13 @@
 """``grpo plan``: the run's programs compiled for a TPU topology this machine does not
 have, and what they need (memory per chip, fit, roofline).
 
-- ``plan``: builds the run's programs through :mod:`grpo.engine.programs` on abstract
-  state and compiles them; the report.
+- ``plan``: the :class:`~grpo.engine.planning.plan.Planner`: builds the run's programs
+  through :mod:`grpo.engine.programs` on abstract state, compiles them and reports their
+  memory, costs and communication.
+- ``costs``: the one cost model (FLOPs, HBM bytes, roofline of each program; one decode
+  step, also what a serving layout's ``tensor_parallel: auto`` weighs).
+- ``search``: ``--search``, the largest value of a field whose plan fits.
+- ``report``: the attention each program runs, and the report as text.
 - ``tpu``: the TPU compiler's topologies (libtpu) and the chip table.
 - ``hlo``: the collectives of a compiled program's optimized HLO text (communication).
 

@@ -23,5 +23,7 @@
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).
 
-May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.parallel``.
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.parallel``;
+``grpo.engine.planning.costs`` (the one cost model: ``auto``'s choice of a serving
+layout weighs a decode step by it).
 """

@@ -11,14 +11,15 @@ either can meet in one jitted program (rollout outputs go back to the update's l
 a jitted identity too), on one process or many.
 
 Picking among several candidate layouts (``tensor_parallel: auto``) is a roofline of one
-decode step per chip (:func:`decode_step_estimate`), the same model ``grpo plan``
-states: ``max(compute, HBM, ICI)`` where HBM is the weights a chip holds (``1/tp`` of the
-matmul weights; the KV projections and the KV cache of its rows over the mesh's ``tp``
-axis only, ``gcd(tp, KV heads)`` ways), and ICI is two all-reduces of ``[rows, hidden]`` per layer (the
-attention and MLP outputs, ``2 (tp-1)/tp`` of the buffer into each chip, at half the
-chip's bidirectional ICI figure). A candidate fits when the resident training state, the
-resharded copy and its KV cache fit in the chip's HBM. Without chip figures (CPU, GPU)
-the smallest valid ``tp`` is taken: no per-layer collectives at all.
+decode step per chip (:func:`grpo.engine.planning.costs.decode_step_estimate`), by the
+cost model ``grpo plan`` states: ``max(compute, HBM, ICI)`` where HBM is the weights a
+chip holds (``1/tp`` of the matmul weights; the KV projections and the KV cache of its
+rows over the mesh's ``tp`` axis only, ``gcd(tp, KV heads)`` ways), and ICI is two
+all-reduces of ``[rows, hidden]`` per layer (the attention and MLP outputs,
+``2 (tp-1)/tp`` of the buffer into each chip, at half the chip's bidirectional ICI
+figure). A candidate fits when the resident training state, the resharded copy and its
+KV cache fit in the chip's HBM. Without chip figures (CPU, GPU) the smallest valid ``tp``
+is taken: no per-layer collectives at all.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo.core.contracts import MESH_AXES, ModelDims, RolloutLayout
+from grpo.engine.planning.costs import decode_step_estimate
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 
@@ -71,7 +73,7 @@ class RolloutPlacement:
     cache_rules: dict
     param_rules: dict | None = None
     layout: RolloutLayout | None = None
-    estimates: dict | None = None  # tensor_parallel -> decode_step_estimate (auto's choice)
+    estimates: dict | None = None  # tensor_parallel -> costs.decode_step_estimate (auto's choice)
     _reshard: Any = None
 
     @classmethod
@@ -126,49 +128,6 @@ class RolloutPlacement:
 # --------------------------------------------------------------------------- auto
 
 
-def decode_step_estimate(
-    layout: RolloutLayout,
-    dims: ModelDims,
-    *,
-    rows: int,
-    cache_slots: int,
-    weight_bytes: float,
-    chip: Any,
-    compute_itemsize: int = 2,
-    resident_bytes: float = 0.0,
-) -> dict[str, float]:
-    """Roofline of one decode step per chip in ``layout`` (see the module docstring).
-
-    ``rows``: the global decode batch; ``cache_slots``: KV slots read per step (the
-    final cache length: an upper bound); ``weight_bytes``: the whole sampler state's
-    bytes (every weight once); ``resident_bytes``: per-chip training state that stays
-    beside the rollout."""
-    tp = layout.tensor_parallel
-    shards = layout.shards
-    r = rows / shards
-    d = dims
-    w = compute_itemsize
-    kv_split = layout.mesh.tp  # KV heads split over the rollout mesh's tp axis only
-    kv_proj = 2 * d.num_hidden_layers * d.hidden_size * d.num_key_value_heads * d.head_dim * w
-    weights_chip = (weight_bytes - kv_proj) / tp + kv_proj / kv_split
-    kv_tok = 2 * d.num_hidden_layers * d.num_key_value_heads * d.head_dim * w
-    cache_chip = r * cache_slots * kv_tok / kv_split
-    matmul = 2 * d.num_hidden_layers * d.hidden_size * (
-        2 * d.num_attention_heads * d.head_dim + 2 * d.num_key_value_heads * d.head_dim + 3 * d.intermediate_size
-    ) + 2 * d.hidden_size * d.vocab_size
-    flops = r * (matmul / tp + 4 * cache_slots * d.num_attention_heads * d.head_dim * d.num_hidden_layers / tp)
-    ici_bytes = 2 * d.num_hidden_layers * 2 * (tp - 1) / tp * r * d.hidden_size * w if tp > 1 else 0.0
-    compute_s = flops / chip.bf16_flops
-    hbm_s = (weights_chip + cache_chip) / chip.hbm_bandwidth
-    ici_in = getattr(chip, "ici_bandwidth", 0) / 2
-    ici_s = ici_bytes / ici_in if ici_in else 0.0
-    need = resident_bytes + weights_chip + cache_chip
-    return {
-        "step_s": max(compute_s, hbm_s, ici_s), "compute_s": compute_s, "hbm_s": hbm_s, "ici_s": ici_s,
-        "memory_bytes": need, "fits": bool(need <= chip.hbm_bytes),
-    }
-
-
 def choose_layout(
     candidates: Sequence[RolloutLayout],
     dims: ModelDims,
@@ -205,5 +164,5 @@ def state_bytes(state: Any) -> float:
 
 
 __all__ = [
-    "RolloutPlacement", "choose_layout", "decode_step_estimate", "rollout_mesh", "state_bytes", "state_shardings",
+    "RolloutPlacement", "choose_layout", "rollout_mesh", "state_bytes", "state_shardings",
 ]

@@ -17,7 +17,7 @@ This module stays JAX-free at import time: the implementations are imported insi
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, ContextManager, Literal
 
 from pydantic import Field, field_validator
 
@@ -149,6 +149,24 @@ class PallasLoss(LossPlugin):
         logp, _ = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                                temperature=settings.temperature, config=config)
         return logp
+
+    # ``grpo bench loss`` (engine code) reads these instead of the kernel module.
+
+    def kernel_report(self, options: PallasLossOptions, *, dtype: Any, hidden_size: int) -> dict[str, Any]:
+        """The kernel parameters ``options`` resolve to for hidden states of ``dtype`` and
+        ``hidden_size`` on this backend."""
+        from grpo.plugins.losses import _pallas
+
+        cfg = _pallas.resolve_config(options, dtype=dtype, hidden_size=hidden_size)
+        return {"block_t": cfg.block_t, "block_v": cfg.block_v, "block_d": cfg.block_d,
+                "schedule": cfg.schedule, "interpret": cfg.interpret}
+
+    def opaque_kernels(self) -> ContextManager[None]:
+        """A context within which the kernels are opaque calls with the same operands (a
+        compile-only memory measurement: they cannot run)."""
+        from grpo.plugins.losses import _pallas
+
+        return _pallas.opaque_kernels()
 
 
 __all__ = ["JaxLoss", "JaxLossOptions", "PallasLoss", "PallasLossOptions"]

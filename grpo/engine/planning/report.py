@@ -1,0 +1,122 @@
+"""The plan's report: the attention each program runs, and the text ``grpo plan`` prints
+(``--json`` prints the report itself)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo.core.config import RunConfig
+
+WHOLE_SEQUENCE_PROGRAMS = ("prefill", "reference", "policy_logprobs", "update", "eval_prefill")
+"""Programs whose attention is ``model.attention``'s kernel; the rest (decode) use XLA's."""
+
+
+# The programs that run the model's attention (the step's other programs move arrays).
+ATTENDING_PROGRAMS = WHOLE_SEQUENCE_PROGRAMS + ("decode", "append", "eval_decode", "eval_append")
+
+
+def attention_report(config: RunConfig, programs: list[str]) -> dict[str, Any]:
+    """``model.attention`` as resolved for TPU, and the attention each program runs."""
+    from grpo.core.config import attention_plugin
+
+    name, _, options = attention_plugin(config.model, "tpu")
+    return {
+        "name": name,
+        "options": options.model_dump(mode="json"),
+        "programs": {p: (name if p in WHOLE_SEQUENCE_PROGRAMS else "xla") for p in programs if p in ATTENDING_PROGRAMS},
+    }
+
+
+def _gib(n: int | None) -> str:
+    return "-" if n is None else f"{n / (1 << 30):.2f}"
+
+
+def format_report(rep: dict[str, Any]) -> str:
+    lines = [
+        f"{rep['topology']} ({rep['topology_raw']}): {rep['processes']} process(es) x {rep['devices_per_process']} "
+        f"{rep['device_kind']}; mesh " + ", ".join(f"{k}={v}" for k, v in rep["mesh"].items()),
+        f"shape: {rep['shape']['sequences_per_step']} sequences/step"
+        + (f" (of {rep['shape']['rollout_sequences_per_step']} rolled out)"
+           if rep["shape"]["rollout_sequences_per_step"] != rep["shape"]["sequences_per_step"] else "")
+        + f", micro-batch {rep['shape']['micro_batch_size']}, "
+        f"prompt {rep['shape']['prompt_length']} + {rep['shape']['max_new_tokens']} new tokens, loss "
+        f"{rep['shape']['loss']}, remat {rep['shape']['remat']}, params {rep['shape']['param_dtype']}",
+        "state per device (GiB): " + ", ".join(
+            f"{k} {_gib(v)}" for k, v in rep["state_bytes_per_device"].items()
+            if v or k not in ("merged_projections", "rollout_parameters")),
+    ]
+    ro = rep.get("rollout_layout")
+    if ro:
+        how = ("resharded once per step into mesh " + ", ".join(f"{k}={v}" for k, v in ro["mesh"].items())
+               if ro.get("resharded") else "on the training layout (weights gathered per token)")
+        lines.append(f"rollout: style {rep.get('rollout_style')}, tensor_parallel {ro['tensor_parallel']}, {how}")
+    att = rep.get("attention")
+    if att:
+        by: dict[str, list[str]] = {}
+        for prog, kernel in att["programs"].items():
+            by.setdefault(kernel, []).append(prog)
+        lines.append("attention: " + "; ".join(f"{k} ({', '.join(v)})" for k, v in by.items()))
+    lora = rep.get("lora")
+    if lora:
+        base = f"{rep['shape']['param_dtype'] if lora['base_quantization'] == 'none' else lora['base_quantization']} base"
+        lines.append(
+            f"LoRA r={lora['rank']} alpha={lora['alpha']:g} on {', '.join(lora['targets'])}; {base}: "
+            f"{rep['trainable_params'] / 1e6:,.2f} M trainable "
+            f"({100 * rep['trainable_params'] / max(1, rep['trainable_params'] + rep['frozen_params']):.2f}%), "
+            f"{rep['frozen_params'] / 1e6:,.1f} M frozen; per device: adapters {_gib(lora['adapter_bytes'])} GiB, "
+            f"base {_gib(lora['base_bytes'])} GiB"
+        )
+    elif "trainable_params" in rep:
+        lines.append(f"full fine-tuning: {rep['trainable_params'] / 1e6:,.1f} M trainable parameters")
+    lines += [
+        "",
+        f"{'PROGRAM':<12} {'ARGS':>7} {'OUT':>7} {'TEMP':>7} {'RESIDENT':>9} {'PEAK':>7}  {'TFLOP':>8} "
+        f"{'GB READ':>8} {'COMM GB':>8} {'ICI':>8} {'ROOFLINE':>9}",
+    ]
+    for name, p in rep["programs"].items():
+        comm = p.get("ici_bytes")
+        lines.append(
+            f"{name:<12} {_gib(p['argument_bytes']):>7} {_gib(p['output_bytes']):>7} {_gib(p['temp_bytes']):>7} "
+            f"{_gib(p['resident_bytes']):>9} {_gib(p['peak_bytes']):>7}  {p['flops'] / 1e12:>8.2f} "
+            f"{p['bytes_accessed'] / 1e9:>8.2f} "
+            + (f"{comm / 1e9:>8.2f} {p['ici_s']:>7.3f}s" if comm is not None else f"{'-':>8} {'-':>8}")
+            + f" {p['roofline_s']:>8.3f}s"
+        )
+    lines.append("(GiB per device; TFLOP and GB per device; COMM: GB one chip receives per program run, ICI: that "
+                 "over half its ICI bandwidth)")
+    dec = rep["programs"].get("decode", {})
+    if dec.get("collective_bytes_per_step") is not None:
+        total = sum(dec["collective_bytes_per_step"].values())
+        kinds = ", ".join(f"{k} {v / 1e9:.3f}" for k, v in dec["collective_bytes_per_step"].items()
+                          if v and v >= 1e-3 * total)
+        lines.append(
+            f"decode per generated token: {total / 1e9:.3f} GB per chip "
+            f"({kinds or 'none'}), ICI {dec['ici_s_per_step'] * 1e3:.2f} ms"
+        )
+    lines.append("")
+    verdict = "fits" if rep["fits"] else "DOES NOT FIT"
+    margin = rep["margin_bytes"]
+    lines.append(
+        f"peak {_gib(rep['peak_bytes_per_device'])} GiB of {_gib(rep['hbm_bytes_per_device'])} GiB HBM per device: "
+        f"{verdict}" + (f" (margin {_gib(margin)} GiB)" if margin is not None else "")
+    )
+    lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s"
+                 + (f" ({rep['roofline_step_no_comm_s']:.2f} s without communication)"
+                    if "roofline_step_no_comm_s" in rep else ""))
+    ev = rep.get("eval")
+    if ev:
+        whole = (f", of one evaluation ({ev['batches']} batches): {rep['roofline_eval_s']:.2f} s"
+                 if ev["batches"] else "")
+        lines.append(
+            f"evaluation every {ev['every_n_steps']} steps: batches of {ev['prompts_per_batch']} prompts (padded to "
+            f"{ev['padded_prompts_per_batch']}) x k={ev['k']} = {ev['rows_per_batch']} rows, KV cache "
+            f"{_gib(ev['kv_cache_bytes'])} GiB per device; roofline of one batch {ev['roofline_batch_s']:.2f} s{whole}"
+        )
+    if rep["compiler_error"]:
+        lines.append("compiler: " + rep["compiler_error"])
+    for w in rep.get("mesh_warnings", []):
+        lines.append(f"warning: {w}")
+    return "\n".join(lines)
+
+
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_report"]
