@@ -241,3 +241,45 @@ def test_the_loop_jits_nothing(module):
     # Every program a run executes comes from the program builder (grpo.engine.programs),
     # which `grpo plan` compiles and lists: the loop only calls them.
     assert _jit_calls(MODULES[module]) == []
+
+
+def test_the_plan_lists_every_program_a_run_executes(tmp_path, monkeypatch):
+    """One step and one evaluation of a run with every feature that adds a program
+    (multi-turn tools, dynamic sampling and down-sampling, turn credit, a reference model,
+    LoRA dropout with merged sampling, evaluation): the programs the run executed are
+    exactly the programs ``grpo plan`` lowers for the same config, by name. (Every
+    token ends a turn and each environment replies once, so a random model's rows take
+    two turns with an append between.)"""
+    from grpo.core.config import load_config
+    from grpo.core.contracts import EnvStep
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.rollout.conversations import Conversations
+    from grpo.engine.rollout.tools import ToolEnvironment
+    from grpo.engine.trainer import Trainer
+
+    def reply_once(self, text):
+        if getattr(self, "replied", False):
+            return EnvStep(None, True, {})
+        self.replied = True
+        return EnvStep([{"role": "tool", "content": "7"}], False, {})
+
+    monkeypatch.setattr(ToolEnvironment, "step", reply_once)
+    monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
+
+    overrides = [
+        "train.steps=1", "train.prompts_per_step=4", "rollout.num_generations=4", "train.down_sampling.keep=2",
+        "train.dynamic_sampling={enabled: true, max_rounds: 2}", "train.advantage.credit=turn", "loss.beta=0.04",
+        "loss.mismatch.level=token", "model.lora={rank: 4, dropout: 0.1, sampler: merged}",
+        "eval={every_n_steps: 1, num_examples: 4, batch_size: 4}", "checkpoint.at_end=false", "logging.plot=false",
+    ]
+    config = load_config(str(ROOT.parent / "configs" / "quickstart_tools.yaml"), overrides)
+    trainer = Trainer(config, tmp_path)
+    trainer.run()
+    ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
+
+    planner = Planner("v6e-8")
+    listed = planner.programs_to_compile(planner.subject(config))
+    assert ran == {name for name, *_ in listed}
+    assert {"start", "append", "gather_rows", "turn_advantages", "merge", "policy_logprobs", "eval_append"} <= ran
+    for name, lower, *_ in listed:  # each lowers for the TPU topology (the plan tests compile them)
+        assert lower() is not None, name
