@@ -142,11 +142,6 @@ def test_nothing_below_the_engine_imports_it(below):
     assert {m: d for m, d in offenders.items() if d} == {}
 
 
-# The loss benchmark still reaches into the Pallas loss plugin's private kernels; issue 37's
-# bench work moves that out. Remove the entry with it.
-_PLUGIN_IMPORTS_LEFT = {"grpo.engine.bench.loss"}
-
-
 @pytest.mark.parametrize("layer", ["grpo.core", "grpo.engine", "grpo.models", "grpo.sharding"])
 def test_plugins_are_leaves(layer):
     # Built-in plugins use the engine as third-party plugins would; nothing under them
@@ -154,7 +149,7 @@ def test_plugins_are_leaves(layer):
     offenders = {
         m: sorted(d for d in deps if _within(d, "grpo.plugins"))
         for m, deps in GRAPH.items()
-        if _within(m, layer) and m not in _PLUGIN_IMPORTS_LEFT
+        if _within(m, layer)
     }
     assert {m: d for m, d in offenders.items() if d} == {}
 
