@@ -1,7 +1,9 @@
-"""Helpers for tests that preempt a trainer and resume it."""
+"""Helpers for tests that run the trainer: the tiny run config (``TINY``, ``_config``), and
+preempting a trainer and resuming it."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 
@@ -9,8 +11,26 @@ import jax
 import numpy as np
 import pytest
 
+from grpo.core.config import load_config
 from grpo.engine.runs.metrics import read_eval, read_metrics
 from grpo.engine.trainer import Interrupted, Trainer
+
+
+TINY = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
+    # The shaping rewards give a random policy non-zero advantages, so every step updates.
+    "task": {"name": "arithmetic", "options": {"max_operand": 9, "num_examples": 64, "num_test_examples": 8,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "train": {"steps": 1, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": False},
+}
+
+
+def _config(**overrides):
+    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
+    return load_config(TINY, sets)
 
 
 def preempted_and_resumed(config, run_dir, *, after: int, after_preempt=None) -> Trainer:

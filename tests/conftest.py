@@ -65,6 +65,7 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+ROOT = Path(__file__).resolve().parent.parent  # the repository root, for test files at any depth
 FIXTURES = Path(__file__).parent / "fixtures"
 
 

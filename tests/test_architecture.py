@@ -184,6 +184,27 @@ def test_engine_has_rooms_and_few_loose_modules():
                 assert f"``{path.stem}``" in doc, f"{room}'s docstring does not mention {path.stem}"
 
 
+TESTS = Path(__file__).parent
+# Tests of the whole package or of the repository (configs/, configs/launch/) stay at the top.
+TOP_LEVEL_TESTS = {"test_architecture.py", "test_install.py", "test_launch_recipes.py", "test_quickstart_tools.py"}
+
+
+def test_tests_mirror_the_package():
+    """A module's tests sit where a newcomer looks for them (tests/README.md): a test file
+    below tests/ is in a folder that mirrors a package of grpo/ (tests/engine/rollout/ for
+    grpo/engine/rollout/). No two test files share a name: pytest's default import mode
+    imports them by name from folders without ``__init__.py``."""
+    files = [f for f in TESTS.rglob("test_*.py") if "fixtures" not in f.relative_to(TESTS).parts]
+    assert {f.name for f in files if f.parent == TESTS} == TOP_LEVEL_TESTS
+    for f in files:
+        folder = f.parent.relative_to(TESTS)
+        if folder.parts:
+            assert (ROOT / folder / "__init__.py").is_file(), f"{f.relative_to(TESTS)}: no package grpo/{folder}"
+    names = sorted(f.name for f in files)
+    assert len(names) == len(set(names)), [n for n in names if names.count(n) > 1]
+    assert not [p for p in TESTS.rglob("__init__.py") if "fixtures" not in p.relative_to(TESTS).parts]
+
+
 @pytest.mark.parametrize("room", sorted(ROOMS))
 def test_rooms_import_only_what_they_declare(room):
     allowed = ROOMS[room] | {room}

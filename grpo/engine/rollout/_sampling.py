@@ -17,8 +17,8 @@ Conventions (shared with the trainer's loss):
   log-sum-exp as per-shard max/sum reductions plus two ``[B]`` all-reduces, the Gumbel
   noise is generated per shard from each element's index, and the argmax is a per-shard
   argmax plus an all-gather of ``[B, tp]`` (value, index) pairs (checked in the compiled
-  decode loop, ``tests/test_serving.py``). top-k and top-p do need whole rows: with either
-  on, the compiled loop all-gathers the ``[rows per shard, V]`` f32 logits every token,
+  decode loop, ``tests/engine/rollout/test_layout.py``). top-k and top-p do need whole rows:
+  with either on, the compiled loop all-gathers the ``[rows per shard, V]`` f32 logits every token,
   ``(tp-1)/tp x rows x V x 4`` bytes into each chip (Qwen2.5's 151,936-token vocabulary,
   32 rows per shard, tp=2: ~9.7 MB per token, ~24 us at v6e's 400 GB/s inbound ICI).
 - Randomness is per row: each row has its own key (derived from the run key and the

@@ -42,7 +42,7 @@ Numerics: matmuls take the input dtype and accumulate in f32 (f32 inputs use
 ``Precision.HIGHEST``), the log-sum-exp, softmax and entropy run in f32, and ``dlogits``
 is rounded to the input dtype for the backward matmuls (as XLA does in the reference).
 In f32 the results match the ``jax`` loss within 1e-4; in bf16 gradients agree within a
-couple of bf16 ulps of the largest gradient (tests/test_loss_pallas.py).
+couple of bf16 ulps of the largest gradient (tests/plugins/losses/test_pallas.py).
 
 Memory: besides the outputs, only per-row vectors ([N] f32: log-sum-exp, log-probs,
 entropy) live in HBM; the loop schedule adds an f32 [N, D] dH buffer and an f32

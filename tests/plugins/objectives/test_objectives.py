@@ -7,23 +7,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_loss_math import _inputs  # noqa: E402
+from _losses import _inputs
 
-from grpo.core.config import load_config  # noqa: E402
-from grpo.core.contracts import LossSettings, MismatchCorrection  # noqa: E402
-from grpo.core.errors import ConfigError  # noqa: E402
-from grpo.core.plugins import load_plugins  # noqa: E402
-from grpo.plugins.losses import JaxLoss, PallasLoss  # noqa: E402
-from grpo.plugins.losses._common import grpo_objective  # noqa: E402
+from grpo.core.config import load_config
+from grpo.core.contracts import LossSettings, MismatchCorrection
+from grpo.core.errors import ConfigError
+from grpo.core.plugins import load_plugins
+from grpo.plugins.losses import JaxLoss, PallasLoss
+from grpo.plugins.losses._common import grpo_objective
 
 OBJECTIVES = ("ppo_clip", "gspo", "cispo", "sapo")
 AGGREGATIONS = ("token_mean", "sequence_mean", "constant")

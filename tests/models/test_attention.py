@@ -3,7 +3,7 @@ the plain XLA reference, sharded and unsharded, inside the model against transfo
 in prefill, under remat, in a trainer step, and the config's refusals.
 
 The Pallas kernels run in interpret mode on CPU (exactly their TPU/GPU semantics, slowly);
-their TPU compile is checked by ``grpo plan`` (tests/test_plan.py)."""
+their TPU compile is checked by ``grpo plan`` (tests/engine/planning/test_plan.py)."""
 
 from __future__ import annotations
 
@@ -234,7 +234,7 @@ def test_a_kernel_the_platform_cannot_run_is_refused(name, platform):
 
 @pytest.mark.parametrize("attention", ["splash", "pallas_gpu"])
 def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
-    from test_trainer import _config
+    from _runs import _config
 
     from grpo.engine.runs.metrics import read_metrics
     from grpo.engine.trainer import Trainer

@@ -40,7 +40,6 @@ from grpo.engine.runs import rundir
 from grpo.engine.runs.metrics import MetricsLogger, read_metrics
 from grpo.engine.trainer import Trainer
 
-ROOT = Path(__file__).parent.parent
 BUCKET = "grpo-test"
 
 TINY = {

@@ -16,8 +16,6 @@ bf16 rounding of the inputs: log-probs within 5e-2, gradients within 5e-2 of the
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -25,13 +23,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-sys.path.insert(0, str(Path(__file__).parent))
-from test_loss_math import _inputs, _run_plugin  # noqa: E402
+from _losses import _inputs, _run_plugin
 
-from grpo.core.cli import cli  # noqa: E402
-from grpo.core.contracts import LossSettings  # noqa: E402
-from grpo.plugins.losses import JaxLoss, PallasLoss  # noqa: E402
-from grpo.plugins.losses import _jax, _pallas  # noqa: E402
+from grpo.core.cli import cli
+from grpo.core.contracts import LossSettings
+from grpo.plugins.losses import JaxLoss, PallasLoss
+from grpo.plugins.losses import _jax, _pallas
 
 METRICS = ("clip_frac/low", "clip_frac/high", "ratio/mean", "kl", "approx_kl", "entropy", "num_tokens")
 

@@ -157,9 +157,9 @@ def test_qlora_merged_export_is_dequantized_base_plus_delta():
 def lora_run(tmp_path_factory, example_plugin_dir):
     """A two-step LoRA run from the HF checkpoint (the `length` task gives a random policy
     non-zero advantages, so both A and B train), checkpointed at the end."""
+    from _runs import TINY
     from conftest import _on_path
     from grpo.engine.trainer import Trainer
-    from test_trainer import TINY
 
     run_dir = tmp_path_factory.mktemp("lora_run")
     plugin = _on_path(example_plugin_dir, ("grpo_example_plugin",))

@@ -8,36 +8,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
 import yaml
 
-from _runs import assert_same_run, preempted_and_resumed
+from _runs import TINY, _config, assert_same_run, preempted_and_resumed
+from conftest import ROOT
 
 from grpo.core.config import load_config
 from grpo.engine.runs.metrics import read_metrics
 from grpo.engine.trainer import Trainer
-
-ROOT = Path(__file__).parent.parent
-
-TINY = {
-    "model": {"source": "random", "random": {"preset": "tiny"}},
-    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
-    # The shaping rewards give a random policy non-zero advantages, so every step updates.
-    "task": {"name": "arithmetic", "options": {"max_operand": 9, "num_examples": 64, "num_test_examples": 8,
-                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
-    "train": {"steps": 1, "prompts_per_step": 8, "optimizer": {"learning_rate": 1e-3}},
-    "checkpoint": {"every_n_steps": 0, "at_end": False},
-    "logging": {"progress_bar": False, "plot": False},
-}
-
-
-def _config(**overrides):
-    sets = [f"{k}={json.dumps(v)}" for k, v in overrides.items()]
-    return load_config(TINY, sets)
 
 
 def _params_np(trainer):

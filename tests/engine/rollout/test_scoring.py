@@ -1,4 +1,5 @@
-"""Task-independent helpers: exception-safe scoring, pass@k / mean@n, prompt rendering."""
+"""Task-independent helpers: exception-safe scoring, pass@k / mean@n, prompt rendering, the
+overlong penalty."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import itertools
 import math
 from typing import ClassVar
 
+import numpy as np
 import pytest
 
 from grpo.core.contracts import NoOptions, TaskPlugin
@@ -173,3 +175,15 @@ def test_render_with_a_chat_template():
     )
     got = render_prompt(FlakyTask(), NoOptions(), {"question": "3+4="}, tok)
     assert got == "<|system|>sys\n<|user|>3+4=\n<|assistant|>"
+
+
+def test_overlong_penalty_matches_the_dapo_formula():
+    from grpo.engine.rollout.scoring import overlong_penalty
+
+    lengths = np.arange(0, 17)
+    got = overlong_penalty(lengths, max_new_tokens=16, buffer=4, factor=0.5)
+    want = [min(-(L - (16 - 4)) / 4 * 0.5, 0.0) for L in lengths]  # 0 up to 12 tokens, -0.5 at 16
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-7)
+    assert got.dtype == np.float32 and got[12] == 0.0 and got[16] == -0.5
+    with pytest.raises(ValueError, match="buffer=16"):
+        overlong_penalty(lengths, max_new_tokens=16, buffer=16, factor=1.0)

@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import yaml
 from click.testing import CliRunner
+
+from conftest import ROOT
 
 from grpo.core.cli import cli
 from grpo.core.config import RunConfig, load_config, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError, UserError
 
-CONFIGS = sorted((Path(__file__).parent.parent / "configs").glob("*.yaml"))
+CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
 
 BASE = {
     "model": {"source": "random", "random": {"preset": "tiny"}},

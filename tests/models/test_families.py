@@ -3,8 +3,9 @@ llama3 RoPE frequencies, presets, choosing a family (auto / model.architecture),
 third-party family from an entry point, and the chat-template thinking switch.
 
 Numerical parity of every family with transformers (logits, KV-cache decode, fsdp=8,
-export) is in test_model_decoder.py and test_model_loading.py, parametrized over
-``_model_fixtures.FAMILY_CHECKPOINTS``; a GRPO step per family is in test_trainer.py.
+export) is in test_decoder.py and test_loading.py, parametrized over
+``_model_fixtures.FAMILY_CHECKPOINTS``; a GRPO step per family is in
+tests/engine/test_trainer.py.
 """
 
 from __future__ import annotations

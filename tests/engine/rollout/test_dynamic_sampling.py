@@ -1,0 +1,67 @@
+"""Dynamic sampling's group filter (rounds, surplus, short steps) and down-sampling (PODS's
+max-variance rule against a brute force, the random rule)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+
+def test_group_filter_rounds_surplus_and_short_steps():
+    from grpo.engine.rollout.dynamic_sampling import GroupFilter, group_spread
+
+    np.testing.assert_array_equal(group_spread(np.array([1.0, 1.0, 0.0, 1.0, 0.5, 0.5]), 2), [False, True, False])
+    f = GroupFilter(want=3, max_rounds=4)
+    f.add(np.array([True, False, False]))
+    assert not f.done
+    f.add(np.array([True, True, True]))  # one informative group too many: dropped
+    assert f.done and not f.short
+    assert f.picks() == ([(0, 0), (1, 0), (1, 1)], 0)
+    assert f.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 2.0,
+                           "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 0.0,
+                           "dynamic_sampling/short": 0.0}
+    with pytest.raises(RuntimeError, match="after the step is complete"):
+        f.add(np.array([True, True, True]))
+    short = GroupFilter(want=3, max_rounds=2)
+    short.add(np.array([False, True, False]))
+    with pytest.raises(ValueError, match="3 groups"):
+        short.add(np.array([True, False]))
+    short.add(np.array([False, False, False]))
+    assert short.done and short.short
+    assert short.picks() == ([(0, 1), (0, 0), (0, 2)], 2)  # the earliest equal-reward groups fill
+    assert short.metrics() == {"dynamic_sampling/rounds": 2.0, "dynamic_sampling/uninformative_groups": 5.0,
+                               "dynamic_sampling/dropped_groups": 3.0, "dynamic_sampling/filled_groups": 2.0,
+                               "dynamic_sampling/short": 1.0}
+
+
+def test_down_sampling_keeps_the_max_variance_subset():
+    """PODS's max-variance rule against a brute force over every subset (random rewards,
+    ties, a constant group); the random rule keeps distinct rows of each group."""
+    from itertools import combinations
+
+    from grpo.engine.rollout.dynamic_sampling import down_sample
+
+    rng = np.random.default_rng(0)
+    n = 8
+    groups = [rng.normal(size=n), rng.integers(0, 2, n).astype(float), np.full(n, 0.5),
+              np.array([1.0, 0, 0, 0, 0, 0, 0, 0]), rng.integers(0, 3, n) * 0.5]
+    rewards = np.concatenate(groups)
+    for keep in (2, 3, 4, 7, 8):
+        rows = down_sample(rewards, n, keep)
+        assert rows.shape == (len(groups) * keep,)
+        for g, group in enumerate(groups):
+            mine = rows[g * keep:(g + 1) * keep]
+            assert np.all(np.diff(mine) > 0) and mine.min() >= g * n and mine.max() < (g + 1) * n
+            best = max(np.var(group[list(c)]) for c in combinations(range(n), keep))
+            np.testing.assert_allclose(np.var(rewards[mine]), best, rtol=1e-9, atol=1e-12)
+    # One right answer among eight: it is kept, with the wrong ones of the earliest rows.
+    np.testing.assert_array_equal(down_sample(groups[3], n, 4), [0, 1, 2, 3])
+    np.testing.assert_array_equal(down_sample(np.roll(groups[3], 5), n, 3), [0, 1, 5])
+    rows = down_sample(rewards, n, 3, rule="random", rng=np.random.default_rng(1))
+    again = down_sample(rewards, n, 3, rule="random", rng=np.random.default_rng(1))
+    np.testing.assert_array_equal(rows, again)
+    for g in range(len(groups)):
+        mine = rows[g * 3:(g + 1) * 3]
+        assert len(set(mine)) == 3 and all(g * n <= r < (g + 1) * n for r in mine)
+    with pytest.raises(ValueError, match="keep must be"):
+        down_sample(rewards, n, 9)

@@ -1,0 +1,55 @@
+"""The metrics logger: metrics.jsonl and eval.jsonl, the plot, device memory metrics."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+
+def test_metrics_logger_and_plot(tmp_path):
+    from grpo.engine.runs.metrics import (
+        MetricsLogger,
+        device_memory_metrics,
+        plot_run,
+        read_metrics,
+    )
+
+    logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_main=True, run_name="t", progress_bar=False)
+    for s in (1, 2, 3):
+        logger.log({"step": s, "reward/mean": s / 3, "time/train/step_s": float(s),
+                    "throughput/train/valid_tokens_per_s": 10.0 * s, "loss": np.float32(0.5)})
+    logger.close()
+    rows = read_metrics(tmp_path)
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[-1]["time/train/step_avg_last10_s"] == pytest.approx(2.0)
+    assert rows[0]["loss"] == 0.5
+    assert json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])["step"] == 1
+    png = plot_run(tmp_path)
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from PIL import Image
+
+    assert Image.open(png).size == (1100, 400)  # reward + throughput
+    # With eval rows (eval.jsonl) the plot gains the eval pass@k panel between them.
+    from grpo.engine.runs.metrics import read_eval
+
+    logger = MetricsLogger(tmp_path, total_steps=3, start_step=0, is_main=True, run_name="t", progress_bar=False,
+                           resume=True)
+    for s, acc in ((0, 0.0), (2, 0.5), (3, 0.75)):
+        logger.log_eval({"step": s, "eval/pass@1": acc, "eval/num_prompts": 4.0, "eval/greedy": True})
+    logger.close()
+    assert [(r["step"], r["eval/pass@1"]) for r in read_eval(tmp_path)] == [(0, 0.0), (2, 0.5), (3, 0.75)]
+    assert Image.open(plot_run(tmp_path)).size == (1650, 400)  # 5.5 inches a panel
+    # Memory keys are omitted (not zero) where a backend reports nothing, as CPU does.
+    class Dev:
+        def __init__(self, stats):
+            self.stats = stats
+
+        def memory_stats(self):
+            return self.stats
+
+    assert device_memory_metrics([Dev(None), Dev({})]) == {}
+    gib = 1024**3
+    got = device_memory_metrics([Dev({"bytes_in_use": gib, "peak_bytes_in_use": 3 * gib}), Dev({"bytes_in_use": 2 * gib})])
+    assert got == {"memory/train/bytes_in_use_max_gib": 2.0, "memory/train/peak_bytes_in_use_max_gib": 3.0}
