@@ -675,7 +675,10 @@ class ModelPlugin(_PluginBase):
       ``model.logits(hidden)`` float32 [B, T, V]: losses get hidden states and the head
       weight, never logits;
     - ``model.config``, ``model.dtype`` (compute dtype), ``model.param_dtype``,
-      ``model.mesh`` (settable) and ``model.set_activation_rules(rules)``.
+      ``model.mesh`` (settable) and ``model.set_activation_rules(rules)``;
+    - ``model.use_adapters(enabled) -> model`` — LoRA's adapters on or off (the
+      reference pass and ``model.lora.sampler: merged`` run the base alone; a module
+      without adapters ignores it).
 
     :class:`grpo.plugins.models.DecoderFamily` implements all of this for any family
     that is the shared decoder with a :class:`~grpo.models.decoder.DecoderConfig`
