@@ -8,15 +8,24 @@ and ``grpo bench loss`` times :func:`loss_program`, the loss called the way the 
 calls it. Keeping one builder is the point: a plan or a bench that measured something
 other than what runs would be worse than none.
 
-The programs of one GRPO step, in the order they run:
+The programs of one GRPO step, in the order they run (``grpo plan`` lists exactly these:
+``tests/test_architecture.py`` runs a step and compares):
 
-- ``prefill``: :class:`~grpo.engine.rollout.sampler.Sampler` prefill of the step's prompts
-  (``train.prompts_per_step`` x the largest prompt bucket), cache repeated K times;
-- ``decode``: the sampler's KV-cache decode loop up to ``rollout.max_new_tokens``; for a
-  multi-turn task (tools) one turn's decode loop
-  (:class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`), run once per turn;
-- ``append``: multi-turn only, the environment's reply tokens written into every row's
-  cache (at the largest append bucket), run between turns;
+- ``reshard`` (a rollout style with its own layout, ``serving``) or ``merge`` (LoRA with
+  ``model.lora.sampler: merged`` on the training layout): the policy as the sampler
+  reads it, once per step (:meth:`RunPrograms.sampler_state`);
+- the sampler's own (:meth:`~grpo.engine.rollout.sampler.BaseSampler.lowerings`):
+  ``prefill`` of the step's prompts (``train.prompts_per_step`` x the largest prompt
+  bucket), cache repeated K times; ``decode``, the KV-cache decode loop up to
+  ``rollout.max_new_tokens``; for a multi-turn task (tools,
+  :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) ``start`` (the cache grown
+  to its final size), ``decode`` as one turn's loop, run once per turn, and ``append``,
+  the environment's replies written into every row's cache between turns;
+- the step's glue (:meth:`RunPrograms.step_lowerings`): ``row_sums`` (reward-error and
+  tool counters over every process's rows), ``gather_rows`` (the rows trained on,
+  gathered from the rounds: dynamic sampling, down-sampling), ``turn_advantages``
+  (``train.advantage.credit: turn``), ``to_train`` (the batch resharded to the update's
+  row layout), ``dropout_keys`` (LoRA dropout);
 - ``reference``: the reference model's per-token log-probs (only when ``loss.beta > 0``);
 - ``policy_logprobs``: the policy's dropout-free per-token log-probs (only with LoRA
   dropout; once more under the step's dropout masks with ``loss.mismatch``);
@@ -26,12 +35,11 @@ The programs of one GRPO step, in the order they run:
 
 Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
 on the training layout (``legacy``, ``maxtext``), or in the style's own layout
-(``serving``), into which :meth:`RunPrograms.sampler_state` reshards the policy once per
-step — the ``reshard`` program, before prefill.
-
-Every ``eval.every_n_steps`` steps, evaluation (:mod:`grpo.engine.evaluation`) runs the
-same sampler's prefill and decode with ``eval.k`` samples per prompt on batches of
-:meth:`RunPrograms.eval_batch` prompts.
+(``serving``). Every ``eval.every_n_steps`` steps, evaluation
+(:mod:`grpo.engine.evaluation`) runs the same sampler's programs (``eval_prefill``,
+``eval_decode``, ...) with ``eval.k`` samples per prompt on batches of
+:meth:`RunPrograms.eval_batch` prompts. The trainer and the evaluator jit nothing
+themselves.
 
 The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateStep``.
 """
@@ -242,10 +250,14 @@ class RunPrograms:
         """Every jitted program built so far, by the name ``grpo plan`` lists it under:
         this builder's own and its samplers' (evaluation's as ``eval_<name>``)."""
         out: dict[str, list[Any]] = {name: [fn] for name, fn in self._jitted.items()}
-        for (greedy, k), sampler in self._samplers.items():
-            evaluating = (greedy, k) != (False, self.config.rollout.num_generations)
+        training = (False, self.config.rollout.num_generations)
+        evaluation = (self.config.eval.greedy, self.config.eval.k)
+        for key, sampler in self._samplers.items():
+            # A sampled evaluation with the rollout's k shares the training sampler.
+            prefixes = [p for p, of in (("", training), ("eval_", evaluation)) if key == of]
             for name, fns in sampler.jitted().items():
-                out.setdefault(f"eval_{name}" if evaluating else name, []).extend(fns)
+                for prefix in prefixes:
+                    out.setdefault(prefix + name, []).extend(fns)
         return out
 
     # ------------------------------------------------------------------ the step's glue programs

@@ -72,9 +72,10 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
         assert rep["fits"] is True and rep["compiler_error"] is None
         assert rep["margin_bytes"] == rep["hbm_bytes_per_device"] - rep["peak_bytes_per_device"] > 0
         assert set(rep["programs"]) == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
-        for p in rep["programs"].values():
+        for name, p in rep["programs"].items():
             assert PROGRAM_KEYS <= set(p)
-            assert p["argument_bytes"] > 0 and p["flops"] > 0 and p["roofline_s"] > 0
+            # row_sums and to_train move arrays (their cost is bytes alone).
+            assert p["argument_bytes"] > 0 and p["roofline_s"] > 0 and (p["flops"] > 0 or name in ("row_sums", "to_train"))
     s, b = small["programs"]["update"], big["programs"]["update"]
     assert b["temp_bytes"] > s["temp_bytes"]
     assert big["peak_bytes_per_device"] >= small["peak_bytes_per_device"]
