@@ -39,6 +39,7 @@ from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, group_spread
 from grpo.engine.rollout.prompts import PromptSet, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
+from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
 
 
 @dataclasses.dataclass
@@ -176,11 +177,11 @@ class StepCollector:
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
         sampled: Sampled = self.sampler.sample(params(), to_global(batch.tokens, sharding),
                                                to_global(batch.mask, sharding), rng, examples)
+        texts = list(sampled.texts)  # the rollout's time includes detokenizing them
         seconds = time.perf_counter() - t0
 
         out = sampled.output
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
-        texts = list(sampled.texts)
         totals, by_fn, failed = self._score(sampled.examples, texts, local_rows(out.mask).sum(axis=1))
         errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
         ep = sampled.episodes
@@ -208,8 +209,6 @@ class StepCollector:
         """This process's rows scored: totals [b], each reward [b] by name, and which
         reward functions failed on each row [b, rewards] (int32, in ``by_fn``'s order).
         With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
-        from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
-
         scored = score_completions(self.task, self.task_options, examples, texts)
         by_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
         failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
