@@ -15,8 +15,8 @@ says what it holds and what it may import (``tests/test_architecture.py`` enforc
 
 One floor above the rooms, the modules that wire them together:
 
-- ``programs``: the program builder, every jitted program of a step; ``grpo run``,
-  ``grpo plan`` and ``grpo bench`` all build theirs here.
+- ``programs``: the program builder, every jitted program a run executes; ``grpo run``,
+  ``grpo plan`` and ``grpo bench`` all build theirs here (the plan lists each one).
 - ``trainer``: the GRPO loop (one :class:`~grpo.engine.trainer.Trainer` per process).
 - ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.
 - ``eval_metrics``: pass@k and mean@n over groups of scored samples (pure).
