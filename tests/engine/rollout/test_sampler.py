@@ -353,3 +353,33 @@ def test_samples_do_not_depend_on_the_mesh(tmp_path_factory, setup, prompts, leg
     for name in ("tokens", "mask", "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
     np.testing.assert_allclose(a.logprobs, b.logprobs, atol=1e-5)
+
+
+def test_single_and_multi_turn_samplers_share_one_interface():
+    """The trainer, the evaluator and the plan call any sampler the same way: the one
+    interface has one signature in both kinds."""
+    import inspect
+
+    from grpo.engine.rollout.multiturn import MultiTurnSampler
+    from grpo.engine.rollout.sampler import BaseSampler
+
+    for name in ("sample", "lowerings", "cache_slots", "cache_bytes", "jitted", "abstract_output"):
+        sigs = {str(inspect.signature(getattr(cls, name))) for cls in (BaseSampler, Sampler, MultiTurnSampler)}
+        assert len(sigs) == 1, (name, sigs)
+
+
+def test_texts_detokenize_only_the_rows_read():
+    from grpo.engine.rollout.sampler import Texts
+
+    seen = []
+
+    def detokenize(tokens, mask):
+        seen.append(len(tokens))
+        return [" ".join(str(t) for t, m in zip(row, ms) if m) for row, ms in zip(tokens, mask)]
+
+    tokens, mask = np.arange(12).reshape(4, 3), np.asarray([[1, 1, 0]] * 4)
+    texts = Texts(detokenize, tokens, mask)
+    assert len(texts) == 4 and seen == []
+    assert texts[:2] == ["0 1", "3 4"] and seen == [2]
+    assert texts[-1] == "9 10" and texts[1] == "3 4" and seen == [2, 1, 1]
+    assert list(texts) == ["0 1", "3 4", "6 7", "9 10"] and seen[-1] == 4
