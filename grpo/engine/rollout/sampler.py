@@ -313,6 +313,9 @@ class BaseSampler:
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
 
+    # The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
+    loss_mask: bool = False
+
     def __init__(
         self,
         graphdef: Any,
@@ -373,9 +376,6 @@ class BaseSampler:
     def jitted(self) -> dict[str, list[Any]]:
         """This sampler's jitted programs by the names :meth:`lowerings` gives them."""
         return {"prefill": [self.prefill_jit]}
-
-    # The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
-    loss_mask: bool = False
 
     def abstract_output(self, *, prompts: int, prompt_length: int) -> RolloutOutput:
         """The :class:`RolloutOutput` of ``prompts`` prompts as abstract arrays in this
