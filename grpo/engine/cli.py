@@ -52,11 +52,12 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
     distributed.initialize(config.distributed)
     # A string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x.
     directory = run_dir if run_dir else str(default_run_dir(config, config_path))
-    # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
-    rundir.probe(directory)
-    _warn_if_config_changed(directory, config)
-    trainer = Trainer(config, directory)
+    created = [] if rundir.is_remote(directory) else _missing_dirs(directory)
     try:
+        # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
+        rundir.probe(directory)
+        _warn_if_config_changed(directory, config)
+        trainer = Trainer(config, directory)
         summary = trainer.run()
     except Interrupted as stop:
         if trainer.is_main:
@@ -66,12 +67,38 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
                 err=True,
             )
         sys.exit(stop.exit_code)
+    except BaseException:
+        _remove_if_empty(created)
+        raise
     if trainer.is_main:
         final = summary.get("final") or {}
         click.echo(
             f"Done: {summary['steps']} steps in {directory} "
             f"(last reward/mean {final.get('reward/mean', float('nan')):.4f})"
         )
+
+
+def _missing_dirs(directory: str) -> list[str]:
+    """``directory`` and those of its parents that do not exist yet, deepest first."""
+    import os
+
+    missing, here = [], os.path.abspath(directory)
+    while not os.path.exists(here) and os.path.dirname(here) != here:
+        missing.append(here)
+        here = os.path.dirname(here)
+    return missing
+
+
+def _remove_if_empty(created: list[str]) -> None:
+    """A run that stopped before writing anything (a config that fails validation against
+    the devices, a model that cannot be built) leaves none of the directories it made."""
+    import os
+
+    for directory in created:
+        try:
+            os.rmdir(directory)  # only ever removes an empty directory
+        except OSError:
+            return
 
 
 def _warn_if_config_changed(directory: str, config) -> None:

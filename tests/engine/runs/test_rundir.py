@@ -322,3 +322,19 @@ def test_cli_on_a_bucket_says_where_it_starts_saves_and_resumes(gcs, tmp_path):
     assert f"Resuming from the checkpoint at step {saved} in {run_dir}/checkpoints" in out
     assert f"Done: {saved + 2} steps in {run_dir}" in out
     assert [r["step"] for r in read_metrics(run_dir)][-1] == saved + 2
+
+
+def test_a_config_that_fails_against_the_devices_leaves_no_run_directory(tmp_path):
+    """Validation that needs the devices (here: prompts that do not divide over them) runs
+    after the run directory is probed; the directories the run made are removed."""
+    run_dir = tmp_path / "runs" / "nested" / "bad"
+    result = CliRunner().invoke(cli, ["run", str(_tiny_yaml(tmp_path)), "--run-dir", str(run_dir),
+                                      "--set", "train.prompts_per_step=3"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+    existing = tmp_path / "kept"
+    existing.mkdir()  # a directory the user made is theirs, empty or not
+    result = CliRunner().invoke(cli, ["run", str(_tiny_yaml(tmp_path)), "--run-dir", str(existing),
+                                      "--set", "train.prompts_per_step=3"])
+    assert result.exit_code == 2 and existing.is_dir()
