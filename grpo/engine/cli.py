@@ -34,14 +34,7 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
     """Train with the config in CONFIG (the same command on every host)."""
     from grpo.core.config import load_config
 
-    flags = list(overrides)
-    if coordinator_address is not None:
-        flags += ["distributed.mode=explicit", f"distributed.coordinator_address={coordinator_address}"]
-    if num_processes is not None:
-        flags.append(f"distributed.num_processes={num_processes}")
-    if process_id is not None:
-        flags.append(f"distributed.process_id={process_id}")
-    config = load_config(config_path, flags)
+    config = load_config(config_path, run_flags(overrides, coordinator_address, num_processes, process_id))
     _configure_logging()
 
     # The distributed runtime must start before anything asks JAX about devices.
@@ -87,6 +80,18 @@ def _missing_dirs(directory: str) -> list[str]:
         missing.append(here)
         here = os.path.dirname(here)
     return missing
+
+
+def run_flags(overrides, coordinator_address=None, num_processes=None, process_id=None) -> list[str]:
+    """The ``--set`` overrides ``grpo run``'s options amount to, in the order applied."""
+    flags = list(overrides)
+    if coordinator_address is not None:
+        flags += ["distributed.mode=explicit", f"distributed.coordinator_address={coordinator_address}"]
+    if num_processes is not None:
+        flags.append(f"distributed.num_processes={num_processes}")
+    if process_id is not None:
+        flags.append(f"distributed.process_id={process_id}")
+    return flags
 
 
 def _remove_if_empty(created: list[str]) -> None:
