@@ -227,3 +227,13 @@ def test_set_switching_a_plugin_drops_the_files_options_for_the_old_one(caplog):
     # The file leaves the name at its default: switching from it drops that default's options.
     mesh = {"mesh": {"options": {"shape": "1,-1,1"}}, "model": {"source": "random", "random": {"preset": "tiny"}}}
     assert load_config(mesh, ["mesh.policy=host_local"]).mesh.policy == "host_local"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_show_progress_and_quickstarts_evaluate_as_documented(path):
+    """A newcomer sees the steps go by; the quickstarts evaluate every 50 steps, the
+    cadence their headers and the README quote their curves at."""
+    cfg = load_config(path)
+    assert cfg.logging.progress_bar
+    if path.name.startswith("quickstart"):
+        assert cfg.eval.every_n_steps == 50 and "every 50" in path.read_text()
