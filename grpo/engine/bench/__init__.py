@@ -6,8 +6,6 @@
   (:meth:`grpo.engine.training.update.UpdateStep.head_loss` through the builder's
   :func:`grpo.engine.programs.loss_program`), and its compiled memory.
 - ``memory``: an FSDP-sharded buffer against its all-gathered copy.
-- ``quickstart_curve``: the quickstart's held-out pass@1 curve as the README's table
-  (``python -m grpo.engine.bench.quickstart_curve``; a whole training run, not a program).
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.programs``
 and the rooms it builds on: ``grpo.engine.parallel``, ``grpo.engine.rollout``,

@@ -1,6 +1,6 @@
 """The quickstart's held-out curve, as the README's table:
 
-    python -m grpo.engine.bench.quickstart_curve [--steps 800] [--suite-xla]
+    python scripts/quickstart_curve.py [--steps 800] [--suite-xla]
 
 runs ``configs/quickstart.yaml`` (evaluated every 50 steps from step 0, no checkpoints,
 no plot) and prints the table of held-out greedy pass@1 in the README's format (steps
@@ -26,7 +26,7 @@ SUITE_XLA_FLAGS = (
 """tests/conftest.py's XLA flags (tests/_xla.py; a test keeps the two the same)."""
 
 ROW_LABEL = "held-out greedy pass@1 (11)"
-CONFIG = Path(__file__).resolve().parents[3] / "configs" / "quickstart.yaml"
+CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
 def format_table(curve: Mapping[int, float]) -> str:
@@ -87,7 +87,7 @@ def quickstart_curve(steps: int, config: str | os.PathLike = CONFIG) -> tuple[di
 def main(argv: list[str] | None = None) -> None:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m grpo.engine.bench.quickstart_curve", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python scripts/quickstart_curve.py", description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=800, help="Training steps (the quickstart's 800).")
     parser.add_argument("--suite-xla", action="store_true", help="The test suite's XLA setup (see the module docstring).")
     parser.add_argument("--config", default=str(CONFIG), help="The config (default configs/quickstart.yaml).")
