@@ -17,6 +17,8 @@ Rewards
     called once per completion (lists of one), since grpo scores completion by completion;
     its name in metrics is the function's ``__name__`` (``reward/<name>/mean``).
     ``reward_weights`` (TRL's argument of the same name) weighs them; default 1 each.
+    Evaluation counts a completion as solved (pass@k) when ``correct_reward`` (default:
+    the first function) scores at least 1; shaping rewards beside it do not decide that.
 
 Data
     ``data_files`` (local jsonl/json/csv/parquet per split, or ``session:NAME`` for a
@@ -82,6 +84,11 @@ class CustomOptions(PluginOptions):
         "or their message contents verbatim (false: TRL's rule for plain-text prompts).",
     )
     max_examples: int | None = Field(None, ge=1, le=100_000_000, description="Keep the first N examples of a split.")
+    correct_reward: str | None = Field(
+        None, min_length=1,
+        description="The reward (by metrics name) whose value >= 1 counts a completion as solved, for pass@k; "
+        "none = the first function in `rewards`.",
+    )
 
     @field_validator("rewards")
     @classmethod
@@ -246,6 +253,15 @@ class CustomTask(TaskPlugin):
         weights = options.reward_weights or [1.0] * len(names)
         return dict(zip(names, map(float, weights)))
 
+    def is_correct(self, reward_values: Mapping[str, float], *, options: BaseModel) -> bool:
+        options = _options(options)
+        name = options.correct_reward or next(iter(reward_values))
+        if name not in reward_values:
+            raise UserError(
+                f"task.options.correct_reward: no reward named {name!r}; the rewards are {', '.join(reward_values)}."
+            )
+        return reward_values[name] >= 1.0
+
     # ---- data
 
     def _open(self, split: str, options: CustomOptions) -> tuple[Any, str]:
@@ -278,9 +294,15 @@ class CustomTask(TaskPlugin):
         return examples
 
     def _check_required(self, options: CustomOptions, columns: Sequence[str] | None, label: str) -> None:
+        functions = self.reward_functions(options=options)
+        if options.correct_reward is not None and options.correct_reward not in functions:
+            raise UserError(
+                f"task.options.correct_reward: no reward named {options.correct_reward!r}; the rewards are "
+                f"{', '.join(functions)}."
+            )
         if columns is None:
             return
-        for i, (name, fn) in enumerate(self.reward_functions(options=options).items()):
+        for i, (name, fn) in enumerate(functions.items()):
             absent = [n for n in fn.required if n not in columns]  # type: ignore[attr-defined]
             if absent:
                 raise UserError(

@@ -71,6 +71,9 @@ def test_trl_reward_functions_work_unchanged_plain_text(rewards_module):
     ]
     assert scores.totals == [1.0 + 0.0 + 1.5, 0.0 + 1.0 + 0.5]
     assert sum(scores.errors.values()) == 0
+    assert scores.correct == [True, False]  # judged by the first function (correct_reward unset)
+    shaped = opts.model_copy(update={"correct_reward": "only_long"})
+    assert score_completions(task, shaped, examples, ["4", "wrong"]).correct == [False, False]
     assert render_prompt(task, opts, examples[0]) == "2+2="
 
 
@@ -131,6 +134,7 @@ def test_missing_columns_exit_2_naming_the_field(rewards_module, tmp_path):
         (dict(base, prompt_column="question", answer_column="solution"), "task.options.answer_column: the column"),
         (dict(base, prompt_column="question", rewards=["trl_style:match_solution"]),
          "task.options.rewards[0]: match_solution requires the argument(s) 'solution'"),
+        (dict(base, prompt_column="question", correct_reward="nope"), "task.options.correct_reward: no reward named"),
         (dict(base, prompt_column="question", rewards=["trl_style:needs_ids"]),
          "task.options.rewards[0]: needs_ids requires the argument(s) 'completion_ids'"),
     ]
