@@ -127,3 +127,21 @@ def test_the_api_raises_the_cli_s_user_errors(runs, tmp_path):
         grpo.load_config(QUICKSTART, reward_funcs=[exact])
     with pytest.raises(grpo.UserError, match="train_dataset: expected"):
         grpo.load_config(QUICKSTART, reward_funcs=[exact], train_dataset=42)
+
+
+def test_grpo_eval_and_grpo_evaluate_agree_on_the_same_checkpoint(runs):
+    """`grpo eval` of the CLI run and `grpo.evaluate` of the API run (bitwise the same
+    parameters, the same 8 eval rows from a file and from memory) report the same numbers,
+    for the latest checkpoint (step 3)."""
+    os.chdir(runs["root"])
+    (cli_dir,) = list((runs["root"] / "runs").iterdir())
+    evals = {"eval.num_examples": 8, "eval.batch_size": 8}
+    result = CliRunner().invoke(cli, ["eval", str(cli_dir), "--json", *_sets(evals),
+                                      "--set", "task.options.data_files.test=sums.jsonl"])
+    assert result.exit_code == 0, result.output
+    by_cli = json.loads(result.output[result.output.index("{"):])
+    by_api = grpo.evaluate(runs["api"].run_dir, overrides=evals, reward_funcs=[exact], eval_dataset=ROWS)
+    assert by_cli["step"] == by_api["step"] == 3 and by_cli["eval/num_prompts"] == 8
+    assert _strip([by_cli]) == _strip([by_api])
+    with pytest.raises(grpo.UserError, match="no checkpoint at step 1"):
+        grpo.evaluate(cli_dir, step=1)
