@@ -1,4 +1,5 @@
-"""``grpo run``, ``grpo export`` and ``grpo plot`` (imported lazily by the core CLI)."""
+"""``grpo run``, ``grpo eval``, ``grpo export``, ``grpo plot`` and ``grpo plan`` (imported
+lazily by the core CLI); run, eval and export are thin layers over :mod:`grpo.api`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import logging
 import sys
 
 import click
-import yaml
 
 from grpo.core.errors import UserError
 
@@ -16,70 +16,42 @@ _set_option = click.option(
 )
 
 
-def _configure_logging() -> None:
-    # Our own progress at INFO; other libraries' loggers only from WARNING up.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("grpo").setLevel(logging.INFO)
-
-
 @click.command("run")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=str),
               help="Run directory; resumes when it holds a checkpoint. Default: runs/<name>-<timestamp>.")
+@click.option("--resume", is_flag=True,
+              help="Continue the latest run of CONFIG in runs/ (its newest runs/<name>-<timestamp> with a checkpoint).")
 @_set_option
 @click.option("--coordinator-address", help="host:port of process 0 (sets distributed.mode=explicit).")
 @click.option("--num-processes", type=click.IntRange(min=1), help="Process count (distributed.num_processes).")
 @click.option("--process-id", type=click.IntRange(min=0), help="This process's id (distributed.process_id).")
-def run(config_path, run_dir, overrides, coordinator_address, num_processes, process_id) -> None:
+def run(config_path, run_dir, resume, overrides, coordinator_address, num_processes, process_id) -> None:
     """Train with the config in CONFIG (the same command on every host)."""
-    from grpo.core.config import load_config
+    from grpo import api
 
-    config = load_config(config_path, run_flags(overrides, coordinator_address, num_processes, process_id))
-    _configure_logging()
+    flags = run_flags(overrides, coordinator_address, num_processes, process_id)
+    api.load_config(config_path, flags)  # a bad config fails before logging and JAX start
+    api.configure_logging()
+    from grpo.engine.trainer import Interrupted
 
-    # The distributed runtime must start before anything asks JAX about devices.
-    from grpo.engine.parallel import distributed
-    from grpo.engine.runs import rundir
-    from grpo.engine.trainer import Interrupted, Trainer, default_run_dir
-
-    distributed.initialize(config.distributed)
-    # A string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x.
-    directory = run_dir if run_dir else str(default_run_dir(config, config_path))
-    created = [] if rundir.is_remote(directory) else _missing_dirs(directory)
     try:
-        # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
-        rundir.probe(directory)
-        _warn_if_config_changed(directory, config)
-        trainer = Trainer(config, directory)
-        summary = trainer.run()
+        result = api.train(config_path, overrides=flags, run_dir=run_dir, resume=resume)
     except Interrupted as stop:
-        if trainer.is_main:
+        if stop.is_main:
             click.echo(
                 f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
-                f"grpo run {config_path} --run-dir {directory}",
+                f"grpo run {config_path} --run-dir {stop.run_dir}",
                 err=True,
             )
         sys.exit(stop.exit_code)
-    except BaseException:
-        _remove_if_empty(created)
-        raise
-    if trainer.is_main:
-        final = summary.get("final") or {}
+    import jax
+
+    if jax.process_index() == 0:
         click.echo(
-            f"Done: {summary['steps']} steps in {directory} "
-            f"(last reward/mean {final.get('reward/mean', float('nan')):.4f})"
+            f"Done: {result.summary['steps']} steps in {result.run_dir} "
+            f"(last reward/mean {result.metrics.get('reward/mean', float('nan')):.4f})"
         )
-
-
-def _missing_dirs(directory: str) -> list[str]:
-    """``directory`` and those of its parents that do not exist yet, deepest first."""
-    import os
-
-    missing, here = [], os.path.abspath(directory)
-    while not os.path.exists(here) and os.path.dirname(here) != here:
-        missing.append(here)
-        here = os.path.dirname(here)
-    return missing
 
 
 def run_flags(overrides, coordinator_address=None, num_processes=None, process_id=None) -> list[str]:
@@ -94,32 +66,25 @@ def run_flags(overrides, coordinator_address=None, num_processes=None, process_i
     return flags
 
 
-def _remove_if_empty(created: list[str]) -> None:
-    """A run that stopped before writing anything (a config that fails validation against
-    the devices, a model that cannot be built) leaves none of the directories it made."""
-    import os
+@click.command("eval")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--step", type=int, help="Checkpoint step (default: the latest).")
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def evaluate(run_dir, step, overrides, as_json) -> None:
+    """Evaluate RUN_DIR's checkpoint on its eval split with its eval settings (--set eval.k=8
+    etc. change them); prints the metrics an evaluation during training logs."""
+    import json as _json
 
-    for directory in created:
-        try:
-            os.rmdir(directory)  # only ever removes an empty directory
-        except OSError:
-            return
+    from grpo import api
 
-
-def _warn_if_config_changed(directory: str, config) -> None:
-    from grpo.engine.runs import rundir
-
-    saved = rundir.path(directory) / "config.yaml"
-    if not saved.exists():
+    api.configure_logging()
+    metrics = api.evaluate(run_dir, step=step, overrides=list(overrides))
+    if as_json:
+        click.echo(_json.dumps(metrics, indent=2, default=float))
         return
-    old = yaml.safe_load(saved.read_text())
-    new = config.model_dump(mode="json")
-    old.get("train", {}).pop("steps", None)
-    new.get("train", {}).pop("steps", None)
-    if old != new:
-        logging.getLogger("grpo").warning(
-            "%s holds a run made with a different config; resuming with the new one", directory
-        )
+    for key, value in metrics.items():
+        click.echo(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
 
 
 @click.command("export")
@@ -134,9 +99,9 @@ def _warn_if_config_changed(directory: str, config) -> None:
 def export(run_dir, out_dir, step, adapter) -> None:
     """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR (LoRA runs: the
     adapters merged into the base, or with --adapter the adapters alone in PEFT format)."""
-    from grpo.engine.runs.export import export_run
+    from grpo import api
 
-    path = export_run(run_dir, out_dir, step=step, adapter=adapter)
+    path = api.export(run_dir, out_dir, step=step, adapter=adapter)
     click.echo(f"Exported to {path}")
 
 
