@@ -34,6 +34,7 @@ from grpo.core.contracts import (
     ToolCall,
     ToolCallFormat,
     Topology,
+    sequence_sum,
 )
 from grpo.core.errors import UserError
 from grpo.core.hookspecs import hookimpl
@@ -78,6 +79,7 @@ __all__ = [
     "__version__",
     "evaluate",
     "export",
+    "sequence_sum",
     "hookimpl",
     "load_config",
     "train",
