@@ -185,8 +185,11 @@ def test_engine_has_rooms_and_few_loose_modules():
 
 
 TESTS = Path(__file__).parent
-# Tests of the whole package or of the repository (configs/, configs/launch/) stay at the top.
-TOP_LEVEL_TESTS = {"test_architecture.py", "test_install.py", "test_launch_recipes.py", "test_quickstart_tools.py"}
+# Tests of the whole package (grpo.api is its top module) or of the repository (configs/,
+# configs/launch/) stay at the top.
+TOP_LEVEL_TESTS = {
+    "test_api.py", "test_architecture.py", "test_doc_commands.py", "test_install.py", "test_launch_recipes.py", "test_quickstart_tools.py",
+}
 
 
 def test_tests_mirror_the_package():

@@ -1,7 +1,7 @@
 """The ``grpo`` command line.
 
 User errors (:class:`grpo.UserError`) print one paragraph to stderr and exit 2, without
-a traceback. Heavy subcommands (run, plan, bench, model, task, export, plot) live in their own
+a traceback. Heavy subcommands (run, eval, plan, bench, model, task, export, plot) live in their own
 modules and are imported only when used, so ``grpo --help`` and ``grpo plugins list``
 never import JAX.
 """
@@ -21,6 +21,7 @@ from grpo.core.errors import UserError
 # name -> "module:attribute" of a click command or group, imported on first use.
 LAZY_COMMANDS: dict[str, str] = {
     "run": "grpo.engine.cli:run",
+    "eval": "grpo.engine.cli:evaluate",
     "export": "grpo.engine.cli:export",
     "plot": "grpo.engine.cli:plot",
     "plan": "grpo.engine.cli:plan",
@@ -30,6 +31,7 @@ LAZY_COMMANDS: dict[str, str] = {
 # One-line help for lazy commands, so `grpo --help` lists them without importing them.
 LAZY_HELP: dict[str, str] = {
     "run": "Train with a config (the same command on every host).",
+    "eval": "Evaluate a run's checkpoint on its eval split.",
     "export": "Write a run's trained policy as a Hugging Face directory.",
     "plot": "Plot reward and throughput of a run.",
     "plan": "Compile a run for a TPU pod without one: memory per chip, fit, roofline.",

@@ -16,6 +16,7 @@ variables except explicit ``${VAR}`` references.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 import re
 from pathlib import Path
@@ -632,6 +633,46 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return key.split("."), parsed
 
 
+SWITCHABLE: dict[str, tuple[str, str, str]] = {
+    **{kind: (section, field, OPTION_FIELDS.get(kind, "options")) for kind, (section, field) in PLUGIN_FIELDS.items()},
+    "attention": ("model", "attention", "attention_options"),
+}
+"""kind -> (section, name field, options field) of every plugin ``--set`` may switch."""
+
+
+def _default_name(section: str, field: str) -> Any:
+    info = RunConfig.model_fields[section]
+    model = info.annotation if isinstance(info.annotation, type) else None
+    return model.model_fields[field].default if model is not None and field in model.model_fields else None
+
+
+def drop_switched_options(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """Where ``--set`` switches a plugin (``--set rollout.style=legacy`` on a file that
+    says ``serving``), the file's options for that plugin belong to the old one: they are
+    dropped from ``data`` (in place) and named in the returned notes. Options set in the
+    same command stay, and are validated strictly against the new plugin."""
+    parsed = [parse_override(text) for text in overrides]
+    notes = []
+    for section, field, options_field in SWITCHABLE.values():
+        names = [value for parts, value in parsed if parts == [section, field]]
+        sec = data.get(section)
+        if not names or not isinstance(sec, dict):
+            continue
+        old = sec.get(field, _default_name(section, field))
+        options = sec.get(options_field)
+        if names[-1] == old or not isinstance(options, dict) or not options:
+            continue
+        del sec[options_field]
+        given = sorted({".".join(parts[2:]) for parts, _ in parsed if parts[:2] == [section, options_field]} - {""})
+        dropped = ", ".join(sorted(options))
+        kept = f"; the {', '.join(given)} given with --set stay" if given else ""
+        notes.append(
+            f"note: --set {section}.{field}={names[-1]} switches from {old!r}: the file's {section}.{options_field} "
+            f"for {old!r} ({dropped}) are dropped{kept}"
+        )
+    return notes
+
+
 def apply_overrides(data: dict[str, Any], overrides: list[str] | tuple[str, ...]) -> dict[str, Any]:
     for text in overrides:
         parts, value = parse_override(text)
@@ -886,6 +927,8 @@ def load_config(
     data = _interpolate(data, "", problems, os.environ if env is None else env)
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
+    for note in drop_switched_options(data, overrides):
+        logging.getLogger("grpo.config").warning(note)
     data = apply_overrides(data, overrides)
     try:
         config = RunConfig.model_validate(data)

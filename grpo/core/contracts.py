@@ -573,7 +573,7 @@ class EnvStep:
       reply); None or empty when the conversation is over;
     - ``done``: the episode is over (the rollout stops this row);
     - ``info``: counters and notes for metrics (``tool_calls``, ``tool_errors``,
-      ``tool_timeouts``: ints; anything else is ignored by the engine).
+      ``tool_timeouts``, ``tool_truncated``: ints; anything else is ignored by the engine).
     """
 
     messages: "Sequence[Message] | None"

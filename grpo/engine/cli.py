@@ -1,4 +1,5 @@
-"""``grpo run``, ``grpo export`` and ``grpo plot`` (imported lazily by the core CLI)."""
+"""``grpo run``, ``grpo eval``, ``grpo export``, ``grpo plot`` and ``grpo plan`` (imported
+lazily by the core CLI); run, eval and export are thin layers over :mod:`grpo.api`."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import logging
 import sys
 
 import click
-import yaml
 
 from grpo.core.errors import UserError
 
@@ -16,24 +16,46 @@ _set_option = click.option(
 )
 
 
-def _configure_logging() -> None:
-    # Our own progress at INFO; other libraries' loggers only from WARNING up.
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s", stream=sys.stderr)
-    logging.getLogger("grpo").setLevel(logging.INFO)
-
-
 @click.command("run")
 @click.argument("config_path", metavar="CONFIG", type=click.Path(dir_okay=True, path_type=str))
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=str),
               help="Run directory; resumes when it holds a checkpoint. Default: runs/<name>-<timestamp>.")
+@click.option("--resume", is_flag=True,
+              help="Continue the latest run of CONFIG in runs/ (its newest runs/<name>-<timestamp> with a checkpoint).")
 @_set_option
 @click.option("--coordinator-address", help="host:port of process 0 (sets distributed.mode=explicit).")
 @click.option("--num-processes", type=click.IntRange(min=1), help="Process count (distributed.num_processes).")
 @click.option("--process-id", type=click.IntRange(min=0), help="This process's id (distributed.process_id).")
-def run(config_path, run_dir, overrides, coordinator_address, num_processes, process_id) -> None:
+def run(config_path, run_dir, resume, overrides, coordinator_address, num_processes, process_id) -> None:
     """Train with the config in CONFIG (the same command on every host)."""
-    from grpo.core.config import load_config
+    from grpo import api
 
+    flags = run_flags(overrides, coordinator_address, num_processes, process_id)
+    api.load_config(config_path, flags)  # a bad config fails before logging and JAX start
+    api.configure_logging()
+    from grpo.engine.trainer import Interrupted
+
+    try:
+        result = api.train(config_path, overrides=flags, run_dir=run_dir, resume=resume)
+    except Interrupted as stop:
+        if stop.is_main:
+            click.echo(
+                f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
+                f"grpo run {config_path} --run-dir {stop.run_dir}",
+                err=True,
+            )
+        sys.exit(stop.exit_code)
+    import jax
+
+    if jax.process_index() == 0:
+        click.echo(
+            f"Done: {result.summary['steps']} steps in {result.run_dir} "
+            f"(last reward/mean {result.metrics.get('reward/mean', float('nan')):.4f})"
+        )
+
+
+def run_flags(overrides, coordinator_address=None, num_processes=None, process_id=None) -> list[str]:
+    """The ``--set`` overrides ``grpo run``'s options amount to, in the order applied."""
     flags = list(overrides)
     if coordinator_address is not None:
         flags += ["distributed.mode=explicit", f"distributed.coordinator_address={coordinator_address}"]
@@ -41,53 +63,28 @@ def run(config_path, run_dir, overrides, coordinator_address, num_processes, pro
         flags.append(f"distributed.num_processes={num_processes}")
     if process_id is not None:
         flags.append(f"distributed.process_id={process_id}")
-    config = load_config(config_path, flags)
-    _configure_logging()
-
-    # The distributed runtime must start before anything asks JAX about devices.
-    from grpo.engine.parallel import distributed
-    from grpo.engine.runs import rundir
-    from grpo.engine.trainer import Interrupted, Trainer, default_run_dir
-
-    distributed.initialize(config.distributed)
-    # A string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x.
-    directory = run_dir if run_dir else str(default_run_dir(config, config_path))
-    # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
-    rundir.probe(directory)
-    _warn_if_config_changed(directory, config)
-    trainer = Trainer(config, directory)
-    try:
-        summary = trainer.run()
-    except Interrupted as stop:
-        if trainer.is_main:
-            click.echo(
-                f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
-                f"grpo run {config_path} --run-dir {directory}",
-                err=True,
-            )
-        sys.exit(stop.exit_code)
-    if trainer.is_main:
-        final = summary.get("final") or {}
-        click.echo(
-            f"Done: {summary['steps']} steps in {directory} "
-            f"(last reward/mean {final.get('reward/mean', float('nan')):.4f})"
-        )
+    return flags
 
 
-def _warn_if_config_changed(directory: str, config) -> None:
-    from grpo.engine.runs import rundir
+@click.command("eval")
+@click.argument("run_dir", type=click.Path(file_okay=False, path_type=str))
+@click.option("--step", type=int, help="Checkpoint step (default: the latest).")
+@_set_option
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
+def evaluate(run_dir, step, overrides, as_json) -> None:
+    """Evaluate RUN_DIR's checkpoint on its eval split with its eval settings (--set eval.k=8
+    etc. change them); prints the metrics an evaluation during training logs."""
+    import json as _json
 
-    saved = rundir.path(directory) / "config.yaml"
-    if not saved.exists():
+    from grpo import api
+
+    api.configure_logging()
+    metrics = api.evaluate(run_dir, step=step, overrides=list(overrides))
+    if as_json:
+        click.echo(_json.dumps(metrics, indent=2, default=float))
         return
-    old = yaml.safe_load(saved.read_text())
-    new = config.model_dump(mode="json")
-    old.get("train", {}).pop("steps", None)
-    new.get("train", {}).pop("steps", None)
-    if old != new:
-        logging.getLogger("grpo").warning(
-            "%s holds a run made with a different config; resuming with the new one", directory
-        )
+    for key, value in metrics.items():
+        click.echo(f"{key}: {value:.4f}" if isinstance(value, float) else f"{key}: {value}")
 
 
 @click.command("export")
@@ -102,9 +99,9 @@ def _warn_if_config_changed(directory: str, config) -> None:
 def export(run_dir, out_dir, step, adapter) -> None:
     """Write RUN_DIR's trained policy as a Hugging Face directory OUT_DIR (LoRA runs: the
     adapters merged into the base, or with --adapter the adapters alone in PEFT format)."""
-    from grpo.engine.runs.export import export_run
+    from grpo import api
 
-    path = export_run(run_dir, out_dir, step=step, adapter=adapter)
+    path = api.export(run_dir, out_dir, step=step, adapter=adapter)
     click.echo(f"Exported to {path}")
 
 

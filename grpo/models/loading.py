@@ -516,23 +516,77 @@ def _copy_tokenizer(tokenizer_dir: str | os.PathLike, out: Path) -> None:
 # --------------------------------------------------------------------------- run config
 
 
-def resolve_attention(model_config: Any, mesh: Mesh | None = None) -> tuple[str, Any]:
+_CHECKED: dict[Any, str | None] = {}
+"""(kernel name, platform, kernel) -> why its start-up check failed, or None: each kernel
+is checked once per process and platform."""
+_WARNED: set[tuple[str, str]] = set()
+
+
+def resolve_attention(model_config: Any, mesh: Mesh | None = None, *, check: bool = False,
+                      architecture: Any = None) -> tuple[str, Any]:
     """``(name, attention_impl)`` of ``model.attention`` on ``mesh``'s platform (``auto``
     resolved): the :class:`~grpo.core.contracts.AttentionPlugin`'s kernel, or ``"xla"``
-    for the model's own attention. Raises ConfigError naming ``model.attention``."""
+    for the model's own attention. Raises ConfigError naming ``model.attention``.
+
+    ``check``: the kernel must first pass :func:`grpo.models.attention.self_check` on this
+    platform (once per process; ``grpo plan``, which only compiles for devices it does not
+    have, does not check). A kernel that fails is a UserError naming it when
+    ``model.attention`` names it; under ``auto`` it is replaced by ``xla`` with one warning.
+    ``architecture`` gives the check the model's head size."""
     from grpo.core.config import attention_plugin
 
     mesh = mesh if mesh is not None else default_mesh()
     platform = mesh.devices.flat[0].platform
     name, plugin, options = attention_plugin(model_config, platform)
     impl = plugin.build(options, platform=platform)
-    return name, ("xla" if impl is None else impl)
+    if impl is None:
+        return name, "xla"
+    reason = _kernel_check(name, platform, impl, model_config, mesh, architecture) if check else None
+    if reason is None:
+        return name, impl
+    where = f"the attention kernel {name!r} failed its start-up check on {platform}: {reason}"
+    if model_config.attention != "auto":
+        raise UserError(
+            f"model.attention={model_config.attention!r}: {where}. Set model.attention to 'xla' (the model's own "
+            "attention) or 'auto' (which falls back to xla)."
+        )
+    if (name, platform) not in _WARNED:  # one line per process, not one per model built
+        _WARNED.add((name, platform))
+        log.warning("model.attention=auto: %s; using xla instead", where)
+    return "xla", "xla"
+
+
+def _local_device(mesh: Mesh) -> Any:
+    here = jax.process_index()
+    return next((d for d in mesh.devices.flat if d.process_index == here), mesh.devices.flat[0])
+
+
+def _kernel_check(name: str, platform: str, impl: Any, model_config: Any, mesh: Mesh, architecture: Any) -> str | None:
+    from grpo.models.attention import self_check
+
+    try:
+        key: Any = (name, platform, impl)
+        hash(key)
+    except TypeError:
+        key = (name, platform)
+    if key not in _CHECKED:
+        head_dim = 64
+        if architecture is not None:
+            head_dim = architecture.head_dim or architecture.hidden_size // architecture.num_attention_heads
+        group = 2 if architecture is None else min(4, architecture.num_attention_heads // architecture.num_key_value_heads)
+        _CHECKED[key] = self_check(impl, dtype=DTYPES[model_config.compute_dtype], head_dim=head_dim,
+                                   heads=max(1, group), device=_local_device(mesh))
+    return _CHECKED[key]
 
 
 def build_model(model_config: Any, mesh: Mesh | None = None, *, seed: int = 0) -> Any:
     """The policy model of a run config's ``model`` section (:class:`grpo.core.config.ModelConfig`)."""
     mesh = mesh if mesh is not None else default_mesh()
-    _, attention = resolve_attention(model_config, mesh)
+    try:
+        arch = model_architecture(model_config)  # the check's head size; nothing downloaded
+    except UserError:
+        arch = None
+    _, attention = resolve_attention(model_config, mesh, check=True, architecture=arch)
     common = dict(
         param_dtype=model_config.param_dtype, compute_dtype=model_config.compute_dtype, remat=model_config.remat,
         attention_impl=attention,

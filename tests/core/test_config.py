@@ -208,3 +208,43 @@ def test_packing_bin_length_shorter_than_a_sequence_is_refused():
     [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
     assert "train.packing.bin_length=95" in problem and "96" in problem
     assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96
+
+
+def test_set_switching_a_plugin_drops_the_files_options_for_the_old_one(caplog):
+    """``--set rollout.style=legacy`` on a recipe with serving options: those options are
+    dropped with one note naming them; options given in the same command stay and are
+    validated strictly against the new plugin; an unchanged name drops nothing."""
+    import logging
+
+    recipe = ROOT / "configs/gsm8k_qwen25_3b_v6e8.yaml"
+    with caplog.at_level(logging.WARNING, logger="grpo.config"):
+        cfg = load_config(recipe, ["rollout.style=legacy"])
+    assert cfg.rollout.style == "legacy" and cfg.rollout.options == {}
+    [note] = [r.getMessage() for r in caplog.records]
+    assert "rollout.style=legacy" in note and "'serving'" in note and "(tensor_parallel)" in note
+    caplog.clear()
+    with pytest.raises(ConfigError, match="rollout.options.tensor_parallel: unknown field"):
+        load_config(recipe, ["rollout.options.tensor_parallel=2", "rollout.style=legacy"])
+    assert load_config(recipe, ["rollout.style=serving"]).rollout.options["tensor_parallel"] == 4
+    data = {"model": {"source": "random", "random": {"preset": "tiny"}, "attention": "splash",
+                      "attention_options": {"block_q": 256}}}
+    # Attention options for splash, switched to pallas_gpu with one of its own options.
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="grpo.config"):
+        cfg = load_config(data, ["model.attention=pallas_gpu", "model.attention_options.block_k=32"])
+    assert cfg.model.attention_options == {"block_k": 32}
+    [note] = [r.getMessage() for r in caplog.records]
+    assert "model.attention_options" in note and "(block_q)" in note and "block_k given with --set stay" in note
+    # The file leaves the name at its default: switching from it drops that default's options.
+    mesh = {"mesh": {"options": {"shape": "1,-1,1"}}, "model": {"source": "random", "random": {"preset": "tiny"}}}
+    assert load_config(mesh, ["mesh.policy=host_local"]).mesh.policy == "host_local"
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_shipped_configs_show_progress_and_quickstarts_evaluate_as_documented(path):
+    """A newcomer sees the steps go by; the quickstarts evaluate every 50 steps, the
+    cadence their headers and the README quote their curves at."""
+    cfg = load_config(path)
+    assert cfg.logging.progress_bar
+    if path.name.startswith("quickstart"):
+        assert cfg.eval.every_n_steps == 50 and "every 50" in path.read_text()

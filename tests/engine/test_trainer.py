@@ -210,6 +210,34 @@ def test_quickstart_learns_held_out_sums():
     curve = {r["step"]: r["eval/pass@1"] for r in rows}
     assert sorted(curve) == list(range(0, 351, 50)) and curve[0] == 0.0, curve
     assert curve[350] >= 0.5 and curve[350] >= constant + 0.25, (curve, constant)
+    # The README's table (python scripts/quickstart_curve.py --suite-xla, this
+    # run's setup) agrees with the code up to step 350: a numeric change updates it or fails.
+    readme = _curve_script().parse_table((ROOT / "README.md").read_text())
+    early = {step: value for step, value in readme.items() if step <= 350}
+    assert early and early == {step: round(curve[step], 2) for step in early}, (early, curve)
+
+
+def _curve_script():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quickstart_curve", ROOT / "scripts" / "quickstart_curve.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_quickstart_curve_command_runs_under_the_suites_xla_setup():
+    """`--suite-xla` sets the flags this suite runs under (tests/conftest.py, _xla.py),
+    and the table it prints reads back as the curve it was given."""
+    from _xla import CPU_FAST_COMPILE
+
+    script = _curve_script()
+    SUITE_XLA_FLAGS, format_table, parse_table = script.SUITE_XLA_FLAGS, script.format_table, script.parse_table
+    assert set(SUITE_XLA_FLAGS.split()) == {"--xla_force_host_platform_device_count=8", *CPU_FAST_COMPILE.split()}
+    curve = {0: 0.0, 50: 0.0, 100: 0.27, 150: 0.36, 200: 0.36, 250: 0.45}
+    table = format_table(curve)
+    assert table.splitlines()[0].split("|")[2:-1] == [" 0-50 ", " 100  ", " 150-200 ", " 250  "]
+    assert parse_table(table) == curve
 
 
 def test_copy_task_rules_out_a_conditioning_bug():

@@ -256,3 +256,71 @@ def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
 def test_model_with_kernel_on_packed_sequences_equals_each_alone(kernel, shape):
     # The kernels read the packed segment ids (splash under shard_map on a 2x2x2 mesh).
     assert packed_vs_alone(_model("llama_untied", kernel, shape), lengths=(5, 7, 4, 3, 6), bin_length=16) <= 1e-4
+
+
+# --------------------------------------------------------------------------- start-up self-check
+
+
+def test_self_check_passes_the_kernels_and_names_what_is_wrong():
+    """The check itself, against the reference (f32 and bf16) and broken kernels (the
+    built-in kernels pass it in every trainer step below: build_model checks them)."""
+    from grpo.models.attention import self_check
+
+    assert self_check(reference_attention, head_dim=16) is None
+    assert self_check(reference_attention, dtype=jnp.bfloat16, head_dim=16) is None
+
+    def scaled(q, k, v, s, *, scale):  # a wrong scale: the softmax sharpens
+        return reference_attention(q, k, v, s, scale=2 * scale)
+
+    def leaks_gradient(q, k, v, s, *, scale):  # right values, no gradient into k
+        return reference_attention(q, jax.lax.stop_gradient(k), v, s, scale=scale)
+
+    assert "outputs differ from the XLA reference" in self_check(scaled, head_dim=16)
+    assert self_check(leaks_gradient, head_dim=16).startswith("its dk differ")
+
+
+@pytest.fixture
+def fresh_checks(monkeypatch):
+    """No kernel checked yet in this process (the check is cached per process)."""
+    from grpo.models import loading
+
+    monkeypatch.setattr(loading, "_CHECKED", {})
+    monkeypatch.setattr(loading, "_WARNED", set())
+    return loading._CHECKED
+
+
+@pytest.mark.parametrize("kernel, reason", [
+    ("uncompilable", "it failed to compile or run (RuntimeError: Mosaic failed to compile the kernel: unsupported "
+                     "block shape)"),
+    ("wrong", "its outputs differ from the XLA reference's"),
+])
+def test_a_third_party_kernel_that_fails_its_check(kernel, reason, example_plugin, fresh_checks, monkeypatch, caplog):
+    """Named explicitly: exit 2 naming the kernel and why. Under ``auto`` (made to pick it
+    on CPU): xla, with one warning line naming it. Checked once per process and platform."""
+    import logging
+
+    from grpo.core import contracts
+    from grpo.core.errors import UserError
+    from grpo.models import attention as attention_mod
+    from grpo.models.loading import build_model
+
+    calls = []
+    real_check = attention_mod.self_check
+    monkeypatch.setattr(attention_mod, "self_check", lambda *a, **kw: calls.append(1) or real_check(*a, **kw))
+    one = jax.make_mesh((1, 1, 1), ("dp", "fsdp", "tp"), devices=jax.devices()[:1])
+    cfg = load_config(BASE, [f"model.attention={kernel}"])
+    with pytest.raises(UserError) as err:
+        build_model(cfg.model, one)
+    assert err.value.exit_code == 2
+    assert f"model.attention={kernel!r}: the attention kernel {kernel!r} failed its start-up check on cpu" in str(err.value)
+    assert reason in str(err.value) and "second line" not in str(err.value)
+    monkeypatch.setitem(contracts.AUTO_ATTENTION, "cpu", kernel)
+    with caplog.at_level(logging.WARNING, logger="grpo"):
+        for _ in range(2):
+            model = build_model(load_config(BASE).model, one)
+            assert model.attention_impl == "xla"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "\n" not in warnings[0]  # one line, however many models are built
+    assert warnings[0].startswith(f"model.attention=auto: the attention kernel {kernel!r} failed its start-up check")
+    assert warnings[0].endswith("using xla instead") and reason in warnings[0]
+    assert len(calls) == 1  # checked once: the explicit build, the auto builds read the cache

@@ -93,6 +93,13 @@ class TpuTopology:
     chips: int
     kwargs: tuple[tuple[str, Any], ...]  # extra get_topology_desc arguments
 
+    def hosts(self) -> tuple[int, int]:
+        """``(processes, devices per process)`` of the slice by the rule above (one JAX
+        device per chip), without libtpu: what ``grpo config validate --processes P
+        --local-devices L`` checks a plan's topology as."""
+        per_host = self.chips if self.chip.generation in ("v6e", "v5e") and self.chips <= 8 else min(4, self.chips)
+        return self.chips // per_host, per_host
+
     def devices(self) -> list[Any]:
         """The pod's devices (``TpuDevice`` with process indices), from libtpu."""
         require_libtpu()

@@ -72,10 +72,14 @@ from jax.sharding import NamedSharding, PartitionSpec
 from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout._sampling import row_keys, step_keys
+from grpo.engine.rollout.tools.environment import safe_step
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, run_chunks
 from grpo.models.decoder import KVCache
 
 log = logging.getLogger(__name__)
+
+TOOL_COUNTERS = ("tool_calls", "tool_errors", "tool_timeouts", "tool_truncated")
+"""The environments' ``info`` counters an episode sums per row (in :class:`Episodes`'s order)."""
 
 Render = Callable[[Sequence[Mapping[str, Any]], Mapping[str, Any], bool], str]
 """``render(messages, tools, add_generation_prompt) -> text``: the chat template of the
@@ -104,6 +108,7 @@ class Episodes:
     tool_calls: np.ndarray  # [b] int32
     tool_errors: np.ndarray  # [b] int32
     tool_timeouts: np.ndarray  # [b] int32
+    tool_truncated: np.ndarray  # [b] int32 tool results cut to fit (MAX_RESULT_CHARS)
     tools_s: float = 0.0  # wall time of the environments' steps, summed over turns
     append_s: float = 0.0  # wall time of rendering + the append programs
     turn_s: list[float] = dataclasses.field(default_factory=list)  # each turn's decode
@@ -162,9 +167,9 @@ class _Talk:
     def open(cls, envs: Sequence[Environment], openings: Sequence[list[dict[str, Any]]], render: Render,
              tokenizer: Any, *, eos: set[int]) -> "_Talk":
         b = len(envs)
-        counts = {k: np.zeros(b, np.int32) for k in ("turns", "tool_calls", "tool_errors", "tool_timeouts")}
+        counts = {k: np.zeros(b, np.int32) for k in ("turns",) + TOOL_COUNTERS}
         ep = Episodes([list(m) for m in openings], [[] for _ in range(b)], [""] * b, counts["turns"],
-                      counts["tool_calls"], counts["tool_errors"], counts["tool_timeouts"])
+                      *(counts[k] for k in TOOL_COUNTERS))
         return cls(render=render, tokenizer=tokenizer, eos=eos, envs=envs,
                    context=[render(m, env.tools, True) for m, env in zip(openings, envs)],
                    pieces=[[] for _ in range(b)], used=np.zeros(b, np.int64), active=np.ones(b, bool),
@@ -211,9 +216,8 @@ class _Talk:
         ep = self.episodes
         appends: dict[int, list[int]] = {}
         for r, res in zip(stepping, steps):
-            for key, into in (("tool_calls", ep.tool_calls), ("tool_errors", ep.tool_errors),
-                              ("tool_timeouts", ep.tool_timeouts)):
-                into[r] += int(res.info.get(key, 0) or 0)
+            for key in TOOL_COUNTERS:
+                getattr(ep, key)[r] += int(res.info.get(key, 0) or 0)
             reply = [dict(m) for m in (res.messages or ())]
             if res.done or not reply:
                 self.active[r] = False
@@ -466,7 +470,7 @@ class MultiTurnSampler(BaseSampler):
                 stepping = talk.record_turn(out, budget, last=turn == self.max_turns - 1)
 
                 t1 = time.perf_counter()
-                steps: list[EnvStep] = list(pool.map(lambda r: envs[r].step(talk.last_text[r]), stepping))
+                steps: list[EnvStep] = list(pool.map(lambda r: safe_step(envs[r], talk.last_text[r]), stepping))
                 talk.episodes.tools_s += time.perf_counter() - t1
 
                 t2 = time.perf_counter()

@@ -44,8 +44,8 @@ from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_comple
 
 @dataclasses.dataclass
 class ToolTotals:
-    """The tool counters of a step's rounds: ``counts`` [4] (model turns, tool calls,
-    errors, timeouts) over every process's rows (a replicated device array), the rows
+    """The tool counters of a step's rounds: ``counts`` [5] (model turns, tool calls,
+    errors, timeouts, results cut to fit) over every process's rows (a replicated device array), the rows
     rolled out, and this process's host seconds in the environments and in rendering +
     appends."""
 
@@ -191,7 +191,8 @@ class StepCollector:
                                 None if ep is None else ep.turns[:k])
         tools = None
         if ep is not None:
-            counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts], axis=1)
+            counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts, ep.tool_truncated],
+                              axis=1)
             counts = self.programs.row_sums(to_global(counts.astype(np.int32), self.programs.rollout_sharding))
             tools = ToolTotals(counts, out.tokens.shape[0], ep.tools_s, ep.append_s)
         return _Round(out, totals, by_fn, errors, seconds, tools, group)

@@ -64,12 +64,14 @@ def epoch_summary(epochs: list[dict[str, Any]], off_policy_prefixes: tuple[str, 
 
 def tool_metrics(totals: Any, rows: int) -> dict[str, float]:
     """A step's tool metrics from its counters summed over every row rolled out:
-    ``totals`` = (model turns, tool calls, tool errors, tool timeouts)."""
-    turns, calls, errors, timeouts = (float(x) for x in totals)
+    ``totals`` = (model turns, tool calls, tool errors, tool timeouts, tool results cut
+    to fit the tool message)."""
+    turns, calls, errors, timeouts, truncated = (float(x) for x in totals)
     return {
         "tools/calls_per_sample": calls / rows,
         "tools/errors": errors,
         "tools/timeouts": timeouts,
+        "tools/truncated": truncated,
         "turns/mean": turns / rows,
     }
 

@@ -294,8 +294,48 @@ def write_figure(fig: Any, out: str | os.PathLike, **savefig: Any) -> epath.Path
     return target
 
 
+# ---------------------------------------------------------------------------- earlier runs
+
+STAMP_RE = r"\d{8}-\d{6}"
+"""The timestamp of a default run directory name, ``<name>-YYYYmmdd-HHMMSS``."""
+
+
+def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
+    """The steps of the finished checkpoints in ``run_dir/checkpoints`` (Orbax renames a
+    step's directory to its bare number only once it is complete), ascending."""
+    base = path(run_dir) / "checkpoints"
+    try:
+        if not base.exists():
+            return []
+        return sorted(int(p.name) for p in base.iterdir() if p.name.isdigit())
+    except FileNotFoundError:
+        return []
+
+
+def latest_run(parent: str | os.PathLike, name: str) -> tuple[epath.Path, int] | None:
+    """``(directory, step)`` of the newest default-named run of ``name`` under ``parent``
+    (``runs/<name>-<timestamp>``) that holds a checkpoint, and its latest step; None when
+    there is none. Newest by the timestamp in the name, so copying a folder keeps order."""
+    import re
+
+    base = path(parent)
+    if not base.exists():
+        return None
+    pattern = re.compile(re.escape(name) + "-(" + STAMP_RE + ")$")
+    found = sorted(
+        ((m.group(1), p) for p in base.iterdir() if (m := pattern.match(p.name))), key=lambda t: t[0], reverse=True
+    )
+    for _stamp, directory in found:
+        steps = checkpoint_steps(directory)
+        if steps:
+            return directory, steps[-1]
+    return None
+
+
 __all__ = [
     "JsonlLog",
+    "checkpoint_steps",
+    "latest_run",
     "SEGMENT_ROWS",
     "SEGMENT_SECONDS",
     "exists",

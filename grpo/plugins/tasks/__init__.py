@@ -1,4 +1,5 @@
-"""Built-in tasks: ``gsm8k``, ``arithmetic`` and ``lookup``.
+"""Built-in tasks: ``gsm8k``, ``arithmetic``, ``lookup`` and ``custom`` (your reward
+functions by import path, TRL's convention, on your dataset).
 
 The task-independent machinery the engine uses with any task is the engine's: prompt
 rendering (:mod:`grpo.engine.rollout.prompts`), scoring with a task's reward functions
@@ -10,12 +11,15 @@ JAX or transformers.
 
 from grpo.core.hookspecs import hookimpl
 from grpo.plugins.tasks._arithmetic import ArithmeticOptions, ArithmeticTask
+from grpo.plugins.tasks._custom import CustomOptions, CustomTask
 from grpo.plugins.tasks._gsm8k import GSM8KOptions, GSM8KTask, LoadStats, extract_answer, parse_ground_truth
 from grpo.plugins.tasks._lookup import LookupOptions, LookupTask
 
 __all__ = [
     "ArithmeticOptions",
     "ArithmeticTask",
+    "CustomOptions",
+    "CustomTask",
     "GSM8KOptions",
     "GSM8KTask",
     "LoadStats",
@@ -31,3 +35,4 @@ def register_tasks(register):
     register(GSM8KTask())
     register(ArithmeticTask())
     register(LookupTask())
+    register(CustomTask())

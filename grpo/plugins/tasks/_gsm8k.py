@@ -42,14 +42,20 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from pathlib import Path
 from typing import Any, ClassVar, Iterable, Literal, Mapping
 
 from pydantic import BaseModel, Field, field_validator
 
 from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
-from grpo.plugins.tasks._common import coerce_options, UnparseableAnswer, merge_weights, require_text, shorten
+from grpo.plugins.tasks._common import (
+    UnparseableAnswer,
+    coerce_options,
+    merge_weights,
+    open_split,
+    require_text,
+    shorten,
+)
 from grpo.plugins.tasks._numbers import NumberToken, canonical, last_number, only_number, parse_number
 
 log = logging.getLogger("grpo.tasks.gsm8k")
@@ -57,7 +63,6 @@ log = logging.getLogger("grpo.tasks.gsm8k")
 DEFAULT_WEIGHTS: dict[str, float] = {"correct": 1.0, "format": 0.2, "tags": 0.0}
 
 _TAG_RE = r"^[A-Za-z][A-Za-z0-9_.-]*$"
-_LOCAL_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 
 
 class GSM8KOptions(PluginOptions):
@@ -290,52 +295,10 @@ class GSM8KTask(TaskPlugin):
         return {"question": question, "answer": answer, "ground_truth": gt}
 
     def _open(self, split: str, options: GSM8KOptions):
-        try:
-            import datasets
-        except ImportError as err:  # pragma: no cover - a declared dependency
-            raise UserError(f"The gsm8k task needs the `datasets` package: {err}") from None
-        if options.data_files is not None:
-            if split not in options.data_files:
-                raise UserError(
-                    f"task.options.data_files has no {split!r} split (it has: {', '.join(options.data_files)}). "
-                    f"Add one, e.g. --set task.options.data_files.{split}=path/to/{split}.jsonl"
-                )
-            raw = options.data_files[split]
-            paths = [raw] if isinstance(raw, str) else list(raw)
-            builders = set()
-            for p in paths:
-                path = Path(p).expanduser()
-                if not path.is_file():
-                    raise UserError(f"task.options.data_files[{split!r}]: {p!r} is not a file.")
-                suffix = path.suffix.lower()
-                if suffix not in _LOCAL_BUILDERS:
-                    raise UserError(
-                        f"task.options.data_files[{split!r}]: {p!r} has an unsupported extension; "
-                        f"use one of {', '.join(_LOCAL_BUILDERS)}."
-                    )
-                builders.add(_LOCAL_BUILDERS[suffix])
-            if len(builders) > 1:
-                raise UserError(f"task.options.data_files[{split!r}] mixes file types: {paths}")
-            try:
-                ds = datasets.load_dataset(
-                    builders.pop(), data_files={split: [str(Path(p).expanduser()) for p in paths]}, split=split
-                )
-            except Exception as err:  # noqa: BLE001 - the user's file; say which and why
-                raise UserError(
-                    f"Could not read task.options.data_files[{split!r}] ({', '.join(paths)}): "
-                    f"{type(err).__name__}: {shorten(str(err), 400)}"
-                ) from None
-            return ds, f"split {split!r} ({', '.join(paths)})"
-        try:
-            ds = datasets.load_dataset(options.dataset, options.config_name, split=split)
-        except Exception as err:  # noqa: BLE001 - network, hub or cache trouble
-            raise UserError(
-                f"Could not load dataset {options.dataset!r} (config {options.config_name!r}, split {split!r}): "
-                f"{type(err).__name__}: {shorten(str(err), 300)}. Without access to the Hugging Face hub, "
-                "point the task at local files: set task.options.data_files, e.g. "
-                "{train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}."
-            ) from None
-        return ds, f"split {split!r} of {options.dataset}"
+        return open_split(
+            split, dataset=options.dataset, config_name=options.config_name, data_files=options.data_files,
+            task="gsm8k", example_files="{train: gsm8k/train.jsonl, test: gsm8k/test.jsonl}",
+        )
 
     def load_with_stats(self, *, split: str, options: BaseModel, seed: int = 0) -> tuple[list[dict[str, Any]], LoadStats]:
         """:meth:`load`, plus how many rows were read and skipped."""

@@ -208,7 +208,7 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
         assert summary["reward_errors"] == {"length": sum(per_process)}
     if model == "tools":
         for got, ref in zip(rows, want):
-            for key in ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "turns/mean"):
+            for key in ("tools/calls_per_sample", "tools/errors", "tools/timeouts", "tools/truncated", "turns/mean"):
                 assert got[key] == ref[key], (key, got[key], ref[key])
         assert max(r["turns/mean"] for r in want) > 1 and max(r["tools/calls_per_sample"] for r in want) > 0
         evals, want_evals = read_eval(run_dir), read_eval(single_dir)

@@ -297,6 +297,7 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     [row] = rows
     assert row["tools/calls_per_sample"] == 4.0
     assert row["tools/errors"] == 16.0 and row["tools/timeouts"] == 16.0  # every row's raise and hang
+    assert row["tools/truncated"] == 16.0  # every row's flood
     assert row["turns/mean"] == 2.0
     assert row["time/train/tools_s"] >= 0.3 and row["time/train/append_s"] > 0
     # The trainer's log-probs of the model's tokens (tool replies between them) are the sampler's.

@@ -322,3 +322,36 @@ def test_cli_on_a_bucket_says_where_it_starts_saves_and_resumes(gcs, tmp_path):
     assert f"Resuming from the checkpoint at step {saved} in {run_dir}/checkpoints" in out
     assert f"Done: {saved + 2} steps in {run_dir}" in out
     assert [r["step"] for r in read_metrics(run_dir)][-1] == saved + 2
+
+
+def test_a_config_that_fails_against_the_devices_leaves_no_run_directory(tmp_path):
+    """Validation that needs the devices (here: prompts that do not divide over them) runs
+    after the run directory is probed; the directories the run made are removed."""
+    run_dir = tmp_path / "runs" / "nested" / "bad"
+    result = CliRunner().invoke(cli, ["run", str(_tiny_yaml(tmp_path)), "--run-dir", str(run_dir),
+                                      "--set", "train.prompts_per_step=3"])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert not (tmp_path / "runs").exists()
+    existing = tmp_path / "kept"
+    existing.mkdir()  # a directory the user made is theirs, empty or not
+    result = CliRunner().invoke(cli, ["run", str(_tiny_yaml(tmp_path)), "--run-dir", str(existing),
+                                      "--set", "train.prompts_per_step=3"])
+    assert result.exit_code == 2 and existing.is_dir()
+
+
+def test_latest_run_is_the_newest_default_named_run_with_a_checkpoint(tmp_path):
+    from grpo.engine.runs.rundir import checkpoint_steps, latest_run
+
+    runs = tmp_path / "runs"
+    assert latest_run(runs, "q") is None
+    for name, steps in [("q-20260101-000000", ["4"]), ("q-20260102-000000", ["2", "6", "8.orbax-checkpoint-tmp-1"]),
+                        ("q-20260103-000000", []), ("q-x-20260104-000000", ["9"]), ("qq-20260105-000000", ["9"]),
+                        ("custom-dir", ["9"])]:
+        for s in steps or [None]:
+            (runs / name / "checkpoints" / (s or "")).mkdir(parents=True, exist_ok=True)
+    # The newest (03) has no finished checkpoint; other names (q-x, qq, custom) are other configs.
+    directory, step = latest_run(runs, "q")
+    assert directory.name == "q-20260102-000000" and step == 6
+    assert checkpoint_steps(runs / "q-20260102-000000") == [2, 6]
+    assert latest_run(runs, "q-x")[0].name == "q-x-20260104-000000"

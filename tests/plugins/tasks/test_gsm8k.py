@@ -354,3 +354,30 @@ def test_package_import_is_light():
         "assert not heavy, heavy\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_tiny_cpu_recipe_prompt_limit_keeps_its_sample():
+    """configs/gsm8k_tiny_cpu.yaml (validated with every config in tests/core/test_config.py;
+    its 2-step run, ~80 s on 2 shared cores, is too slow for the suite): every prompt of the
+    shipped GSM8K sample fits its rollout.max_prompt_length in the tiny byte-level
+    tokenizer with the chat template, and 256 would keep none of them."""
+    from pathlib import Path
+
+    from transformers import AutoTokenizer
+
+    from grpo.core.config import load_config
+    from grpo.engine.rollout.prompts import render_prompt
+    from grpo.plugins.tasks import GSM8KOptions
+    from grpo.models.tiny import write_tiny_tokenizer
+
+    root = Path(__file__).parents[3]
+    cfg = load_config(root / "configs" / "gsm8k_tiny_cpu.yaml")
+    task, opts = GSM8KTask(), GSM8KOptions.model_validate(cfg.task.options)
+    files = {split: str(root / path) for split, path in opts.data_files.items()}
+    opts = opts.model_copy(update={"data_files": files})
+    import tempfile
+
+    tok = AutoTokenizer.from_pretrained(write_tiny_tokenizer(tempfile.mkdtemp()))
+    for split in ("train", "test"):
+        lengths = [len(tok(render_prompt(task, opts, ex, tok))["input_ids"]) for ex in task.load(split=split, options=opts)]
+        assert max(lengths) <= cfg.rollout.max_prompt_length and min(lengths) > 256, (split, max(lengths))

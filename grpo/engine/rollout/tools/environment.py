@@ -20,11 +20,14 @@ back to the model, and is counted in the step's ``info``:
 - a malformed call (bad JSON, no name, arguments not an object) or an unknown tool name:
   ``error: ...``, counted in ``tool_errors``;
 - a tool that raises (wrong arguments included): ``error: ValueError: ...``,
-  ``tool_errors``;
+  ``tool_errors``; ``SystemExit`` (argparse on bad input) and ``KeyboardInterrupt``
+  raised by a tool alike: only a signal to the process (which Python delivers to the
+  main thread, never to a tool's) stops the run;
 - a tool still running after ``timeout_s``: ``error: the tool did not answer within X s``,
   ``tool_timeouts``;
-- a result that is not a string: JSON (``str()`` when it is not JSON-serialisable); a
-  result longer than :data:`MAX_RESULT_CHARS`: cut there, with a note saying how long it
+- a result that is not a string: JSON (``str()`` when it is not JSON-serialisable or is
+  nested too deeply), rendered on the tool's thread inside its timeout; a result whose
+  ``str()`` raises, or recurses too deeply: ``error: ...``, ``tool_errors``; a result longer than :data:`MAX_RESULT_CHARS`: cut there, with a note saying how long it
   was (``tool_truncated``), so one tool cannot flood the context.
 
 ``tool_calls`` counts every call the model attempted, malformed ones included.
@@ -34,6 +37,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
 import queue
 import threading
 import time
@@ -43,22 +47,56 @@ from grpo.core.contracts import Environment, EnvStep, Message, TaskPlugin, ToolC
 from grpo.engine.rollout.tools.formats import tool_call_format
 from grpo.engine.rollout.tools.schema import check_tools, tool_schemas
 
+log = logging.getLogger(__name__)
+
 MAX_RESULT_CHARS = 1000
 _STEP_WORKERS = 32
 
 
 def _as_text(result: Any) -> str:
+    """The tool message's text of a result: a string as is, else JSON, else ``str()``.
+    Runs the result's own code (``__str__``, a ``default`` encoder's walk of a deep
+    structure), so it runs on the tool's thread, inside its timeout and its ``try``."""
     if isinstance(result, str):
-        return result
+        return str.__str__(result)  # a plain str: a subclass's own methods never run again
     try:
         return json.dumps(result, ensure_ascii=False)
-    except (TypeError, ValueError):
-        return str(result)
+    except (TypeError, ValueError, RecursionError):
+        return str.__str__(str(result))
 
 
 def _describe(err: BaseException) -> str:
-    text = str(err)
-    return f"error: {type(err).__name__}: {text}" if text else f"error: {type(err).__name__}"
+    """``error: Type: message``; an exception whose ``str()`` itself raises (or recurses)
+    is named by its type alone."""
+    try:
+        text = str.__str__(str(err))
+    except BaseException:  # noqa: BLE001 - the tool's own object, never trusted
+        text = "(its message could not be read)"
+    try:
+        kind = str.__str__(type(err).__name__)
+    except BaseException:  # noqa: BLE001
+        kind = "exception"
+    return f"error: {kind}: {text}" if text else f"error: {kind}"
+
+
+class _Failed(str):
+    """A tool call's error message (a call that raised, even ``SystemExit`` or
+    ``KeyboardInterrupt``): the worker hands the model its description instead of
+    re-raising it in the rollout's thread, where it would end the run."""
+
+
+def _call(fn: ToolFn, arguments: Mapping[str, Any]) -> str:
+    """Run one call and render its result on the tool's thread: the text for the model,
+    or a :class:`_Failed` message. Nothing the tool or its result does escapes (a
+    ``SystemExit`` from argparse, a ``KeyboardInterrupt`` raised by the tool, a ``str()``
+    that raises, a result nested past the recursion limit)."""
+    try:
+        return _as_text(fn(**arguments))
+    except BaseException as err:  # noqa: BLE001 - reported to the model, never raised
+        try:
+            return _Failed(_describe(err))
+        except BaseException:  # noqa: BLE001
+            return _Failed("error: the tool failed")
 
 
 class _Workers:
@@ -94,10 +132,7 @@ class _Workers:
                         self.idle -= 1
                         return
                 continue
-            try:
-                future.set_result(fn(**arguments))
-            except BaseException as err:  # noqa: BLE001 - reported to the model, never raised
-                future.set_exception(err)
+            future.set_result(_call(fn, arguments))  # never raises: see _call
             del future, fn, arguments
             with self._lock:
                 self.idle += 1
@@ -178,17 +213,39 @@ class ToolEnvironment(Environment):
 
     def _collect(self, future: concurrent.futures.Future, *, deadline: float) -> tuple[str, str]:
         """(the tool message's content, the info counter it adds to or '')."""
+        # Only a timeout can be raised here: the worker hands back text, never the tool's
+        # exception. A KeyboardInterrupt raised while waiting is the process's own SIGINT
+        # (signals reach the main thread only), and ends the run as it should.
         try:
-            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+            text = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except concurrent.futures.TimeoutError:
             return f"error: the tool did not answer within {self.timeout_s:g} s", "tool_timeouts"
-        except Exception as err:  # noqa: BLE001 - the tool's own error, told to the model
-            return _describe(err), "tool_errors"
-        text = _as_text(result)
+        if isinstance(text, _Failed):
+            return str.__str__(text), "tool_errors"
         if len(text) > MAX_RESULT_CHARS:
             note = f"... [cut: the result has {len(text)} characters, only the first {MAX_RESULT_CHARS} are shown]"
             return text[:MAX_RESULT_CHARS] + note, "tool_truncated"
         return text, ""
+
+
+_WARNED: set[str] = set()
+
+
+def safe_step(env: Environment, text: str) -> EnvStep:
+    """``env.step(text)`` on a worker thread, where an environment's own failure (a task's
+    :class:`Environment` that raises, ``SystemExit`` included) ends that row's episode,
+    counted in ``tool_errors`` and logged once per kind, instead of the run. Never call
+    it on the main thread: there a ``KeyboardInterrupt`` is the process's SIGINT."""
+    try:
+        return env.step(text)
+    except BaseException as err:  # noqa: BLE001 - one row's environment, not the run
+        message = _describe(err)
+        key = f"{type(env).__name__}:{type(err).__name__}"
+        if key not in _WARNED:
+            _WARNED.add(key)
+            log.warning("the environment %s failed (%s): its row's episode ends there, counted in tools/errors",
+                        type(env).__name__, message[len("error: "):])
+        return EnvStep(messages=None, done=True, info={"tool_errors": 1})
 
 
 _POOL: concurrent.futures.ThreadPoolExecutor | None = None
@@ -197,16 +254,17 @@ _POOL_LOCK = threading.Lock()
 
 def run_steps(environments: Sequence[Environment], texts: Sequence[str]) -> list[EnvStep]:
     """``[env.step(text) for env, text in zip(environments, texts)]``, the rows stepped
-    concurrently (their tools run in parallel) from a shared thread pool."""
+    concurrently (their tools run in parallel) from a shared thread pool, each through
+    :func:`safe_step` (a row whose environment fails ends its episode)."""
     if len(environments) != len(texts):
         raise ValueError(f"{len(environments)} environments but {len(texts)} turns")
-    if len(environments) <= 1:
-        return [env.step(text) for env, text in zip(environments, texts)]
+    if not environments:
+        return []
     global _POOL
     with _POOL_LOCK:
         if _POOL is None:
             _POOL = concurrent.futures.ThreadPoolExecutor(_STEP_WORKERS, thread_name_prefix="grpo-env-step")
-    return list(_POOL.map(lambda pair: pair[0].step(pair[1]), zip(environments, texts)))
+    return list(_POOL.map(lambda pair: safe_step(*pair), zip(environments, texts)))
 
 
 def task_environment(task: TaskPlugin, example: Mapping[str, Any], *, options: Any, tool_format: ToolCallFormat,
@@ -224,4 +282,4 @@ def task_environment(task: TaskPlugin, example: Mapping[str, Any], *, options: A
                            timeout_s=timeout_s)
 
 
-__all__ = ["MAX_RESULT_CHARS", "ToolEnvironment", "run_steps", "task_environment"]
+__all__ = ["MAX_RESULT_CHARS", "ToolEnvironment", "run_steps", "safe_step", "task_environment"]

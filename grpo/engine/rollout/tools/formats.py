@@ -36,6 +36,8 @@ def _read_call(payload: str, argument_keys: tuple[str, ...]) -> ToolCall | str:
         obj: Any = json.loads(payload)
     except ValueError as err:
         return f"malformed tool call (invalid JSON: {err.msg}): {_shorten(payload)}"
+    except RecursionError:  # "[[[[..." past the interpreter's recursion limit
+        return f"malformed tool call (JSON nested too deeply to read): {_shorten(payload)}"
     if not isinstance(obj, dict):
         return f"malformed tool call (not a JSON object): {_shorten(payload)}"
     name = obj.get("name")
@@ -49,7 +51,7 @@ def _read_call(payload: str, argument_keys: tuple[str, ...]) -> ToolCall | str:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except ValueError:
+        except (ValueError, RecursionError):
             pass
     if not isinstance(arguments, dict):
         return f"malformed tool call to {name!r} (the {argument_keys[0]} are not a JSON object): {_shorten(payload)}"
@@ -99,7 +101,7 @@ class Llama3Format(ToolCallFormat):
             return ParsedTurn(content=text.strip())
         try:
             obj = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             obj = None
         # A JSON object without a name is an answer that happens to be JSON, not a call.
         if isinstance(obj, dict) and "name" not in obj:

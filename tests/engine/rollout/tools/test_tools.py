@@ -302,3 +302,85 @@ def test_run_steps_matches_stepping_one_by_one():
 def test_environment_rejects_undescribable_tools():
     with pytest.raises(UserError, match="tool 'bad' cannot be described"):
         ToolEnvironment(tools={"bad": _no_doc}, format="qwen", opening=[])
+
+
+class _BadStr:
+    def __str__(self):
+        raise RuntimeError("no text")
+
+    __repr__ = __str__
+
+
+class _BadMessage(Exception):
+    def __str__(self):
+        raise ValueError("nor a message")
+
+
+def _deep(n: int = 100_000) -> list:
+    out: list = []
+    for _ in range(n):
+        out = [out]
+    return out
+
+
+class _SneakyStr(str):
+    def __len__(self):
+        raise RuntimeError("len")
+
+
+def misbehave(how: str) -> object:
+    """A tool that fails in ways that end a process unless caught.
+
+    Args:
+        how: exit, interrupt, badstr, badmessage, deep or sneaky.
+    """
+    if how == "exit":
+        raise SystemExit(2)  # what argparse does on bad input
+    if how == "interrupt":
+        raise KeyboardInterrupt
+    if how == "badmessage":
+        raise _BadMessage()
+    return {"badstr": lambda: _BadStr(), "deep": _deep, "sneaky": lambda: _SneakyStr("ok")}[how]()
+
+
+MISBEHAVIOURS = ("exit", "interrupt", "badstr", "badmessage", "deep", "sneaky")
+
+
+def test_nothing_a_tool_or_its_result_does_ends_the_rollout():
+    """SystemExit, KeyboardInterrupt, a result whose str() raises, an exception whose
+    message raises, a result nested past the recursion limit: each is an error message to
+    the model and a count in ``tool_errors``, through one step and through ``run_steps``'
+    pool alike; a str subclass is answered as plain text."""
+    env = ToolEnvironment(tools={"misbehave": misbehave}, format="qwen", opening=[], timeout_s=5.0)
+    text = _turn(*(ToolCall("misbehave", {"how": h}) for h in MISBEHAVIOURS))
+    for step in (env.step(text), *run_steps([env, env], [text, text])):
+        contents = [m["content"] for m in step.messages]
+        assert contents[0] == "error: SystemExit: 2"
+        assert contents[1] == "error: KeyboardInterrupt"
+        assert contents[2] == "error: RuntimeError: no text"
+        assert contents[3] == "error: _BadMessage: (its message could not be read)"
+        assert contents[4].startswith("error: RecursionError")
+        assert contents[5] == "ok" and type(contents[5]) is str
+        assert dict(step.info) == {"tool_calls": 6, "tool_errors": 5, "tool_timeouts": 0, "tool_truncated": 0}
+
+
+@pytest.mark.parametrize("fmt", ["qwen", "llama3"])
+def test_deeply_nested_call_from_the_model_is_a_malformed_call(fmt):
+    deep = '{"name": "calculator", "arguments": {"expression": ' + "[" * 100_000 + "}}"
+    text = f"<tool_call>{deep}</tool_call>" if fmt == "qwen" else deep
+    parsed = tool_call_format(fmt).parse(text)
+    assert not parsed.calls and len(parsed.errors) == 1 and "malformed tool call" in parsed.errors[0]
+
+
+class _FailingEnvironment(ToolEnvironment):
+    def step(self, model_turn_text):
+        raise SystemExit("a task's own environment gave up")
+
+
+def test_an_environment_that_raises_ends_its_row_not_the_run():
+    good = _env()
+    bad = _FailingEnvironment(tools={}, format="qwen", opening=[])
+    steps = run_steps([bad, good, bad], ["a", "b", "c"])
+    assert steps[1].done is True and steps[1].messages is None
+    for step in (steps[0], steps[2]):
+        assert step.done is True and not step.messages and step.info == {"tool_errors": 1}

@@ -1,0 +1,162 @@
+"""The ``custom`` task: TRL-convention reward functions by import path on a named-column
+dataset; bad references and missing columns exit 2 naming the field."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+import pytest
+import yaml
+from click.testing import CliRunner
+
+from grpo.core.cli import cli
+from grpo.core.errors import UserError
+from grpo.core.references import forget, register
+from grpo.engine.rollout.prompts import render_prompt
+from grpo.engine.rollout.scoring import score_completions
+from grpo.plugins.tasks import CustomOptions, CustomTask
+
+# Written for TRL's GRPOTrainer, as its docs show them; used here unchanged.
+TRL_REWARDS = '''
+import re
+
+def think_format(completions, **kwargs):
+    """TRL's think_format_reward shape: conversational completions (lists of one message)."""
+    pattern = r"^<think>(?!.*<think>)(.*?)</think>.*$"
+    return [1.0 if re.match(pattern, c[0]["content"], re.DOTALL) else 0.0 for c in completions]
+
+def match_solution(completions, prompts, solution, **kwargs):
+    return [1.0 if c.strip() == s else 0.0 for c, s in zip(completions, solution)]
+
+def only_long(completions, **kwargs):
+    """None: not applicable (TRL: NaN, left out of the nansum)."""
+    return [None if len(c) < 3 else 0.5 for c in completions]
+
+def named_only(completions, prompts, level):
+    return [float(v) for v in level]
+
+def needs_ids(completions, completion_ids, **kwargs):
+    return [0.0 for _ in completions]
+
+def wrong(text):
+    return [0.0]
+
+not_callable = 3
+'''
+
+
+@pytest.fixture
+def rewards_module(tmp_path, monkeypatch):
+    (tmp_path / "trl_style.py").write_text(textwrap.dedent(TRL_REWARDS))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    return tmp_path
+
+
+def _options(**kw):
+    return CustomOptions.model_validate(kw)
+
+
+def test_trl_reward_functions_work_unchanged_plain_text(rewards_module):
+    task = CustomTask()
+    opts = _options(rewards=["trl_style:match_solution", "trl_style:only_long", "trl_style:named_only"],
+                    reward_weights=[1.0, 2.0, 0.5], chat_template=False)
+    examples = [{"prompt": "2+2=", "solution": "4", "level": 3}, {"prompt": "1+1=", "solution": "2", "level": 1}]
+    scores = score_completions(task, opts, examples, ["4", "wrong"])
+    assert scores.names == ("match_solution", "only_long", "named_only")
+    assert scores.rewards == [
+        {"match_solution": 1.0, "only_long": 0.0, "named_only": 3.0},  # None -> 0 (TRL's nansum)
+        {"match_solution": 0.0, "only_long": 0.5, "named_only": 1.0},
+    ]
+    assert scores.totals == [1.0 + 0.0 + 1.5, 0.0 + 1.0 + 0.5]
+    assert sum(scores.errors.values()) == 0
+    assert scores.correct == [True, False]  # judged by the first function (correct_reward unset)
+    shaped = opts.model_copy(update={"correct_reward": "only_long"})
+    assert score_completions(task, shaped, examples, ["4", "wrong"]).correct == [False, False]
+    assert render_prompt(task, opts, examples[0]) == "2+2="
+
+
+def test_trl_reward_functions_work_unchanged_conversational(rewards_module):
+    task = CustomTask()
+    opts = _options(rewards=["trl_style:think_format"], system_prompt="Think first.")
+    prompt = [{"role": "user", "content": "Why?"}]
+    ex = task.prepare_example({"prompt": prompt}, options=opts)
+    assert task.prompt_messages(ex, options=opts) == [{"role": "system", "content": "Think first."}, *prompt]
+    scores = score_completions(task, opts, [ex, ex], ["<think>because</think> so", "no tags"])
+    assert [r["think_format"] for r in scores.rewards] == [1.0, 0.0] and scores.correct == [True, False]
+
+
+def test_in_memory_data_and_callables_by_session_name(rewards_module):
+    seen = []
+
+    def reward(completions, prompts, **columns):
+        seen.append((completions, prompts, columns))
+        return [1.0]
+
+    opts = _options(rewards=[register("t_reward", reward)], data_files={"train": register("t_rows", [{"q": "a", "x": 1}])},
+                    prompt_column="q")
+    try:
+        examples = CustomTask().load(split="train", options=opts)
+        score_completions(CustomTask(), opts, examples, ["out"])
+    finally:
+        forget("session:t_reward"), forget("session:t_rows")
+    assert seen == [(["out"], ["a"], {"x": [1]})]
+
+
+def _validate(tmp_path, options):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({"model": {"source": "random", "random": {"preset": "tiny"}},
+                                    "task": {"name": "custom", "options": options}}))
+    return CliRunner().invoke(cli, ["config", "validate", str(path)])
+
+
+@pytest.mark.parametrize("ref, message", [
+    ("no_such_module:fn", "cannot import module 'no_such_module'"),
+    ("trl_style:missing", "has no attribute 'missing'"),
+    ("not a path", "is not an import path"),
+    ("trl_style:not_callable", "is a int, not a function"),
+    ("trl_style:wrong", "wrong signature: it cannot take completions and prompts by keyword"),
+])
+def test_bad_reward_references_exit_2_naming_the_field(rewards_module, ref, message):
+    result = _validate(rewards_module, {"rewards": ["trl_style:only_long", ref],
+                                        "data_files": {"train": "x.jsonl"}})
+    assert result.exit_code == 2, result.output
+    assert "task.options.rewards[1]:" in result.output and message in result.output
+    assert "Traceback" not in result.output
+
+
+def test_missing_columns_exit_2_naming_the_field(rewards_module, tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"question": "2+2=", "answer": "4"}) + "\n")
+    base = {"rewards": ["trl_style:only_long"], "data_files": {"train": "d.jsonl"}}
+    cases = [
+        (dict(base), "task.options.prompt_column: the column 'prompt' is not in split 'train' (d.jsonl)"),
+        (dict(base, prompt_column="question", answer_column="solution"), "task.options.answer_column: the column"),
+        (dict(base, prompt_column="question", rewards=["trl_style:match_solution"]),
+         "task.options.rewards[0]: match_solution requires the argument(s) 'solution'"),
+        (dict(base, prompt_column="question", correct_reward="nope"), "task.options.correct_reward: no reward named"),
+        (dict(base, prompt_column="question", rewards=["trl_style:needs_ids"]),
+         "task.options.rewards[0]: needs_ids requires the argument(s) 'completion_ids'"),
+    ]
+    for options, message in cases:
+        with pytest.raises(UserError) as err:
+            CustomTask().load(split="train", options=_options(**options))
+        assert message in str(err.value), str(err.value)
+    # One weight per function, checked at load.
+    assert _validate(tmp_path, dict(base, reward_weights=[1.0, 2.0])).exit_code == 2
+    assert CustomTask().load(split="train", options=_options(**dict(base, prompt_column="question")))[0] == {
+        "question": "2+2=", "answer": "4"}
+
+
+def test_missing_column_through_grpo_run_exits_2(rewards_module, tmp_path):
+    (tmp_path / "d.jsonl").write_text(json.dumps({"question": "2+2=", "answer": "4"}) + "\n")
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump({
+        "model": {"source": "random", "random": {"preset": "tiny"}},
+        "rollout": {"num_generations": 2, "max_prompt_length": 16, "max_new_tokens": 2},
+        "task": {"name": "custom", "options": {"rewards": ["trl_style:only_long"], "data_files": {"train": "d.jsonl"}}},
+        "train": {"steps": 1, "prompts_per_step": 8}, "logging": {"progress_bar": False, "plot": False},
+    }))
+    result = CliRunner().invoke(cli, ["run", str(path), "--run-dir", str(tmp_path / "run")])
+    assert result.exit_code == 2, result.output
+    assert "task.options.prompt_column: the column 'prompt' is not in split 'train'" in result.output
