@@ -373,9 +373,12 @@ class RunPrograms:
     def pack_plan(self, batch: Any) -> Any:
         """The step's :class:`~grpo.engine.training.packing.PackPlan` (host) from the rows'
         lengths, read back replicated: every process computes the same plan."""
+        from grpo.engine.parallel.rows import row_range
         from grpo.engine.training.packing import plan_packing
 
-        lengths = np.asarray(self._lengths_jit()(batch.prompt_mask, batch.mask))
+        # Replicated: every process reads all rows from its own shards (no device spans
+        # processes in a host read-back; row_range says so if the sharding ever changes).
+        lengths = row_range(self._lengths_jit()(batch.prompt_mask, batch.mask), slice(None))
         return plan_packing(lengths, bin_length=self.config.bin_length, unit=self.bin_unit)
 
     def _lengths_jit(self) -> Any:

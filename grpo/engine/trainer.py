@@ -173,10 +173,9 @@ class Trainer:
         return group_advantages(rollout.rewards, num_generations=self.config.group_size, baseline=adv.baseline,
                                 scale=adv.scale, epsilon=adv.epsilon)
 
-    def update_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch | PackedBatch:
-        """The rollout in the update's layout, with the reference log-probs (``beta > 0``)
-        and the step's LoRA-dropout keys: rows, or with packing the step's sequences in
-        bins (every pass then runs on the bins)."""
+    def row_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch:
+        """The rollout in the update's row layout (one sequence a row), with the step's
+        LoRA-dropout keys: what :meth:`update_batch` packs."""
         cfg, out, to_train = self.config, rollout.output, self.programs.to_train
         ub = UpdateBatch(
             prompt_tokens=to_train(out.prompt_tokens),
@@ -192,7 +191,13 @@ class Trainer:
         )
         # Every PPO epoch of the step uses the same dropout masks as the log-probs its
         # ratio divides by, so at unchanged parameters the ratio is exactly 1.
-        ub = ub._replace(dropout_keys=self.programs.dropout_keys(self.step, ub.tokens.shape[0]))
+        return ub._replace(dropout_keys=self.programs.dropout_keys(self.step, ub.tokens.shape[0]))
+
+    def update_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch | PackedBatch:
+        """The rollout in the update's layout, with the reference log-probs (``beta > 0``)
+        and the step's LoRA-dropout keys: rows, or with packing the step's sequences in
+        bins (every pass then runs on the bins)."""
+        ub = self.row_batch(rollout, advantages)
         self._packing = None
         if self.programs.packing:
             plan = self.programs.pack_plan(ub)

@@ -392,8 +392,8 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         over["train.dynamic_sampling"] = {"enabled": True, "max_rounds": 2}
     trainer = Trainer(_config(**over), tmp_path)
     assert trainer.config.sequences_per_step == p * keep and trainer.config.rollout_sequences_per_step == p * k
-    rollouts, batches = [], []
-    score, update, generate = trainer.collector._score, trainer.update, trainer.collector.sampler.generate
+    rollouts, batches = [], []  # per step: the update's rows (before packing)
+    score, row_batch, generate = trainer.collector._score, trainer.row_batch, trainer.collector.sampler.generate
 
     def recording_generate(*args, **kwargs):
         out = generate(*args, **kwargs)
@@ -405,12 +405,13 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         rollouts[-1].append(totals)
         return totals, per_fn, failed
 
-    def recording_update(params, opt_state, ub, frozen):
+    def recording_rows(rollout, advantages):
+        ub = row_batch(rollout, advantages)
         batches.append(jax.device_get(ub))
-        return update(params, opt_state, ub, frozen)
+        return ub
 
-    trainer.collector._score, trainer.update, trainer.collector.sampler.generate = (
-        recording_score, recording_update, recording_generate)
+    trainer.collector._score, trainer.row_batch, trainer.collector.sampler.generate = (
+        recording_score, recording_rows, recording_generate)
     trainer.run()
     rows = read_metrics(tmp_path)
     for row, ub in zip(rows, batches, strict=True):
@@ -456,8 +457,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
                      "train.dynamic_sampling": {"enabled": True, "max_rounds": max_rounds},
                      "checkpoint.at_end": True})
     trainer = Trainer(cfg, tmp_path / "straight")
-    scored, batches = [], []  # per round: (examples, tokens, mask, totals); per step: the update batch
-    score, update, generate = trainer.collector._score, trainer.update, trainer.collector.sampler.generate
+    scored, batches = [], []  # per round: (examples, tokens, mask, totals); per step: the update's rows
+    score, row_batch, generate = trainer.collector._score, trainer.row_batch, trainer.collector.sampler.generate
     rollouts = []  # per round: the sampler's (tokens, mask); each round is scored right after
 
     def recording_generate(*args, **kwargs):
@@ -472,11 +473,12 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         scored.append((examples, tokens, mask, totals))
         return totals, per_fn, failed
 
-    def recording_update(params, opt_state, ub, frozen):
+    def recording_rows(rollout, advantages):
+        ub = row_batch(rollout, advantages)
         batches.append(jax.device_get(ub))
-        return update(params, opt_state, ub, frozen)
+        return ub
 
-    trainer.collector._score, trainer.update = recording_score, recording_update
+    trainer.collector._score, trainer.row_batch = recording_score, recording_rows
     trainer.collector.sampler.generate = recording_generate
     trainer.run()
     rows = read_metrics(tmp_path / "straight")

@@ -211,6 +211,26 @@ def script_calls(monkeypatch, modes):
     monkeypatch.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(256)))
 
 
+def _assert_packed_as_rows(plan, ub, packed) -> None:
+    """The packed batch (``train.packing`` is on by default) carries the rows' loss mask
+    and per-token advantages at the slots that predict them: slot ``(b, t)`` of row ``r``
+    holding its real token ``i`` predicts completion column ``i + 1 - prompt length`` when
+    the next slot is the same segment (worked out here from the plan, not by the packer's
+    own placement), and is 0 everywhere else (prompts, bin padding, sequence ends)."""
+    seg, row, index = plan.segment_ids, plan.row, plan.index
+    assert seg.max() > 1  # really packed: a bin holds two conversations
+    same_next = np.zeros(seg.shape, bool)
+    same_next[:, :-1] = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)
+    col = index + 1 - np.asarray(ub.prompt_mask).sum(1)[row]
+    b, t = np.nonzero(same_next & (col >= 0))
+    want_mask, want_adv = np.zeros(seg.shape), np.zeros(seg.shape)
+    want_mask[b, t] = np.asarray(ub.loss_mask)[row[b, t], col[b, t]]
+    want_adv[b, t] = np.asarray(ub.advantages)[row[b, t], col[b, t]]
+    assert 0 < want_mask.sum() < len(b)  # environment tokens inside the completions, not trained
+    np.testing.assert_array_equal(np.asarray(packed.mask), want_mask)
+    np.testing.assert_array_equal(np.asarray(packed.advantages), want_adv)
+
+
 def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     """``train.advantage.credit: turn`` in a real step: the update gets advantages [B, N]
     that are, token by token, the sum of each scope's own group advantage of the step's
@@ -234,15 +254,18 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(ArithmeticTask, "reward_turns", lambda self, *, options: {"f": "first", "l": "all"})
     run = {**TOOLS_RUN, "rollout": {**TOOLS_RUN["rollout"], "num_generations": 4},
            "train": {**TOOLS_RUN["train"], "prompts_per_step": 2,
-                     "advantage": {"credit": "turn", "reward_turns": {"l": "last"}}},
+                     "advantage": {"credit": "turn", "reward_turns": {"l": "last"}},
+                     # Bins of two longest conversations: some bin holds more than one.
+                     "packing": {"bin_length": 1280}},
            "checkpoint": {"every_n_steps": 0, "at_end": False}, "logging": {"progress_bar": False, "plot": False}}
     trainer = Trainer(load_config(run, []), tmp_path)
-    scored, batches = [], []
-    score, update = trainer.collector._score, trainer.update
+    scored, rows, batches = [], [], []  # the update's rows (before packing), the batch it ran on
+    score, row_batch, update = trainer.collector._score, trainer.row_batch, trainer.update
     monkeypatch.setattr(trainer.collector, "_score", lambda *a: scored.append(score(*a)) or scored[-1])
+    monkeypatch.setattr(trainer, "row_batch", lambda *a: rows.append(row_batch(*a)) or rows[-1])
     monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
     trainer.train_step()
-    [(_, per_fn, _)], [ub] = scored, batches
+    [(_, per_fn, _)], [ub], [packed] = scored, jax.device_get(rows), jax.device_get(batches)
     own = np.asarray(ub.loss_mask)
     assert np.asarray(ub.advantages).shape == own.shape and (own.sum(1) > 0).all()
 
@@ -263,6 +286,7 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
             want[b, t] = adv["all"][b] + (turn == 0) * adv["first"][b] + (turn == 1) * adv["last"][b]
     np.testing.assert_allclose(np.asarray(ub.advantages), want, rtol=1e-4, atol=1e-5)
     assert np.abs(want).max() > 0.1  # the step's rewards had a spread to credit
+    _assert_packed_as_rows(trainer._packing[0], ub, packed)
     with pytest.raises(ConfigError, match=r"train\.advantage\.reward_turns: .*'answer'.*its rewards are a, f, l, overlong") as err:
         load_config(run, ["train.advantage.reward_turns.answer=last"])
     assert err.value.exit_code == 2
