@@ -357,22 +357,29 @@ TINY = {
                                                "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
     "train": {"steps": 3, "prompts_per_step": 8, "ppo_epochs": 2, "micro_batch_size": 8,
               "optimizer": {"learning_rate": 1e-2}},
-    "loss": {"beta": 0.05, "mismatch": {"level": "token", "mode": "truncate", "cap": 2.0}},
+    "loss": {"beta": 0.05, "aggregation": "sequence_mean",
+             "mismatch": {"level": "token", "mode": "truncate", "cap": 2.0}},
     "checkpoint": {"every_n_steps": 0, "at_end": False},
     "logging": {"progress_bar": False, "plot": False},
 }
+# Bins of two longest sequences (2 x (32 + 3)): packed runs put several sequences in a bin.
+PACKED_TWO = ["train.packing.bin_length=70"]
 
 
 def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
-    """A LoRA run with dropout, beta > 0, truncated IS and two PPO epochs, preempted by SIGTERM after
+    """A LoRA run with dropout, beta > 0, truncated IS, sequence_mean, two micro-batches and
+    two PPO epochs (packed: ``train.packing`` is on by default), preempted by SIGTERM after
     step 2 and resumed, ends with exactly the adapters of an uninterrupted run; the
-    checkpoint holds the adapters and their optimizer state, not the base."""
+    checkpoint holds the adapters and their optimizer state, not the base. The same run
+    padded (``train.packing.enabled=false``) gives the same metrics and adapters within 1e-5
+    (f32): every pass (reference, dropout-free behaviour, both epochs) sees the same
+    dropout masks and per-sequence means packed or padded."""
     from _runs import assert_same_run, preempted_and_resumed
 
     from grpo.engine.runs.metrics import read_metrics
     from grpo.engine.trainer import Trainer
 
-    straight = Trainer(load_config(TINY), tmp_path / "straight")
+    straight = Trainer(load_config(TINY, PACKED_TWO), tmp_path / "straight")
     assert straight.frozen is not None
     base_before = [np.asarray(x).copy() for x in jax.tree.leaves(straight.frozen)]
     straight.run()
@@ -394,9 +401,20 @@ def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
         names = json.dumps(json.loads((saved / "params" / "_METADATA").read_text()))
         assert "q_proj_a" in names and "embed" not in names and "attn_norm" not in names
 
-    second = preempted_and_resumed(load_config(TINY), tmp_path / "resumed", after=2, after_preempt=only_adapters)
+    second = preempted_and_resumed(load_config(TINY, PACKED_TWO), tmp_path / "resumed", after=2,
+                                   after_preempt=only_adapters)
     assert second.step == 3
     assert_same_run(straight, second)
+
+    padded = Trainer(load_config(TINY, ["train.packing.enabled=false"]), tmp_path / "padded")
+    padded.run()
+    assert all(r["packing/bins_used"] < 16 for r in rows)  # 16 sequences, several to a bin
+    for got, want in zip(rows, read_metrics(tmp_path / "padded"), strict=True):
+        for key in ("reward/mean", "loss", "kl", "grad_norm", "ratio/mean", "clip_frac/low", "clip_frac/high",
+                    "approx_kl", "mismatch/weight_mean", "logprob_gap/sampler_trainer"):
+            np.testing.assert_allclose(got[key], want[key], rtol=1e-5, atol=1e-5, err_msg=f"step {got['step']} {key}")
+    for a, b in zip(jax.tree.leaves(straight.params), jax.tree.leaves(padded.params)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
 
 
 def test_merged_sampling_equals_sampling_through_the_adapters(lora_tiny):
