@@ -91,7 +91,8 @@ LORA = {
     # PODS down-sampling: 4 samples of each prompt rolled out, the 2 of largest reward
     # variance trained on (rows chosen from every process's rewards, gathered across them).
     "rollout": {"num_generations": 4},
-    "train": {"down_sampling": {"keep": 2}},
+    # Packed (train.packing is on by default) into bins of two longest sequences (32 + 3 each).
+    "train": {"down_sampling": {"keep": 2}, "packing": {"bin_length": 70}},
     # Sampled pass@3 on the 5 test prompts in batches of 3: padded to 8 prompts on one
     # process's 8 rollout shards, to 4 on two processes with maxtext's 2 (dp) shards.
     "eval": {"every_n_steps": 2, "batch_size": 3, "k": 3, "greedy": False},
@@ -112,7 +113,8 @@ TOOLS = {
     # The tiny tokenizer's tool tags are single tokens: a random policy writes some calls.
     "model": {"random": {"preset": "tiny", "tool_tokens": True}},
     "task": {"name": "length", "options": {"num_examples": 64, "tools": True, "raise_every": 2}},
-    "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}},
+    # Packed into bins of two longest conversations (320 + 128 tokens each).
+    "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}, "packing": {"bin_length": 896}},
     "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320], "max_new_tokens": 128,
                 "max_turns": 3, "early_stop_chunk": 8},
     "eval": {"every_n_steps": 2, "at_start": False, "batch_size": 3, "num_examples": 3},
@@ -166,7 +168,8 @@ def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
 )
 def test_two_processes_match_single_process(tmp_path, example_plugin, single_process_reference, mesh, style, model):
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
-    style. The ``lora`` case trains LoRA with dropout (adapters sharded over both
+    style, the update's passes packed (the same bins: each process plans them from the
+    lengths of every process's rows). The ``lora`` case trains LoRA with dropout (adapters sharded over both
     processes' devices, per-row dropout keys, the frozen base beside them) on
     down-sampled groups (2 of 4 samples each, picked from both processes' rewards), and the
     adapters the two processes checkpointed export (PEFT) to the single-process run's, and
@@ -194,8 +197,10 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
         assert bool(kept) == (model == "lora")
         for key in kept:
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-6, err_msg=key)
-        for key in ("reward_errors", "skipped_nonfinite_steps"):
+        for key in ("reward_errors", "skipped_nonfinite_steps", "packing/efficiency", "packing/bins",
+                    "packing/bins_used"):
             assert got[key] == ref[key], (key, got[key], ref[key])
+        assert ref["packing/bins_used"] < 16  # packed: 16 sequences a step, several to a bin
         assert {k: v for k, v in got.items() if k.startswith("dynamic_sampling/")} == \
             {k: v for k, v in ref.items() if k.startswith("dynamic_sampling/")}
     if model == "tools":
