@@ -186,7 +186,13 @@ class LossCall:
     batch_axes: tuple[str, ...] = ("dp", "fsdp")
 
     def __call__(self, args: dict[str, Any], normalizer=None):
-        """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs."""
+        """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs.
+
+        ``normalizer``: the aggregation's denominator; None: this call's global batch's
+        (``settings.normalizer`` of ``args["mask"]``), computed here so that every path
+        agrees: a per-shard loss sees only its device's rows and cannot compute it."""
+        if normalizer is None:
+            normalizer = self.settings.normalizer(args["mask"])
         if self._per_shard(args["targets"].shape[0]):
             loss, metrics, logprobs = self._shard_mapped(
                 self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
@@ -269,6 +275,7 @@ class LossCall:
             *vals, norm = xs
             return fn(axes, norm, **dict(zip(names, vals)), **{k: None for k in args if k not in names})
 
+        # None only for the log-prob pass, which has no aggregation to normalise.
         norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
         return jax.shard_map(
             # Pallas calls carry no varying-axes annotations, so the check is off.
