@@ -183,7 +183,8 @@ class Trainer:
             advantages=to_train(advantages),
             old_logprobs=None,
             ref_logprobs=None,
-            sampler_logprobs=to_train(out.logprobs) if cfg.loss.mismatch is not None else None,
+            # The behaviour policy's (top-k/top-p truncated): what drew the tokens.
+            sampler_logprobs=to_train(out.behaviour) if cfg.loss.mismatch is not None else None,
             truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
             loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
         )

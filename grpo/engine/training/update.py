@@ -49,7 +49,9 @@ class UpdateBatch(NamedTuple):
     advantages: jax.Array  # B
     old_logprobs: jax.Array | None  # B N
     ref_logprobs: jax.Array | None  # B N
-    sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used with loss.mismatch
+    # B N, the sampler's behaviour log-probs (under the top-k/top-p truncated, renormalised
+    # distribution that drew each token; the full-vocabulary ones without a filter); loss.mismatch only
+    sampler_logprobs: jax.Array | None = None
     dropout_keys: jax.Array | None = None  # B 2 uint32 key data per row; LoRA dropout > 0 only
     truncated: jax.Array | None = None  # B bool; loss.mask_truncated only: these rows get no loss
     # B N, multi-turn rollouts: 1 on the model's own tokens. ``mask`` then also covers the
