@@ -308,21 +308,31 @@ class RunPrograms:
     def _turn_advantages_jit(self, names: list[str], sharding: Any) -> Any:
         return self._program("turn_advantages", lambda: self._build_turn_advantages(names, sharding))
 
-    def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
+    def turn_components(self, per_fn: dict[str, Any]) -> dict[str, Any]:
+        """The rewards (each [B], by name) summed by weight into one component per scope
+        of turn-level credit (the task's ``reward_turns``, then
+        ``train.advantage.reward_turns``; ``task.overlong``'s penalty credits every turn):
+        what :func:`~grpo.engine.training.advantages.turn_advantages` takes. Plain array
+        math (host or device arrays): the update's program and the step's host-side
+        filter (dynamic sampling, down-sampling) share it."""
         from grpo.engine.rollout.scoring import OVERLONG, reward_weights
-        from grpo.engine.training.advantages import turn_advantages
 
         task = self.plugins["task"]
-        adv = self.config.train.advantage
-        scopes = {**task.plugin.reward_turns(options=task.options), **adv.reward_turns}
+        scopes = {**task.plugin.reward_turns(options=task.options), **self.config.train.advantage.reward_turns}
         weights = {**reward_weights(task.plugin, task.options), OVERLONG: 1.0}
         parts: dict[str, list[tuple[float, str]]] = {}
-        for name in names:
+        for name in per_fn:
             if weights[name]:
                 parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
+        return {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+
+    def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
+        from grpo.engine.training.advantages import turn_advantages
+
+        adv = self.config.train.advantage
 
         def turn_adv(per_fn, own):
-            components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+            components = self.turn_components({n: per_fn[n] for n in names})
             return turn_advantages(components, own, num_generations=self.config.group_size,
                                    baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
 
