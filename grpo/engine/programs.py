@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -325,6 +325,36 @@ class RunPrograms:
             if weights[name]:
                 parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
         return {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+
+    def informative_groups(self, totals: Any, per_fn: dict[str, Any], trained: Callable[[], Any], *,
+                           num_generations: int) -> np.ndarray:
+        """Which groups of these rows ([G*K] total rewards and rewards by name, host
+        arrays, group-major) are informative, [G] bool: the advantages the update would
+        train them on, by its own functions and ``train.advantage`` options over all
+        ``num_generations`` samples, are not all zero on their trained tokens
+        (``trained()`` [G*K, N], read only under turn credit). Eager array math on tiny
+        arrays, not a program: the host-side filter of dynamic sampling. ``batch_std``'s
+        batch-wide scale cannot turn a zero into a non-zero, so judging a round alone is
+        exact."""
+        from grpo.engine.training.advantages import group_advantages, informative_groups, turn_advantages
+
+        adv, k = self.config.train.advantage, num_generations
+        opts = dict(num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
+        if adv.credit == "turn":
+            own = jnp.asarray(trained())
+            advantages = turn_advantages(self.turn_components({n: jnp.asarray(v) for n, v in per_fn.items()}),
+                                         own, **opts)
+        else:
+            own, advantages = None, group_advantages(jnp.asarray(totals), **opts)
+        return np.asarray(informative_groups(advantages, own, num_generations=k))
+
+    def scope_components(self, per_fn: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`turn_components` in scope order (all, first, last): what down-sampling
+        ranks a group with equal totals by."""
+        from grpo.engine.training.advantages import SCOPES
+
+        components = self.turn_components(per_fn)
+        return {s: components[s] for s in SCOPES if s in components}
 
     def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
         from grpo.engine.training.advantages import turn_advantages

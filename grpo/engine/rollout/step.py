@@ -42,7 +42,6 @@ import numpy as np
 from grpo.core.errors import UserError
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, selection_scores
-from grpo.engine.training.advantages import SCOPES, group_advantages, informative_groups, turn_advantages
 from grpo.engine.rollout.prompts import PromptSet, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
 from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
@@ -269,20 +268,10 @@ class StepCollector:
     def _informative(self, totals: np.ndarray, by_fn: dict[str, np.ndarray],
                      trained: Callable[[], np.ndarray]) -> np.ndarray:
         """Which groups of these rows ([G*K] rewards, every process's, group-major) are
-        informative ([G] bool): the advantages the update would train them on, by its own
-        functions and options (``train.advantage``) over all K samples, are not all zero
-        on their trained tokens (``trained()`` [G*K, N], read only under turn credit).
-        Eager array math on tiny arrays: ``batch_std``'s batch-wide scale cannot turn a
-        zero into a non-zero, so judging a round alone is exact."""
-        adv, k = self.config.train.advantage, self.config.rollout.num_generations
-        opts = dict(num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
-        if adv.credit == "turn":
-            own = jnp.asarray(trained())
-            advantages = turn_advantages(self.programs.turn_components({n: jnp.asarray(v) for n, v in by_fn.items()}),
-                                         own, **opts)
-        else:
-            own, advantages = None, group_advantages(jnp.asarray(totals), **opts)
-        return np.asarray(informative_groups(advantages, own, num_generations=k))
+        informative ([G] bool), judged over all K samples by the update's own advantage
+        functions (:meth:`~grpo.engine.programs.RunPrograms.informative_groups`)."""
+        return self.programs.informative_groups(totals, by_fn, trained,
+                                                num_generations=self.config.rollout.num_generations)
 
     def _kept_rows(self, full: np.ndarray, per_full: dict[str, np.ndarray], step: int) -> np.ndarray:
         """``train.down_sampling``'s rows of each group of the batch's rows (host indices
@@ -292,8 +281,7 @@ class StepCollector:
         ds, k = cfg.train.down_sampling, cfg.rollout.num_generations
         scores = full
         if cfg.train.advantage.credit == "turn":
-            components = self.programs.turn_components(per_full)
-            scores = selection_scores(full, {s: components[s] for s in SCOPES if s in components}, k)
+            scores = selection_scores(full, self.programs.scope_components(per_full), k)
         rng = np.random.default_rng([cfg.train.seed, step]) if ds.rule == "random" else None
         return down_sample(scores, k, ds.keep, rule=ds.rule, rng=rng)
 
