@@ -400,15 +400,20 @@ class AdvantageConfig(Section):
 
 
 class DynamicSamplingConfig(Section):
-    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and
-    teaches nothing, so it is dropped, and the next prompts of the data order are rolled
-    out until the step holds ``train.prompts_per_step`` groups with a reward spread, or
-    ``max_rounds`` rollouts were made. Informative groups beyond ``prompts_per_step`` are
-    dropped too; a step that ends short fills its batch with equal-reward groups (zero
-    advantage, trained as plain GRPO trains them) and logs ``dynamic_sampling/short`` = 1.
-    The data position is checkpointed, so a resumed run draws the same prompts."""
+    """DAPO's dynamic sampling: an uninformative group — one whose advantages, as the update
+    would train it (``train.advantage``'s credit, baseline and scale, over all its
+    samples), are all zero on the tokens it trains — teaches nothing, so it is dropped, and
+    the next prompts of the data order are rolled out until the step holds
+    ``train.prompts_per_step`` informative groups, or ``max_rounds`` rollouts were made.
+    Under sequence credit that is a group with equal total rewards; under turn credit a
+    group with equal totals is informative when a scope's own advantage is not zero on the
+    turns it credits. Informative groups beyond ``prompts_per_step`` are dropped too; a
+    step that ends short fills its batch with uninformative groups, trained with exactly
+    zero advantage whatever the credit, and logs ``dynamic_sampling/short`` = 1. The data
+    position is checkpointed, so a resumed run draws the same prompts."""
 
-    enabled: bool = Field(False, description="Drop groups with equal rewards and roll out more prompts in their place.")
+    enabled: bool = Field(False, description="Drop uninformative groups (all-zero advantage under train.advantage) "
+                          "and roll out more prompts in their place.")
     max_rounds: int = Field(
         4, ge=1, le=1024, description="Most rollouts of prompts_per_step prompts per step (1 = filter without refilling)."
     )
@@ -421,15 +426,18 @@ class DownSamplingConfig(Section):
     rare right answer (or the rare wrong one) that a small group misses, and the update
     pays for ``keep`` rows. ``max_variance`` keeps the subset whose rewards have the
     largest variance (the ``i`` highest and ``keep - i`` lowest rewards, for the best
-    ``i``); ``random`` a uniform subset (an unbiased baseline). The advantages are the
-    group advantages of the kept rows."""
+    ``i``); ``random`` one sample above the group mean and one below it, the rest uniform
+    (a group with a spread keeps it; without one, a uniform subset). Under turn credit a
+    group with equal totals is ranked by its first scope component with a spread. The
+    advantages are the group advantages of the kept rows."""
 
     keep: int | None = Field(
         None, ge=2, le=1024,
         description="Samples of each group the update trains on (at most rollout.num_generations); none = all.",
     )
     rule: Literal["max_variance", "random"] = Field(
-        "max_variance", description="Which samples: the largest reward variance (PODS) or a uniform draw.",
+        "max_variance", description="Which samples: the largest reward variance (PODS), or random: one above and "
+        "one below the group mean, the rest uniform (a group keeps its spread).",
     )
 
 
@@ -444,7 +452,7 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Group advantage estimator.")
     dynamic_sampling: DynamicSamplingConfig = Field(
-        default_factory=DynamicSamplingConfig, description="Drop groups with equal rewards and refill (DAPO)."
+        default_factory=DynamicSamplingConfig, description="Drop uninformative groups and refill (DAPO)."
     )
     down_sampling: DownSamplingConfig = Field(
         default_factory=DownSamplingConfig, description="Train on a subset of each group's samples (PODS)."

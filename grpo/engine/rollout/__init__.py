@@ -18,7 +18,8 @@
 - ``scoring``: completions scored with a task's named reward functions and weights, and
   DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
-  rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
+  rounds are informative (their advantages not all zero), and which the step trains on
+  (:class:`GroupFilter`); PODS's down-sampling (:func:`down_sample`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).
