@@ -271,6 +271,10 @@ class Trainer:
             "completions": group.texts,
             "rewards": [round(float(r), 4) for r in group.rewards],
         }
+        if group.completion_lengths is not None:
+            # Tokens, for `grpo plan --lengths samples.jsonl` (a length profile of the run).
+            row["completion_lengths"] = group.completion_lengths
+            row["prompt_length"] = group.prompt_length
         if group.turns is not None:
             row["turns"] = group.turns
         if self._samples is None:
