@@ -55,9 +55,8 @@ class BinPlan:
 
 
 def bin_length(config: Any, prompt_length: int) -> int:
-    """``train.packing.bin_length`` when the config sets one, else one padded row."""
-    packing = getattr(config.train, "packing", None)
-    length = getattr(packing, "bin_length", None) if packing is not None else None
+    """The run's bin length (``train.packing.bin_length``, else the longest sequence)."""
+    length = getattr(config, "bin_length", None)
     return int(length) if length else prompt_length + config.rollout.max_new_tokens
 
 
@@ -69,7 +68,8 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
     cfg, layout = programs.config, programs.layout
     rows, cap = cfg.sequences_per_step, cfg.rollout.max_new_tokens
     devices = layout.dp * layout.fsdp
-    unit = cfg.sequences_per_step // cfg.micro_batch_size * devices
+    # The trainer's rounding (RunPrograms.bin_unit): micro-batches x the update's batch shards.
+    unit = getattr(programs, "bin_unit", None) or cfg.sequences_per_step // cfg.micro_batch_size * devices
     length = bin_length(cfg, prompt_length)
     if length < prompt_length + cap:
         raise UserError(

@@ -535,10 +535,10 @@ class Planner:
         import jax
 
         programs, params, frozen = s.programs, s.params, s.frozen
-        packed = getattr(programs, "abstract_packed_batch", None)
-        if packed is not None:
-            batch = packed(bins=bins, bin_length=length)
-            fn = programs.packed_update(params, s.opt_state)
+        if hasattr(programs, "bin_unit"):  # the builder's packed passes
+            batch = programs.abstract_update_batch(packed=True, bins=bins)
+            assert batch.tokens.shape == (bins, length), (batch.tokens.shape, bins, length)
+            fn = programs.update(params, s.opt_state)
             return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "packed update program"
         N = s.config.rollout.max_new_tokens
 
