@@ -135,7 +135,8 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
     peak = update_entry.get("peak_bytes")
     bins_chip = bp.bins // bp.devices
     per_micro = bins_chip // (bp.unit // bp.devices)
-    seqs_per_bin = bp.rows / bp.mean("bins")
+    # Packing density: sequences per used bin (the rounding's extra bins are empty).
+    seqs_per_bin = bp.rows / bp.mean("bins_used")
     return {
         "profile": bp.profile,
         "bin_length": bp.bin_length,
@@ -154,7 +155,7 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
         "update_valid_tokens_per_s_padded": valid / (ppo_epochs * passes["update"]["padded_roofline_s"]),
         "update_valid_tokens_per_s_packed": valid / (ppo_epochs * passes["update"]["packed_roofline_s"]),
         # One micro-batch of the update on one device, in bins and in sequences (the
-        # profile's mean sequences per bin).
+        # profile's mean sequences per used bin).
         "micro_batch": {"bins_per_device": per_micro, "bin_length": bp.bin_length,
                         "sequences_per_device": per_micro * seqs_per_bin, "sequences_per_bin": seqs_per_bin},
         "update_program": update_source,
