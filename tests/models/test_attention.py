@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _model_fixtures import checkpoint, hf_logits, logits_of, mesh, padded_batch
+from _model_fixtures import checkpoint, hf_logits, logits_of, mesh, packed_vs_alone, padded_batch
 from grpo.core.config import attention_plugin, load_config, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError
@@ -250,3 +250,9 @@ def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
     # The sampler's log-probs come from prefill (this kernel) and decode (XLA attention);
     # the trainer's from the kernel alone: they agree.
     assert row["logprob_gap/sampler_trainer"] < 1e-4
+
+
+@pytest.mark.parametrize("kernel, shape", [("splash", (2, 2, 2)), ("pallas_gpu", None)])
+def test_model_with_kernel_on_packed_sequences_equals_each_alone(kernel, shape):
+    # The kernels read the packed segment ids (splash under shard_map on a 2x2x2 mesh).
+    assert packed_vs_alone(_model("llama_untied", kernel, shape), lengths=(5, 7, 4, 3, 6), bin_length=16) <= 1e-4

@@ -148,6 +148,9 @@ class PackedBatch(NamedTuple):
     ref_logprobs: jax.Array | None
     sampler_logprobs: jax.Array | None = None
     dropout_keys: jax.Array | None = None  # bins L 2: each token's row's key
+    # The loss's normaliser of the padded batch (valid tokens, sequences, or sequences x
+    # max length): scalar, replicated; the update divides every micro-batch by it.
+    normalizer: jax.Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
