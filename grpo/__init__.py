@@ -29,6 +29,7 @@ from grpo.core.contracts import (
     ToolCall,
     ToolCallFormat,
     Topology,
+    sequence_sum,
 )
 from grpo.core.errors import UserError
 from grpo.core.hookspecs import hookimpl
@@ -58,5 +59,6 @@ __all__ = [
     "Topology",
     "UserError",
     "__version__",
+    "sequence_sum",
     "hookimpl",
 ]

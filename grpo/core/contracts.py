@@ -18,6 +18,7 @@ import abc
 import contextlib
 import contextvars
 import dataclasses
+import inspect
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, ConfigDict
@@ -301,13 +302,19 @@ class LossSettings:
     objective_options: tuple[tuple[str, Any], ...] = ()
     mismatch: MismatchCorrection | None = None
 
-    def normalizer(self, mask: "jax.Array") -> "jax.Array":
+    def normalizer(self, mask: "jax.Array", segment_ids: "jax.Array | None" = None) -> "jax.Array":
         """The aggregation's denominator for the batch whose completion mask is ``mask``
-        [B, T]: valid tokens (at least 1), rows, or rows * ``max_completion_length``.
-        Computed once for the global batch, it makes micro-batch losses sum exactly."""
+        [B, T]: valid tokens (at least 1), sequences, or sequences * ``max_completion_length``.
+        Computed once for the global batch, it makes micro-batch losses sum exactly.
+        Sequences are the rows, or with ``segment_ids`` [B, T] (the packed layout, see
+        :class:`LossPlugin`) the segments: ids are numbered 1, 2, ... in each bin, so a
+        bin's largest id is its sequence count."""
         import jax.numpy as jnp
 
-        rows = mask.shape[0]
+        if segment_ids is None:
+            rows = mask.shape[0]
+        else:
+            rows = jnp.sum(jnp.max(segment_ids, axis=1)).astype(jnp.float32)
         if self.aggregation == "token_mean":
             return jnp.maximum(jnp.sum(mask.astype(jnp.float32)), 1.0)
         if self.aggregation == "sequence_mean":
@@ -348,7 +355,31 @@ class LossPlugin(_PluginBase):
     ``logprobs``, and an implementation overrides it with its forward-only path. Both
     take the head weight in the compute dtype (the dtype of ``hidden``): the engine casts
     it, so every path does the head matmul at one precision.
+
+    **Packed layout** (``train.packing``; only for a plugin with ``supports_packing =
+    True``). The step's sequences (prompt + completion, padding dropped) are packed into
+    ``B`` bins of ``T`` tokens, several sequences per bin, each contiguous and never split.
+    The keyword arguments are the same, every per-token array [bins, T] and already
+    aligned (``hidden[:, t]`` predicts ``targets[:, t]``), plus ``segment_ids`` [bins, T]
+    int32: the tokens of one sequence share an id unique within its bin (1, 2, ... in
+    bin order), 0 marks bin padding. ``mask`` is 1 only on the tokens the loss trains
+    (never on prompts, a multi-turn environment's tokens or bin padding), and
+    ``advantages`` is always per token [bins, T] (0 on padding). ``segment_ids`` is None
+    (or, for ``compute``, not passed at all) in the unpacked layout, where each row is one
+    sequence. A row-wise quantity — a per-sequence mean (``sequence_mean``), a sequence
+    ratio (GSPO), a sequence-level importance weight — must then reduce over the tokens
+    of equal (bin, segment id) instead of over the row: :func:`sequence_sum` does exactly
+    that in either layout. The engine always passes ``normalizer`` (of the global batch:
+    its valid tokens, sequences, sequences * max length), so a packed loss equals the
+    padded one; per-token terms (the ratio, KL, entropy) need nothing new. A plugin
+    without ``supports_packing`` is never given ``segment_ids``: the engine runs it on
+    the unpacked layout.
     """
+
+    supports_packing: ClassVar[bool] = False
+    """True when ``compute`` and ``token_logprobs`` take ``segment_ids`` and reduce each
+    per-sequence quantity per (bin, segment id) (see the packed layout above). False (the
+    default, a loss written before packing): the engine never packs its batches."""
 
     per_shard: ClassVar[bool] = False
     """True for implementations XLA cannot partition (e.g. a Pallas kernel): the engine
@@ -372,13 +403,15 @@ class LossPlugin(_PluginBase):
         options: BaseModel,
         normalizer: "jax.Array | float | None" = None,
         sampler_logprobs: "jax.Array | None" = None,
+        segment_ids: "jax.Array | None" = None,
     ) -> tuple["jax.Array", dict[str, "jax.Array"]]: ...
 
     def token_logprobs(
         self, *, hidden: "jax.Array", head_weight: "jax.Array", targets: "jax.Array",
-        settings: LossSettings, options: BaseModel,
+        settings: LossSettings, options: BaseModel, segment_ids: "jax.Array | None" = None,
     ) -> "jax.Array":
-        """Per-token log-probs [B, T] (f32, temperature applied) of ``targets``."""
+        """Per-token log-probs [B, T] (f32, temperature applied) of ``targets``; a
+        log-prob is per token, so ``segment_ids`` (packed layout) changes nothing here."""
         import jax.numpy as jnp
 
         b, t = targets.shape
@@ -414,6 +447,14 @@ class ObjectivePlugin(_PluginBase):
     tokens: the mean, or the minimum / maximum for names ending in ``/min`` / ``/max``.
     Every objective reports ``clip_frac/low`` and ``clip_frac/high`` (0 where nothing is
     clipped) so runs of different objectives log the same columns.
+
+    Packed layout (see :class:`LossPlugin`): ``per_token`` may take a keyword argument
+    ``segment_ids`` [bins, T] int32 (None: unpacked, each row one sequence); the arrays are
+    then [bins, T], ``advantages`` per token, and anything per sequence (GSPO's ratio)
+    must reduce with :func:`sequence_sum`, not over the row. An objective whose
+    ``per_token`` has no ``segment_ids`` parameter is called without it
+    (:meth:`call_per_token`) and is correct only unpacked, unless it is purely per token:
+    :attr:`supports_packing` says which, for the engine to decide.
     """
 
     @abc.abstractmethod
@@ -426,7 +467,44 @@ class ObjectivePlugin(_PluginBase):
         advantages: "jax.Array",
         settings: LossSettings,
         options: BaseModel,
+        segment_ids: "jax.Array | None" = None,
     ) -> tuple["jax.Array", dict[str, "jax.Array"]]: ...
+
+    @property
+    def supports_packing(self) -> bool:
+        """Whether :meth:`per_token` takes ``segment_ids`` (by its signature; ``**kwargs``
+        counts), i.e. computes its per-sequence quantities per segment."""
+        params = inspect.signature(self.per_token).parameters
+        return "segment_ids" in params or any(p.kind is p.VAR_KEYWORD for p in params.values())
+
+    def call_per_token(self, *, segment_ids: "jax.Array | None" = None, **kwargs: Any):
+        """:meth:`per_token` with ``segment_ids`` passed only when packed and accepted, so
+        objectives written before packing keep working on the unpacked layout."""
+        if segment_ids is not None and self.supports_packing:
+            return self.per_token(**kwargs, segment_ids=segment_ids)
+        return self.per_token(**kwargs)
+
+
+def sequence_sum(values: "jax.Array", *, segment_ids: "jax.Array | None" = None) -> "jax.Array":
+    """Each token's sum of ``values`` over its sequence: the per-sequence reduction of the
+    loss contract, in either layout.
+
+    ``values`` [B, T]. Unpacked (``segment_ids`` None): the row sum, [B, 1]. Packed
+    (``segment_ids`` [bins, T], 1, 2, ... per sequence in each bin, 0 for bin padding):
+    [bins, T], each token holding the sum over the tokens of equal (bin, segment id) (bin
+    padding sums with bin padding: mask it). Both broadcast against [B, T]. Memory is
+    O(bins * T): a segment sum over ids offset per bin, never a [bins, T, segments]
+    one-hot. A per-sequence mean is ``sequence_sum(x * m) / max(sequence_sum(m), 1)``."""
+    import jax
+    import jax.numpy as jnp
+
+    if segment_ids is None:
+        return jnp.sum(values, axis=1, keepdims=True)  # B 1
+    b, t = values.shape
+    # Ids are in [0, T] (at most T sequences in a bin): bin i's ids sit at i*(T+1) + id.
+    flat = (segment_ids.astype(jnp.int32) + (t + 1) * jnp.arange(b, dtype=jnp.int32)[:, None]).reshape(-1)  # B*T
+    sums = jax.ops.segment_sum(values.reshape(-1), flat, num_segments=b * (t + 1))  # B*(T+1)
+    return sums[flat].reshape(b, t)  # B T
 
 
 # --------------------------------------------------------------------------- tools & environments

@@ -197,3 +197,14 @@ def test_every_field_has_a_description():
                 walk(ann, f"{prefix}{name}.")
 
     walk(RunConfig, "")
+
+
+def test_packing_bin_length_shorter_than_a_sequence_is_refused():
+    from grpo.core.config import RunConfig, cross_field_problems
+
+    cfg = RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32},
+                                    "train": {"packing": {"bin_length": 95}}})
+    assert cfg.bin_length == 95
+    [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
+    assert "train.packing.bin_length=95" in problem and "96" in problem
+    assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96

@@ -176,9 +176,15 @@ class LossCall:
 
     ``args`` are the plugin's keyword arguments (``hidden`` [B, N, D], ``head_weight``
     [D, V], ``targets``, ``mask``, ``advantages``, ``old_logprobs``, ``ref_logprobs``,
-    maybe ``sampler_logprobs``). A ``per_shard`` loss (a Pallas kernel XLA cannot split)
-    runs per device under ``shard_map`` over the batch axes; any other loss is one global
-    call that XLA partitions. Programs trace it inside :meth:`for_mesh`."""
+    maybe ``sampler_logprobs``, and ``segment_ids`` [bins, N] in the packed layout, where
+    B is the bin count). ``segment_ids`` reaches the plugin only when it is not None, so
+    a loss written before packing sees exactly the arguments it always did; a packed
+    batch for a loss without ``supports_packing`` is a bug of the caller (the trainer
+    falls back to the unpacked layout for it). A ``per_shard`` loss (a Pallas kernel XLA
+    cannot split) runs per device under ``shard_map`` over the batch axes, every per-row
+    array split alike (segment ids included: a sequence never spans bins, so each
+    device's per-sequence sums are complete); any other loss is one global call that XLA
+    partitions. Programs trace it inside :meth:`for_mesh`."""
 
     loss: LossPlugin
     options: BaseModel
@@ -188,6 +194,7 @@ class LossCall:
 
     def __call__(self, args: dict[str, Any], normalizer=None):
         """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs."""
+        args = self._plugin_args(args)
         if self._per_shard(args["targets"].shape[0]):
             loss, metrics, logprobs = self._shard_mapped(
                 self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
@@ -195,12 +202,21 @@ class LossCall:
         return self.loss.compute(**args, settings=self.settings, options=self.options, normalizer=normalizer)
 
     def token_logprobs(self, args: dict[str, Any]) -> jax.Array:
-        """Per-token log-probs [B, N] through the plugin's own log-prob path (per token:
-        the same in either layout, so no segment ids)."""
-        args = {k: v for k, v in args.items() if k != "segment_ids"}
+        """Per-token log-probs [B, N] through the plugin's own log-prob path."""
+        args = self._plugin_args(args)
         if self._per_shard(args["targets"].shape[0]):
             return self._shard_mapped(self._local_logprobs, args, None, out_specs=("rows",))
         return self.loss.token_logprobs(**args, settings=self.settings, options=self.options)
+
+    def _plugin_args(self, args: dict[str, Any]) -> dict[str, Any]:
+        """``args`` without a None ``segment_ids`` (unpacked: old plugins never see the
+        name); a packed batch for a plugin that does not declare support is refused."""
+        if args.get("segment_ids", False) is None:
+            return {k: v for k, v in args.items() if k != "segment_ids"}
+        if "segment_ids" in args and not getattr(self.loss, "supports_packing", False):
+            raise ValueError(f"loss {self.loss.name!r} does not support packed batches (supports_packing is "
+                             "False); run it on the unpacked layout")
+        return args
 
     def for_mesh(self, fn):
         """``fn`` traced with the mesh's platform as the compile target (forward and

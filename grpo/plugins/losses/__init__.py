@@ -11,6 +11,11 @@ and the output head, are computed:
   blocks in a custom VJP, so no ``[B, T, V]`` array ever exists. It refuses tp > 1 (its
   kernel needs the whole vocabulary on one device) at config validation.
 
+Both support the packed layout (``supports_packing``, see
+:class:`~grpo.core.contracts.LossPlugin`): log-probs are per token whatever the layout,
+and the per-sequence math (``sequence_mean``, GSPO's ratio, the sequence-level mismatch
+weight) reduces per segment in ``_common``.
+
 This module stays JAX-free at import time: the implementations are imported inside
 ``compute``.
 """
@@ -40,26 +45,28 @@ class JaxLoss(LossPlugin):
     name = "jax"
     description = "Reference GRPO loss in plain JAX: materialises the [B, T, V] logits."
     Options = JaxLossOptions
+    supports_packing = True  # per-sequence math is _common's, per segment
 
     def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
                 settings: LossSettings, options: JaxLossOptions, normalizer=None,
-                sampler_logprobs=None):  # type: ignore[override]
+                sampler_logprobs=None, segment_ids=None):  # type: ignore[override]
         from grpo.plugins.losses import _jax
 
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                settings=settings, sampler_logprobs=sampler_logprobs)
+                                settings=settings, sampler_logprobs=sampler_logprobs, segment_ids=segment_ids)
         bonus = settings.entropy_coef > 0
         logp, entropy = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                             temperature=settings.temperature,
                                             with_entropy=options.entropy or bonus, entropy_grad=bonus)
         return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
                                      ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
-                                     entropy=entropy, sampler_logprobs=sampler_logprobs)
+                                     entropy=entropy, sampler_logprobs=sampler_logprobs,
+                                     segment_ids=segment_ids)
 
 
     def token_logprobs(self, *, hidden, head_weight, targets, settings: LossSettings,
-                       options: JaxLossOptions):  # type: ignore[override]
+                       options: JaxLossOptions, segment_ids=None):  # type: ignore[override]  # noqa: ARG002
         from grpo.plugins.losses import _jax
 
         logp, _ = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
@@ -117,6 +124,9 @@ class PallasLoss(LossPlugin):
     description = "Fused head-matmul + online log-sum-exp GRPO loss in Pallas; never holds [B, T, V] logits."
     Options = PallasLossOptions
     per_shard = True  # XLA cannot split a Pallas call: run it per device on its own rows
+    # The kernel computes per-token log-probs of flattened rows (any [B, T]); the
+    # per-sequence math on top is _common's, per segment.
+    supports_packing = True
 
     def check(self, *, layout: MeshLayout, options: PallasLossOptions) -> list[str]:  # type: ignore[override]
         if layout.tp > 1:
@@ -128,21 +138,22 @@ class PallasLoss(LossPlugin):
 
     def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
                 settings: LossSettings, options: PallasLossOptions, normalizer=None,
-                sampler_logprobs=None):  # type: ignore[override]
+                sampler_logprobs=None, segment_ids=None):  # type: ignore[override]
         from grpo.plugins.losses import _pallas
 
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
-                                settings=settings, sampler_logprobs=sampler_logprobs)
+                                settings=settings, sampler_logprobs=sampler_logprobs, segment_ids=segment_ids)
         config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])
         logp, entropy = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                                      temperature=settings.temperature, config=config)
         return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
                                      ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
-                                     entropy=entropy, sampler_logprobs=sampler_logprobs)
+                                     entropy=entropy, sampler_logprobs=sampler_logprobs,
+                                     segment_ids=segment_ids)
 
     def token_logprobs(self, *, hidden, head_weight, targets, settings: LossSettings,
-                       options: PallasLossOptions):  # type: ignore[override]
+                       options: PallasLossOptions, segment_ids=None):  # type: ignore[override]  # noqa: ARG002
         from grpo.plugins.losses import _pallas
 
         config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])

@@ -15,18 +15,20 @@ the pre-update log-probs, ``stop_gradient(logp)`` on-policy):
   gives the per-token objective from ``logp``, ``logp - old``, the mask and ``A``.
 - mismatch correction (``settings.mismatch``, see
   :class:`~grpo.core.contracts.MismatchCorrection`): the objective is multiplied by a
-  weight without gradient from ``exp(old - sampler)`` (per token, or per row from the
-  row's summed log-ratio), truncated at the cap or masked above it. It is computed in log
+  weight without gradient from ``exp(old - sampler)`` (per token, or per sequence from
+  its summed log-ratio), truncated at the cap or masked above it. It is computed in log
   space, so a long sequence's huge ratio is an exact comparison, never ``inf``.
 - per-token loss: ``-objective * weight + beta * k3`` with ``k3 = exp(ref - logp) - (ref -
   logp) - 1`` (Schulman's k3 estimate of KL(pi || ref)); with ``beta == 0`` the term and
   the reference log-probs are never touched.
 - aggregation: ``loss = sum_t w_t * loss_t / normalizer`` with ``w = mask`` for
-  ``token_mean`` and ``constant``, and ``w = mask / (valid tokens of the row)`` (0 for
-  empty rows) for ``sequence_mean``. The default normalizer is this batch's valid-token
-  count (at least 1), row count, or ``rows * max_completion_length``; passing the global
-  batch's value makes micro-batch losses and gradients sum to the full-batch ones (every
-  objective and correction is per token or per row, and rows are never split).
+  ``token_mean`` and ``constant``, and ``w = mask / (valid tokens of the sequence)`` (0
+  for empty sequences) for ``sequence_mean``; a sequence is a row, or in the packed layout
+  (``segment_ids``) a segment of a bin. The default normalizer is this batch's valid-token
+  count (at least 1), sequence count, or ``sequences * max_completion_length``; passing the
+  global batch's value makes micro-batch losses and gradients sum to the full-batch ones
+  (every objective and correction is per token or per sequence, and sequences are never
+  split), and a packed batch's equal to the padded one's.
 
 Metrics are averaged over this call's valid tokens (0 when there are none), except names
 ending in ``/min`` / ``/max``: the extreme over the valid tokens, ``+inf`` / ``-inf`` when
@@ -49,7 +51,7 @@ import math
 import jax
 import jax.numpy as jnp
 
-from grpo.core.contracts import LossSettings, ObjectivePlugin
+from grpo.core.contracts import LossSettings, ObjectivePlugin, sequence_sum
 
 EXTREMES = {"/min": jnp.min, "/max": jnp.max}
 """Metric-name suffix -> how its per-token values reduce (the rest: the token mean)."""
@@ -64,20 +66,21 @@ def objective_plugin(settings: LossSettings) -> tuple[ObjectivePlugin, object]:
     return plugin, plugin.parse_options(dict(settings.objective_options))
 
 
-def token_weights(mask: jax.Array, aggregation: str) -> jax.Array:
-    """Per-token weights ``w`` [B, T] (f32) of ``sum_t w_t * loss_t / normalizer``."""
+def token_weights(mask: jax.Array, aggregation: str, segment_ids: jax.Array | None = None) -> jax.Array:
+    """Per-token weights ``w`` [B, T] (f32) of ``sum_t w_t * loss_t / normalizer``; with
+    ``segment_ids`` (packed) a ``sequence_mean`` weight is per segment, not per row."""
     m = mask.astype(jnp.float32)
     if aggregation in ("token_mean", "constant"):
         return m
     if aggregation == "sequence_mean":
-        per_row = jnp.sum(m, axis=1, keepdims=True)  # B 1
+        per_row = sequence_sum(m, segment_ids=segment_ids)  # B 1 (packed: B T)
         return jnp.where(per_row > 0, m / jnp.maximum(per_row, 1.0), 0.0)
     raise ValueError(f"unknown aggregation {aggregation!r}")
 
 
-def default_normalizer(mask: jax.Array, settings: LossSettings) -> jax.Array:
+def default_normalizer(mask: jax.Array, settings: LossSettings, segment_ids: jax.Array | None = None) -> jax.Array:
     """This batch's normalizer (see the module docstring and ``LossSettings.normalizer``)."""
-    return settings.normalizer(mask)
+    return settings.normalizer(mask) if segment_ids is None else settings.normalizer(mask, segment_ids)
 
 
 def check_inputs(
@@ -91,6 +94,7 @@ def check_inputs(
     ref_logprobs: jax.Array | None,
     settings: LossSettings,
     sampler_logprobs: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> None:
     """Shape checks at trace time, with messages that name the argument."""
     if hidden.ndim != 3:
@@ -117,6 +121,13 @@ def check_inputs(
             raise ValueError(f"sampler_logprobs must be [B, T] = {(b, t)}, got shape {sampler_logprobs.shape}")
     if not jnp.issubdtype(targets.dtype, jnp.integer):
         raise ValueError(f"targets must be integer token ids, got dtype {targets.dtype}")
+    if segment_ids is not None:
+        if segment_ids.shape != (b, t) or not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+            raise ValueError(f"segment_ids must be integer [bins, T] = {(b, t)}, got {segment_ids.dtype} "
+                             f"{segment_ids.shape}")
+        if advantages.shape != (b, t):
+            raise ValueError(f"packed (segment_ids given): advantages must be per token [bins, T] = {(b, t)}, "
+                             f"got shape {advantages.shape}")
 
 
 def grpo_objective(
@@ -130,11 +141,14 @@ def grpo_objective(
     normalizer: jax.Array | float | None = None,
     entropy: jax.Array | None = None,
     sampler_logprobs: jax.Array | None = None,
+    segment_ids: jax.Array | None = None,
 ) -> tuple[jax.Array, dict[str, Any]]:
     """The GRPO loss from per-token log-probs ``logprobs`` [B, T] (f32, differentiable).
 
     ``entropy`` [B, T] (optional) feeds the ``entropy`` metric and, with
     ``settings.entropy_coef > 0``, the entropy bonus (it must then carry its gradient).
+    ``segment_ids`` [B, T] (packed layout, see :class:`~grpo.core.contracts.LossPlugin`):
+    every per-sequence quantity reduces per (row, segment id); None: per row.
     Returns ``(loss, metrics)`` as documented in the module docstring.
     """
     logp = logprobs.astype(jnp.float32)
@@ -149,14 +163,14 @@ def grpo_objective(
     ratio = jnp.exp(log_ratio)
 
     plugin, options = objective_plugin(settings)
-    objective, token_metrics = plugin.per_token(
+    objective, token_metrics = plugin.call_per_token(
         logprobs=jnp.where(valid, logp, 0.0), log_ratio=log_ratio, valid=valid, advantages=adv,
-        settings=settings, options=options,
+        settings=settings, options=options, segment_ids=segment_ids,
     )
     if settings.mismatch is not None:
         weight, mismatch_metrics = mismatch_weight(
             old=old, sampler=sampler_logprobs.astype(jnp.float32), valid=valid,  # type: ignore[union-attr]
-            correction=settings.mismatch,
+            correction=settings.mismatch, segment_ids=segment_ids,
         )
         objective = objective * weight
         token_metrics = {**token_metrics, **mismatch_metrics}
@@ -174,8 +188,9 @@ def grpo_objective(
             raise ValueError("settings.entropy_coef > 0 needs the per-token entropy")
         per_token = per_token - settings.entropy_coef * entropy.astype(jnp.float32)
 
-    weights = token_weights(mask, settings.aggregation)
-    norm = default_normalizer(mask, settings) if normalizer is None else jnp.asarray(normalizer, jnp.float32)
+    weights = token_weights(mask, settings.aggregation, segment_ids)
+    norm = (default_normalizer(mask, settings, segment_ids) if normalizer is None
+            else jnp.asarray(normalizer, jnp.float32))
     loss = jnp.sum(jnp.where(valid, weights * per_token, 0.0)) / norm
 
     count = jnp.sum(m)
@@ -204,17 +219,18 @@ def grpo_objective(
     return loss, metrics
 
 
-def mismatch_weight(*, old: jax.Array, sampler: jax.Array, valid: jax.Array, correction) -> tuple[jax.Array, dict]:
+def mismatch_weight(*, old: jax.Array, sampler: jax.Array, valid: jax.Array, correction,
+                    segment_ids: jax.Array | None = None) -> tuple[jax.Array, dict]:
     """The mismatch correction's weight [B, T] (no gradient) and its per-token metrics.
 
     ``old``, ``sampler`` [B, T] f32 log-probs, ``valid`` [B, T] bool, ``correction`` a
     :class:`~grpo.core.contracts.MismatchCorrection`. The log-weight is ``old - sampler``
-    per token or its row sum per row; compared with ``log(cap)`` rather than
-    exponentiated first, so a sequence-level ratio past f32's range truncates to ``cap``
-    (or is masked) exactly."""
+    per token or its sum over the sequence (the row's, packed the segment's) per sequence;
+    compared with ``log(cap)`` rather than exponentiated first, so a sequence-level ratio
+    past f32's range truncates to ``cap`` (or is masked) exactly."""
     log_w = jnp.where(valid, old - sampler, 0.0)  # B T
     if correction.level == "sequence":
-        log_w = jnp.broadcast_to(jnp.sum(log_w, axis=1, keepdims=True), log_w.shape)  # B T
+        log_w = jnp.broadcast_to(sequence_sum(log_w, segment_ids=segment_ids), log_w.shape)  # B T
     log_cap = math.log(correction.cap)
     over = log_w > log_cap
     if correction.mode == "truncate":

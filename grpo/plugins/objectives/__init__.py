@@ -2,7 +2,8 @@
 ``sapo``. Chosen by ``loss.objective``, options in ``loss.objective_options``; every loss
 implementation computes them through the shared per-token math
 (:func:`grpo.plugins.losses._common.grpo_objective`), so the fused kernel needs nothing
-new. Definitions, gradients and sources: :mod:`grpo.plugins.objectives._math`.
+new. All four take ``segment_ids`` (the packed layout); only GSPO, whose ratio is per
+sequence, uses it. Definitions, gradients and sources: :mod:`grpo.plugins.objectives._math`.
 
 This module stays JAX-free at import time: the math is imported inside ``per_token``.
 """
@@ -19,7 +20,8 @@ class PpoClip(ObjectivePlugin):
     name = "ppo_clip"
     description = "PPO/GRPO clipped surrogate min(r A, clip(r, 1-eps_low, 1+eps_high) A) per token."
 
-    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options):  # noqa: ARG002
+    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options,  # noqa: ARG002
+                  segment_ids=None):
         from grpo.plugins.objectives import _math
 
         return _math.ppo_clip(log_ratio=log_ratio, advantages=advantages,
@@ -30,18 +32,20 @@ class Gspo(ObjectivePlugin):
     name = "gspo"
     description = "GSPO: the sequence's geometric-mean ratio, clipped per sequence (token form, gspo-token)."
 
-    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options):  # noqa: ARG002
+    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options,  # noqa: ARG002
+                  segment_ids=None):
         from grpo.plugins.objectives import _math
 
         return _math.gspo(logprobs=logprobs, log_ratio=log_ratio, valid=valid, advantages=advantages,
-                          eps_low=settings.epsilon_low, eps_high=settings.epsilon_high)
+                          eps_low=settings.epsilon_low, eps_high=settings.epsilon_high, segment_ids=segment_ids)
 
 
 class Cispo(ObjectivePlugin):
     name = "cispo"
     description = "CISPO (MiniMax-M1): sg(clip(r)) A log p, a clipped importance weight that keeps every gradient."
 
-    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options):  # noqa: ARG002
+    def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings, options,  # noqa: ARG002
+                  segment_ids=None):
         from grpo.plugins.objectives import _math
 
         return _math.cispo(logprobs=logprobs, log_ratio=log_ratio, advantages=advantages,
@@ -59,7 +63,7 @@ class Sapo(ObjectivePlugin):
     Options = SapoOptions
 
     def per_token(self, *, logprobs, log_ratio, valid, advantages, settings: LossSettings,  # noqa: ARG002
-                  options: SapoOptions):
+                  options: SapoOptions, segment_ids=None):
         from grpo.plugins.objectives import _math
 
         return _math.sapo(log_ratio=log_ratio, advantages=advantages, tau_pos=options.tau_pos, tau_neg=options.tau_neg)

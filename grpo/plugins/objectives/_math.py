@@ -12,7 +12,8 @@ inputs are already zeroed so nothing there is NaN, value or gradient.
   or ``A < 0 and r < 1 - el`` (``clip_frac/low``); otherwise the value is ``r A`` with
   gradient ``r A dlogp``. A ratio exactly on a bound is not clipped; ``A == 0`` never is.
 - ``gspo`` (Zheng et al. 2025, the token form verl and Tunix call ``gspo-token``): the
-  sequence ratio ``s_i = exp(mean over the row's valid tokens of (logp - old))`` and the
+  sequence ratio ``s_i = exp(mean over the sequence's valid tokens of (logp - old))`` (the
+  row's, or packed the segment's) and the
   per-token ratio ``sg(s_i) * exp(logp_t - sg(logp_t))``, whose value is ``s_i`` and whose
   gradient is ``s_i dlogp_t``. The clip is ``ppo_clip``'s, decided per sequence on
   ``s_i``: a clipped sequence contributes ``clip(s_i) A`` without gradient on every token.
@@ -34,6 +35,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from grpo.core.contracts import sequence_sum
+
 sg = jax.lax.stop_gradient
 
 
@@ -53,11 +56,12 @@ def ppo_clip(*, log_ratio: jax.Array, advantages: jax.Array, eps_low: float, eps
 
 
 def gspo(*, logprobs: jax.Array, log_ratio: jax.Array, valid: jax.Array, advantages: jax.Array,
-         eps_low: float, eps_high: float):
-    """logprobs, log_ratio [B, T] (zero on padding), valid [B, T], advantages [B, 1]."""
-    count = jnp.sum(valid.astype(jnp.float32), axis=1, keepdims=True)  # B 1
-    seq_log = jnp.sum(log_ratio, axis=1, keepdims=True) / jnp.maximum(count, 1.0)  # B 1
-    seq_ratio = jnp.exp(sg(seq_log))  # B 1
+         eps_low: float, eps_high: float, segment_ids: jax.Array | None = None):
+    """logprobs, log_ratio [B, T] (zero on padding), valid [B, T], advantages [B, 1] or
+    [B, T]; ``segment_ids`` [B, T] (packed): the sequence ratio is per (row, segment id)."""
+    count = sequence_sum(valid.astype(jnp.float32), segment_ids=segment_ids)  # B 1 (packed: B T)
+    seq_log = sequence_sum(log_ratio, segment_ids=segment_ids) / jnp.maximum(count, 1.0)  # B 1 (B T)
+    seq_ratio = jnp.exp(sg(seq_log))  # B 1 (B T)
     token_ratio = jnp.exp(sg(seq_log) + logprobs - sg(logprobs))  # B T: value s_i, gradient s_i dlogp
     low, high = _clip_flags(seq_ratio, advantages, eps_low, eps_high)  # B 1
     bounded = jnp.clip(seq_ratio, 1.0 - eps_low, 1.0 + eps_high)
