@@ -735,8 +735,9 @@ def build_programs(
 
 
 def packing_active(config: RunConfig, plugins: dict[str, Any]) -> bool:
-    """Whether the run packs: ``train.packing.enabled`` and a loss plugin declaring
-    ``supports_packing`` (one that does not runs unpacked, with a one-line warning)."""
+    """Whether the run packs: ``train.packing.enabled``, a loss plugin declaring
+    ``supports_packing`` and an objective taking ``segment_ids`` (otherwise the run is
+    unpacked, with a one-line warning)."""
     if not config.train.packing.enabled:
         return False
     loss = plugins["loss"].plugin
@@ -745,6 +746,16 @@ def packing_active(config: RunConfig, plugins: dict[str, Any]) -> bool:
 
         logging.getLogger(__name__).warning(
             "loss.impl=%s does not declare supports_packing: the update runs unpacked (padded rows)", config.loss.impl)
+        return False
+    from grpo.core.plugins import get_plugins
+
+    objective = get_plugins().get("objective", config.loss.objective)
+    if not objective.supports_packing:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "loss.objective=%s has no segment_ids in per_token: the update runs unpacked (padded rows)",
+            config.loss.objective)
         return False
     return True
 

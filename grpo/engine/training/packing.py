@@ -24,7 +24,6 @@ predicting slot, as in the padded layout.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Any, NamedTuple
 
@@ -153,8 +152,7 @@ class PackedBatch(NamedTuple):
     normalizer: jax.Array | None = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Placement:
+class Placement(NamedTuple):
     """Where each slot's predicted token lives in the padded row layout (jnp, [bins, L])."""
 
     row: jax.Array  # source row
