@@ -44,7 +44,7 @@ LAZY_BENCH: dict[str, str] = {
     "rollout": "grpo.engine.bench.rollout:bench_rollout",
     "loss": "grpo.engine.bench.loss:bench_loss",
     "memory": "grpo.engine.bench.memory:bench_memory",
-    "update": "grpo.engine.bench.update:bench_update",
+    "update": "grpo.engine.bench.packed_update:bench_update",
 }
 
 

@@ -9,7 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from grpo.core.cli import cli
-from grpo.engine.bench.update import synthetic_rows
+from grpo.engine.bench.packed_update import synthetic_rows
 from grpo.engine.programs import RunPrograms
 
 
