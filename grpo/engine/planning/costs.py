@@ -262,9 +262,10 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     the step and an eval batch, LoRA's ``merge`` (merged sampling on the training layout:
     reads the base and adapters, writes the merged projections), ``row_sums`` (reward
     errors), ``gather_rows`` (the rows trained on, gathered from every round),
-    ``turn_advantages``, ``to_train`` (every update-batch array resharded) and LoRA
+    ``turn_advantages``, ``to_train`` (every update-batch array resharded), LoRA
     dropout's ``dropout_keys`` (its ``policy_logprobs`` pass is one of the passes over the
-    batch: :func:`_training_costs`)."""
+    batch: :func:`_training_costs`) and packing's ``sequence_lengths``, ``pack`` and
+    ``unpack``."""
     cfg, layout, d = programs.config, programs.layout, m.dims
     N, K = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
     devices = layout.dp * layout.fsdp * layout.tp
@@ -295,6 +296,15 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     out["to_train"] = moved(batch_bytes)
     if programs.lora_dropout:
         out["dropout_keys"] = moved(8 * rows)
+    if getattr(programs, "packing", False):
+        # Packing (at the most bins a step compiles, one per sequence, of L tokens): the
+        # rows' lengths read from the masks; the batch gathered into the bins (about 10
+        # int32/f32 arrays [bins, L] written, the padded batch read); the log-probs
+        # scattered back to the rows (values and 3 placement arrays read, [rows, N] written).
+        L = cfg.bin_length
+        out["sequence_lengths"] = moved(4 * rows * (Lp + N))
+        out["pack"] = moved(batch_bytes / 2 + 4 * 10 * rows * L)
+        out["unpack"] = moved(4 * (4 * rows * L + rows * N))
     return out
 
 
