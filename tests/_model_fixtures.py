@@ -162,3 +162,33 @@ def torch_logits(model, tokens: np.ndarray, mask: np.ndarray) -> np.ndarray:
             position_ids=torch.tensor(positions, dtype=torch.long),
         )
     return out.logits.float().numpy()
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _packed_hidden(graphdef, state, tokens, positions, segment_ids):
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, segment_ids=segment_ids)[0]
+
+
+def packed_vs_alone(model, lengths=(5, 7, 4, 3), bin_length=12, vocab: int = 300, seed: int = 0) -> float:
+    """The largest |difference| between the hidden states of sequences packed into bins
+    (first-fit, segment ids, per-segment positions) and each sequence run alone (no
+    padding at all: the reference that cannot see another sequence)."""
+    from grpo.engine.training.packing import plan_packing
+
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, vocab, n).astype(np.int32) for n in lengths]
+    plan = plan_packing(np.array(lengths), bin_length=bin_length)
+    tokens = np.zeros(plan.row.shape, np.int32)
+    for b, t in zip(*np.nonzero(plan.segment_ids)):
+        tokens[b, t] = seqs[plan.row[b, t]][plan.index[b, t]]
+    graphdef, state = nnx.split(model)
+    packed = np.asarray(_packed_hidden(graphdef, state, jnp.asarray(tokens), jnp.asarray(plan.positions),
+                                       jnp.asarray(plan.segment_ids)))
+    worst = 0.0
+    for r, seq in enumerate(seqs):
+        alone = np.asarray(model(jnp.asarray(seq)[None], jnp.arange(len(seq), dtype=jnp.int32)[None])[0])[0]
+        b, t = np.nonzero((plan.row == r) & (plan.segment_ids > 0))
+        worst = max(worst, float(np.abs(packed[b, t] - alone).max()))
+    assert len(plan.row) < len(lengths)  # really packed: some bin holds two sequences
+    return worst

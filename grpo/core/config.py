@@ -441,6 +441,20 @@ class DownSamplingConfig(Section):
     )
 
 
+class PackingConfig(Section):
+    enabled: bool = Field(
+        True,
+        description="Pack each step's finished sequences (prompt + completion, padding dropped) into bins of "
+        "bin_length tokens for every pass over the batch (update, old-log-prob, reference, behaviour). Needs a loss "
+        "declaring supports_packing (both built-ins do); another runs unpacked with a warning.",
+    )
+    bin_length: int | None = Field(
+        None, ge=1, le=10_000_000,
+        description="Tokens per bin; none = the longest possible sequence (rollout.max_prompt_length + "
+        "rollout.max_new_tokens). Must be at least that: a sequence is never split.",
+    )
+
+
 class TrainConfig(Section):
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps (one rollout batch each).")
     prompts_per_step: int = Field(16, ge=1, le=1_000_000, description="Prompts per step; sequences = prompts x num_generations.")
@@ -456,6 +470,9 @@ class TrainConfig(Section):
     )
     down_sampling: DownSamplingConfig = Field(
         default_factory=DownSamplingConfig, description="Train on a subset of each group's samples (PODS)."
+    )
+    packing: PackingConfig = Field(
+        default_factory=PackingConfig, description="Sequence packing of the passes over a finished batch."
     )
 
 
@@ -528,6 +545,17 @@ class RunConfig(Section):
     def rollout_sequences_per_step(self) -> int:
         """Rows of one rollout: prompts x ``rollout.num_generations``."""
         return self.train.prompts_per_step * self.rollout.num_generations
+
+    @property
+    def longest_sequence(self) -> int:
+        """The most real tokens one sequence can hold: ``rollout.max_prompt_length`` (prompts
+        are cut to it) plus ``rollout.max_new_tokens``."""
+        return self.rollout.max_prompt_length + self.rollout.max_new_tokens
+
+    @property
+    def bin_length(self) -> int:
+        """``train.packing.bin_length``, or the longest possible sequence when unset."""
+        return self.train.packing.bin_length or self.longest_sequence
 
     @property
     def micro_batch_size(self) -> int:
@@ -858,6 +886,14 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         problems.append(
             f"task.overlong.buffer={overlong.buffer} must be < rollout.max_new_tokens={config.rollout.max_new_tokens} "
             "(the penalty starts buffer tokens before the length cap)"
+        )
+    longest = config.longest_sequence
+    bin_length = config.train.packing.bin_length
+    if config.train.packing.enabled and bin_length is not None and bin_length < longest:
+        problems.append(
+            f"train.packing.bin_length={bin_length} is shorter than the longest possible sequence, {longest} tokens "
+            f"(rollout.max_prompt_length={config.rollout.max_prompt_length} + rollout.max_new_tokens={config.rollout.max_new_tokens}); a sequence is "
+            f"never split, so set it to at least {longest} or leave it unset"
         )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")

@@ -91,6 +91,9 @@ class RunPrograms:
     # single-turn rows' detokenizer (Policy.decode), or a multi-turn task's conversations.
     detokenize: Any = None
     conversations: Any = None  # grpo.engine.rollout.conversations.Conversations
+    # Whether the passes over a finished batch run packed (train.packing.enabled and a loss
+    # that supports it; decided once by build_programs).
+    packing: bool = False
     _samplers: dict = dataclasses.field(default_factory=dict)
     _jitted: dict = dataclasses.field(default_factory=dict)  # name -> jitted program, built on first use
 
@@ -392,6 +395,72 @@ class RunPrograms:
         shardings = jax.tree.map(lambda x: self.train_sharding if x.ndim else self.replicated, example)
         return self._program("gather_rows", lambda: jax.jit(gather, static_argnums=(2, 3), out_shardings=shardings))
 
+    # ------------------------------------------------------------------ packing
+
+    @property
+    def bin_unit(self) -> int:
+        """Bin counts are multiples of this: micro-batches x the devices the update's rows
+        split over, so every micro-batch of bins divides over the devices."""
+        return self.update_step.micro_batches * math.prod(self.mesh.shape[a] for a in ("dp", "fsdp"))
+
+    def bin_count_sizes(self) -> tuple[int, ...]:
+        """Every bin count a step can compile (its length: the compile bound of each packed
+        pass, :func:`~grpo.engine.training.packing.bin_count_sizes`)."""
+        from grpo.engine.training.packing import bin_count_sizes
+
+        return bin_count_sizes(rows=self.config.sequences_per_step, unit=self.bin_unit)
+
+    def pack_plan(self, batch: Any) -> Any:
+        """The step's :class:`~grpo.engine.training.packing.PackPlan` (host) from the rows'
+        lengths, read back replicated: every process computes the same plan."""
+        from grpo.engine.training.packing import plan_packing
+
+        lengths = np.asarray(self._lengths_jit()(batch.prompt_mask, batch.mask))
+        return plan_packing(lengths, bin_length=self.config.bin_length, unit=self.bin_unit)
+
+    def _lengths_jit(self) -> Any:
+        from grpo.engine.training.packing import sequence_lengths
+
+        return self._program("sequence_lengths", lambda: jax.jit(sequence_lengths, out_shardings=self.replicated))
+
+    def pack(self, batch: Any, plan: Any) -> tuple[Any, Any]:
+        """``(PackedBatch, Placement)`` of the padded ``batch`` (an UpdateBatch) laid out
+        by ``plan``: bins over the update's row axes, the normaliser of the padded batch."""
+        idx = [jax.make_array_from_callback(a.shape, self.replicated, lambda i, a=a: a[i])
+               for a in (plan.row, plan.index, plan.segment_ids)]
+        return self._pack_jit()(batch, *idx)
+
+    def _pack_jit(self) -> Any:
+        from grpo.engine.training.packing import pack_batch
+
+        step, rows = self.update_step, self.train_sharding
+
+        def pack(b, row, index, seg):
+            packed, place = pack_batch(
+                prompt_tokens=b.prompt_tokens, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
+                row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
+                advantages=b.advantages, old_logprobs=b.old_logprobs, ref_logprobs=b.ref_logprobs,
+                sampler_logprobs=b.sampler_logprobs, dropout_keys=b.dropout_keys,
+            )
+            on_rows = lambda x: None if x is None else jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
+            packed = jax.tree.map(on_rows, packed._replace(normalizer=None))
+            norm = jax.lax.with_sharding_constraint(step.settings.normalizer(step.loss_tokens(b)), self.replicated)
+            return packed._replace(normalizer=norm), jax.tree.map(on_rows, place)
+
+        return self._program("pack", lambda: jax.jit(pack))
+
+    def unpack(self, values: jax.Array, place: Any, *, rows: int, length: int) -> jax.Array:
+        """Packed per-token values [bins, L] back to the row layout [rows, length]."""
+        return self._unpack_jit()(values, place, rows, length)
+
+    def _unpack_jit(self) -> Any:
+        from grpo.engine.training.packing import unpack_logprobs
+
+        def unpack(values, place, rows, length):
+            return unpack_logprobs(values, place, rows=rows, length=length)
+
+        return self._program("unpack", lambda: jax.jit(unpack, static_argnums=(2, 3), out_shardings=self.train_sharding))
+
     def update(self, params: Any = None, opt_state: Any = None):
         """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,
         opt_state, metrics, logprobs)``; ``params`` are the trainable parameters (with
@@ -477,6 +546,16 @@ class RunPrograms:
         out["to_train"] = lambda: self._to_train_jit().lower(arr((b, n), jnp.float32, held))
         if self.lora_dropout:
             out["dropout_keys"] = lambda: self._dropout_keys_jit(b).lower(jax.ShapeDtypeStruct((), jnp.int32))
+        if self.packing:
+            padded = self.abstract_update_batch(packed=False)
+            bins, length = b, self.config.bin_length  # the most bins a step can compile
+            idx = [arr((bins, length), jnp.int32, self.replicated)] * 3
+            out["sequence_lengths"] = lambda: self._lengths_jit().lower(padded.prompt_mask, padded.mask)
+            out["pack"] = lambda: self._pack_jit().lower(padded, *idx)
+            packed, place = jax.eval_shape(self._pack_jit(), padded, *idx)
+            values = arr((bins, length), jnp.float32, self.train_sharding)
+            place = jax.tree.map(lambda x: arr(x.shape, x.dtype, self.train_sharding), place)
+            out["unpack"] = lambda: self._unpack_jit().lower(values, place, b, n)
         return out
 
     def _lower_gather_rows(self) -> Any:
@@ -531,9 +610,13 @@ class RunPrograms:
         tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=self.prompt_sharding((p, lp)))
         return {"prompt_tokens": tok, "prompt_mask": tok}
 
-    def abstract_update_batch(self, *, old_logprobs: bool = False):
+    def abstract_update_batch(self, *, old_logprobs: bool = False, packed: bool | None = None, bins: int | None = None):
         """An abstract :class:`~grpo.engine.training.update.UpdateBatch` of one step, in the
-        update's row sharding (the first PPO epoch has no old log-probs)."""
+        update's row sharding (the first PPO epoch has no old log-probs); with packing
+        (``packed``, default: the run's) a :class:`~grpo.engine.training.packing.PackedBatch`
+        of ``bins`` bins (default: the most a step can compile, one per sequence)."""
+        if self.packing if packed is None else packed:
+            return self._abstract_packed_batch(old_logprobs=old_logprobs, bins=bins)
         from grpo.engine.rollout.prompts import default_buckets
         from grpo.engine.training.update import UpdateBatch
 
@@ -556,6 +639,24 @@ class RunPrograms:
             sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.mismatch is not None else None,
             dropout_keys=arr((b, 2), jnp.uint32) if self.lora_dropout else None,
             truncated=arr((b,), jnp.bool_) if cfg.loss.mask_truncated else None,
+        )
+
+
+    def _abstract_packed_batch(self, *, old_logprobs: bool, bins: int | None) -> Any:
+        from grpo.engine.training.packing import PackedBatch
+
+        cfg = self.config
+        shape = (bins or cfg.sequences_per_step, cfg.bin_length)
+        sh = self.train_sharding
+        i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+        f32 = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
+        return PackedBatch(
+            tokens=i32, positions=i32, segment_ids=i32, targets=i32, mask=i32, trained=i32, advantages=f32,
+            old_logprobs=f32 if old_logprobs else None,
+            ref_logprobs=f32 if cfg.loss.beta > 0 else None,
+            sampler_logprobs=f32 if cfg.loss.mismatch is not None else None,
+            dropout_keys=jax.ShapeDtypeStruct(shape + (2,), jnp.uint32, sharding=sh) if self.lora_dropout else None,
+            normalizer=jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated),
         )
 
 
@@ -655,6 +756,7 @@ def build_programs(
         master_weights=config.master_weights,
     )
     return RunPrograms(
+        packing=packing_active(config, plugins),
         config=config,
         mesh=mesh,
         layout=layout,
@@ -670,6 +772,32 @@ def build_programs(
         detokenize=detokenize,
         conversations=conversations,
     )
+
+
+def packing_active(config: RunConfig, plugins: dict[str, Any]) -> bool:
+    """Whether the run packs: ``train.packing.enabled``, a loss plugin declaring
+    ``supports_packing`` and an objective taking ``segment_ids`` (otherwise the run is
+    unpacked, with a one-line warning)."""
+    if not config.train.packing.enabled:
+        return False
+    loss = plugins["loss"].plugin
+    if not getattr(loss, "supports_packing", False):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "loss.impl=%s does not declare supports_packing: the update runs unpacked (padded rows)", config.loss.impl)
+        return False
+    from grpo.core.plugins import get_plugins
+
+    objective = get_plugins().get("objective", config.loss.objective)
+    if not objective.supports_packing:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "loss.objective=%s has no segment_ids in per_token: the update runs unpacked (padded rows)",
+            config.loss.objective)
+        return False
+    return True
 
 
 def rollout_placement(

@@ -44,6 +44,7 @@ from grpo.engine.runs.metrics import (
 )
 from grpo.engine.training.advantages import group_advantages, informative_groups
 from grpo.engine.training.optim import applied_learning_rate
+from grpo.engine.training.packing import PackedBatch, packing_stats
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.families import family_of
 from grpo.models.lora import count_params, split_params
@@ -142,6 +143,7 @@ class Trainer:
             config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
             render=self.render, buckets=self.buckets,
         )
+        self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
 
@@ -193,9 +195,10 @@ class Trainer:
             out["down_sampling/degenerate_groups"] = jnp.sum((before & ~trained).astype(jnp.int32))
         return out
 
-    def update_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch:
-        """The rollout in the update's row layout, with the reference log-probs (``beta >
-        0``) and the step's LoRA-dropout keys."""
+    def update_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch | PackedBatch:
+        """The rollout in the update's layout, with the reference log-probs (``beta > 0``)
+        and the step's LoRA-dropout keys: rows, or with packing the step's sequences in
+        bins (every pass then runs on the bins)."""
         cfg, out, to_train = self.config, rollout.output, self.programs.to_train
         ub = UpdateBatch(
             prompt_tokens=to_train(out.prompt_tokens),
@@ -210,11 +213,23 @@ class Trainer:
             truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
             loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
         )
-        if self.ref_logprobs is not None:
-            ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
         # Every PPO epoch of the step uses the same dropout masks as the log-probs its
         # ratio divides by, so at unchanged parameters the ratio is exactly 1.
-        return ub._replace(dropout_keys=self.programs.dropout_keys(self.step, ub.tokens.shape[0]))
+        ub = ub._replace(dropout_keys=self.programs.dropout_keys(self.step, ub.tokens.shape[0]))
+        self._packing = None
+        if self.programs.packing:
+            plan = self.programs.pack_plan(ub)
+            ub, place = self.programs.pack(ub, plan)
+            self._packing = (plan, place)
+        if self.ref_logprobs is not None:
+            ub = ub._replace(ref_logprobs=self.ref_logprobs(self.ref_params, ub, self.frozen))
+        return ub
+
+    def row_logprobs(self, logprobs: jax.Array, shape: tuple[int, int]) -> jax.Array:
+        """Per-token log-probs in the rollout's row layout [B, N] (unpacked when packed)."""
+        if self._packing is None:
+            return logprobs
+        return self.programs.unpack(logprobs, self._packing[1], rows=shape[0], length=shape[1])
 
     def _behaviour_logprobs(self, ub: UpdateBatch) -> tuple[jax.Array | None, UpdateBatch]:
         """With LoRA dropout: the policy's dropout-free log-probs (what the sampler's are
@@ -234,7 +249,7 @@ class Trainer:
             ub = ub._replace(sampler_logprobs=ub.sampler_logprobs + (masked - free))
         return free, ub
 
-    def optimize(self, ub: UpdateBatch) -> tuple[list[dict[str, Any]], jax.Array]:
+    def optimize(self, ub: UpdateBatch | PackedBatch) -> tuple[list[dict[str, Any]], jax.Array]:
         """``train.ppo_epochs`` updates on the batch: each epoch's metrics, and the
         trainer's log-probs of the sampled tokens under the pre-update policy (dropout-free
         with LoRA dropout)."""
@@ -254,7 +269,7 @@ class Trainer:
         if not all(bool(m["finite"]) for m in epoch_metrics):
             self.skipped_nonfinite += 1
         jax.block_until_ready(self.params)
-        return epoch_metrics, trainer_logprobs
+        return epoch_metrics, trainer_logprobs  # in ub's layout: bins when packed
 
     def metrics_row(self, rollout: StepRollout, epochs: list[dict[str, Any]], trainer_logprobs: jax.Array,
                     times: dict[str, float], selection: dict[str, jax.Array] | None = None) -> dict[str, Any]:
@@ -275,6 +290,8 @@ class Trainer:
             # Read from the optimizer's own count: the rate its updates applied.
             "learning_rate": applied_learning_rate(self.programs.lr_schedule, self.opt_state),
         }
+        if self._packing is not None:
+            extra.update(packing_stats(self._packing[0]))
         update = epoch_summary(jax.device_get(epochs), off_policy_prefixes=(f"{cfg.loss.objective}/",))
         row = step_row(self.step, {k: float(v) for k, v in scalars.items()}, update,
                        objective=cfg.loss.objective, extra=extra, times=times)
@@ -297,6 +314,10 @@ class Trainer:
             "completions": group.texts,
             "rewards": [round(float(r), 4) for r in group.rewards],
         }
+        if group.completion_lengths is not None:
+            # Tokens, for `grpo plan --lengths samples.jsonl` (a length profile of the run).
+            row["completion_lengths"] = group.completion_lengths
+            row["prompt_length"] = group.prompt_length
         if group.turns is not None:
             row["turns"] = group.turns
         if self._samples is None:
@@ -384,6 +405,7 @@ class Trainer:
         selection = self.selection_scalars(rollout, advantages)
         t1 = time.perf_counter()
         epochs, trainer_logprobs = self.optimize(self.update_batch(rollout, advantages))
+        trainer_logprobs = self.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
         t_update = time.perf_counter() - t1
         self.step += 1
         times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}

@@ -470,7 +470,8 @@ class LayerContext:
     rules: tuple[tuple[str, Any], ...]  # activation rules (Decoder.activation_rules)
     quantization: str  # how the base projections are stored: none | nf4 | int8
     lora: Any  # the LoraSpec of the adapters in use; None: no adapters, or switched off
-    dropout_keys: jax.Array | None  # [B] adapter-dropout key data; None: no dropout
+    dropout_keys: jax.Array | None  # [B, T, 2] each token's row's adapter-dropout key data; None: no dropout
+    positions: jax.Array  # [B, T] int32 RoPE positions (a token's place in its sequence)
     cos: jax.Array  # [B, T, head_dim] float32 RoPE tables
     sin: jax.Array  # [B, T, head_dim]
     kernel: Any  # the blocked attention kernel of this call, or None (dense attention)
@@ -517,16 +518,19 @@ def _adapter(
 
 
 def _adapter_dropout(ctx: LayerContext, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-    """Inverted dropout on an adapter's input [B, ...]: one mask per row from that row's
-    key, folded with the layer and the projection (so every adapter draws its own)."""
+    """Inverted dropout on an adapter's input [B, T, ...]: each token's mask from its
+    row's key folded with the layer, the projection (every adapter draws its own) and the
+    token's position in its sequence. A token's mask is then the same wherever the token
+    sits: in a padded row (any left padding) or in a packed bin, in any micro-batch."""
     keep = 1.0 - ctx.lora.dropout
     salt = ctx.config.layer_params().index(name)
 
-    def row_mask(k):
+    def token_mask(k, pos):
         k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), layer), salt)
-        return jax.random.bernoulli(k, keep, x.shape[1:])
+        return jax.random.bernoulli(jax.random.fold_in(k, pos), keep, x.shape[2:])
 
-    return jnp.where(jax.vmap(row_mask)(ctx.dropout_keys), x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
+    masks = jax.vmap(jax.vmap(token_mask))(ctx.dropout_keys, ctx.positions)  # B T ...
+    return jnp.where(masks, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
 
 
 def qkv(
@@ -819,8 +823,9 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         write_index: jax.Array | int | None = None,
         dropout_keys: jax.Array | None = None,
+        segment_ids: jax.Array | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys)
+        ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys, segment_ids)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
         h = ctx.constrain(h, ("batch", "length", "embed"))
         layer_fn = layer_function(ctx, self.remat)
@@ -836,9 +841,15 @@ class Decoder(nnx.Module):
         cache: KVCache | None,
         write_index: jax.Array | int | None,
         dropout_keys: jax.Array | None,
+        segment_ids: jax.Array | None = None,
     ) -> LayerContext:
         """The call's :class:`LayerContext`: the attention form and its mask, the RoPE
-        tables and the adapters in use (the shapes are checked here)."""
+        tables and the adapters in use (the shapes are checked here).
+
+        ``segment_ids`` [B, T] int32 (packed sequences, no cache): a query sees the keys up
+        to itself with its own id (0 = bin padding, which sees only padding); ``kv_mask``
+        is then ignored. ``dropout_keys``: [B, 2] one per row, or [B, T, 2] one per token
+        (packed: each token's row's key)."""
         c = self.config
         B, T = tokens.shape
         if positions.shape != (B, T):
@@ -852,8 +863,15 @@ class Decoder(nnx.Module):
             kv_mask = jnp.ones((B, S), bool)
         if kv_mask.shape != (B, S):
             raise ValueError(f"kv_mask {kv_mask.shape} must be [batch, {'tokens' if cache is None else 'cache slots'}] = {(B, S)}")
-        mask = segment_ids = None
-        if kernel is None:
+        mask = None
+        if segment_ids is not None:
+            if cache is not None or segment_ids.shape != (B, T):
+                raise ValueError(f"segment_ids {segment_ids.shape} need whole sequences [batch, tokens] = {(B, T)}")
+            segment_ids = segment_ids.astype(jnp.int32)
+            if kernel is None:
+                mask = attention_mask(jnp.ones((B, S), bool), q_slots) & (
+                    segment_ids[:, None, :, None] == segment_ids[:, None, None, :])  # B 1 T S
+        elif kernel is None:
             mask = attention_mask(kv_mask, q_slots)  # B 1 T S
         else:  # 1 = real token, 0 = padding: the kernel masks causally within a segment
             segment_ids = kv_mask.astype(jnp.int32)
@@ -861,9 +879,12 @@ class Decoder(nnx.Module):
         cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
         spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
         drop = spec is not None and spec.dropout > 0 and dropout_keys is not None
+        if drop and dropout_keys.ndim == 2:  # one key per row: every token of the row reads it
+            dropout_keys = jnp.broadcast_to(dropout_keys[:, None, :], (B, T, dropout_keys.shape[-1]))
         return LayerContext(
             config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
             quantization=self.base_quantization, lora=spec, dropout_keys=dropout_keys if drop else None,
+            positions=positions,
             cos=cos, sin=sin, kernel=kernel, dense_impl="xla" if callable(self.attention_impl) else self.attention_impl,
             mask=mask, segment_ids=segment_ids, write_index=write_index,
         )

@@ -237,3 +237,14 @@ def test_shipped_configs_show_progress_and_quickstarts_evaluate_as_documented(pa
     assert cfg.logging.progress_bar
     if path.name.startswith("quickstart"):
         assert cfg.eval.every_n_steps == 50 and "every 50" in path.read_text()
+
+
+def test_packing_bin_length_shorter_than_a_sequence_is_refused():
+    from grpo.core.config import RunConfig, cross_field_problems
+
+    cfg = RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32},
+                                    "train": {"packing": {"bin_length": 95}}})
+    assert cfg.bin_length == 95
+    [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
+    assert "train.packing.bin_length=95" in problem and "96" in problem
+    assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, padded_batch
+from _model_fixtures import FAMILY_CHECKPOINTS, checkpoint, hf_logits, logits_of, packed_vs_alone, padded_batch
 from grpo.core.errors import UserError
 from grpo.models.loading import load_hf
 from grpo.models.decoder import KVCache, positions_from_mask, repeat_batch
@@ -44,6 +44,11 @@ def test_logits_match_transformers_on_padded_batch(name):
     diff = np.abs(ours - ref)[mask].max()
     assert diff <= 1e-4, diff
     assert np.abs(ref[mask]).max() > 1.0  # the comparison is not between near-zero logits
+
+
+def test_packed_sequences_equal_each_sequence_alone(name="llama_tied_rope3"):
+    # Segment ids keep attention inside a sequence; positions restart per sequence (RoPE).
+    assert packed_vs_alone(_model(name)) <= 1e-5
 
 
 def test_head_weight_is_transposed_embedding_when_tied():

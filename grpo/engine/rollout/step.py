@@ -68,12 +68,16 @@ class ToolTotals:
 class SampleGroup:
     """The first prompt's group of completions of a step (what ``samples.jsonl`` shows):
     its example, the completions' texts and total rewards, and in a multi-turn rollout
-    each completion's turns ``[{role, text, trained}]``."""
+    each completion's turns ``[{role, text, trained}]``; the completions' lengths in
+    tokens (inserted environment tokens included) and the prompt's: a length profile for
+    ``grpo plan --lengths``."""
 
     example: dict[str, Any]
     texts: list[str]
     rewards: np.ndarray
     turns: list[list[dict[str, Any]]] | None
+    completion_lengths: list[int] | None = None
+    prompt_length: int | None = None
 
 
 @dataclasses.dataclass
@@ -194,13 +198,15 @@ class StepCollector:
 
         out = sampled.output
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
-        totals, by_fn, failed = self._score(sampled.examples, texts, local_rows(out.mask).sum(axis=1))
+        lengths = local_rows(out.mask).sum(axis=1)
+        totals, by_fn, failed = self._score(sampled.examples, texts, lengths)
         errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
         ep = sampled.episodes
         group = None
         if round_ == 0 and sample_group:
             group = SampleGroup(batch.examples[0], texts[:k], totals[:k],
-                                None if ep is None else ep.turns[:k])
+                                None if ep is None else ep.turns[:k], [int(n) for n in lengths[:k]],
+                                int(np.asarray(batch.mask[0]).sum()))
         tools = None
         if ep is not None:
             counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts, ep.tool_truncated],

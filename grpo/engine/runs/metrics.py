@@ -98,7 +98,8 @@ def rollout_scalars(rollout: Any, trainer_logprobs: Any) -> dict[str, Any]:
         "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
         "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
         "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
-        "valid_tokens": jnp.sum(out.mask.astype(jnp.float32)),
+        # The completion tokens the loss trains on (multi-turn: not the environment's).
+        "valid_tokens": jnp.sum(mask_f),
         "rollout/generated_tokens": rollout.generated_tokens,  # every round's completions, trained on or not
     }
     return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}

@@ -4,6 +4,8 @@
 - ``update``: :class:`UpdateStep` (the loss plugin over micro-batches, exact gradient
   accumulation, master weights, the reference pass) and :class:`UpdateBatch`.
 - ``optim``: the optimizer and its learning-rate schedule.
+- ``packing``: the step's sequences first-fit into bins (host plan, bin counts rounded
+  to a bounded set) and the packed arrays every pass over the batch runs on.
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``. Nothing else of
 ``grpo.engine``: the loop that drives these pieces is the trainer, one floor up.

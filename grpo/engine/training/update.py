@@ -37,6 +37,7 @@ from pydantic import BaseModel
 
 from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
 from grpo.engine.training.optim import is_schedule_state
+from grpo.engine.training.packing import PackedBatch
 
 
 class UpdateBatch(NamedTuple):
@@ -334,17 +335,23 @@ class UpdateStep:
             model.use_adapters(False)
         return model
 
-    def _loss_args(self, params, mb: UpdateBatch, frozen=None, *, adapters: bool = True) -> dict[str, Any]:
+    def _loss_args(self, params, mb: UpdateBatch | PackedBatch, frozen=None, *, adapters: bool = True) -> dict[str, Any]:
         model = self._model(params, frozen, adapters=adapters)
         keys = mb.dropout_keys if adapters else None
+        if isinstance(mb, PackedBatch):  # bins: attention within a segment, hidden[:, t] predicts targets[:, t]
+            hidden, _ = model(mb.tokens, mb.positions, dropout_keys=keys, segment_ids=mb.segment_ids)
+            return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.targets,
+                        segment_ids=mb.segment_ids)
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys)
         return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
 
     @staticmethod
-    def loss_tokens(batch: UpdateBatch) -> jax.Array:
+    def loss_tokens(batch: UpdateBatch | PackedBatch) -> jax.Array:
         """The mask the loss sees [B, N]: the model's own tokens (``batch.trained``), with
         the rows of ``batch.truncated`` (``loss.mask_truncated``) zeroed. Attention still
-        reads the completion mask: only the loss drops those tokens."""
+        reads the completion mask: only the loss drops those tokens. (Packed: built in.)"""
+        if isinstance(batch, PackedBatch):
+            return batch.mask
         if batch.truncated is None:
             return batch.trained
         return jnp.where(batch.truncated[:, None], 0, batch.trained).astype(batch.mask.dtype)
@@ -391,15 +398,20 @@ class UpdateStep:
         m = self.micro_batches
         if m == 1:
             return one(batch)
-        fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
+        packed = isinstance(batch, PackedBatch)
+        if packed:
+            fields = ("tokens", "positions", "segment_ids", "targets", "trained")
+        else:
+            fields = ("prompt_tokens", "prompt_mask", "tokens", "mask")
+            if batch.loss_mask is not None:
+                fields += ("loss_mask",)
         if adapters and batch.dropout_keys is not None:
             fields += ("dropout_keys",)
-        if batch.loss_mask is not None:
-            fields += ("loss_mask",)
         micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
+        empty = dict(advantages=None, old_logprobs=None, ref_logprobs=None)
 
         def body(xs):
-            return one(UpdateBatch(**xs, advantages=None, old_logprobs=None, ref_logprobs=None))
+            return one(PackedBatch(**xs, mask=None, **empty) if packed else UpdateBatch(**xs, **empty))
 
         return _merge_micro(jax.lax.map(body, micro))
 
@@ -410,7 +422,10 @@ class UpdateStep:
 
         Gradients are taken with respect to ``params`` only: with LoRA those are the
         adapters and the base (``frozen``) is a constant of the differentiation."""
-        normalizer = self.settings.normalizer(self.loss_tokens(batch))  # of the global batch
+        if isinstance(batch, PackedBatch):  # the padded batch's, computed where it was packed
+            normalizer, batch = batch.normalizer, batch._replace(normalizer=None)
+        else:
+            normalizer = self.settings.normalizer(self.loss_tokens(batch))  # of the global batch
         grad_fn = jax.value_and_grad(functools.partial(self.loss_and_metrics, frozen=frozen), has_aux=True)
         f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
         m = self.micro_batches
@@ -418,7 +433,7 @@ class UpdateStep:
             (loss, metrics), grads = grad_fn(params, batch, normalizer)
             logprobs = metrics.pop("logprobs")
             return loss, f32(grads), _finish(metrics, weighted=False), logprobs
-        micro = UpdateBatch(*(_split_micro(x, m) for x in batch))
+        micro = type(batch)(*(_split_micro(x, m) for x in batch))
         # f32 accumulation: bf16 sums of many micro-batch gradients lose their small terms.
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
 
@@ -431,7 +446,7 @@ class UpdateStep:
             grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
             return (loss_sum + loss, grad_sum, weighted), logprobs
 
-        shapes = jax.eval_shape(lambda: grad_fn(params, UpdateBatch(*(None if x is None else x[0] for x in micro)), normalizer))
+        shapes = jax.eval_shape(lambda: grad_fn(params, type(micro)(*(None if x is None else x[0] for x in micro)), normalizer))
         metric_keys = [k for k in shapes[0][1] if k != "logprobs"]
         init = (jnp.float32(0.0), zeros, {k: _identity(k) for k in metric_keys})
         (loss, grads, weighted), logprobs = jax.lax.scan(body, init, micro)

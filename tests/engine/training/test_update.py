@@ -385,3 +385,61 @@ def test_one_head_precision_rule_under_mixed_precision(impl):
     # Cached bf16 decode vs one full bf16 forward: same head rule; the rest is bf16 noise.
     gap = np.abs(np.asarray(out.logprobs)[mask] - ref[mask])
     assert gap.mean() < 5e-3, gap.mean()
+
+
+# --------------------------------------------------------------------------- packed update
+
+
+def _packing_loss():
+    """The jax loss as the packed update calls it. Until it declares ``supports_packing``
+    itself, a token-level stand-in (segment ids ignored: exact for token_mean / constant
+    aggregation of a token-level objective, which never reduce per sequence)."""
+    loss = load_plugins(entry_points=False).get("loss", "jax")
+    if getattr(loss, "supports_packing", False):
+        return loss
+
+    class TokenLevel(type(loss)):
+        supports_packing = True
+
+        def compute(self, *, segment_ids=None, **kwargs):  # noqa: ARG002
+            return super().compute(**kwargs)
+
+    return TokenLevel()
+
+
+@pytest.mark.parametrize("micro, aggregation", [(2, "token_mean")])
+def test_packed_update_equals_padded(tiny, micro, aggregation):
+    """Same rows packed into bins: equal loss, gradients, metrics and per-token log-probs
+    (unpacked to the rows), for the update and the forward-only log-prob pass."""
+    from grpo.engine.training.packing import pack_batch, plan_packing, sequence_lengths, unpack_logprobs
+
+    _, model, graphdef, params = tiny
+    batch = _batch(model.config.vocab_size, seed=3)
+    rng = np.random.default_rng(4)
+    loss_mask = jnp.asarray(np.asarray(batch.mask) * rng.integers(0, 2, batch.mask.shape))  # multi-turn
+    old = jnp.asarray(rng.normal(-1.0, 0.1, batch.mask.shape).astype(np.float32))
+    batch = batch._replace(loss_mask=loss_mask, old_logprobs=old, truncated=jnp.asarray(np.arange(8) == 5))
+    step = _step(graphdef, micro, aggregation)
+    step = UpdateStep(**{**step.__dict__, "loss": _packing_loss()})
+    lengths = np.asarray(sequence_lengths(batch.prompt_mask, batch.mask))
+    plan = plan_packing(lengths, bin_length=22, unit=2)  # rows are 11 wide
+    assert plan.used < 8  # really packed
+    packed, place = pack_batch(
+        prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
+        row=plan.row, index=plan.index, segment_ids=plan.segment_ids, loss_mask=step.loss_tokens(batch),
+        trained=batch.trained, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+    )
+    packed = packed._replace(normalizer=step.settings.normalizer(step.loss_tokens(batch)))
+    loss_p, g_p, m_p, lp_p = jax.jit(step.grads)(params, packed)
+    loss_r, g_r, m_r, lp_r = jax.jit(step.grads)(params, batch)
+    np.testing.assert_allclose(float(loss_p), float(loss_r), rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_r)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+    for k in m_r:
+        np.testing.assert_allclose(float(m_p[k]), float(m_r[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+    trained = np.asarray(batch.trained) > 0
+    rows = lambda x: np.asarray(unpack_logprobs(x, place, rows=8, length=6))  # noqa: E731
+    np.testing.assert_allclose(rows(lp_p)[trained], np.asarray(lp_r)[trained], atol=1e-5)
+    fwd = rows(jax.jit(step.policy_logprobs)(params, packed))
+    np.testing.assert_allclose(fwd, np.asarray(jax.jit(step.policy_logprobs)(params, batch)), atol=1e-5)
+    assert np.abs(fwd[trained]).min() > 0  # real log-probs, not zeros

@@ -1,0 +1,133 @@
+"""Packing: the host plan (first-fit decreasing, rounding, no split) and the packed arrays
+against a plain per-row loop over the padded batch."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from grpo.engine.training.packing import (
+    bin_count_sizes,
+    first_fit_decreasing,
+    pack_batch,
+    plan_packing,
+    round_bins,
+    unpack_logprobs,
+)
+
+
+def _opt_bins(lengths, cap):
+    """The optimal bin count by brute force (tiny inputs only)."""
+    n = len(lengths)
+    for k in range(1, n + 1):
+        for assign in itertools.product(range(k), repeat=n):
+            loads = [0] * k
+            for ln, b in zip(lengths, assign):
+                loads[b] += ln
+            if max(loads) <= cap:
+                return k
+    return n
+
+
+def test_ffd_no_split_and_bounds():
+    rng = np.random.default_rng(0)
+    for trial in range(200):
+        n = int(rng.integers(1, 7 if trial < 60 else 60))
+        cap = int(rng.integers(8, 40))
+        lengths = rng.integers(1, cap + 1, size=n)
+        bins = first_fit_decreasing(lengths, bin_length=cap)
+        members = sorted(i for b in bins for i in b)
+        assert members == list(range(n))  # every sequence exactly once: never split
+        assert all(sum(int(lengths[i]) for i in b) <= cap for b in bins)
+        assert len(bins) >= -(-int(lengths.sum()) // cap)  # the volume lower bound
+        if n <= 6:
+            assert len(bins) <= 11 / 9 * _opt_bins(lengths.tolist(), cap) + 6 / 9
+        # FFD is deterministic: a permutation of equal lengths gives the same bin loads.
+        again = first_fit_decreasing(lengths.copy(), bin_length=cap)
+        assert again == bins
+
+
+def test_ffd_refuses_an_oversized_sequence():
+    with pytest.raises(ValueError, match="does not fit"):
+        first_fit_decreasing(np.array([5, 11]), bin_length=10)
+
+
+def test_rounding_and_compile_bound():
+    assert round_bins(0, unit=4) == 4
+    assert round_bins(5, unit=4) == 8
+    assert bin_count_sizes(rows=16, unit=4) == (4, 8, 12, 16)
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        lengths = rng.integers(1, 33, size=16)
+        plan = plan_packing(lengths, bin_length=32, unit=4)
+        assert plan.bins in bin_count_sizes(rows=16, unit=4)
+
+
+def test_plan_segments_and_positions():
+    lengths = np.array([3, 5, 2, 4])
+    plan = plan_packing(lengths, bin_length=8, unit=3)
+    assert plan.bins == 3 and plan.used == 2  # {5, 3} and {4, 2}, one bin of padding
+    assert plan.real_tokens == 14 and plan.efficiency == pytest.approx(14 / 24)
+    np.testing.assert_array_equal(plan.segment_ids[0], [1, 1, 1, 1, 1, 2, 2, 2])
+    np.testing.assert_array_equal(plan.row[0], [1] * 5 + [0] * 3)
+    np.testing.assert_array_equal(plan.positions[0], [0, 1, 2, 3, 4, 0, 1, 2])
+    np.testing.assert_array_equal(plan.segment_ids[1], [1, 1, 1, 1, 2, 2, 0, 0])
+    np.testing.assert_array_equal(plan.positions[1], [0, 1, 2, 3, 0, 1, 0, 0])
+    np.testing.assert_array_equal(plan.segment_ids[2], 0)
+
+
+def _padded_batch(rng, b=6, lp=4, n=5):
+    """Left-padded prompts, completions with a mask prefix, per-token arrays."""
+    plen = rng.integers(1, lp + 1, size=b)
+    clen = rng.integers(1, n + 1, size=b)
+    pm = (np.arange(lp)[None] >= lp - plen[:, None]).astype(np.int32)
+    cm = (np.arange(n)[None] < clen[:, None]).astype(np.int32)
+    pt = np.where(pm > 0, rng.integers(1, 50, size=(b, lp)), 0).astype(np.int32)
+    ct = np.where(cm > 0, rng.integers(1, 50, size=(b, n)), 0).astype(np.int32)
+    return pt, pm, ct, cm
+
+
+def test_pack_batch_against_a_row_loop():
+    rng = np.random.default_rng(2)
+    pt, pm, ct, cm = _padded_batch(rng)
+    b, n = ct.shape
+    loss_mask = cm * rng.integers(0, 2, size=cm.shape)  # multi-turn: some tokens not trained
+    old = rng.normal(size=cm.shape).astype(np.float32)
+    adv = rng.normal(size=b).astype(np.float32)
+    keys = rng.integers(0, 2**31, size=(b, 2)).astype(np.uint32)
+    lengths = pm.sum(1) + cm.sum(1)
+    plan = plan_packing(lengths, bin_length=int(lengths.max()) + 3, unit=2)
+    packed, place = pack_batch(
+        prompt_tokens=pt, prompt_mask=pm, tokens=ct, mask=cm, row=plan.row, index=plan.index,
+        segment_ids=plan.segment_ids, loss_mask=loss_mask, advantages=adv, old_logprobs=old, dropout_keys=keys,
+    )
+    seq_of = {}  # row -> (bin, start)
+    for bn in range(plan.bins):
+        for s in range(1, plan.segment_ids[bn].max() + 1):
+            slots = np.nonzero(plan.segment_ids[bn] == s)[0]
+            assert np.all(np.diff(slots) == 1)  # contiguous
+            seq_of[int(plan.row[bn, slots[0]])] = (bn, int(slots[0]))
+    assert sorted(seq_of) == list(range(b))
+    for r, (bn, start) in seq_of.items():
+        seq = np.concatenate([pt[r][pm[r] > 0], ct[r][cm[r] > 0]])
+        p = int(pm[r].sum())
+        sl = slice(start, start + len(seq))
+        np.testing.assert_array_equal(np.asarray(packed.tokens[bn, sl]), seq)
+        np.testing.assert_array_equal(np.asarray(packed.positions[bn, sl]), np.arange(len(seq)))
+        np.testing.assert_array_equal(np.asarray(packed.targets[bn, sl])[:-1], seq[1:])
+        # The slot before completion token j predicts it: mask, old log-probs there.
+        c = int(cm[r].sum())
+        pred = slice(start + p - 1, start + p - 1 + c)
+        np.testing.assert_array_equal(np.asarray(packed.mask[bn, pred]), loss_mask[r, :c])
+        np.testing.assert_array_equal(np.asarray(packed.trained[bn, pred]), cm[r, :c])
+        np.testing.assert_allclose(np.asarray(packed.old_logprobs[bn, pred]), old[r, :c])
+        assert np.asarray(packed.mask[bn, sl]).sum() == loss_mask[r].sum()  # nothing else trained
+        np.testing.assert_allclose(np.asarray(packed.advantages[bn, sl]), adv[r])
+        np.testing.assert_array_equal(np.asarray(packed.dropout_keys[bn, sl]), np.broadcast_to(keys[r], (len(seq), 2)))
+    pad = plan.segment_ids == 0
+    assert not np.asarray(packed.mask)[pad].any() and not np.asarray(packed.advantages)[pad].any()
+    # Unpacking the packed old log-probs gives the row layout back (0 off the completion).
+    back = unpack_logprobs(packed.old_logprobs, place, rows=b, length=n)
+    np.testing.assert_allclose(np.asarray(back), np.where(cm > 0, old, 0.0))
