@@ -96,6 +96,7 @@ from jax.sharding import Mesh
 from grpo.core.errors import UserError
 from grpo.models.attention import sharded
 from grpo.models.hf import LLAMA3_ROPE_KEYS, config_from_hf, hf_fields
+from grpo.models.paged_attention import PagedKVCache
 from grpo.models.quant import dequantize
 from grpo.sharding import ACTIVATION_RULES, fit_sharding
 
@@ -478,6 +479,9 @@ class LayerContext:
     mask: jax.Array | None  # [B, 1, T, S] bool, dense attention only
     segment_ids: jax.Array | None  # [B, S] int32 (1 real token, 0 padding), kernel only
     write_index: jax.Array | None  # scalar int32: the cache slot of the first token
+    # A decode step over a paged cache: (page_table [B, max_pages], lengths [B], live [B],
+    # backend name); None: the dense cache (or none).
+    paged: Any = None
 
     def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
         return constrain(x, names, self.mesh, self.rules)
@@ -557,6 +561,8 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
     = (k, v, layer), over the cache after writing them at ``write_index``. Returns the
     output [B, T, H, E] and the carry ((k, v) updated; None without a cache)."""
     dt = ctx.dtype
+    if ctx.paged is not None:
+        return _attend_paged(ctx, q, k_new, v_new, kv)
     if kv is None:
         k_all, v_all = k_new, v_new
     else:
@@ -579,6 +585,25 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
         q, k_all, v_all, mask=ctx.mask, scale=scale, implementation=ctx.dense_impl
     )  # B T H E
     return out, kv
+
+
+def _attend_paged(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any) -> tuple[jax.Array, Any]:
+    """One decode token per row (T = 1) over a paged pool: the new key/value written at
+    token ``lengths`` of each live row's pages, then attention over the row's
+    ``lengths + 1`` tokens (:mod:`grpo.models.paged_attention`)."""
+    from grpo.models.paged_attention import sharded_paged_attention, write_token
+
+    page_table, lengths, live, backend = ctx.paged
+    pk, pv, layer = kv
+    pk = write_token(pool=pk, layer=layer, new=k_new[:, 0], page_table=page_table, lengths=lengths, live=live)
+    pv = write_token(pool=pv, layer=layer, new=v_new[:, 0], page_table=page_table, lengths=lengths, live=live)
+    k_layer = jax.lax.dynamic_index_in_dim(pk, layer, axis=0, keepdims=False)  # KH P ps E
+    v_layer = jax.lax.dynamic_index_in_dim(pv, layer, axis=0, keepdims=False)
+    out = sharded_paged_attention(
+        q=q[:, 0], k_pages=k_layer, v_pages=v_layer, lengths=lengths + 1, page_table=page_table,
+        scale=1.0 / math.sqrt(ctx.config.head_dim), backend=backend, mesh=ctx.mesh, rules=dict(ctx.rules),
+    )
+    return out[:, None].astype(ctx.dtype), (pk, pv)
 
 
 def mlp_block(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> jax.Array:
@@ -658,7 +683,7 @@ def run_layers(
     # instead of re-emitting a full per-layer slice as a scan output.
     step = functools.partial(_scan_cached_step, layer_fn)
     (h, ck, cv), _ = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
-    return h, KVCache(k=ck, v=cv)
+    return h, cache._replace(k=ck, v=cv)  # a KVCache, or a PagedKVCache with its pool updated
 
 
 def _query_slots(
@@ -819,8 +844,12 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         write_index: jax.Array | int | None = None,
         dropout_keys: jax.Array | None = None,
+        paged_backend: str = "auto",
     ) -> tuple[jax.Array, KVCache | None]:
-        ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys)
+        if isinstance(cache, PagedKVCache):
+            ctx = self._paged_context(tokens, positions, cache, paged_backend)
+        else:
+            ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
         h = ctx.constrain(h, ("batch", "length", "embed"))
         layer_fn = layer_function(ctx, self.remat)
@@ -866,6 +895,25 @@ class Decoder(nnx.Module):
             quantization=self.base_quantization, lora=spec, dropout_keys=dropout_keys if drop else None,
             cos=cos, sin=sin, kernel=kernel, dense_impl="xla" if callable(self.attention_impl) else self.attention_impl,
             mask=mask, segment_ids=segment_ids, write_index=write_index,
+        )
+
+    def _paged_context(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
+                       backend: str) -> LayerContext:
+        """The context of a decode step over a paged cache: one token per row, written at
+        token ``cache.lengths`` of the row's pages (positions are the caller's: RoPE
+        positions equal those indices when a row's prompt starts at token 0)."""
+        c = self.config
+        B, T = tokens.shape
+        if T != 1 or positions.shape != (B, 1) or cache.page_table.shape[0] != B:
+            raise ValueError(f"a paged decode step takes one token per row: tokens {tokens.shape}, positions "
+                             f"{positions.shape}, page table {cache.page_table.shape}")
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
+        spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
+        return LayerContext(
+            config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
+            quantization=self.base_quantization, lora=spec, dropout_keys=None, cos=cos, sin=sin, kernel=None,
+            dense_impl="xla", mask=None, segment_ids=None, write_index=None,
+            paged=(cache.page_table, cache.lengths, cache.live, backend),
         )
 
     def _stacked(self, ctx: LayerContext) -> dict[str, jax.Array]:

@@ -26,10 +26,11 @@ a finite value nobody uses.
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import Any, Mapping, NamedTuple
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 BACKENDS: tuple[str, ...] = ("auto", "reference", "tpu", "gpu")
 POOL_AXES: tuple[str | None, ...] = ("layers", "kv_heads", None, None, "head_dim")
@@ -139,7 +140,43 @@ def paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, len
     return fn(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table, scale=scale)
 
 
+def sharded_paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
+                            page_table: jax.Array, scale: float, backend: str, mesh: Any,
+                            rules: Mapping[str, Any]) -> jax.Array:
+    """:func:`paged_attention` with a kernel backend run per device under ``shard_map``
+    (a Pallas call is opaque to XLA's partitioner): rows over their batch axes, KV heads
+    over theirs, each device holding the pages of the whole pool for its KV heads (a
+    device's rows may sit in any page). The reference runs as is (XLA partitions it)."""
+    backend = resolve_backend(backend)
+    if backend == "reference" or mesh is None or mesh.size == 1:
+        return paged_attention(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table,
+                               scale=scale, backend=backend)
+    from grpo.models.attention import head_specs
+
+    B, H, E = q.shape
+    KH = k_pages.shape[0]
+    qspec, kspec, rest = head_specs((B, 1, H, E), (B, 1, KH, E), mesh, rules)
+    group = H // KH
+    pool_spec = PartitionSpec(kspec[2], None, None, None)
+
+    def body(qb, kb, vb, nb, tb):
+        if rest:  # this device's query heads read a slice of its KV shard
+            local = qb.shape[1]
+            start = (jax.lax.axis_index(rest) * local) // group
+            size = max(1, local // group)
+            kb = jax.lax.dynamic_slice_in_dim(kb, start, size, axis=0)
+            vb = jax.lax.dynamic_slice_in_dim(vb, start, size, axis=0)
+        return paged_attention(q=qb, k_pages=kb, v_pages=vb, lengths=nb, page_table=tb, scale=scale,
+                               backend=backend)
+
+    q3 = PartitionSpec(qspec[0], qspec[2], None)
+    return jax.shard_map(
+        body, mesh=mesh, in_specs=(q3, pool_spec, pool_spec, PartitionSpec(qspec[0]), PartitionSpec(qspec[0], None)),
+        out_specs=q3, check_vma=False,
+    )(q, k_pages, v_pages, lengths, page_table)
+
+
 __all__ = [
-    "BACKENDS", "POOL_AXES", "PagedKVCache", "paged_attention", "paged_attention_gpu", "paged_attention_reference",
+    "BACKENDS", "sharded_paged_attention", "POOL_AXES", "PagedKVCache", "paged_attention", "paged_attention_gpu", "paged_attention_reference",
     "paged_attention_tpu", "resolve_backend", "write_token",
 ]
