@@ -528,3 +528,28 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
 
     resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
     assert_same_run(trainer, resumed)
+
+
+def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
+    """``rollout.engine: continuous``: a step samples through the paged, continuously
+    batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's
+    log-probs match the sampler's, and ``grpo plan`` lists exactly the programs the run
+    executed (its start/prefill/decode lower for the TPU topology)."""
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.rollout.continuous import ContinuousSampler
+
+    config = _config(**{"rollout.engine": "continuous", "rollout.max_new_tokens": 6, "eval.every_n_steps": 0,
+                        "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "reference"}})
+    trainer = Trainer(config, tmp_path)
+    trainer.run()
+    sampler = trainer.programs.sampler()
+    assert isinstance(sampler, ContinuousSampler)
+    assert sampler.last_stats["prefills"] > 1 and sampler.last_stats["chunks"] >= 3, sampler.last_stats
+    [row] = read_metrics(tmp_path)
+    assert np.isfinite(row["loss"]) and row["logprob_gap/sampler_trainer"] < 1e-4
+    ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
+    planner = Planner("v6e-8")
+    listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
+    assert ran == set(listed) and {"start", "prefill", "decode"} <= ran
+    for name in ("start", "prefill", "decode"):
+        assert listed[name]() is not None, name

@@ -73,7 +73,8 @@ class SlotState(NamedTuple):
 class ContinuousSampler(BaseSampler):
     """Continuous batching over a paged cache; :meth:`sample` as the static sampler's.
 
-    Args (beside :class:`BaseSampler`'s): ``slots`` decode slots, ``page_size`` tokens a
+    Args (beside :class:`BaseSampler`'s): ``slots`` decode slots (0: every row of the
+    rollout at once), ``page_size`` tokens a
     page, ``pool_pages`` pages in the pool (0: enough for every slot at the cap, so no row
     is ever evicted), ``chunk`` decode steps between host boundaries, ``backend`` the
     paged attention (:data:`grpo.models.paged_attention.BACKENDS`), ``detokenize`` as
@@ -82,7 +83,7 @@ class ContinuousSampler(BaseSampler):
     def __init__(self, graphdef: Any, *, slots: int, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,
                  backend: str = "auto", detokenize: Any = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
-        for name, value, low in (("slots", slots, 1), ("page_size", page_size, 1), ("pool_pages", pool_pages, 0),
+        for name, value, low in (("slots", slots, 0), ("page_size", page_size, 1), ("pool_pages", pool_pages, 0),
                                  ("chunk", chunk, 1)):
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"{name} must be an integer >= {low} (got {value!r})")
@@ -91,7 +92,7 @@ class ContinuousSampler(BaseSampler):
         self.slots, self.page_size, self.pool_pages, self.chunk_steps = slots, page_size, pool_pages, chunk
         self.backend = backend
         self.detokenize = detokenize
-        self.start_jit = jax.jit(self._start_impl, static_argnames=("rows", "max_pages"))
+        self.start_jit = jax.jit(self._start_impl, static_argnames=("rows", "pages"))
         self.prefill_jit = jax.jit(self._prefill_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.decode_jit = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
@@ -115,11 +116,10 @@ class ContinuousSampler(BaseSampler):
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
-        max_pages = self.max_pages(Lp)
-        alloc = PageAllocator(pages=self.pool_size(Lp), page_size=self.page_size, slots=self.slots,
-                              max_pages=max_pages)
+        max_pages, S = self.max_pages(Lp), self.slots_for(B)
+        alloc = PageAllocator(pages=self.pool_size(Lp, S), page_size=self.page_size, slots=S, max_pages=max_pages)
         raw, impl = self.place_key(rng)
-        state = self.start_jit(params, rows=B, max_pages=max_pages)
+        state = self.start_jit(params, rows=B, pages=alloc.pages)
         sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
         chunks = 0
         while True:
@@ -147,31 +147,38 @@ class ContinuousSampler(BaseSampler):
         """Pages of a row at the cap (prompt + every token fed back)."""
         return math.ceil((prompt_length + self.sampling.max_new_tokens) / self.page_size)
 
-    def pool_size(self, prompt_length: int) -> int:
+    def slots_for(self, rows: int) -> int:
+        """Decode slots of a rollout of ``rows`` rows."""
+        return self.slots or rows
+
+    def pool_size(self, prompt_length: int, slots: int) -> int:
         """Pages in the pool (``pool_pages``, or enough for every slot at the cap)."""
         need = self.max_pages(prompt_length)
-        pages = self.pool_pages or self.slots * need
+        pages = self.pool_pages or slots * need
         if pages < need:
             raise ValueError(f"pool_pages={pages} cannot hold one row of prompt {prompt_length} + "
                              f"{self.sampling.max_new_tokens} tokens ({need} pages of {self.page_size})")
         return pages
 
     def cache_slots(self, prompt_length: int) -> int:
-        return self.pool_size(prompt_length) * self.page_size // max(self.slots, 1)
+        """A row's cache length at the cap (what the plan's static cost model reads)."""
+        return prompt_length + self.sampling.max_new_tokens
 
     def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
         """Per-device bytes of the page pool (keys and values)."""
-        pool = self._abstract_pool(params, self.pool_size(prompt_length))
+        pool = self._abstract_pool(params, self.pool_size(prompt_length, self.slots_for(rows)))
         return 2 * math.prod(pool.sharding.shard_shape(pool.shape)) * jnp.dtype(pool.dtype).itemsize
 
     def jitted(self) -> dict[str, list[Any]]:
         return {"start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit]}
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
-        rows, S, maxp = prompts * self.sampling.num_generations, self.slots, self.max_pages(prompt_length)
+        rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
+        S = self.slots_for(rows)
+        pages = self.pool_size(prompt_length, S)
 
         def state():
-            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, max_pages=maxp), params)
+            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages), params)
 
         def prefill():
             raw, impl = self._abstract_key(key)
@@ -183,7 +190,7 @@ class ContinuousSampler(BaseSampler):
             raw, impl = self._abstract_key(key)
             return self.decode_jit.lower(params, state(), self._rows(S, maxp), self._rows(S), raw, key_impl=impl)
 
-        return {"start": lambda: self.start_jit.lower(params, rows=rows, max_pages=maxp), "prefill": prefill,
+        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages), "prefill": prefill,
                 "decode": decode}
 
     # ------------------------------------------------------------------ host pieces
@@ -191,9 +198,9 @@ class ContinuousSampler(BaseSampler):
     def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
         two (padding rows write nowhere: row -1, slot ``slots``)."""
-        n = min(1 << (len(admitted) - 1).bit_length(), self.slots)
-        n = max(n, len(admitted))
-        slots = np.full(n, self.slots, np.int32)
+        S = alloc.slots
+        n = min(1 << (len(admitted) - 1).bit_length(), S)
+        slots = np.full(n, S, np.int32)
         rows = np.full(n, -1, np.int32)
         slots[: len(admitted)], rows[: len(admitted)] = zip(*admitted)
         live = rows >= 0
@@ -220,10 +227,10 @@ class ContinuousSampler(BaseSampler):
         return jax.ShapeDtypeStruct(shape, self._cache_dtype(model),
                                     sharding=fit_sharding(shape, POOL_AXES, self.mesh, self.cache_rules))
 
-    def _start_impl(self, params: Any, *, rows: int, max_pages: int) -> SlotState:
-        """The empty state: a zero pool, free slots, every row's outputs blank."""
-        s, S, N = self.sampling, self.slots, self.sampling.max_new_tokens
-        pool = self._abstract_pool(params, self.pool_pages or S * max_pages)
+    def _start_impl(self, params: Any, *, rows: int, pages: int) -> SlotState:
+        """The empty state: a zero pool of ``pages`` pages, free slots, every row's outputs blank."""
+        s, S, N = self.sampling, self.slots_for(rows), self.sampling.max_new_tokens
+        pool = self._abstract_pool(params, pages)
         zeros = jax.lax.with_sharding_constraint(jnp.zeros(pool.shape, pool.dtype), pool.sharding)
 
         def batch(x, *names):

@@ -55,3 +55,24 @@ def test_continuous_equals_static(setup):
         np.testing.assert_array_equal(getattr(out, name), getattr(static, name), err_msg=name)
     np.testing.assert_allclose(out.logprobs, static.logprobs, rtol=0, atol=1e-5)
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()  # rows stop at different steps
+
+
+def test_schedule_queue_order_refill_and_eviction():
+    """The host's chunk-boundary bookkeeping alone: rows enter in queue order, a row gets
+    the pages of its next chunk, a short pool evicts the latest admitted row back to the
+    head of the queue, and finished rows' slots and pages are refilled."""
+    from grpo.engine.rollout.continuous import _Schedule
+    from grpo.engine.rollout.paged import PageAllocator
+
+    alloc = PageAllocator(pages=5, page_size=4, slots=2, max_pages=3)
+    sched = _Schedule(alloc, prompt_len=np.array([4, 4, 4]), cap=8, chunk=4)
+    assert sched.admit() == [(0, 0), (1, 1)]  # prompt + one chunk: 8 tokens, 2 pages each
+    assert list(sched.queue) == [2] and alloc.free_pages == 1
+    sched.sync(np.array([False, False]), np.array([8, 8]))  # both need 11 tokens (cap: 4 + 8 - 1): 3 pages
+    assert sched.slot_row == [0, -1] and list(sched.queue) == [1, 2] and sched.evictions == 1
+    assert len(alloc.held(0)) == 3
+    assert sched.admit() == [(1, 1)]  # the evicted row first, into the freed slot
+    sched.sync(np.array([True, False]), np.array([11, 4]))  # row 0 done: slot 0 and its pages freed
+    assert sched.slot_row == [-1, 1] and alloc.held(0) == ()
+    assert sched.admit() == [(0, 2)] and not sched.queue
+    alloc.check()
