@@ -41,20 +41,46 @@ def _np(out):
     return type(out)(*(None if x is None else np.asarray(x) for x in out))
 
 
-def test_continuous_equals_static(setup):
+@pytest.fixture(scope="module")
+def static(setup):
+    graphdef, params, kwargs, tokens, mask = setup
+    return _np(Sampler(graphdef, **kwargs).generate(params, tokens, mask, jax.random.key(42)))
+
+
+def _assert_same(out, static):
+    for name in ("prompt_tokens", "prompt_mask", "tokens", "mask", "lengths", "truncated"):
+        np.testing.assert_array_equal(getattr(out, name), getattr(static, name), err_msg=name)
+    np.testing.assert_allclose(out.logprobs, static.logprobs, rtol=0, atol=1e-5)
+
+
+def test_continuous_equals_static(setup, static):
     graphdef, params, kwargs, tokens, mask = setup
     key = jax.random.key(42)
-    static = _np(Sampler(graphdef, **kwargs).generate(params, tokens, mask, key))
     # 3 slots for 8 rows, chunks of 2 steps, pages of 4 tokens, a pool of 4 pages:
     # rows at the cap take 4 pages: the pool holds one such row, so rows are refilled and evicted.
     cont = ContinuousSampler(graphdef, slots=3, page_size=4, pool_pages=4, chunk=2, backend="reference", **kwargs)
     out = _np(cont.generate(params, tokens, mask, key))
     stats = cont.last_stats
     assert stats["peak_pages"] <= 4 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
-    for name in ("prompt_tokens", "prompt_mask", "tokens", "mask", "lengths", "truncated"):
-        np.testing.assert_array_equal(getattr(out, name), getattr(static, name), err_msg=name)
-    np.testing.assert_allclose(out.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    _assert_same(out, static)
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()  # rows stop at different steps
+
+
+def test_serving_layout_samples_what_static_legacy_samples(setup, static):
+    """The continuous sampler in the serving layout (tp=2: KV heads and the pool split over
+    tp, weights resharded) gives the static legacy rollout's samples."""
+    from grpo.engine.rollout.layout import RolloutPlacement
+    from grpo.plugins.rollout import serving_layout
+
+    graphdef, params, kwargs, tokens, mask = setup
+    placement = RolloutPlacement.of_layout(kwargs["mesh"], serving_layout(8, 2, kv_heads=2))
+    served = placement.reshard_jit(params)(params)
+    cont = ContinuousSampler(graphdef, mesh=placement.mesh, batch_axes=placement.batch_axes, sampling=SAMPLING,
+                             activation_rules=placement.activation_rules, cache_rules=placement.cache_rules,
+                             slots=4, page_size=4, chunk=4, backend="reference")
+    out = cont.generate(served, tokens, mask, jax.random.key(42))
+    assert cont._abstract_pool(served, 8).sharding.spec[1] == "tp"  # the pool's KV heads over tp
+    _assert_same(_np(out), static)
 
 
 def test_schedule_queue_order_refill_and_eviction():
