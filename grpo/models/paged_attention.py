@@ -122,14 +122,21 @@ def paged_attention_gpu(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                   k_splits=1, interpret=interpret)
 
 
-def resolve_backend(backend: str) -> str:
-    """``auto`` -> the kernel of the default JAX backend (``reference`` on CPU)."""
+def resolve_backend(backend: str, platform: str | None = None, head_dim: int | None = None) -> str:
+    """``auto`` -> the kernel of ``platform`` (the devices the call runs on; default: JAX's
+    default backend): ``tpu``, ``gpu``, else ``reference``. ``grpo plan`` lowers on a
+    host for TPU devices, so it passes the mesh's platform to compile what a TPU runs.
+    The TPU kernel's blocks need ``head_dim`` a multiple of 128 (Mosaic's lane width);
+    ``auto`` takes the reference for other head sizes (e.g. the tiny test model)."""
     if backend not in BACKENDS:
         raise ValueError(f"unknown paged attention backend {backend!r}; choose one of {list(BACKENDS)}")
     if backend != "auto":
         return backend
-    platform = jax.default_backend()
-    return {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "reference")
+    platform = platform or jax.default_backend()
+    chosen = {"tpu": "tpu", "gpu": "gpu", "cuda": "gpu"}.get(platform, "reference")
+    if chosen == "tpu" and head_dim is not None and head_dim % 128:
+        return "reference"
+    return chosen
 
 
 def paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -147,7 +154,7 @@ def sharded_paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Ar
     (a Pallas call is opaque to XLA's partitioner): rows over their batch axes, KV heads
     over theirs, each device holding the pages of the whole pool for its KV heads (a
     device's rows may sit in any page). The reference runs as is (XLA partitions it)."""
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, None if mesh is None else mesh.devices.flat[0].platform, q.shape[-1])
     if backend == "reference" or mesh is None or mesh.size == 1:
         return paged_attention(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table,
                                scale=scale, backend=backend)

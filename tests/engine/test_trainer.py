@@ -534,12 +534,15 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     """``rollout.engine: continuous``: a step samples through the paged, continuously
     batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's
     log-probs match the sampler's, and ``grpo plan`` lists exactly the programs the run
-    executed (its start/prefill/decode lower for the TPU topology)."""
+    executed (its start/prefill/decode lower for the TPU topology, the decode with the
+    Pallas TPU kernel, and compiles)."""
     from grpo.engine.planning.plan import Planner
     from grpo.engine.rollout.continuous import ContinuousSampler
 
-    config = _config(**{"rollout.engine": "continuous", "rollout.max_new_tokens": 6, "eval.every_n_steps": 0,
-                        "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "reference"}})
+    # head_dim 128: what the TPU kernel's blocks take, so the plan's decode holds the kernel.
+    config = _config(**{"model.random": {"preset": "tiny", "overrides": {"head_dim": 128}},
+                        "rollout.engine": "continuous", "rollout.max_new_tokens": 6, "eval.every_n_steps": 0,
+                        "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "auto"}})
     trainer = Trainer(config, tmp_path)
     trainer.run()
     sampler = trainer.programs.sampler()
@@ -551,5 +554,9 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     planner = Planner("v6e-8")
     listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
     assert ran == set(listed) and {"start", "prefill", "decode"} <= ran
-    for name in ("start", "prefill", "decode"):
+    for name in ("start", "prefill"):
         assert listed[name]() is not None, name
+    # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for
+    # v6e (run per device under shard_map), which compiles through libtpu.
+    decode = listed["decode"]()
+    assert "paged_attention" in decode.as_text() and decode.compile() is not None
