@@ -239,8 +239,9 @@ class ContinuousEngineConfig(Section):
     page_size: int = Field(16, ge=1, le=65536, description="Tokens per page of the paged KV cache.")
     pool_pages: int = Field(
         0, ge=0, le=100_000_000,
-        description="Pages in the KV page pool; 0 = enough for every slot at the length cap (no row is ever evicted). "
-        "It must hold at least one row of prompt + max_new_tokens.",
+        description="KV pages per device along the rows' mesh axes (each holds the pages of its own slots); "
+        "0 = enough for every slot at the length cap (no row is ever evicted). It must hold at least one row of "
+        "prompt + max_new_tokens.",
     )
     chunk: int = Field(
         16, ge=1, le=131072,

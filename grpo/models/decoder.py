@@ -96,7 +96,7 @@ from jax.sharding import Mesh
 from grpo.core.errors import UserError
 from grpo.models.attention import sharded
 from grpo.models.hf import LLAMA3_ROPE_KEYS, config_from_hf, hf_fields
-from grpo.models.paged_attention import PagedKVCache
+from grpo.models.paged_attention import PagedKVCache, PagedSpec, paged_decode
 from grpo.models.quant import dequantize
 from grpo.sharding import ACTIVATION_RULES, fit_sharding
 
@@ -480,7 +480,7 @@ class LayerContext:
     segment_ids: jax.Array | None  # [B, S] int32 (1 real token, 0 padding), kernel only
     write_index: jax.Array | None  # scalar int32: the cache slot of the first token
     # A decode step over a paged cache: (page_table [B, max_pages], lengths [B], live [B],
-    # backend name); None: the dense cache (or none).
+    # its PagedSpec); None: the dense cache (or none).
     paged: Any = None
 
     def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
@@ -590,18 +590,12 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
 def _attend_paged(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any) -> tuple[jax.Array, Any]:
     """One decode token per row (T = 1) over a paged pool: the new key/value written at
     token ``lengths`` of each live row's pages, then attention over the row's
-    ``lengths + 1`` tokens (:mod:`grpo.models.paged_attention`)."""
-    from grpo.models.paged_attention import sharded_paged_attention, write_token
-
-    page_table, lengths, live, backend = ctx.paged
+    ``lengths + 1`` tokens (:func:`grpo.models.paged_attention.paged_decode`)."""
+    page_table, lengths, live, spec = ctx.paged
     pk, pv, layer = kv
-    pk = write_token(pool=pk, layer=layer, new=k_new[:, 0], page_table=page_table, lengths=lengths, live=live)
-    pv = write_token(pool=pv, layer=layer, new=v_new[:, 0], page_table=page_table, lengths=lengths, live=live)
-    k_layer = jax.lax.dynamic_index_in_dim(pk, layer, axis=0, keepdims=False)  # KH P ps E
-    v_layer = jax.lax.dynamic_index_in_dim(pv, layer, axis=0, keepdims=False)
-    out = sharded_paged_attention(
-        q=q[:, 0], k_pages=k_layer, v_pages=v_layer, lengths=lengths + 1, page_table=page_table,
-        scale=1.0 / math.sqrt(ctx.config.head_dim), backend=backend, mesh=ctx.mesh, rules=dict(ctx.rules),
+    out, pk, pv = paged_decode(
+        q=q[:, 0], k_new=k_new[:, 0], v_new=v_new[:, 0], pool_k=pk, pool_v=pv, layer=layer, page_table=page_table,
+        lengths=lengths, live=live, scale=1.0 / math.sqrt(ctx.config.head_dim), spec=spec, mesh=ctx.mesh,
     )
     return out[:, None].astype(ctx.dtype), (pk, pv)
 
@@ -844,10 +838,10 @@ class Decoder(nnx.Module):
         cache: KVCache | None = None,
         write_index: jax.Array | int | None = None,
         dropout_keys: jax.Array | None = None,
-        paged_backend: str = "auto",
+        paged: PagedSpec | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
         if isinstance(cache, PagedKVCache):
-            ctx = self._paged_context(tokens, positions, cache, paged_backend)
+            ctx = self._paged_context(tokens, positions, cache, PagedSpec() if paged is None else paged)
         else:
             ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
@@ -898,7 +892,7 @@ class Decoder(nnx.Module):
         )
 
     def _paged_context(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
-                       backend: str) -> LayerContext:
+                       paged: PagedSpec) -> LayerContext:
         """The context of a decode step over a paged cache: one token per row, written at
         token ``cache.lengths`` of the row's pages (positions are the caller's: RoPE
         positions equal those indices when a row's prompt starts at token 0)."""
@@ -913,7 +907,7 @@ class Decoder(nnx.Module):
             config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
             quantization=self.base_quantization, lora=spec, dropout_keys=None, cos=cos, sin=sin, kernel=None,
             dense_impl="xla", mask=None, segment_ids=None, write_index=None,
-            paged=(cache.page_table, cache.lengths, cache.live, backend),
+            paged=(cache.page_table, cache.lengths, cache.live, paged),
         )
 
     def _stacked(self, ctx: LayerContext) -> dict[str, jax.Array]:

@@ -26,14 +26,14 @@ a finite value nobody uses.
 
 from __future__ import annotations
 
-from typing import Any, Mapping, NamedTuple
+import dataclasses
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 BACKENDS: tuple[str, ...] = ("auto", "reference", "tpu", "gpu")
-POOL_AXES: tuple[str | None, ...] = ("layers", "kv_heads", None, None, "head_dim")
 
 
 class PagedKVCache(NamedTuple):
@@ -147,43 +147,68 @@ def paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, len
     return fn(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table, scale=scale)
 
 
-def sharded_paged_attention(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
-                            page_table: jax.Array, scale: float, backend: str, mesh: Any,
-                            rules: Mapping[str, Any]) -> jax.Array:
-    """:func:`paged_attention` with a kernel backend run per device under ``shard_map``
-    (a Pallas call is opaque to XLA's partitioner): rows over their batch axes, KV heads
-    over theirs, each device holding the pages of the whole pool for its KV heads (a
-    device's rows may sit in any page). The reference runs as is (XLA partitions it)."""
-    backend = resolve_backend(backend, None if mesh is None else mesh.devices.flat[0].platform, q.shape[-1])
-    if backend == "reference" or mesh is None or mesh.size == 1:
-        return paged_attention(q=q, k_pages=k_pages, v_pages=v_pages, lengths=lengths, page_table=page_table,
-                               scale=scale, backend=backend)
-    from grpo.models.attention import head_specs
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """How a paged decode step runs (static): the attention ``backend`` and the pool's
+    layout on the mesh: rows (decode slots) and the pool's pages over ``slot_axes`` (a
+    device's rows hold pages of its own part of the pool only), KV heads over ``kv_axes``
+    (disjoint from ``slot_axes``). Page tables hold global page indices."""
 
-    B, H, E = q.shape
-    KH = k_pages.shape[0]
-    qspec, kspec, rest = head_specs((B, 1, H, E), (B, 1, KH, E), mesh, rules)
-    group = H // KH
-    pool_spec = PartitionSpec(kspec[2], None, None, None)
+    backend: str = "auto"
+    slot_axes: tuple[str, ...] = ()
+    kv_axes: tuple[str, ...] = ()
 
-    def body(qb, kb, vb, nb, tb):
-        if rest:  # this device's query heads read a slice of its KV shard
-            local = qb.shape[1]
-            start = (jax.lax.axis_index(rest) * local) // group
-            size = max(1, local // group)
-            kb = jax.lax.dynamic_slice_in_dim(kb, start, size, axis=0)
-            vb = jax.lax.dynamic_slice_in_dim(vb, start, size, axis=0)
-        return paged_attention(q=qb, k_pages=kb, v_pages=vb, lengths=nb, page_table=tb, scale=scale,
-                               backend=backend)
+    def pool_spec(self) -> PartitionSpec:
+        """The pool's [layers, kv_heads, pages, page_size, head_dim] partition."""
+        return PartitionSpec(None, self.kv_axes or None, self.slot_axes or None, None, None)
 
-    q3 = PartitionSpec(qspec[0], qspec[2], None)
+
+def _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, first_page, *, scale, backend):
+    """Write and attend on one device's part: global pages -> local (``first_page`` of its
+    part subtracted, clipped into it for rows that write nothing)."""
+    local = jnp.clip(page_table - first_page, 0, pool_k.shape[2] - 1)
+    pool_k = write_token(pool=pool_k, layer=layer, new=k_new, page_table=local, lengths=lengths, live=live)
+    pool_v = write_token(pool=pool_v, layer=layer, new=v_new, page_table=local, lengths=lengths, live=live)
+    k_layer = jax.lax.dynamic_index_in_dim(pool_k, layer, axis=0, keepdims=False)  # KH P ps E
+    v_layer = jax.lax.dynamic_index_in_dim(pool_v, layer, axis=0, keepdims=False)
+    out = paged_attention(q=q, k_pages=k_layer, v_pages=v_layer, lengths=lengths + 1, page_table=local, scale=scale,
+                          backend=backend)
+    return out, pool_k, pool_v
+
+
+def paged_decode(*, q: jax.Array, k_new: jax.Array, v_new: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                 layer: jax.Array, page_table: jax.Array, lengths: jax.Array, live: jax.Array, scale: float,
+                 spec: PagedSpec, mesh: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode token per row over a paged pool: ``k_new``/``v_new`` [B, KH, E] written at
+    token ``lengths`` of each live row's pages of ``layer``, then q [B, H, E] attends over
+    the row's ``lengths + 1`` tokens. Returns (out [B, H, E], pool_k, pool_v).
+
+    On a mesh it runs per device under ``shard_map`` (rows and pages over ``spec.slot_axes``,
+    KV heads and their query heads over ``spec.kv_axes``), so each device reads and writes
+    its own part of the pool whatever the backend (a Pallas call is opaque to XLA's
+    partitioner, and a gather by a data-dependent page table would be all-gathered)."""
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+    backend = resolve_backend(spec.backend, platform, q.shape[-1])
+    axes = spec.slot_axes + spec.kv_axes
+    if mesh is None or not axes:
+        return _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, 0, scale=scale,
+                             backend=backend)
+    rows, heads = spec.slot_axes or None, spec.kv_axes or None
+
+    def body(qb, kb, vb, pk, pv, lb, tb, nb, live_b):
+        first = (jax.lax.axis_index(spec.slot_axes) if spec.slot_axes else 0) * pk.shape[2]
+        return _decode_local(qb, kb, vb, pk, pv, lb, tb, nb, live_b, first, scale=scale, backend=backend)
+
+    act, pool = PartitionSpec(rows, heads, None), spec.pool_spec()
     return jax.shard_map(
-        body, mesh=mesh, in_specs=(q3, pool_spec, pool_spec, PartitionSpec(qspec[0]), PartitionSpec(qspec[0], None)),
-        out_specs=q3, check_vma=False,
-    )(q, k_pages, v_pages, lengths, page_table)
+        body, mesh=mesh, check_vma=False,
+        in_specs=(act, act, act, pool, pool, PartitionSpec(), PartitionSpec(rows, None), PartitionSpec(rows),
+                  PartitionSpec(rows)),
+        out_specs=(act, pool, pool),
+    )(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live)
 
 
 __all__ = [
-    "BACKENDS", "sharded_paged_attention", "POOL_AXES", "PagedKVCache", "paged_attention", "paged_attention_gpu", "paged_attention_reference",
-    "paged_attention_tpu", "resolve_backend", "write_token",
+    "BACKENDS", "PagedKVCache", "PagedSpec", "paged_attention", "paged_attention_gpu", "paged_attention_reference",
+    "paged_attention_tpu", "paged_decode", "resolve_backend", "write_token",
 ]

@@ -44,12 +44,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import NamedSharding
 
 from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, Texts, draw
 from grpo.models.decoder import positions_from_mask
-from grpo.models.paged_attention import BACKENDS, POOL_AXES, PagedKVCache
+from grpo.models.paged_attention import BACKENDS, PagedKVCache, PagedSpec
 from grpo.sharding import fit_sharding
 
 
@@ -117,7 +118,9 @@ class ContinuousSampler(BaseSampler):
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
         max_pages, S = self.max_pages(Lp), self.slots_for(B)
-        alloc = PageAllocator(pages=self.pool_size(Lp, S), page_size=self.page_size, slots=S, max_pages=max_pages)
+        shards = self.shards(S)
+        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
+                              max_pages=max_pages, shards=shards)
         raw, impl = self.place_key(rng)
         state = self.start_jit(params, rows=B, pages=alloc.pages)
         sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
@@ -152,7 +155,8 @@ class ContinuousSampler(BaseSampler):
         return self.slots or rows
 
     def pool_size(self, prompt_length: int, slots: int) -> int:
-        """Pages in the pool (``pool_pages``, or enough for every slot at the cap)."""
+        """Pages of one shard of the pool, for its ``slots`` slots (``pool_pages``, or enough
+        for every slot at the cap)."""
         need = self.max_pages(prompt_length)
         pages = self.pool_pages or slots * need
         if pages < need:
@@ -160,13 +164,25 @@ class ContinuousSampler(BaseSampler):
                              f"{self.sampling.max_new_tokens} tokens ({need} pages of {self.page_size})")
         return pages
 
+    def spec(self, slots: int, kv_heads: int) -> PagedSpec:
+        """Where the pool lives: its pages over the slots' mesh axes (the rollout's batch
+        axes that divide ``slots``), its KV heads over the cache rules' other axes."""
+        slot_axes = _axes(self.sharding((slots,), ("batch",)).spec[0])
+        kv = _axes(fit_sharding((kv_heads,), ("kv_heads",), self.mesh, self.cache_rules).spec[0])
+        return PagedSpec(backend=self.backend, slot_axes=slot_axes, kv_axes=tuple(a for a in kv if a not in slot_axes))
+
+    def shards(self, slots: int) -> int:
+        """Parts of the pool (devices along the slots' axes)."""
+        return math.prod(self.mesh.shape[a] for a in self.spec(slots, 1).slot_axes)
+
     def cache_slots(self, prompt_length: int) -> int:
         """A row's cache length at the cap (what the plan's static cost model reads)."""
         return prompt_length + self.sampling.max_new_tokens
 
     def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
         """Per-device bytes of the page pool (keys and values)."""
-        pool = self._abstract_pool(params, self.pool_size(prompt_length, self.slots_for(rows)))
+        S = self.slots_for(rows)
+        pool = self._abstract_pool(params, self.shards(S) * self.pool_size(prompt_length, S // self.shards(S)), S)
         return 2 * math.prod(pool.sharding.shard_shape(pool.shape)) * jnp.dtype(pool.dtype).itemsize
 
     def jitted(self) -> dict[str, list[Any]]:
@@ -175,7 +191,7 @@ class ContinuousSampler(BaseSampler):
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
         rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
         S = self.slots_for(rows)
-        pages = self.pool_size(prompt_length, S)
+        pages = self.shards(S) * self.pool_size(prompt_length, S // self.shards(S))
 
         def state():
             return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages), params)
@@ -220,17 +236,18 @@ class ContinuousSampler(BaseSampler):
         rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
         return jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.maximum(rows, 0).astype(jnp.uint32))
 
-    def _abstract_pool(self, params: Any, pages: int) -> jax.ShapeDtypeStruct:
+    def _abstract_pool(self, params: Any, pages: int, slots: int) -> jax.ShapeDtypeStruct:
+        """The pool [layers, kv_heads, pages, page_size, head_dim] in its sharding."""
         model = nnx.merge(self.graphdef, params)
         c = model.config
         shape = (c.num_hidden_layers, c.num_key_value_heads, pages, self.page_size, c.head_dim)
-        return jax.ShapeDtypeStruct(shape, self._cache_dtype(model),
-                                    sharding=fit_sharding(shape, POOL_AXES, self.mesh, self.cache_rules))
+        spec = self.spec(slots, c.num_key_value_heads).pool_spec()
+        return jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=NamedSharding(self.mesh, spec))
 
     def _start_impl(self, params: Any, *, rows: int, pages: int) -> SlotState:
         """The empty state: a zero pool of ``pages`` pages, free slots, every row's outputs blank."""
         s, S, N = self.sampling, self.slots_for(rows), self.sampling.max_new_tokens
-        pool = self._abstract_pool(params, pages)
+        pool = self._abstract_pool(params, pages, S)
         zeros = jax.lax.with_sharding_constraint(jnp.zeros(pool.shape, pool.dtype), pool.sharding)
 
         def batch(x, *names):
@@ -296,11 +313,12 @@ class ContinuousSampler(BaseSampler):
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         state = state._replace(row=slot_rows, done=state.done | (slot_rows < 0))
         keys = self._keys(raw_key, key_impl, slot_rows)
+        spec = self.spec(state.row.shape[0], state.k.shape[1])
 
         def step(_, st: SlotState) -> SlotState:
             live = (st.row >= 0) & ~st.done
             cache = PagedKVCache(k=st.k, v=st.v, page_table=table, lengths=st.lengths, live=live)
-            hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged_backend=self.backend)
+            hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec)
             t = st.steps
             tok, lp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos)
             r = jnp.where(live, st.row, B)  # rows written (others dropped)
@@ -337,7 +355,7 @@ class _Schedule:
 
     def sync(self, done: np.ndarray, lengths: np.ndarray) -> None:
         """Free finished rows; grow live ones by the next chunk, evicting the latest
-        admitted while the pool is short."""
+        admitted row of the same part of the pool while it is short."""
         for s, row in enumerate(self.slot_row):
             if row >= 0 and done[s]:
                 self._release(s)
@@ -346,14 +364,17 @@ class _Schedule:
                 try:
                     self.alloc.grow(s, self._need(s, int(lengths[s])))
                     break
-                except PoolExhausted:
-                    victim = max((v for v, r in enumerate(self.slot_row) if r >= 0), key=self.admitted_at.get)
+                except PoolExhausted:  # evict the latest admitted row of this slot's part of the pool
+                    shard = self.alloc.shard(s)
+                    victim = max((v for v, r in enumerate(self.slot_row) if r >= 0 and self.alloc.shard(v) == shard),
+                                 key=self.admitted_at.get)
                     self.queue.appendleft(self.slot_row[victim])
                     self._release(victim)
                     self.evictions += 1
 
     def admit(self) -> list[tuple[int, int]]:
-        """Queued rows into free slots while their prompt and first chunk fit the pool."""
+        """Queued rows, in queue order, into free slots whose part of the pool fits their
+        prompt and first chunk."""
         admitted = []
         for s in range(self.alloc.slots):
             if not self.queue:
@@ -364,9 +385,9 @@ class _Schedule:
             self.slot_row[s] = row
             try:
                 self.alloc.grow(s, self._need(s, int(self.prompt_len[row])))
-            except PoolExhausted:
+            except PoolExhausted:  # another shard's slot may still fit it
                 self.slot_row[s] = -1
-                break
+                continue
             self.queue.popleft()
             self.admitted_at[s] = self.counter
             self.counter += 1
@@ -379,6 +400,13 @@ class _Schedule:
         self.alloc.free(slot)
         self.slot_row[slot] = -1
         self.admitted_at.pop(slot, None)
+
+
+def _axes(entry: Any) -> tuple[str, ...]:
+    """A PartitionSpec entry as a tuple of mesh axes."""
+    if entry is None:
+        return ()
+    return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
 def _left_aligned(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -18,8 +18,8 @@ from grpo.models.loading import load_hf
 from grpo.models.tiny import write_tiny_checkpoint
 from grpo.plugins.rollout import LegacyStyle
 
-P, LP, K, N = 4, 8, 2, 8
-LENGTHS = np.array([8, 5, 3, 1])
+P, LP, K, N = 12, 8, 2, 8
+LENGTHS = np.array([8, 5, 3, 1, 2, 7, 8, 4, 6, 1, 3, 8])
 SAMPLING = SamplingParams(max_new_tokens=N, num_generations=K, temperature=0.7, top_k=50, top_p=0.9,
                           eos_ids=tuple(range(0, 320, 9)), pad_id=306, early_stop_chunk=4)  # ~1 in 9 tokens stops
 
@@ -56,12 +56,14 @@ def _assert_same(out, static):
 def test_continuous_equals_static(setup, static):
     graphdef, params, kwargs, tokens, mask = setup
     key = jax.random.key(42)
-    # 3 slots for 8 rows, chunks of 2 steps, pages of 4 tokens, a pool of 4 pages:
-    # rows at the cap take 4 pages: the pool holds one such row, so rows are refilled and evicted.
-    cont = ContinuousSampler(graphdef, slots=3, page_size=4, pool_pages=4, chunk=2, backend="reference", **kwargs)
+    # 16 slots for 24 rows, 2 per device (the pool in 8 parts of 5 pages), chunks of 2
+    # steps, pages of 4 tokens: a row at the cap takes 4 pages, so a device's part holds
+    # one such row; rows are refilled and evicted.
+    cont = ContinuousSampler(graphdef, slots=16, page_size=4, pool_pages=5, chunk=2, backend="reference", **kwargs)
+    assert cont.shards(16) == 8
     out = _np(cont.generate(params, tokens, mask, key))
     stats = cont.last_stats
-    assert stats["peak_pages"] <= 4 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
+    assert stats["pool_pages"] == 40 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
     _assert_same(out, static)
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()  # rows stop at different steps
 
@@ -77,9 +79,10 @@ def test_serving_layout_samples_what_static_legacy_samples(setup, static):
     served = placement.reshard_jit(params)(params)
     cont = ContinuousSampler(graphdef, mesh=placement.mesh, batch_axes=placement.batch_axes, sampling=SAMPLING,
                              activation_rules=placement.activation_rules, cache_rules=placement.cache_rules,
-                             slots=4, page_size=4, chunk=4, backend="reference")
+                             slots=8, page_size=4, chunk=4, backend="reference")
     out = cont.generate(served, tokens, mask, jax.random.key(42))
-    assert cont._abstract_pool(served, 8).sharding.spec[1] == "tp"  # the pool's KV heads over tp
+    # The pool's KV heads over tp, its pages over the 4 devices along the rows' axes.
+    assert cont._abstract_pool(served, 8, 8).sharding.spec[1] == "tp" and cont.shards(8) == 4
     _assert_same(_np(out), static)
 
 

@@ -45,3 +45,18 @@ def test_freed_pages_are_reused_and_exhaustion_allocates_nothing():
     with pytest.raises(ValueError, match="max_pages"):
         a.grow(1, 9)
     a.check()
+
+
+def test_shards_take_pages_of_their_own_part():
+    a = PageAllocator(pages=6, page_size=2, slots=4, max_pages=3, shards=2)  # slots 0-1: pages 0-2; 2-3: 3-5
+    a.grow(0, 4)
+    a.grow(2, 6)
+    assert a.held(0) == (0, 1) and a.held(2) == (3, 4, 5)
+    with pytest.raises(PoolExhausted):
+        a.grow(3, 1)  # its shard is full, though shard 0 has a free page
+    a.grow(1, 2)
+    assert a.held(1) == (2,)
+    np.testing.assert_array_equal(a.table()[3], [3, 3, 3])  # unheld: the shard's first page
+    a.check()
+    with pytest.raises(ValueError, match="divide"):
+        PageAllocator(pages=5, page_size=2, slots=4, max_pages=3, shards=2)
