@@ -189,8 +189,7 @@ def paged_decode(*, q: jax.Array, k_new: jax.Array, v_new: jax.Array, pool_k: ja
     partitioner, and a gather by a data-dependent page table would be all-gathered)."""
     platform = None if mesh is None else mesh.devices.flat[0].platform
     backend = resolve_backend(spec.backend, platform, q.shape[-1])
-    axes = spec.slot_axes + spec.kv_axes
-    if mesh is None or not axes:
+    if mesh is None or mesh.size == 1:
         return _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, 0, scale=scale,
                              backend=backend)
     rows, heads = spec.slot_axes or None, spec.kv_axes or None

@@ -65,6 +65,10 @@ def test_continuous_equals_static(setup, static):
     stats = cont.last_stats
     assert stats["pool_pages"] == 40 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
     _assert_same(out, static)
+    # Each device reads and writes its own 5 pages: the whole 40-page pool never appears in
+    # the compiled decode (no gather of the pool onto a device).
+    hlo = cont.lowerings(params, prompts=P, prompt_length=LP, key=key)["decode"]().compile().as_text()
+    assert "f32[2,2,5,4,16]" in hlo and "[2,2,40,4,16]" not in hlo
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()  # rows stop at different steps
 
 
