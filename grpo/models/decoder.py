@@ -43,6 +43,11 @@ What the rest of the framework uses
   * Returns the final-normed hidden states [B, T, D] in the compute dtype and the
     updated cache (``None`` without one).
 
+- ``hidden, paged = model(tokens [B, 1], positions [B, 1], cache=PagedKVCache(...),
+  paged=PagedSpec(...))`` — one decode step over a paged KV cache
+  (:mod:`grpo.models.paged_attention`: a pool of pages and a page table per row; the
+  continuous-batching sampler's decode): each live row's key/value is written at token
+  ``lengths`` of its pages and its query attends over its own ``lengths + 1`` tokens only.
 - :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
   tied), for losses that fuse the head matmul; :meth:`Decoder.logits` — float32 logits.
 - :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
@@ -587,7 +592,9 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
     return out, kv
 
 
-def _attend_paged(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any) -> tuple[jax.Array, Any]:
+def _attend_paged(
+    ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any
+) -> tuple[jax.Array, Any]:
     """One decode token per row (T = 1) over a paged pool: the new key/value written at
     token ``lengths`` of each live row's pages, then attention over the row's
     ``lengths + 1`` tokens (:func:`grpo.models.paged_attention.paged_decode`)."""

@@ -96,7 +96,8 @@ class PageAllocator:
         if need <= 0:
             return
         if len(self._held[slot]) + need > self.max_pages:
-            raise ValueError(f"slot {slot} would need {len(self._held[slot]) + need} pages > max_pages={self.max_pages}")
+            have = len(self._held[slot])
+            raise ValueError(f"slot {slot} would need {have + need} pages > max_pages={self.max_pages}")
         free = self._free[self.shard(slot)]
         if need > len(free):
             raise PoolExhausted(f"slot {slot} needs {need} more pages, {len(free)} free in its shard")

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("libtpu")
 
+from conftest import ROOT  # noqa: E402
 from grpo.core.cli import cli  # noqa: E402
 
 TINY = {
@@ -411,3 +412,12 @@ def test_multi_turn_task_plans_the_turn_decode_and_the_append(tiny_config):
     # 32 rows of 16 + 3 x 16 + 16 slots, 2 layers x 2 KV heads x 16 dims, k and v, bf16,
     # split over the 4 chips.
     assert rep["state_bytes_per_device"]["kv_cache"] == 2 * 2 * 32 * (16 + 48 + 16) * 2 * 16 * 2 // 4
+
+
+def test_continuous_engine_refuses_a_multi_turn_task():
+    """The continuous engine is single-turn so far: a task with tools exits 2 naming
+    ``rollout.engine`` (before anything compiles)."""
+    code, out = plan(str(ROOT / "configs" / "quickstart_tools.yaml"), "--topology", "v6e-8",
+                     "--set", "rollout.engine=continuous")
+    assert code == 2 and "rollout.engine: continuous samples single-turn tasks only" in out
+    assert "Traceback" not in out

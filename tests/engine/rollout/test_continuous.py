@@ -69,7 +69,8 @@ def test_continuous_equals_static(setup, static):
     # the compiled decode (no gather of the pool onto a device).
     hlo = cont.lowerings(params, prompts=P, prompt_length=LP, key=key)["decode"]().compile().as_text()
     assert "f32[2,2,5,4,16]" in hlo and "[2,2,40,4,16]" not in hlo
-    assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()  # rows stop at different steps
+    # Rows stop at different steps.
+    assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()
 
 
 def test_serving_layout_samples_what_static_legacy_samples(setup, static):
