@@ -533,7 +533,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
 def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     """``rollout.engine: continuous``: a step samples through the paged, continuously
     batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's
-    log-probs match the sampler's, and ``grpo plan`` lists exactly the programs the run
+    log-probs match the sampler's, evaluation (greedy) runs on it too, and ``grpo plan``
+    lists exactly the programs the run
     executed (its start/prefill/decode lower for the TPU topology, the decode with the
     Pallas TPU kernel, and compiles)."""
     from grpo.engine.planning.plan import Planner
@@ -541,7 +542,8 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
 
     # head_dim 128: what the TPU kernel's blocks take, so the plan's decode holds the kernel.
     config = _config(**{"model.random": {"preset": "tiny", "overrides": {"head_dim": 128}},
-                        "rollout.engine": "continuous", "rollout.max_new_tokens": 6, "eval.every_n_steps": 0,
+                        "rollout.engine": "continuous", "rollout.max_new_tokens": 6,
+                        "eval": {"every_n_steps": 1, "num_examples": 4, "batch_size": 4},
                         "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "auto"}})
     trainer = Trainer(config, tmp_path)
     trainer.run()
@@ -553,7 +555,7 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
     planner = Planner("v6e-8")
     listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
-    assert ran == set(listed) and {"start", "prefill", "decode"} <= ran
+    assert ran == set(listed) and {"start", "prefill", "decode", "eval_start", "eval_decode"} <= ran
     for name in ("start", "prefill"):
         assert listed[name]() is not None, name
     # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for
