@@ -229,6 +229,30 @@ class DistributedConfig(Section):
         return self
 
 
+class ContinuousEngineConfig(Section):
+    """The continuous-batching rollout engine's options (``rollout.engine: continuous``)."""
+
+    slots: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Decode slots (rows decoded at once, over all devices); 0 = every row of the rollout at once.",
+    )
+    page_size: int = Field(16, ge=1, le=65536, description="Tokens per page of the paged KV cache.")
+    pool_pages: int = Field(
+        0, ge=0, le=100_000_000,
+        description="KV pages per device along the rows' mesh axes (each holds the pages of its own slots); "
+        "0 = enough for every slot at the length cap (no row is ever evicted). It must hold at least one row of "
+        "prompt + max_new_tokens.",
+    )
+    chunk: int = Field(
+        16, ge=1, le=131072,
+        description="Decode steps between host boundaries (finished rows leave, queued rows are prefilled).",
+    )
+    attention: Literal["auto", "reference", "tpu", "gpu"] = Field(
+        "auto",
+        description="Paged decode attention: auto = the Pallas kernel of a TPU or GPU backend, else the plain-JAX reference.",
+    )
+
+
 class RolloutConfig(Section):
     style: str = Field("legacy", description="Rollout sharding style plugin name.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen rollout style.")
@@ -259,6 +283,14 @@ class RolloutConfig(Section):
         10.0, gt=0.0, le=3600.0,
         description="Wall-clock limit of one tool call; a call past it becomes a tool message saying so (counted).",
     )
+    engine: Literal["static", "continuous"] = Field(
+        "static",
+        description="Rollout engine: static (one batch, a dense KV cache per row) or continuous (rows queue for a "
+        "fixed number of decode slots over a paged KV cache; single-turn tasks only).",
+    )
+    continuous: ContinuousEngineConfig = Field(
+        default_factory=ContinuousEngineConfig, description="Options of rollout.engine: continuous."
+    )
     kv_segment: int = Field(
         256, ge=0, le=131072,
         description="Decode tokens per KV-cache growth segment: the cache holds only the slots the current segment "
@@ -273,6 +305,19 @@ class RolloutConfig(Section):
         if b and b[-1] < self.max_prompt_length:
             raise ValueError(
                 f"rollout.prompt_buckets' largest bucket {b[-1]} is below rollout.max_prompt_length={self.max_prompt_length}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pool(self):
+        c = self.continuous
+        prompt = self.prompt_buckets[-1] if self.prompt_buckets else self.max_prompt_length
+        need = -(-(prompt + self.max_new_tokens) // c.page_size)
+        if self.engine == "continuous" and 0 < c.pool_pages < need:
+            raise ValueError(
+                f"rollout.continuous.pool_pages={c.pool_pages} cannot hold one row: the longest prompt bucket ({prompt}) "
+                f"+ rollout.max_new_tokens ({self.max_new_tokens}) take {need} pages of {c.page_size} tokens; "
+                f"give at least {need}, or 0 (enough for every slot)"
             )
         return self
 

@@ -20,7 +20,11 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
   ``rollout.max_new_tokens``; for a multi-turn task (tools,
   :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) ``start`` (the cache grown
   to its final size), ``decode`` as one turn's loop, run once per turn, and ``append``,
-  the environment's replies written into every row's cache between turns;
+  the environment's replies written into every row's cache between turns; with
+  ``rollout.engine: continuous``
+  (:class:`~grpo.engine.rollout.continuous.ContinuousSampler`) ``start`` (the empty page
+  pool and slots), ``prefill`` (queued rows into free slots, run at chunk boundaries) and
+  ``decode`` (one chunk of decode steps over the paged cache, run until every row stops);
 - the step's glue (:meth:`RunPrograms.step_lowerings`): ``row_sums`` (reward-error and
   tool counters over every process's rows), ``gather_rows`` (the rows trained on,
   gathered from the rounds: dynamic sampling, down-sampling), ``turn_advantages``
@@ -58,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
+from grpo.core.errors import UserError
 
 
 def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int:
@@ -175,7 +180,19 @@ class RunPrograms:
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
                 activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
-            if self.multi_turn:
+            if r.engine == "continuous":
+                if self.multi_turn:
+                    raise UserError(
+                        "rollout.engine: continuous samples single-turn tasks only (multi-turn append-prefill is "
+                        "not built yet); this run's task has tools or an environment: use rollout.engine: static."
+                    )
+                from grpo.engine.rollout.continuous import ContinuousSampler
+
+                c = r.continuous
+                self._samplers[key] = ContinuousSampler(
+                    self.graphdef, detokenize=self.detokenize, slots=c.slots, page_size=c.page_size,
+                    pool_pages=c.pool_pages, chunk=c.chunk, backend=c.attention, **kwargs)
+            elif self.multi_turn:
                 self._samplers[key] = MultiTurnSampler(
                     self.graphdef, max_turns=r.max_turns, conversations=self.conversations,
                     max_turn_tokens=r.max_turn_tokens, **kwargs)
@@ -807,7 +824,6 @@ def rollout_placement(
     """Where the rollout programs run for the rollout style ``style`` (a selected plugin):
     the training layout, or the style's own (the fastest that fits of its candidates)."""
     from grpo.core.contracts import ModelDims, Topology
-    from grpo.core.errors import UserError
     from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_bytes
 
     batch_axes = tuple(style.plugin.batch_axes(layout, style.options))

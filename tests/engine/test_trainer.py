@@ -662,3 +662,37 @@ def test_top_p_behaviour_logprobs_reach_the_mismatch_weights(tools_dynamic_turn_
         np.testing.assert_allclose(row["mismatch/weight_mean"], want, rtol=1e-4)
         assert want < 0.8  # the kept mass: with the full log-probs the weights would be ~1
         assert row["logprob_gap/sampler_trainer"] < 1e-4
+
+
+def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
+    """``rollout.engine: continuous``: a step samples through the paged, continuously
+    batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's
+    log-probs match the sampler's, evaluation (greedy) runs on it too, and ``grpo plan``
+    lists exactly the programs the run
+    executed (its start/prefill/decode lower for the TPU topology, the decode with the
+    Pallas TPU kernel, and compiles)."""
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.rollout.continuous import ContinuousSampler
+
+    # head_dim 128: what the TPU kernel's blocks take, so the plan's decode holds the kernel.
+    config = _config(**{"model.random": {"preset": "tiny", "overrides": {"head_dim": 128}},
+                        "rollout.engine": "continuous", "rollout.max_new_tokens": 6,
+                        "eval": {"every_n_steps": 1, "num_examples": 4, "batch_size": 4},
+                        "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "auto"}})
+    trainer = Trainer(config, tmp_path)
+    trainer.run()
+    sampler = trainer.programs.sampler()
+    assert isinstance(sampler, ContinuousSampler)
+    assert sampler.last_stats["prefills"] > 1 and sampler.last_stats["chunks"] >= 3, sampler.last_stats
+    [row] = read_metrics(tmp_path)
+    assert np.isfinite(row["loss"]) and row["logprob_gap/sampler_trainer"] < 1e-4
+    ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
+    planner = Planner("v6e-8")
+    listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
+    assert ran == set(listed) and {"start", "prefill", "decode", "eval_start", "eval_decode"} <= ran
+    for name in ("start", "prefill"):
+        assert listed[name]() is not None, name
+    # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for
+    # v6e (run per device under shard_map), which compiles through libtpu.
+    decode = listed["decode"]()
+    assert "paged_attention" in decode.as_text() and decode.compile() is not None

@@ -9,6 +9,10 @@
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
+- ``paged``: the paged KV cache's host side: which pool pages each decode slot holds
+  (:class:`PageAllocator`).
+- ``continuous``: the continuous-batching single-turn sampler over a paged KV cache
+  (``rollout.engine: continuous``, :class:`ContinuousSampler`).
 - ``conversations``: a multi-turn task's environments and chat rendering with tools
   (the wiring between a task plugin and the multi-turn rollout).
 - ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,

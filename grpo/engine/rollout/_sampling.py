@@ -48,9 +48,11 @@ def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
 
 
 def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
-    """Every row's key for decode step ``step`` (same leading shape as ``keys``)."""
-    step = jnp.asarray(step, jnp.uint32)
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    """Every row's key for decode step ``step`` (same leading shape as ``keys``): one step
+    for all rows (a scalar), or each row's own [B] (the continuous sampler's rows are at
+    different steps; the key of (row, step) is the same either way)."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), keys.shape[:1])
+    return jax.vmap(jax.random.fold_in)(keys, step)
 
 
 def filters(*, top_k: int, top_p: float, vocab: int) -> bool:

@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("libtpu")
 
+from conftest import ROOT  # noqa: E402
 from grpo.core.cli import cli  # noqa: E402
 
 TINY = {
@@ -437,3 +438,12 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
 
     text = format_report(rep)
     assert "packed: 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
+
+
+def test_continuous_engine_refuses_a_multi_turn_task():
+    """The continuous engine is single-turn so far: a task with tools exits 2 naming
+    ``rollout.engine`` (before anything compiles)."""
+    code, out = plan(str(ROOT / "configs" / "quickstart_tools.yaml"), "--topology", "v6e-8",
+                     "--set", "rollout.engine=continuous")
+    assert code == 2 and "rollout.engine: continuous samples single-turn tasks only" in out
+    assert "Traceback" not in out
