@@ -933,8 +933,8 @@ class Decoder(nnx.Module):
         spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
         return LayerContext(
             config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
-            quantization=self.base_quantization, lora=spec, dropout_keys=None, cos=cos, sin=sin, kernel=None,
-            dense_impl="xla", mask=None, segment_ids=None, write_index=None,
+            quantization=self.base_quantization, lora=spec, dropout_keys=None, positions=positions, cos=cos,
+            sin=sin, kernel=None, dense_impl="xla", mask=None, segment_ids=None, write_index=None,
             paged=(cache.page_table, cache.lengths, cache.live, paged),
         )
 

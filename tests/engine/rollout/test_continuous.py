@@ -51,6 +51,10 @@ def _assert_same(out, static):
     for name in ("prompt_tokens", "prompt_mask", "tokens", "mask", "lengths", "truncated"):
         np.testing.assert_array_equal(getattr(out, name), getattr(static, name), err_msg=name)
     np.testing.assert_allclose(out.logprobs, static.logprobs, rtol=0, atol=1e-5)
+    # top-k/top-p: the behaviour policy's (truncated, renormalised) log-probs too, above the full ones
+    assert static.behaviour_logprobs is not None
+    np.testing.assert_allclose(out.behaviour_logprobs, static.behaviour_logprobs, rtol=0, atol=1e-5)
+    assert np.all(out.behaviour_logprobs >= out.logprobs - 1e-6)
 
 
 def test_continuous_equals_static(setup, static):
