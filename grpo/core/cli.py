@@ -40,11 +40,13 @@ LAZY_HELP: dict[str, str] = {
     "rollout": "Rollout (sampler) speed: prefill, decode, tokens/s, HBM roofline.",
     "loss": "Loss value+grad speed and compiled memory: jax vs pallas.",
     "memory": "FSDP memory: a buffer sharded over fsdp, or all-gathered.",
+    "update": "The update padded vs packed on the same rows of a length profile.",
 }
 LAZY_BENCH: dict[str, str] = {
     "rollout": "grpo.engine.bench.rollout:bench_rollout",
     "loss": "grpo.engine.bench.loss:bench_loss",
     "memory": "grpo.engine.bench.memory:bench_memory",
+    "update": "grpo.engine.bench.packed_update:bench_update",
 }
 
 

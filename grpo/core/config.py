@@ -229,6 +229,30 @@ class DistributedConfig(Section):
         return self
 
 
+class ContinuousEngineConfig(Section):
+    """The continuous-batching rollout engine's options (``rollout.engine: continuous``)."""
+
+    slots: int = Field(
+        0, ge=0, le=1_000_000,
+        description="Decode slots (rows decoded at once, over all devices); 0 = every row of the rollout at once.",
+    )
+    page_size: int = Field(16, ge=1, le=65536, description="Tokens per page of the paged KV cache.")
+    pool_pages: int = Field(
+        0, ge=0, le=100_000_000,
+        description="KV pages per device along the rows' mesh axes (each holds the pages of its own slots); "
+        "0 = enough for every slot at the length cap (no row is ever evicted). It must hold at least one row of "
+        "prompt + max_new_tokens.",
+    )
+    chunk: int = Field(
+        16, ge=1, le=131072,
+        description="Decode steps between host boundaries (finished rows leave, queued rows are prefilled).",
+    )
+    attention: Literal["auto", "reference", "tpu", "gpu"] = Field(
+        "auto",
+        description="Paged decode attention: auto = the Pallas kernel of a TPU or GPU backend, else the plain-JAX reference.",
+    )
+
+
 class RolloutConfig(Section):
     style: str = Field("legacy", description="Rollout sharding style plugin name.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen rollout style.")
@@ -259,6 +283,14 @@ class RolloutConfig(Section):
         10.0, gt=0.0, le=3600.0,
         description="Wall-clock limit of one tool call; a call past it becomes a tool message saying so (counted).",
     )
+    engine: Literal["static", "continuous"] = Field(
+        "static",
+        description="Rollout engine: static (one batch, a dense KV cache per row) or continuous (rows queue for a "
+        "fixed number of decode slots over a paged KV cache; single-turn tasks only).",
+    )
+    continuous: ContinuousEngineConfig = Field(
+        default_factory=ContinuousEngineConfig, description="Options of rollout.engine: continuous."
+    )
     kv_segment: int = Field(
         256, ge=0, le=131072,
         description="Decode tokens per KV-cache growth segment: the cache holds only the slots the current segment "
@@ -273,6 +305,19 @@ class RolloutConfig(Section):
         if b and b[-1] < self.max_prompt_length:
             raise ValueError(
                 f"rollout.prompt_buckets' largest bucket {b[-1]} is below rollout.max_prompt_length={self.max_prompt_length}"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _pool(self):
+        c = self.continuous
+        prompt = self.prompt_buckets[-1] if self.prompt_buckets else self.max_prompt_length
+        need = -(-(prompt + self.max_new_tokens) // c.page_size)
+        if self.engine == "continuous" and 0 < c.pool_pages < need:
+            raise ValueError(
+                f"rollout.continuous.pool_pages={c.pool_pages} cannot hold one row: the longest prompt bucket ({prompt}) "
+                f"+ rollout.max_new_tokens ({self.max_new_tokens}) take {need} pages of {c.page_size} tokens; "
+                f"give at least {need}, or 0 (enough for every slot)"
             )
         return self
 
@@ -400,15 +445,20 @@ class AdvantageConfig(Section):
 
 
 class DynamicSamplingConfig(Section):
-    """DAPO's dynamic sampling: a group whose rewards are all equal has zero advantage and
-    teaches nothing, so it is dropped, and the next prompts of the data order are rolled
-    out until the step holds ``train.prompts_per_step`` groups with a reward spread, or
-    ``max_rounds`` rollouts were made. Informative groups beyond ``prompts_per_step`` are
-    dropped too; a step that ends short fills its batch with equal-reward groups (zero
-    advantage, trained as plain GRPO trains them) and logs ``dynamic_sampling/short`` = 1.
-    The data position is checkpointed, so a resumed run draws the same prompts."""
+    """DAPO's dynamic sampling: an uninformative group — one whose advantages, as the update
+    would train it (``train.advantage``'s credit, baseline and scale, over all its
+    samples), are all zero on the tokens it trains — teaches nothing, so it is dropped, and
+    the next prompts of the data order are rolled out until the step holds
+    ``train.prompts_per_step`` informative groups, or ``max_rounds`` rollouts were made.
+    Under sequence credit that is a group with equal total rewards; under turn credit a
+    group with equal totals is informative when a scope's own advantage is not zero on the
+    turns it credits. Informative groups beyond ``prompts_per_step`` are dropped too; a
+    step that ends short fills its batch with uninformative groups, trained with exactly
+    zero advantage whatever the credit, and logs ``dynamic_sampling/short`` = 1. The data
+    position is checkpointed, so a resumed run draws the same prompts."""
 
-    enabled: bool = Field(False, description="Drop groups with equal rewards and roll out more prompts in their place.")
+    enabled: bool = Field(False, description="Drop uninformative groups (all-zero advantage under train.advantage) "
+                          "and roll out more prompts in their place.")
     max_rounds: int = Field(
         4, ge=1, le=1024, description="Most rollouts of prompts_per_step prompts per step (1 = filter without refilling)."
     )
@@ -421,15 +471,18 @@ class DownSamplingConfig(Section):
     rare right answer (or the rare wrong one) that a small group misses, and the update
     pays for ``keep`` rows. ``max_variance`` keeps the subset whose rewards have the
     largest variance (the ``i`` highest and ``keep - i`` lowest rewards, for the best
-    ``i``); ``random`` a uniform subset (an unbiased baseline). The advantages are the
-    group advantages of the kept rows."""
+    ``i``); ``random`` one sample above the group mean and one below it, the rest uniform
+    (a group with a spread keeps it; without one, a uniform subset). Under turn credit a
+    group with equal totals is ranked by its first scope component with a spread. The
+    advantages are the group advantages of the kept rows."""
 
     keep: int | None = Field(
         None, ge=2, le=1024,
         description="Samples of each group the update trains on (at most rollout.num_generations); none = all.",
     )
     rule: Literal["max_variance", "random"] = Field(
-        "max_variance", description="Which samples: the largest reward variance (PODS) or a uniform draw.",
+        "max_variance", description="Which samples: the largest reward variance (PODS), or random: one above and "
+        "one below the group mean, the rest uniform (a group keeps its spread).",
     )
 
 
@@ -458,7 +511,7 @@ class TrainConfig(Section):
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig, description="Optimizer and schedule.")
     advantage: AdvantageConfig = Field(default_factory=AdvantageConfig, description="Group advantage estimator.")
     dynamic_sampling: DynamicSamplingConfig = Field(
-        default_factory=DynamicSamplingConfig, description="Drop groups with equal rewards and refill (DAPO)."
+        default_factory=DynamicSamplingConfig, description="Drop uninformative groups and refill (DAPO)."
     )
     down_sampling: DownSamplingConfig = Field(
         default_factory=DownSamplingConfig, description="Train on a subset of each group's samples (PODS)."

@@ -252,9 +252,11 @@ MismatchMode = Literal["truncate", "mask"]
 @dataclasses.dataclass(frozen=True)
 class MismatchCorrection:
     """Importance weighting of the policy term by how far the trainer's pre-update
-    log-probs (``old``) are from the sampler's: the two disagree through numerics (bf16
-    decode, a different kernel) even at identical weights, and the loss's ratio assumes
-    the samples came from ``old``.
+    log-probs (``old``) are from the sampler's behaviour log-probs: the two disagree
+    through numerics (bf16 decode, a different kernel) even at identical weights, and
+    through top-k/top-p, which make the policy that drew the tokens the truncated
+    distribution renormalised over its kept tokens (its log-prob is the full one minus the
+    log of the kept mass); the loss's ratio assumes the samples came from ``old``.
 
     The weight is ``w = exp(old - sampler)`` per token at ``level="token"``, and
     ``exp(sum over the row's valid tokens of (old - sampler))`` per row at
@@ -288,7 +290,7 @@ class LossSettings:
       ``sapo``, ...); ``objective_options`` its options as sorted ``(name, value)`` pairs
       (a tuple, so the settings stay hashable).
     - ``mismatch``: the sampler/trainer mismatch correction (:class:`MismatchCorrection`),
-      or None: off, and the sampler's log-probs are unused.
+      or None: off, and the sampler's behaviour log-probs are unused.
     """
 
     epsilon_low: float = 0.2
@@ -333,9 +335,11 @@ class LossPlugin(_PluginBase):
     ``advantages`` [B] (one per row), or [B, T] (one per token: turn-level credit,
     ``train.advantage.credit: turn``), ``old_logprobs`` [B, T] or None (on-policy: the ratio is
     exp(logp - stop_gradient(logp))), ``ref_logprobs`` [B, T] or None (needed iff
-    ``settings.beta > 0``), ``sampler_logprobs`` [B, T] (the sampler's log-probs; passed
-    only when ``settings.mismatch`` is set, so an implementation without the mismatch
-    correction may leave the parameter out).
+    ``settings.beta > 0``), ``sampler_logprobs`` [B, T] (the behaviour policy's log-probs
+    from the sampler: under the distribution that drew each token, top-k/top-p truncated
+    and renormalised at the temperature — the full-vocabulary ``log_softmax`` when no filter
+    is on; passed only when ``settings.mismatch`` is set, so an implementation without the
+    mismatch correction may leave the parameter out).
 
     ``normalizer`` makes gradient accumulation exact: the trainer passes the value for the
     *global* batch (valid-token count for ``token_mean``, sequence count for

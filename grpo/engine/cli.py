@@ -130,7 +130,11 @@ def plot(run_dir, output) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
 @click.option("--dump-hlo", type=click.Path(file_okay=False, path_type=str), metavar="DIR",
               help="Write each compiled program's optimized HLO text to DIR/<program>.hlo.txt.")
-def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dump_hlo) -> None:
+@click.option("--lengths", metavar="PROFILE",
+              help="Completion-length profile: a built-in name (gsm8k-qwen25-3b-v6e8), a file with one length "
+              "(tokens) a line, or a run's samples.jsonl. Adds the packed bins, the packed passes' roofline and "
+              "valid tokens/s beside the padded figures; --search then searches the packed fit.")
+def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dump_hlo, lengths) -> None:
     """Compile CONFIG's programs for a TPU pod (no TPU needed): memory per chip, fit,
     communication, roofline.
 
@@ -146,6 +150,11 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
 
     config = load_config(config_path, list(overrides))
     topo = parse_topology(topology)  # an unknown name fails before anything heavy
+    profile = None
+    if lengths is not None:
+        from grpo.engine.planning.profiles import load_profile
+
+        profile = load_profile(lengths)
     require_libtpu()
     for noisy in ("absl", "jax._src"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
@@ -155,11 +164,11 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
 
     planner = Planner(topo, hbm_bytes=int(hbm_limit * (1 << 30)) if hbm_limit else None, dump_hlo=dump_hlo)
     if search_field:
-        result = search(config_path, list(overrides), search_field, planner)
+        result = search(config_path, list(overrides), search_field, planner, lengths=profile)
         report = dict(result["plan"])
         report["search"] = {k: result[k] for k in ("field", "max_fitting", "tried")}
     else:
-        report = planner.plan(config)
+        report = planner.plan(config, profile)
     if as_json:
         click.echo(_json.dumps(report, indent=2))
         return

@@ -20,7 +20,11 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
   ``rollout.max_new_tokens``; for a multi-turn task (tools,
   :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler`) ``start`` (the cache grown
   to its final size), ``decode`` as one turn's loop, run once per turn, and ``append``,
-  the environment's replies written into every row's cache between turns;
+  the environment's replies written into every row's cache between turns; with
+  ``rollout.engine: continuous``
+  (:class:`~grpo.engine.rollout.continuous.ContinuousSampler`) ``start`` (the empty page
+  pool and slots), ``prefill`` (queued rows into free slots, run at chunk boundaries) and
+  ``decode`` (one chunk of decode steps over the paged cache, run until every row stops);
 - the step's glue (:meth:`RunPrograms.step_lowerings`): ``row_sums`` (reward-error and
   tool counters over every process's rows), ``gather_rows`` (the rows trained on,
   gathered from the rounds: dynamic sampling, down-sampling), ``turn_advantages``
@@ -48,7 +52,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +62,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
+from grpo.core.errors import UserError
 
 
 def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int:
@@ -175,7 +180,19 @@ class RunPrograms:
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
                 activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
-            if self.multi_turn:
+            if r.engine == "continuous":
+                if self.multi_turn:
+                    raise UserError(
+                        "rollout.engine: continuous samples single-turn tasks only (multi-turn append-prefill is "
+                        "not built yet); this run's task has tools or an environment: use rollout.engine: static."
+                    )
+                from grpo.engine.rollout.continuous import ContinuousSampler
+
+                c = r.continuous
+                self._samplers[key] = ContinuousSampler(
+                    self.graphdef, detokenize=self.detokenize, slots=c.slots, page_size=c.page_size,
+                    pool_pages=c.pool_pages, chunk=c.chunk, backend=c.attention, **kwargs)
+            elif self.multi_turn:
                 self._samplers[key] = MultiTurnSampler(
                     self.graphdef, max_turns=r.max_turns, conversations=self.conversations,
                     max_turn_tokens=r.max_turn_tokens, **kwargs)
@@ -311,21 +328,61 @@ class RunPrograms:
     def _turn_advantages_jit(self, names: list[str], sharding: Any) -> Any:
         return self._program("turn_advantages", lambda: self._build_turn_advantages(names, sharding))
 
-    def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
+    def turn_components(self, per_fn: dict[str, Any]) -> dict[str, Any]:
+        """The rewards (each [B], by name) summed by weight into one component per scope
+        of turn-level credit (the task's ``reward_turns``, then
+        ``train.advantage.reward_turns``; ``task.overlong``'s penalty credits every turn):
+        what :func:`~grpo.engine.training.advantages.turn_advantages` takes. Plain array
+        math (host or device arrays): the update's program and the step's host-side
+        filter (dynamic sampling, down-sampling) share it."""
         from grpo.engine.rollout.scoring import OVERLONG, reward_weights
-        from grpo.engine.training.advantages import turn_advantages
 
         task = self.plugins["task"]
-        adv = self.config.train.advantage
-        scopes = {**task.plugin.reward_turns(options=task.options), **adv.reward_turns}
+        scopes = {**task.plugin.reward_turns(options=task.options), **self.config.train.advantage.reward_turns}
         weights = {**reward_weights(task.plugin, task.options), OVERLONG: 1.0}
         parts: dict[str, list[tuple[float, str]]] = {}
-        for name in names:
+        for name in per_fn:
             if weights[name]:
                 parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
+        return {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+
+    def informative_groups(self, totals: Any, per_fn: dict[str, Any], trained: Callable[[], Any], *,
+                           num_generations: int) -> np.ndarray:
+        """Which groups of these rows ([G*K] total rewards and rewards by name, host
+        arrays, group-major) are informative, [G] bool: the advantages the update would
+        train them on, by its own functions and ``train.advantage`` options over all
+        ``num_generations`` samples, are not all zero on their trained tokens
+        (``trained()`` [G*K, N], read only under turn credit). Eager array math on tiny
+        arrays, not a program: the host-side filter of dynamic sampling. ``batch_std``'s
+        batch-wide scale cannot turn a zero into a non-zero, so judging a round alone is
+        exact."""
+        from grpo.engine.training.advantages import group_advantages, informative_groups, turn_advantages
+
+        adv, k = self.config.train.advantage, num_generations
+        opts = dict(num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
+        if adv.credit == "turn":
+            own = jnp.asarray(trained())
+            advantages = turn_advantages(self.turn_components({n: jnp.asarray(v) for n, v in per_fn.items()}),
+                                         own, **opts)
+        else:
+            own, advantages = None, group_advantages(jnp.asarray(totals), **opts)
+        return np.asarray(informative_groups(advantages, own, num_generations=k))
+
+    def scope_components(self, per_fn: dict[str, Any]) -> dict[str, Any]:
+        """:meth:`turn_components` in scope order (all, first, last): what down-sampling
+        ranks a group with equal totals by."""
+        from grpo.engine.training.advantages import SCOPES
+
+        components = self.turn_components(per_fn)
+        return {s: components[s] for s in SCOPES if s in components}
+
+    def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
+        from grpo.engine.training.advantages import turn_advantages
+
+        adv = self.config.train.advantage
 
         def turn_adv(per_fn, own):
-            components = {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+            components = self.turn_components({n: per_fn[n] for n in names})
             return turn_advantages(components, own, num_generations=self.config.group_size,
                                    baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
 
@@ -770,7 +827,6 @@ def rollout_placement(
     """Where the rollout programs run for the rollout style ``style`` (a selected plugin):
     the training layout, or the style's own (the fastest that fits of its candidates)."""
     from grpo.core.contracts import ModelDims, Topology
-    from grpo.core.errors import UserError
     from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_bytes
 
     batch_axes = tuple(style.plugin.batch_axes(layout, style.options))

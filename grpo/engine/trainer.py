@@ -42,7 +42,7 @@ from grpo.engine.runs.metrics import (
     step_row,
     tool_metrics,
 )
-from grpo.engine.training.advantages import group_advantages
+from grpo.engine.training.advantages import group_advantages, informative_groups
 from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.packing import PackedBatch, packing_stats
 from grpo.engine.training.update import UpdateBatch
@@ -166,12 +166,34 @@ class Trainer:
 
     def advantages(self, rollout: StepRollout) -> jax.Array:
         """The rows' advantages: [B] group advantages of their total rewards, or with
-        ``train.advantage.credit: turn`` per-token [B, N] turn-level ones."""
+        ``train.advantage.credit: turn`` per-token [B, N] turn-level ones; exactly 0 on
+        the rows of groups filling a short dynamic-sampling step, whatever the credit."""
         adv = self.config.train.advantage
         if adv.credit == "turn":
-            return self.programs.turn_advantages(rollout.rewards_by_fn, rollout.trained)
-        return group_advantages(rollout.rewards, num_generations=self.config.group_size, baseline=adv.baseline,
-                                scale=adv.scale, epsilon=adv.epsilon)
+            out = self.programs.turn_advantages(rollout.rewards_by_fn, rollout.trained)
+        else:
+            out = group_advantages(rollout.rewards, num_generations=self.config.group_size, baseline=adv.baseline,
+                                   scale=adv.scale, epsilon=adv.epsilon)
+        if rollout.filler is not None:
+            out = jnp.where(rollout.filler if out.ndim == 1 else rollout.filler[:, None], 0.0, out)
+        return out
+
+    def selection_scalars(self, rollout: StepRollout, advantages: jax.Array) -> dict[str, jax.Array]:
+        """Device scalars of what the update trains on, when the step selected groups or
+        samples (:attr:`StepRollout.informative`): ``advantage/informative_groups``, the
+        batch's groups whose advantages are not all zero on their trained tokens (the one
+        definition: :func:`informative_groups`), and with down-sampling
+        ``down_sampling/degenerate_groups``, groups informative over all their samples
+        that train with all-zero advantage on the subset kept."""
+        if rollout.informative is None:
+            return {}
+        k = self.config.group_size
+        trained = informative_groups(advantages, rollout.trained, num_generations=k)  # G
+        before = rollout.informative.reshape(-1, k)[:, 0]  # G: a group's rows share its verdict
+        out = {"advantage/informative_groups": jnp.sum(trained.astype(jnp.int32))}
+        if self.config.train.down_sampling.keep is not None:
+            out["down_sampling/degenerate_groups"] = jnp.sum((before & ~trained).astype(jnp.int32))
+        return out
 
     def row_batch(self, rollout: StepRollout, advantages: jax.Array) -> UpdateBatch:
         """The rollout in the update's row layout (one sequence a row), with the step's
@@ -185,7 +207,8 @@ class Trainer:
             advantages=to_train(advantages),
             old_logprobs=None,
             ref_logprobs=None,
-            sampler_logprobs=to_train(out.logprobs) if cfg.loss.mismatch is not None else None,
+            # The behaviour policy's (top-k/top-p truncated): what drew the tokens.
+            sampler_logprobs=to_train(out.behaviour) if cfg.loss.mismatch is not None else None,
             truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
             loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
         )
@@ -254,16 +277,19 @@ class Trainer:
         return epoch_metrics, trainer_logprobs  # in ub's layout: bins when packed
 
     def metrics_row(self, rollout: StepRollout, epochs: list[dict[str, Any]], trainer_logprobs: jax.Array,
-                    times: dict[str, float]) -> dict[str, Any]:
-        """The step's metrics row (read back from the devices in one transfer)."""
+                    times: dict[str, float], selection: dict[str, jax.Array] | None = None) -> dict[str, Any]:
+        """The step's metrics row (read back from the devices in one transfer);
+        ``selection``: :meth:`selection_scalars`."""
         cfg = self.config
         tools = rollout.tools
-        scalars, errors, tool_totals = jax.device_get((rollout_scalars(rollout, trainer_logprobs),
-                                                       rollout.reward_errors, tools and tools.counts))
+        scalars, errors, tool_totals, selected = jax.device_get((rollout_scalars(rollout, trainer_logprobs),
+                                                                 rollout.reward_errors, tools and tools.counts,
+                                                                 selection or {}))
         for name, n in zip(rollout.reward_names, errors):  # over every process's rows
             self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
         extra = {
             **rollout.metrics,
+            **{k: float(v) for k, v in selected.items()},
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": sum(self.reward_errors.values()),
             # Read from the optimizer's own count: the rate its updates applied.
@@ -293,6 +319,10 @@ class Trainer:
             "completions": group.texts,
             "rewards": [round(float(r), 4) for r in group.rewards],
         }
+        if group.completion_lengths is not None:
+            # Tokens, for `grpo plan --lengths samples.jsonl` (a length profile of the run).
+            row["completion_lengths"] = group.completion_lengths
+            row["prompt_length"] = group.prompt_length
         if group.turns is not None:
             row["turns"] = group.turns
         if self._samples is None:
@@ -377,13 +407,14 @@ class Trainer:
         if rollout.group is not None:
             self._write_samples(rollout.group)
         advantages = self.advantages(rollout)
+        selection = self.selection_scalars(rollout, advantages)
         t1 = time.perf_counter()
         epochs, trainer_logprobs = self.optimize(self.update_batch(rollout, advantages))
         trainer_logprobs = self.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
         t_update = time.perf_counter() - t1
         self.step += 1
         times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
-        return self.metrics_row(rollout, epochs, trainer_logprobs, times)
+        return self.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
 
     def evaluate(self) -> dict[str, Any]:
         return self.evaluator(self.step, self.policy_params())

@@ -43,6 +43,11 @@ What the rest of the framework uses
   * Returns the final-normed hidden states [B, T, D] in the compute dtype and the
     updated cache (``None`` without one).
 
+- ``hidden, paged = model(tokens [B, 1], positions [B, 1], cache=PagedKVCache(...),
+  paged=PagedSpec(...))`` — one decode step over a paged KV cache
+  (:mod:`grpo.models.paged_attention`: a pool of pages and a page table per row; the
+  continuous-batching sampler's decode): each live row's key/value is written at token
+  ``lengths`` of its pages and its query attends over its own ``lengths + 1`` tokens only.
 - :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
   tied), for losses that fuse the head matmul; :meth:`Decoder.logits` — float32 logits.
 - :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
@@ -96,6 +101,7 @@ from jax.sharding import Mesh
 from grpo.core.errors import UserError
 from grpo.models.attention import sharded
 from grpo.models.hf import LLAMA3_ROPE_KEYS, config_from_hf, hf_fields
+from grpo.models.paged_attention import PagedKVCache, PagedSpec, paged_decode
 from grpo.models.quant import dequantize
 from grpo.sharding import ACTIVATION_RULES, fit_sharding
 
@@ -479,6 +485,9 @@ class LayerContext:
     mask: jax.Array | None  # [B, 1, T, S] bool, dense attention only
     segment_ids: jax.Array | None  # [B, S] int32 (1 real token, 0 padding), kernel only
     write_index: jax.Array | None  # scalar int32: the cache slot of the first token
+    # A decode step over a paged cache: (page_table [B, max_pages], lengths [B], live [B],
+    # its PagedSpec); None: the dense cache (or none).
+    paged: Any = None
 
     def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
         return constrain(x, names, self.mesh, self.rules)
@@ -561,6 +570,8 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
     = (k, v, layer), over the cache after writing them at ``write_index``. Returns the
     output [B, T, H, E] and the carry ((k, v) updated; None without a cache)."""
     dt = ctx.dtype
+    if ctx.paged is not None:
+        return _attend_paged(ctx, q, k_new, v_new, kv)
     if kv is None:
         k_all, v_all = k_new, v_new
     else:
@@ -583,6 +594,21 @@ def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, 
         q, k_all, v_all, mask=ctx.mask, scale=scale, implementation=ctx.dense_impl
     )  # B T H E
     return out, kv
+
+
+def _attend_paged(
+    ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any
+) -> tuple[jax.Array, Any]:
+    """One decode token per row (T = 1) over a paged pool: the new key/value written at
+    token ``lengths`` of each live row's pages, then attention over the row's
+    ``lengths + 1`` tokens (:func:`grpo.models.paged_attention.paged_decode`)."""
+    page_table, lengths, live, spec = ctx.paged
+    pk, pv, layer = kv
+    out, pk, pv = paged_decode(
+        q=q[:, 0], k_new=k_new[:, 0], v_new=v_new[:, 0], pool_k=pk, pool_v=pv, layer=layer, page_table=page_table,
+        lengths=lengths, live=live, scale=1.0 / math.sqrt(ctx.config.head_dim), spec=spec, mesh=ctx.mesh,
+    )
+    return out[:, None].astype(ctx.dtype), (pk, pv)
 
 
 def mlp_block(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> jax.Array:
@@ -662,7 +688,7 @@ def run_layers(
     # instead of re-emitting a full per-layer slice as a scan output.
     step = functools.partial(_scan_cached_step, layer_fn)
     (h, ck, cv), _ = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
-    return h, KVCache(k=ck, v=cv)
+    return h, cache._replace(k=ck, v=cv)  # a KVCache, or a PagedKVCache with its pool updated
 
 
 def _query_slots(
@@ -824,8 +850,12 @@ class Decoder(nnx.Module):
         write_index: jax.Array | int | None = None,
         dropout_keys: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
+        paged: PagedSpec | None = None,
     ) -> tuple[jax.Array, KVCache | None]:
-        ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys, segment_ids)
+        if isinstance(cache, PagedKVCache):
+            ctx = self._paged_context(tokens, positions, cache, PagedSpec() if paged is None else paged)
+        else:
+            ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys, segment_ids)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
         h = ctx.constrain(h, ("batch", "length", "embed"))
         layer_fn = layer_function(ctx, self.remat)
@@ -887,6 +917,25 @@ class Decoder(nnx.Module):
             positions=positions,
             cos=cos, sin=sin, kernel=kernel, dense_impl="xla" if callable(self.attention_impl) else self.attention_impl,
             mask=mask, segment_ids=segment_ids, write_index=write_index,
+        )
+
+    def _paged_context(self, tokens: jax.Array, positions: jax.Array, cache: PagedKVCache,
+                       paged: PagedSpec) -> LayerContext:
+        """The context of a decode step over a paged cache: one token per row, written at
+        token ``cache.lengths`` of the row's pages (positions are the caller's: RoPE
+        positions equal those indices when a row's prompt starts at token 0)."""
+        c = self.config
+        B, T = tokens.shape
+        if T != 1 or positions.shape != (B, 1) or cache.page_table.shape[0] != B:
+            raise ValueError(f"a paged decode step takes one token per row: tokens {tokens.shape}, positions "
+                             f"{positions.shape}, page table {cache.page_table.shape}")
+        cos, sin = rope_tables(positions, c.head_dim, c.rope_theta, c.inv_freq() if c.rope_scaling else None)
+        spec = self.lora_spec if (self.lora is not None and self.lora_enabled) else None
+        return LayerContext(
+            config=c, dtype=self.dtype, mesh=self.mesh, rules=self.activation_rules,
+            quantization=self.base_quantization, lora=spec, dropout_keys=None, positions=positions, cos=cos,
+            sin=sin, kernel=None, dense_impl="xla", mask=None, segment_ids=None, write_index=None,
+            paged=(cache.page_table, cache.lengths, cache.live, paged),
         )
 
     def _stacked(self, ctx: LayerContext) -> dict[str, jax.Array]:

@@ -104,6 +104,13 @@ BAD = [
     ({"train.down_sampling": {"keep": 2, "rule": "best"}}, "train.down_sampling.rule", "'max_variance' or 'random'"),
     ({"train.down_sampling": {"keep": 2}, "train.micro_batch_size": 3}, "train.micro_batch_size=3",
      "train.down_sampling.keep (2)"),
+    ({"rollout.engine": "paged"}, "rollout.engine", "'static' or 'continuous'"),
+    ({"rollout.continuous": {"chunk": 0}}, "rollout.continuous.chunk", "greater than or equal to 1"),
+    ({"rollout.continuous": {"page_size": 0}}, "rollout.continuous.page_size", "greater than or equal to 1"),
+    ({"rollout.continuous": {"slots": -1}}, "rollout.continuous.slots", "greater than or equal to 0"),
+    ({"rollout.continuous": {"attention": "cuda"}}, "rollout.continuous.attention", "'auto'"),
+    ({"rollout.engine": "continuous", "rollout.continuous": {"pool_pages": 1, "page_size": 4}},
+     "rollout.continuous.pool_pages=1", "cannot hold one row"),
 ]
 
 
@@ -199,17 +206,6 @@ def test_every_field_has_a_description():
     walk(RunConfig, "")
 
 
-def test_packing_bin_length_shorter_than_a_sequence_is_refused():
-    from grpo.core.config import RunConfig, cross_field_problems
-
-    cfg = RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32},
-                                    "train": {"packing": {"bin_length": 95}}})
-    assert cfg.bin_length == 95
-    [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
-    assert "train.packing.bin_length=95" in problem and "96" in problem
-    assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96
-
-
 def test_set_switching_a_plugin_drops_the_files_options_for_the_old_one(caplog):
     """``--set rollout.style=legacy`` on a recipe with serving options: those options are
     dropped with one note naming them; options given in the same command stay and are
@@ -248,3 +244,14 @@ def test_shipped_configs_show_progress_and_quickstarts_evaluate_as_documented(pa
     assert cfg.logging.progress_bar
     if path.name.startswith("quickstart"):
         assert cfg.eval.every_n_steps == 50 and "every 50" in path.read_text()
+
+
+def test_packing_bin_length_shorter_than_a_sequence_is_refused():
+    from grpo.core.config import RunConfig, cross_field_problems
+
+    cfg = RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32},
+                                    "train": {"packing": {"bin_length": 95}}})
+    assert cfg.bin_length == 95
+    [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
+    assert "train.packing.bin_length=95" in problem and "96" in problem
+    assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96

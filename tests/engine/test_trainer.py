@@ -466,6 +466,8 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
             np.testing.assert_allclose(ub.advantages[got], adv, rtol=1e-5, atol=1e-6)
             kept_all.append(kept)
         assert any(r.max() > r.min() for r in kept_all)  # the step trains on something
+        # max_variance of the totals keeps a spread whenever there is one: nothing to count without the filter.
+        assert row.get("down_sampling/degenerate_groups", 0.0) == 0.0 and ("advantage/informative_groups" in row) == dynamic
         np.testing.assert_allclose(row["reward/mean"], np.mean(rolled), rtol=1e-6)
         np.testing.assert_allclose(row["down_sampling/kept_reward_mean"], np.mean(kept_all), rtol=1e-6)
     assert not rollouts  # every rollout was accounted for
@@ -535,6 +537,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         adv = np.where(spread, (r - r.mean(1, keepdims=True)) / (r.std(1, keepdims=True) + 1e-4), 0.0).reshape(-1)
         np.testing.assert_allclose(ub.advantages, adv, rtol=1e-5, atol=1e-6)
         assert (np.abs(ub.advantages.reshape(p, k)).max(1) > 0).sum() == len(kept)  # only informative groups train
+        assert row["advantage/informative_groups"] == len(kept)
         rounds_seen.append((rounds, filled))
     assert not scored  # every rollout was accounted for
     assert any(r == 2 and f == 0 for r, f in rounds_seen) and any(f > 0 for _, f in rounds_seen), rounds_seen
@@ -556,3 +559,168 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
 
     resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
     assert_same_run(trainer, resumed)
+
+
+@pytest.fixture(scope="module")
+def tools_dynamic_turn_random_top_p(tmp_path_factory):
+    """Two steps of the tools quickstart with dynamic sampling, turn credit, PODS
+    ``random`` (4 of 8 samples), top-p 0.5 and ``loss.mismatch``; every round's rewards,
+    the update batches, the trainer's log-probs and the rows recorded. Scripted so that
+    every group's totals are equal (0.5) and only turn credit can tell them apart: each row
+    "calls" ``lookup`` after its first token (a turn ends at any token) and answers with
+    its next; ``call`` (first turn) is 1 when the first turn's first character is odd, on
+    prompts whose index is a multiple of 4 (0 elsewhere), ``prefix`` (every turn) is
+    1 - call. Before the one definition, the filter dropped every group (equal totals)
+    and the fill trained the ones with a call spread with last-turn advantages of -1/+1."""
+    from grpo.core.contracts import EnvStep, ToolCall
+    from grpo.engine.rollout.conversations import Conversations
+    from grpo.engine.rollout.tools import ToolEnvironment
+    from grpo.plugins.tasks import LookupTask
+
+    mp = pytest.MonkeyPatch()
+
+    class Calls(ToolEnvironment):
+        def step(self, model_turn_text):
+            if getattr(self, "stepped", False):
+                return EnvStep(None, True, {})
+            self.stepped = True
+            return super().step(self.format.render_call(ToolCall("lookup", {"key": self.key})))
+
+    def environment(self, example, *, options, tool_format, timeout_s=10.0):
+        env = Calls(tools={"lookup": self._tool(options, int(example.get("seed", 0)))}, format=tool_format,
+                    opening=self.prompt_messages(example, options=options), timeout_s=timeout_s)
+        env.key = example["key"]
+        return env
+
+    def call(completion, example):
+        first = [m for m in example["messages"] if m["role"] == "assistant"][0]["content"]
+        return float(example["index"] % 4 == 0 and ord(first[:1] or " ") % 2 == 1)
+
+    rewards = {"call": call, "prefix": lambda c, ex: 1.0 - call(c, ex), "correct": lambda c, ex: 0.0,
+               "answer": lambda c, ex: 0.0}
+    mp.setattr(LookupTask, "environment", environment)
+    mp.setattr(LookupTask, "reward_functions", lambda self, *, options: rewards)
+    mp.setattr(Conversations, "turn_stop_ids", lambda self: tuple(range(512)))
+
+    p, k, keep = 4, 8, 4
+    cfg = load_config(ROOT / "configs" / "quickstart_tools.yaml", [
+        "train.steps=2", f"train.prompts_per_step={p}", f"rollout.num_generations={k}",
+        f"train.down_sampling={{keep: {keep}, rule: random}}", "train.dynamic_sampling={enabled: true, max_rounds: 2}",
+        "train.advantage.credit=turn", "rollout.top_p=0.5", "loss.mismatch.level=token", "eval.every_n_steps=0",
+        "checkpoint.at_end=false", "checkpoint.every_n_steps=0", "logging.progress_bar=false", "logging.plot=false",
+    ])
+    run_dir = tmp_path_factory.mktemp("tools_dynamic")
+    trainer = Trainer(cfg, run_dir)
+    scored, steps = [], []
+    score, update, collect = trainer.collector._score, trainer.update, trainer.collector.collect
+
+    def recording_score(examples, texts, lengths):
+        totals, per_fn, failed = score(examples, texts, lengths)
+        scored.append((totals, per_fn))
+        return totals, per_fn, failed
+
+    def recording_collect(**kw):
+        rollout = collect(**kw)
+        steps.append({"rounds": len(scored), "output": jax.device_get(rollout.output)})
+        return rollout
+
+    def recording_update(params, opt_state, ub, frozen):
+        out = update(params, opt_state, ub, frozen)
+        steps[-1].update(ub=jax.device_get(ub), logprobs=np.asarray(out[3]))
+        return out
+
+    trainer.collector._score, trainer.collector.collect, trainer.update = recording_score, recording_collect, recording_update
+    try:
+        trainer.run()
+    finally:
+        mp.undo()
+    return dict(p=p, k=k, keep=keep, scored=scored, steps=steps, rows=read_metrics(run_dir), config=cfg)
+
+
+def test_dynamic_sampling_with_turn_credit_and_random_down_sampling_trains_every_kept_group(
+        tools_dynamic_turn_random_top_p):
+    """The one definition of informative across dynamic sampling, turn credit and PODS
+    ``random``: the filter keeps exactly the groups whose call has a spread (an independent
+    reference from the recorded rewards; their totals are all equal), every kept group
+    trains with a non-zero advantage on its trained tokens after down-sampling, the fill
+    trains with exactly zero, and the metrics say so."""
+    run = tools_dynamic_turn_random_top_p
+    p, k, keep = run["p"], run["k"], run["keep"]
+    seen, filled_any = 0, False
+    for row, step in zip(run["rows"], run["steps"], strict=True):
+        rounds = run["scored"][seen:step["rounds"]]
+        seen = step["rounds"]
+        kept = 0
+        for i, (totals, per_fn) in enumerate(rounds):
+            assert np.ptp(totals) == 0.0  # every total is 0.5: the old filter kept nothing
+            spread = np.ptp(per_fn["call"].reshape(p, k), axis=1) > 0  # the reference's verdicts
+            kept += int(spread.sum())
+            if i == 0 and spread.sum() >= p:
+                assert len(rounds) == 1
+        kept = min(kept, p)
+        filled = p - kept
+        filled_any |= filled > 0
+        assert row["dynamic_sampling/rounds"] == len(rounds) and row["dynamic_sampling/filled_groups"] == filled
+        assert row["advantage/informative_groups"] == kept and row["down_sampling/degenerate_groups"] == 0
+        ub = step["ub"]
+        adv, own = np.asarray(ub.advantages), np.asarray(ub.loss_mask)
+        assert adv.shape == own.shape  # turn credit: per token
+        nonzero = np.abs(adv * own).reshape(p, keep, -1).max(axis=(1, 2)) > 0.5  # +-1 on the last turn
+        np.testing.assert_array_equal(nonzero, np.arange(p) < kept)
+        np.testing.assert_array_equal(adv.reshape(p, keep, -1)[kept:], 0.0)  # the fill: exactly zero
+    assert seen == len(run["scored"]) and filled_any  # a short step happened
+
+
+def test_top_p_behaviour_logprobs_reach_the_mismatch_weights(tools_dynamic_turn_random_top_p):
+    """top-p 0.5: the update's ``sampler_logprobs`` are the sampler's behaviour log-probs
+    (the truncated nucleus renormalised, above the full-vocabulary ones by minus the log of
+    the kept mass), and ``mismatch/weight_mean`` is the mean of min(exp(trainer - behaviour),
+    cap) over the trained tokens, by hand; the sampler/trainer gap metric still compares
+    the full-vocabulary log-probs (numerics only)."""
+    run = tools_dynamic_turn_random_top_p
+    cap = run["config"].loss.mismatch.cap
+    for row, step in zip(run["rows"], run["steps"], strict=True):
+        out, ub, trainer_lp = step["output"], step["ub"], step["logprobs"]
+        own = np.asarray(ub.loss_mask) > 0
+        np.testing.assert_array_equal(np.asarray(ub.sampler_logprobs), np.asarray(out.behaviour_logprobs))
+        behaviour, full = np.asarray(out.behaviour_logprobs)[own], np.asarray(out.logprobs)[own]
+        assert np.all(behaviour >= full - 1e-6) and np.mean(behaviour - full) > 0.3
+        np.testing.assert_allclose(trainer_lp[own], full, atol=1e-4)  # same policy, same numerics
+        want = np.mean(np.minimum(np.exp(trainer_lp[own].astype(np.float64) - behaviour), cap))
+        np.testing.assert_allclose(row["mismatch/weight_mean"], want, rtol=1e-4)
+        assert want < 0.8  # the kept mass: with the full log-probs the weights would be ~1
+        assert row["logprob_gap/sampler_trainer"] < 1e-4
+
+
+def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
+    """``rollout.engine: continuous``: a step samples through the paged, continuously
+    batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's
+    log-probs match the sampler's, evaluation (greedy) runs on it too, and ``grpo plan``
+    lists exactly the programs the run
+    executed (its start/prefill/decode lower for the TPU topology, the decode with the
+    Pallas TPU kernel, and compiles)."""
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.rollout.continuous import ContinuousSampler
+
+    # head_dim 128: what the TPU kernel's blocks take, so the plan's decode holds the kernel.
+    config = _config(**{"model.random": {"preset": "tiny", "overrides": {"head_dim": 128}},
+                        "rollout.engine": "continuous", "rollout.max_new_tokens": 6,
+                        "eval": {"every_n_steps": 1, "num_examples": 4, "batch_size": 4},
+                        "rollout.continuous": {"slots": 4, "page_size": 4, "chunk": 2, "attention": "auto"}})
+    trainer = Trainer(config, tmp_path)
+    trainer.run()
+    sampler = trainer.programs.sampler()
+    assert isinstance(sampler, ContinuousSampler)
+    assert sampler.last_stats["prefills"] > 1 and sampler.last_stats["chunks"] >= 3, sampler.last_stats
+    [row] = read_metrics(tmp_path)
+    assert np.isfinite(row["loss"]) and row["logprob_gap/sampler_trainer"] < 1e-4
+    ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
+    planner = Planner("v6e-8")
+    listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
+    assert ran == set(listed) and {"start", "prefill", "decode", "eval_start", "eval_decode"} <= ran
+    for name in ("start", "prefill"):
+        assert listed[name]() is not None, name
+    # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for
+    # v6e (run per device under shard_map), which compiles through libtpu.
+    decode = listed["decode"]()
+    assert "paged_attention" in decode.as_text() and decode.compile() is not None

@@ -252,12 +252,6 @@ def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
     assert row["logprob_gap/sampler_trainer"] < 1e-4
 
 
-@pytest.mark.parametrize("kernel, shape", [("splash", (2, 2, 2)), ("pallas_gpu", None)])
-def test_model_with_kernel_on_packed_sequences_equals_each_alone(kernel, shape):
-    # The kernels read the packed segment ids (splash under shard_map on a 2x2x2 mesh).
-    assert packed_vs_alone(_model("llama_untied", kernel, shape), lengths=(5, 7, 4, 3, 6), bin_length=16) <= 1e-4
-
-
 # --------------------------------------------------------------------------- start-up self-check
 
 
@@ -324,3 +318,9 @@ def test_a_third_party_kernel_that_fails_its_check(kernel, reason, example_plugi
     assert warnings[0].startswith(f"model.attention=auto: the attention kernel {kernel!r} failed its start-up check")
     assert warnings[0].endswith("using xla instead") and reason in warnings[0]
     assert len(calls) == 1  # checked once: the explicit build, the auto builds read the cache
+
+
+@pytest.mark.parametrize("kernel, shape", [("splash", (2, 2, 2)), ("pallas_gpu", None)])
+def test_model_with_kernel_on_packed_sequences_equals_each_alone(kernel, shape):
+    # The kernels read the packed segment ids (splash under shard_map on a 2x2x2 mesh).
+    assert packed_vs_alone(_model("llama_untied", kernel, shape), lengths=(5, 7, 4, 3, 6), bin_length=16) <= 1e-4

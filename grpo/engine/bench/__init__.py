@@ -6,6 +6,8 @@
   (:meth:`grpo.engine.training.update.UpdateStep.head_loss` through the builder's
   :func:`grpo.engine.programs.loss_program`), and its compiled memory.
 - ``memory``: an FSDP-sharded buffer against its all-gathered copy.
+- ``packed_update``: ``update``, the update padded against the update packed, on the
+  same rows drawn from a length profile (:mod:`grpo.engine.planning.profiles`).
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.programs``
 and the rooms it builds on: ``grpo.engine.parallel``, ``grpo.engine.rollout``,

@@ -6,6 +6,9 @@ have, and what they need (memory per chip, fit, roofline).
   memory, costs and communication.
 - ``costs``: the one cost model (FLOPs, HBM bytes, roofline of each program; one decode
   step, also what a serving layout's ``tensor_parallel: auto`` weighs).
+- ``profiles``: completion-length profiles (``--lengths``): built-in, a file of lengths, a
+  run's ``samples.jsonl``.
+- ``packed``: the packed bins of a profile's steps and the packed passes' costs.
 - ``search``: ``--search``, the largest value of a field whose plan fits.
 - ``report``: the attention each program runs, and the report as text.
 - ``tpu``: the TPU compiler's topologies (libtpu) and the chip table.

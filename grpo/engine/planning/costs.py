@@ -249,7 +249,9 @@ def program_costs(
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
         out["reshard"] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
-    out.update(_training_costs(m, programs, P, Lp))
+    rows = P * cfg.group_size / (programs.layout.dp * programs.layout.fsdp)  # the update's rows per device
+    out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
+                                                        max_new_tokens=cfg.rollout.max_new_tokens)))
     out.update(_glue_costs(m, programs, split, P, Lp))
     return out
 
@@ -261,8 +263,9 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     reads the base and adapters, writes the merged projections), ``row_sums`` (reward
     errors), ``gather_rows`` (the rows trained on, gathered from every round),
     ``turn_advantages``, ``to_train`` (every update-batch array resharded), LoRA
-    dropout's ``dropout_keys`` and ``policy_logprobs`` (a forward pass per micro-batch
-    like the reference's, twice with ``loss.mismatch``)."""
+    dropout's ``dropout_keys`` (its ``policy_logprobs`` pass is one of the passes over the
+    batch: :func:`_training_costs`) and packing's ``sequence_lengths``, ``pack`` and
+    ``unpack``."""
     cfg, layout, d = programs.config, programs.layout, m.dims
     N, K = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
     devices = layout.dp * layout.fsdp * layout.tp
@@ -293,13 +296,15 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     out["to_train"] = moved(batch_bytes)
     if programs.lora_dropout:
         out["dropout_keys"] = moved(8 * rows)
-        S = Lp + N
-        fwd_tok = 2 * (m.wm + m.na) + 4 * S * d.num_attention_heads * d.head_dim * d.num_hidden_layers
-        passes = 2 if cfg.loss.mismatch is not None else 1
-        micro = cfg.sequences_per_step // cfg.micro_batch_size
-        flops = passes * rows * (S * fwd_tok + N * 2 * d.hidden_size * d.vocab_size)
-        nbytes = passes * micro * m.weight_bytes
-        out["policy_logprobs"] = Cost(flops, nbytes, m.roof(flops, nbytes))
+    if getattr(programs, "packing", False):
+        # Packing (at the most bins a step compiles, one per sequence, of L tokens): the
+        # rows' lengths read from the masks; the batch gathered into the bins (about 10
+        # int32/f32 arrays [bins, L] written, the padded batch read); the log-probs
+        # scattered back to the rows (values and 3 placement arrays read, [rows, N] written).
+        L = cfg.bin_length
+        out["sequence_lengths"] = moved(4 * rows * (Lp + N))
+        out["pack"] = moved(batch_bytes / 2 + 4 * 10 * rows * L)
+        out["unpack"] = moved(4 * (4 * rows * L + rows * N))
     return out
 
 
@@ -344,33 +349,74 @@ def _rollout_costs(m: _Model, programs: Any, split: _RolloutSplit, prompts: int,
     return prefill, Cost(f_tot, b_tot, t_tot, tuple(segs)), Cost(turns * f, turns * by, turns * m.roof(f, by))
 
 
-def _training_costs(m: _Model, programs: Any, P: int, Lp: int) -> dict[str, Cost]:
-    """The reference pass (``loss.beta > 0``) and the update (with the optimizer)."""
+@dataclasses.dataclass(frozen=True)
+class TrainingWork:
+    """The token work of one pass over a step's batch, per device: what the update, the
+    reference pass and the policy log-prob pass cost in FLOPs.
+
+    ``tokens``: positions run through the layers; ``attn_pairs``: (query, key) pairs the
+    attention computes (the full square of each attended block: a padded row's ``S^2``,
+    a packed bin's ``sum s_i^2`` over its sequences with a segment-aware kernel, or
+    ``L^2`` with XLA's masked square); ``head_tokens``: positions whose logits the loss
+    (or log-prob pass) computes (a padded row's ``N`` completion slots, every slot of a
+    packed bin)."""
+
+    tokens: float
+    attn_pairs: float
+    head_tokens: float
+
+
+def padded_work(*, rows: float, prompt_length: int, max_new_tokens: int) -> TrainingWork:
+    """``rows`` per device, each ``S = Lp + N`` long: the padded layout."""
+    S = prompt_length + max_new_tokens
+    return TrainingWork(tokens=rows * S, attn_pairs=rows * S * S, head_tokens=rows * max_new_tokens)
+
+
+def packed_work(*, bins: float, bin_length: int, square_sum: float, segment_attention: bool) -> TrainingWork:
+    """``bins`` per device of ``bin_length`` slots; ``square_sum``: the sum over the
+    device's sequences of (prompt + completion tokens)^2 (what a kernel that skips the
+    blocks between segments computes; without one, XLA computes each bin's full square)."""
+    pairs = square_sum if segment_attention else bins * bin_length * bin_length
+    return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=bins * bin_length)
+
+
+def training_costs(programs: Any, arch: Any, chip: Any, work: TrainingWork) -> dict[str, Cost]:
+    """The passes over a step's batch (:func:`_training_costs`) for ``work``: what a plan
+    under a length profile counts for the packed layout."""
+    return _training_costs(_model(arch, programs.config, chip), programs, work)
+
+
+def _training_costs(m: _Model, programs: Any, work: TrainingWork) -> dict[str, Cost]:
+    """The reference pass (``loss.beta > 0``), LoRA dropout's ``policy_logprobs`` (a
+    forward pass per micro-batch like the reference's, twice with ``loss.mismatch``) and
+    the update (with the optimizer), for ``work`` per device."""
     cfg, layout, d = programs.config, programs.layout, m.dims
     D, V, H, E, Lyr = d.hidden_size, d.vocab_size, d.num_attention_heads, d.head_dim, d.num_hidden_layers
     lora = cfg.model.lora
     out: dict[str, Cost] = {}
-    S = Lp + cfg.rollout.max_new_tokens
-    N = cfg.rollout.max_new_tokens
-    B = P * cfg.group_size  # the update's rows (down-sampling trains on keep of the K rolled out)
-    rows = B / (layout.dp * layout.fsdp)
-    attn_tok = 4 * S * H * E * Lyr
-    fwd_tok = 2 * (m.wm + m.na) + attn_tok
+    attn = 4 * H * E * Lyr * work.attn_pairs  # one forward's attention (scores and values)
     micro = cfg.sequences_per_step // cfg.micro_batch_size
     if cfg.loss.beta > 0:
-        ref_tok = 2 * m.wm + attn_tok  # LoRA: the base alone
-        # Micro-batched like the update: one forward pass reads the weights per micro-batch.
+        # LoRA: the base alone. Micro-batched like the update: one forward pass reads the
+        # weights per micro-batch.
         ref_bytes = micro * (m.base_bytes if lora is not None else m.weight_bytes)
-        flops = rows * (S * ref_tok + N * 2 * D * V)
+        flops = work.tokens * 2 * m.wm + attn + work.head_tokens * 2 * D * V
         out["reference"] = Cost(flops, ref_bytes, m.roof(flops, ref_bytes))
+    if programs.lora_dropout:
+        passes = 2 if cfg.loss.mismatch is not None else 1
+        flops = passes * (work.tokens * 2 * (m.wm + m.na) + attn + work.head_tokens * 2 * D * V)
+        nbytes = passes * micro * m.weight_bytes
+        out["policy_logprobs"] = Cost(flops, nbytes, m.roof(flops, nbytes))
 
     remat = cfg.model.remat
     # Backward: input and weight gradients of every trained matmul, input gradients only
-    # through a frozen base; attention's two matmuls have no weights.
-    bwd_tok = (2 * m.wm + 4 * m.na if lora is not None else 4 * m.wm) + 2 * attn_tok
-    body = fwd_tok + bwd_tok + (fwd_tok if remat == "full" else attn_tok if remat == "dots" else 0)
+    # through a frozen base; attention's two matmuls have no weights (twice the forward's).
+    fwd_lin = 2 * (m.wm + m.na)
+    bwd_lin = 2 * m.wm + 4 * m.na if lora is not None else 4 * m.wm
+    lin = fwd_lin + bwd_lin + (fwd_lin if remat == "full" else 0)
+    attn_passes = 3 + (1 if remat in ("full", "dots") else 0)
     head = (5 if cfg.loss.impl == "pallas" else 3) * 2 * D * V
-    flops = rows * (S * body + N * head)
+    flops = work.tokens * lin + attn_passes * attn + work.head_tokens * head
     # Weight reads per micro-batch: forward, backward (twice for weight gradients; once for
     # LoRA's frozen base, input gradients only), remat's recomputed forward.
     passes = (2 if lora is not None else 3) + (1 if remat in ("full", "dots") else 0)
@@ -449,5 +495,5 @@ def communication(collectives: list[Any] | None, hlo_source: str | None, cost: C
     return out
 
 
-__all__ = ["Cost", "DecodeStep", "communication", "decode_step_cost", "decode_step_estimate", "kv_bytes_per_slot",
+__all__ = ["Cost", "DecodeStep", "TrainingWork", "packed_work", "padded_work", "training_costs", "communication", "decode_step_cost", "decode_step_estimate", "kv_bytes_per_slot",
            "matmul_params", "program_costs"]

@@ -55,6 +55,7 @@ from grpo.core.config import RunConfig, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.costs import Cost, communication, program_costs
+from grpo.engine.planning.profiles import LengthProfile
 from grpo.engine.planning.report import attention_report
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
@@ -449,8 +450,9 @@ class Planner:
                      cache_key(config, "update", ROLLOUT_LAYOUT_ONLY), ("parameters", "optimizer_state")))
         return todo
 
-    def plan(self, config: RunConfig) -> dict[str, Any]:
-        """The plan of ``config`` (the report ``grpo plan --json`` prints)."""
+    def plan(self, config: RunConfig, lengths: LengthProfile | None = None) -> dict[str, Any]:
+        """The plan of ``config`` (the report ``grpo plan --json`` prints); with a length
+        profile also its ``packing`` section (:meth:`packing`)."""
         s = self.subject(config)
         results: list[ProgramResult] = []
         for name, lower, key, takes in self.programs_to_compile(s):
@@ -482,7 +484,74 @@ class Planner:
                 errors.append(f"{r.name}: {r.error}")
             if entry["peak_bytes"] is not None:
                 peaks.append(entry["peak_bytes"])
-        return self._report(s, results, entries, costs, peaks, errors)
+        report = self._report(s, results, entries, costs, peaks, errors)
+        if lengths is not None:
+            report["packing"] = self.packing(s, entries, lengths, slice_of)
+        return report
+
+    def packing(self, s: Subject, entries: dict[str, Any], lengths: LengthProfile,
+                slice_of: list[int]) -> dict[str, Any]:
+        """The ``packing`` section of a plan under a length profile
+        (:mod:`grpo.engine.planning.packed`): the bins, the packed passes beside the padded
+        ones, and the memory of the update compiled at the bins (``fits``: every program's
+        peak with the packed update in the padded one's place)."""
+        from grpo.engine.planning.packed import packed_costs, packed_report, plan_bins
+
+        config = s.config
+        Lp = s.inputs["prompt_tokens"].shape[1]
+        bp = plan_bins(s.programs, lengths, prompt_length=Lp)
+        attention = self._report_attention(config)
+        pcosts = packed_costs(s.programs, s.arch, self.topology.chip, bp, attention)
+        name = f"update_packed_{bp.bins}x{bp.bin_length}"
+        key = cache_key(config, name, ROLLOUT_LAYOUT_ONLY)
+        if key not in self._cache:
+            lower, source = self._packed_update(s, bins=bp.bins, length=bp.bin_length)
+            self._cache[key] = dataclasses.replace(self._compile("update", lower, ("parameters", "optimizer_state")),
+                                                   hlo_source=source)
+        r = self._cache[key]
+        update = program_entry(r, pcosts["update"], resident=entries["update"]["resident_bytes"], state=s.state,
+                               chip=self.topology.chip, slice_of=slice_of)
+        rep = packed_report(bp, padded=entries, packed=pcosts, ppo_epochs=config.train.ppo_epochs,
+                            update_entry=update, update_source=r.hlo_source or "", hbm=self.hbm_bytes)
+        others = [e["peak_bytes"] for n, e in entries.items() if n != "update"]
+        peaks = others + [update["peak_bytes"]]
+        rep["peak_bytes_per_device"] = None if None in peaks else max(peaks)
+        errors = [e.get("compiler_error") for n, e in entries.items() if n != "update"] + [update["compiler_error"]]
+        rep["fits"] = bool(rep["peak_bytes_per_device"] is not None and rep["peak_bytes_per_device"] <= self.hbm_bytes
+                           and not any(errors))
+        return rep
+
+    @staticmethod
+    def _report_attention(config: RunConfig) -> str:
+        return attention_report(config, ["update"])["programs"]["update"]
+
+    @staticmethod
+    def _packed_update(s: Subject, *, bins: int, length: int) -> tuple[Callable[[], Any], str]:
+        """The update lowered at ``bins`` rows of ``length`` tokens: ``(lower, what it
+        is)``. The run's packed update program where the builder has one; else the padded
+        update at ``bins`` rows of ``length`` tokens (prompt ``length - N`` + ``N``): the
+        same tokens per micro-batch through the layers, the loss's head over the ``N``
+        completion slots of each row rather than all of a bin's (a lower bound)."""
+        import jax
+
+        programs, params, frozen = s.programs, s.params, s.frozen
+        if hasattr(programs, "bin_unit"):  # the builder's packed passes
+            batch = programs.abstract_update_batch(packed=True, bins=bins)
+            assert batch.tokens.shape == (bins, length), (batch.tokens.shape, bins, length)
+            fn = programs.update(params, s.opt_state)
+            return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "packed update program"
+        N = s.config.rollout.max_new_tokens
+
+        def resize(leaf: Any, columns: int | None = None) -> Any:
+            if leaf is None:
+                return None
+            shape = (bins,) + ((columns,) if columns is not None else tuple(leaf.shape[1:]))
+            return jax.ShapeDtypeStruct(shape, leaf.dtype, sharding=leaf.sharding)
+
+        batch = s.batch._make(resize(x, length - N if f in ("prompt_tokens", "prompt_mask") else None)
+                              for f, x in zip(s.batch._fields, s.batch))
+        fn = programs.update(params, s.opt_state)
+        return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "padded update at the bins (proxy)"
 
     def _dump(self, results: list[ProgramResult]) -> None:
         """``--dump-hlo``: each program's optimized HLO as ``<program>.hlo.txt``."""

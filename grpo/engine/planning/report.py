@@ -112,6 +112,8 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{ev['padded_prompts_per_batch']}) x k={ev['k']} = {ev['rows_per_batch']} rows, KV cache "
             f"{_gib(ev['kv_cache_bytes'])} GiB per device; roofline of one batch {ev['roofline_batch_s']:.2f} s{whole}"
         )
+    if rep.get("packing"):
+        lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"])
     if rep["compiler_error"]:
         lines.append("compiler: " + rep["compiler_error"])
     for w in rep.get("mesh_warnings", []):
@@ -119,4 +121,37 @@ def format_report(rep: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_report"]
+def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
+    """The ``packing`` section of a plan under a length profile, as text."""
+    prof = pk["profile"]
+    q = prof["quantiles"]
+    bins = sorted({d["bins"] for d in pk["draws"]})
+    mb = pk["micro_batch"]
+    lines = [
+        "",
+        f"lengths {prof['name']}: completions mean {prof['mean_completion']:.0f} of {prof['cap']} (p50 "
+        f"{q['p50']:.0f}, p90 {q['p90']:.0f}, {100 * prof['at_cap']:.1f}% at the cap); prompts: {prof['prompts']}",
+        f"packed: {pk['bins']} bins of {pk['bin_length']} tokens ({pk['bins_per_device']} per device; "
+        f"{len(pk['draws'])} drawn steps used {min(d['bins_used'] for d in pk['draws'])}-"
+        f"{max(d['bins_used'] for d in pk['draws'])} bins, rounded to multiples of {pk['bin_unit']}: "
+        f"{', '.join(map(str, bins))}), efficiency {100 * pk['efficiency']:.1f}%; at most {pk['compile_bound']} "
+        "bin counts compiled per pass",
+        f"{'PASS':<16} {'PADDED':>9} {'PACKED':>9} {'RATIO':>6}",
+    ]
+    for name, p in pk["passes"].items():
+        lines.append(f"{name:<16} {p['padded_roofline_s']:>8.3f}s {p['packed_roofline_s']:>8.3f}s {p['ratio']:>6.2f}")
+    lines += [
+        f"step roofline: padded {pk['roofline_step_padded_s']:.2f} s, packed {pk['roofline_step_packed_s']:.2f} s; "
+        f"valid tokens/s: padded {pk['valid_tokens_per_s_padded']:,.0f}, packed {pk['valid_tokens_per_s_packed']:,.0f} "
+        f"({pk['valid_tokens_per_step']:,.0f} valid tokens per step)",
+        f"update micro-batch: {mb['bins_per_device']} bins x {mb['bin_length']} per device = "
+        f"{mb['sequences_per_device']:.1f} sequences at {mb['sequences_per_bin']:.2f} per bin; "
+        f"update peak {_gib(pk['update_peak_bytes'])} GiB ({pk['update_program']}); packed plan peak "
+        f"{_gib(pk['peak_bytes_per_device'])} of {_gib(hbm)} GiB: {'fits' if pk['fits'] else 'DOES NOT FIT'}",
+    ]
+    if pk.get("update_compiler_error"):
+        lines.append("packed update compiler: " + pk["update_compiler_error"])
+    return lines
+
+
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_packing", "format_report"]

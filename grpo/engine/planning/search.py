@@ -1,5 +1,9 @@
 """``grpo plan --search FIELD``: the largest value of a config field whose plan fits.
 
+Under a length profile (``--lengths``) a plan fits when it fits packed (its ``packing``
+section's ``fits``: the update compiled at the profile's bins): the micro-batch searched
+is then a number of bins, reported in sequences through the profile.
+
 Doubling over the field's valid values (those the topology can lay out), then bisection
 between the last that fits and the first that does not; each try is one
 :meth:`~grpo.engine.planning.plan.Planner.plan` (its compiled programs are cached, so a
@@ -35,9 +39,10 @@ def _candidates_micro(config: RunConfig, planner: Planner) -> list[int]:
 
 
 def search(config_path: str, overrides: list[str], field: str, planner: Planner,
-           limit: int = 1 << 16) -> dict[str, Any]:
-    """The largest value of ``field`` whose plan fits: doubling over the valid values,
-    then bisection between the last that fits and the first that does not."""
+           limit: int = 1 << 16, lengths: Any = None) -> dict[str, Any]:
+    """The largest value of ``field`` whose plan fits (packed under the length profile
+    ``lengths``): doubling over the valid values, then bisection between the last that
+    fits and the first that does not."""
     if field not in SEARCH_FIELDS:
         raise UserError(f"--search {field!r}: searchable fields are {', '.join(SEARCH_FIELDS)}.")
     base = load_config(config_path, overrides)
@@ -54,10 +59,11 @@ def search(config_path: str, overrides: list[str], field: str, planner: Planner,
 
     def fits(value: int) -> bool:
         cfg = valid(value)
-        rep = planner.plan(cfg)
+        rep = planner.plan(cfg, lengths)
         reports[value] = rep
-        tried.append([value, rep["fits"]])
-        return rep["fits"]
+        ok = rep["packing"]["fits"] if lengths is not None else rep["fits"]
+        tried.append([value, ok])
+        return ok
 
     if field == "train.micro_batch_size":
         values = _candidates_micro(base, planner)

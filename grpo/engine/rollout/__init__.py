@@ -9,6 +9,10 @@
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
+- ``paged``: the paged KV cache's host side: which pool pages each decode slot holds
+  (:class:`PageAllocator`).
+- ``continuous``: the continuous-batching single-turn sampler over a paged KV cache
+  (``rollout.engine: continuous``, :class:`ContinuousSampler`).
 - ``conversations``: a multi-turn task's environments and chat rendering with tools
   (the wiring between a task plugin and the multi-turn rollout).
 - ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,
@@ -18,7 +22,8 @@
 - ``scoring``: completions scored with a task's named reward functions and weights, and
   DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
-  rounds have a reward spread, and which the step trains on (:class:`GroupFilter`).
+  rounds are informative (their advantages not all zero), and which the step trains on
+  (:class:`GroupFilter`); PODS's down-sampling (:func:`down_sample`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).

@@ -8,10 +8,14 @@ Conventions (shared with the trainer's loss):
   over the surviving tokens (the smallest set of most likely tokens whose mass reaches
   ``top_p``; the most likely token is always kept). Tokens tied with the last kept value
   are kept too.
-- The reported log-prob of a drawn token is ``log_softmax(scaled)[token]`` over the
-  *full*, unfiltered vocabulary — the quantity the trainer's loss computes from its own
-  forward pass, so the two can be compared (and the sampler's value used as the "old"
-  log-prob) whatever filtering was used.
+- Two log-probs of each drawn token are reported. The *full-vocabulary* one,
+  ``log_softmax(scaled)[token]`` over the unfiltered vocabulary: the quantity the
+  trainer's loss computes from its own forward pass, so the two can be compared (the
+  sampler/trainer gap metrics) whatever filtering was used. And the *behaviour* one: the
+  log-prob under the distribution that actually drew the token, ``scaled`` restricted to
+  the kept tokens and renormalised over them (``log_softmax`` of the filtered logits):
+  what importance weights against the sampling policy need (``loss.mismatch``). It is
+  the full one plus ``-log(kept mass)``. With no filter the two are one array.
 - On a vocabulary-sharded head (the ``serving`` rollout style with ``tensor_parallel``
   > 1) nothing here gathers a ``[B, V]`` row for plain sampling: XLA partitions the
   log-sum-exp as per-shard max/sum reductions plus two ``[B]`` all-reduces, the Gumbel
@@ -44,9 +48,17 @@ def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
 
 
 def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
-    """Every row's key for decode step ``step`` (same leading shape as ``keys``)."""
-    step = jnp.asarray(step, jnp.uint32)
-    return jax.vmap(lambda k: jax.random.fold_in(k, step))(keys)
+    """Every row's key for decode step ``step`` (same leading shape as ``keys``): one step
+    for all rows (a scalar), or each row's own [B] (the continuous sampler's rows are at
+    different steps; the key of (row, step) is the same either way)."""
+    step = jnp.broadcast_to(jnp.asarray(step, jnp.uint32), keys.shape[:1])
+    return jax.vmap(jax.random.fold_in)(keys, step)
+
+
+def filters(*, top_k: int, top_p: float, vocab: int) -> bool:
+    """Whether top-k or top-p restricts the draw over a ``vocab``-token vocabulary (top-k
+    of at least the vocabulary is off)."""
+    return 0 < top_k < vocab or top_p < 1.0
 
 
 def filter_threshold(scaled: jax.Array, *, top_k: int, top_p: float) -> jax.Array | None:
@@ -55,7 +67,7 @@ def filter_threshold(scaled: jax.Array, *, top_k: int, top_p: float) -> jax.Arra
     V = scaled.shape[-1]
     use_k = 0 < top_k < V
     use_p = top_p < 1.0
-    if not (use_k or use_p):
+    if not filters(top_k=top_k, top_p=top_p, vocab=V):
         return None
     if use_k:
         vals = jax.lax.top_k(scaled, top_k)[0]  # B k, descending
@@ -79,7 +91,7 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     greedy: bool = False,
-) -> tuple[jax.Array, jax.Array]:
+) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Draw one token per row.
 
     Args:
@@ -92,12 +104,16 @@ def sample_tokens(
       greedy: take the argmax (filters are then irrelevant).
 
     Returns:
-      tokens [B] int32 and their log-probs [B] float32 under ``log_softmax(logits /
-      temperature)`` over the full vocabulary (see the module docstring).
+      tokens [B] int32, their log-probs [B] float32 under ``log_softmax(logits /
+      temperature)`` over the full vocabulary, and their behaviour log-probs [B] float32
+      under the filtered, renormalised distribution that drew them (see the module
+      docstring): the *same array* as the full ones when no filter is on (and for
+      ``greedy``, which is for evaluation: no behaviour policy to correct for).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     scaled = logits.astype(jnp.float32) / jnp.float32(temperature)  # B V
+    candidates = None
     if greedy:
         tokens = jnp.argmax(scaled, axis=-1)
     else:
@@ -111,7 +127,11 @@ def sample_tokens(
     tokens = tokens.astype(jnp.int32)
     picked = jnp.take_along_axis(scaled, tokens[:, None], axis=-1)[:, 0]
     logprobs = picked - jax.nn.logsumexp(scaled, axis=-1)
-    return tokens, logprobs
+    if candidates is None or candidates is scaled:
+        return tokens, logprobs, logprobs
+    # The drawn token is a candidate, so `picked` is its filtered logit too; the
+    # log-sum-exp runs over the kept tokens only (-inf elsewhere adds nothing).
+    return tokens, logprobs, picked - jax.nn.logsumexp(candidates, axis=-1)
 
 
-__all__ = ["filter_threshold", "row_keys", "sample_tokens", "step_keys"]
+__all__ = ["filter_threshold", "filters", "row_keys", "sample_tokens", "step_keys"]

@@ -73,7 +73,9 @@ from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout._sampling import row_keys, step_keys
 from grpo.engine.rollout.tools.environment import safe_step
-from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, run_chunks
+from grpo.engine.rollout.sampler import (
+    BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, record_behaviour, run_chunks,
+)
 from grpo.models.decoder import KVCache
 
 log = logging.getLogger(__name__)
@@ -123,7 +125,8 @@ class _TurnState(NamedTuple):
     count: jax.Array  # [B] int32, tokens sampled this turn
     pos: jax.Array  # [B] int32, RoPE position of the next fed token (real tokens so far)
     tokens: jax.Array  # [B, W] int32
-    logprobs: jax.Array  # [B, W] float32
+    logprobs: jax.Array  # [B, W] float32, full vocabulary
+    behaviour: jax.Array | None = None  # [B, W] float32, with top-k/top-p only
 
 
 class TurnOutput(NamedTuple):
@@ -131,10 +134,11 @@ class TurnOutput(NamedTuple):
     kv_valid: jax.Array  # [B, C] bool
     pos: jax.Array  # [B] int32
     tokens: jax.Array  # [B, W] int32, the turn's tokens (pad after ``count``)
-    logprobs: jax.Array  # [B, W] float32
+    logprobs: jax.Array  # [B, W] float32, full vocabulary (the sampler/trainer gap metrics)
     count: jax.Array  # [B] int32
     ended: jax.Array  # [B] bool
     steps: jax.Array  # [] int32: the longest row's turn (slots written: steps - 1)
+    behaviour: jax.Array | None = None  # [B, W] float32 behaviour log-probs; None: = logprobs (no filter)
 
 
 class _Decoding(NamedTuple):
@@ -156,7 +160,8 @@ class _Talk:
     eos: set[int]
     envs: Sequence[Environment]
     context: list[str]  # each row's text so far, as the template rendered it
-    pieces: list[list[tuple[np.ndarray, np.ndarray, bool]]]  # tokens, log-probs, trained
+    # tokens, full-vocabulary log-probs, behaviour log-probs (None: no filter), trained
+    pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]]]
     used: np.ndarray  # [b] int64 completion tokens so far (model and inserted)
     active: np.ndarray  # [b] bool still in its episode
     truncated: np.ndarray  # [b] bool
@@ -184,12 +189,13 @@ class _Talk:
         steps next (the others' episodes end here)."""
         ep, tok_ = self.episodes, self.tokenizer
         tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
+        blp = None if out.behaviour is None else local_rows(out.behaviour)
         count, ended = local_rows(out.count), local_rows(out.ended)
         stepping = []
         for r in np.flatnonzero(budget > 0):
             n = int(count[r])
             ids = tok[r, :n]
-            self.pieces[r].append((ids, lp[r, :n], True))
+            self.pieces[r].append((ids, lp[r, :n], None if blp is None else blp[r, :n], True))
             self.used[r] += n
             ep.num_turns[r] += 1
             raw_text = tok_.decode(ids.tolist(), skip_special_tokens=False)
@@ -234,7 +240,7 @@ class _Talk:
             ep.turns[r].extend({"role": str(m.get("role", "tool")), "text": str(m.get("content", "")),
                                 "trained": False} for m in reply)
             self.context[r] = full
-            self.pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), False))
+            self.pieces[r].append((np.asarray(ins, np.int32), np.zeros(len(ins), np.float32), None, False))
             self.used[r] += len(ins)
             appends[r] = last_model + ins
         return appends
@@ -316,7 +322,7 @@ class MultiTurnSampler(BaseSampler):
             return self._constrain(x, ("batch",) + names)
 
         def record(st: _TurnState, step, logits, live) -> _TurnState:
-            tok, lp, stopped = draw(logits, keys, step, live, sampling=s, stops=stops)
+            tok, lp, blp, stopped = draw(logits, keys, step, live, sampling=s, stops=stops)
             count = st.count + live.astype(jnp.int32)
             return st._replace(
                 prev=jnp.where(live, tok, st.prev),
@@ -325,6 +331,7 @@ class MultiTurnSampler(BaseSampler):
                 count=count,
                 tokens=jax.lax.dynamic_update_index_in_dim(st.tokens, tok, step, axis=1),
                 logprobs=jax.lax.dynamic_update_index_in_dim(st.logprobs, lp, step, axis=1),
+                behaviour=record_behaviour(st.behaviour, blp, step),
             )
 
         first = budget > 0
@@ -333,6 +340,7 @@ class MultiTurnSampler(BaseSampler):
             ended=batch(jnp.zeros((B,), bool)), count=batch(jnp.zeros((B,), jnp.int32)), pos=pos,
             tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
             logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
+            behaviour=batch(jnp.zeros((B, W), jnp.float32), "length") if s.truncates else None,
         )
         st = record(st, jnp.int32(0), logits, first)
 
@@ -348,7 +356,7 @@ class MultiTurnSampler(BaseSampler):
         st = run_chunks(step, st, first=1, n_chunks=(W - 1) // C, chunk=C, going=lambda st: jnp.any(st.live))
         return TurnOutput(
             cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.tokens, logprobs=st.logprobs,
-            count=st.count, ended=st.ended, steps=jnp.max(st.count),
+            count=st.count, ended=st.ended, steps=jnp.max(st.count), behaviour=st.behaviour,
         )
 
     def _append_impl(self, params, cache, kv_valid, logits, pos, start, tokens, tmask):
@@ -532,20 +540,24 @@ class MultiTurnSampler(BaseSampler):
         mask = np.zeros((b, N), np.int32)
         loss_mask = np.zeros((b, N), np.int32)
         logprobs = np.zeros((b, N), np.float32)
+        # The behaviour log-probs (top-k/top-p only; 0 on inserted tokens like the full ones).
+        behaviour = np.zeros((b, N), np.float32) if s.truncates else None
         for r, row in enumerate(pieces):
             at = 0
-            for ids, lp, trained in row:
+            for ids, lp, blp, trained in row:
                 n = len(ids)
                 tokens[r, at : at + n] = ids
                 mask[r, at : at + n] = 1
                 loss_mask[r, at : at + n] = int(trained)
                 logprobs[r, at : at + n] = lp
+                if behaviour is not None and blp is not None:
+                    behaviour[r, at : at + n] = blp
                 at += n
         g = self._global
         return RolloutOutput(
             prompt_tokens=pre.prompt_tokens, prompt_mask=pre.prompt_mask, tokens=g(tokens), mask=g(mask),
             lengths=g(mask.sum(axis=1).astype(np.int32)), truncated=g(truncated), logprobs=g(logprobs),
-            loss_mask=g(loss_mask),
+            loss_mask=g(loss_mask), behaviour_logprobs=None if behaviour is None else g(behaviour),
         )
 
 

@@ -48,9 +48,13 @@ How a rollout runs
 
 Sampling semantics (see :mod:`grpo.engine.rollout._sampling`): the temperature divides the
 logits; top-k then top-p restrict which tokens can be drawn; ``greedy`` takes the argmax.
-The reported log-prob of each sampled token is ``log_softmax(logits / temperature)`` over
-the *full* (unfiltered) vocabulary, i.e. exactly what the trainer's loss computes — so
-the gap between the two measures numerics, not filtering. Each row draws from its own
+Each sampled token carries two log-probs. ``RolloutOutput.logprobs`` is
+``log_softmax(logits / temperature)`` over the *full* (unfiltered) vocabulary, i.e.
+exactly what the trainer's loss computes — so the sampler/trainer gap metrics measure
+numerics, not filtering. ``RolloutOutput.behaviour`` is the log-prob under the policy that
+actually drew the token — the top-k/top-p-truncated distribution renormalised over its
+kept tokens — which the importance weights of ``loss.mismatch`` need; with no filter it is
+the full-vocabulary array itself (``behaviour_logprobs`` is None). Each row draws from its own
 key ``fold_in(fold_in(rng, global_row), step)``, so samples depend only on the run key
 and the row, never on the sharding: the ``legacy`` and ``maxtext`` rollout styles give
 identical samples.
@@ -98,7 +102,8 @@ class SamplingParams:
     - ``num_generations``: K samples per prompt (the prompt is prefilled once).
     - ``temperature``: divides the logits (> 0), for sampling and reported log-probs.
     - ``top_k``: keep the k most likely tokens (0 = off); ``top_p``: nucleus mass (1.0 =
-      off). Both only restrict what can be drawn, never the reported log-probs.
+      off). Both restrict what can be drawn: the full-vocabulary log-probs ignore them,
+      the behaviour log-probs are under the renormalised, truncated distribution.
     - ``greedy``: argmax instead of a draw.
     - ``eos_ids``: any of these ends a sequence (the stop token is part of the completion).
     - ``pad_id``: written after a sequence stops.
@@ -140,6 +145,13 @@ class SamplingParams:
         if problems:
             raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
 
+    @property
+    def truncates(self) -> bool:
+        """Whether top-k/top-p restrict the draw, so that the behaviour policy may differ
+        from the full-vocabulary one: the sampler then records both log-probs (a top-k of
+        at least the vocabulary records two equal arrays)."""
+        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
+
 
 class RolloutOutput(NamedTuple):
     """A rollout; every array is global, batch B = P*K, row ``b*K + j`` is sample j of
@@ -151,10 +163,24 @@ class RolloutOutput(NamedTuple):
     mask: jax.Array  # [B, N] int32: 1 on generated tokens up to and including the stop token
     lengths: jax.Array  # [B] int32 = mask.sum(1)
     truncated: jax.Array  # [B] bool: hit max_new_tokens without a stop token
-    logprobs: jax.Array  # [B, N] float32 log_softmax(logits / T)[token]; 0 where mask is 0
+    # [B, N] float32 log_softmax(logits / T)[token] over the full vocabulary (what the
+    # trainer computes: the sampler/trainer gap metrics); 0 where mask is 0.
+    logprobs: jax.Array
     # [B, N] int32, multi-turn only: 1 on the model's own tokens (``mask`` also covers the
     # inserted environment tokens, which are attended to but never trained on); None: = mask.
     loss_mask: jax.Array | None = None
+    # [B, N] float32, with top-k/top-p only: the behaviour log-probs, under the truncated
+    # distribution renormalised over its kept tokens (0 where mask or loss_mask is 0);
+    # None: no filter, the behaviour log-probs are ``logprobs`` (see :attr:`behaviour`).
+    behaviour_logprobs: jax.Array | None = None
+
+    @property
+    def behaviour(self) -> jax.Array:
+        """The behaviour policy's log-probs [B, N] of the sampled tokens: under the
+        distribution that drew them (top-k/top-p truncated and renormalised), what
+        importance weights against the sampler use (``loss.mismatch``). Without a filter
+        it is ``logprobs`` itself, the same array."""
+        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
 
 
 class Prefilled(NamedTuple):
@@ -246,24 +272,36 @@ class _State(NamedTuple):
     tokens: jax.Array  # [B, W] int32 (W >= N: the last chunk may run past the cap)
     logprobs: jax.Array  # [B, W] float32
     steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
+    behaviour: jax.Array | None = None  # [B, W] float32, with top-k/top-p only
 
 
 # --------------------------------------------------------------------------- the decode loop
 
 
 def draw(logits: jax.Array, keys: jax.Array, step: jax.Array, live: jax.Array, *, sampling: SamplingParams,
-         stops: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array]:
+         stops: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """One sampling step of every row: the tokens [B] (``pad_id`` where not ``live``), their
-    log-probs [B] (0 where not ``live``) and which live rows drew one of ``stops`` [B]."""
+    full-vocabulary log-probs [B] and behaviour log-probs [B] (0 where not ``live``; None
+    when ``sampling`` does not truncate: they are the full ones) and which live rows drew
+    one of ``stops`` [B]."""
     s = sampling
-    tok, lp = sample_tokens(
+    tok, lp, blp = sample_tokens(
         logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
     )
     tok = jnp.where(live, tok, jnp.int32(s.pad_id))
     lp = jnp.where(live, lp, 0.0)
+    blp = jnp.where(live, blp, 0.0) if s.truncates else None
     if stops is None or not stops.size:
-        return tok, lp, jnp.zeros_like(live)
-    return tok, lp, live & jnp.any(tok[:, None] == stops[None, :], axis=1)
+        return tok, lp, blp, jnp.zeros_like(live)
+    return tok, lp, blp, live & jnp.any(tok[:, None] == stops[None, :], axis=1)
+
+
+def record_behaviour(buffer: jax.Array | None, blp: jax.Array | None, step: jax.Array) -> jax.Array | None:
+    """``blp`` [B] (a :func:`draw`'s behaviour log-probs) written at column ``step`` of
+    ``buffer`` [B, W]; None without a filter (the full log-probs are the behaviour ones)."""
+    if buffer is None:
+        return None
+    return jax.lax.dynamic_update_index_in_dim(buffer, blp, step, axis=1)
 
 
 def run_chunks(step: Any, state: Any, *, first: int, n_chunks: int, chunk: int, going: Any) -> Any:
@@ -386,6 +424,7 @@ class BaseSampler:
             prompt_tokens=self._rows(rows, prompt_length), prompt_mask=self._rows(rows, prompt_length),
             tokens=completion, mask=completion, lengths=self._rows(rows), truncated=self._rows(rows, dtype=bool),
             logprobs=self._rows(rows, n, dtype=jnp.float32), loss_mask=completion if self.loss_mask else None,
+            behaviour_logprobs=self._rows(rows, n, dtype=jnp.float32) if self.sampling.truncates else None,
         )
 
     def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
@@ -621,7 +660,7 @@ class Sampler(BaseSampler):
         def record(state: _State, step: jax.Array, logits: jax.Array, cache: KVCache) -> _State:
             # Steps past the cap (the rounding of the last chunk) change nothing.
             active = ~state.done & (step < N)
-            tok, lp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos)
+            tok, lp, blp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos)
             return _State(
                 cache=cache,
                 prev=tok,
@@ -630,6 +669,7 @@ class Sampler(BaseSampler):
                 tokens=jax.lax.dynamic_update_index_in_dim(state.tokens, tok, step, axis=1),
                 logprobs=jax.lax.dynamic_update_index_in_dim(state.logprobs, lp, step, axis=1),
                 steps=state.steps + 1,
+                behaviour=record_behaviour(state.behaviour, blp, step),
             )
 
         def batch(x, *names):
@@ -643,6 +683,7 @@ class Sampler(BaseSampler):
             tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
             logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
             steps=jnp.int32(0),
+            behaviour=batch(jnp.zeros((B, W), jnp.float32), "length") if s.truncates else None,
         )
         state = record(state, jnp.int32(0), logits, cache)
 
@@ -683,11 +724,12 @@ class Sampler(BaseSampler):
             lengths=state.lengths,
             truncated=~state.done,
             logprobs=batch(state.logprobs[:, :N], "length"),
+            behaviour_logprobs=None if state.behaviour is None else batch(state.behaviour[:, :N], "length"),
         )
         return out, jnp.minimum(state.steps, N), state.cache
 
 
 __all__ = [
     "BaseSampler", "Prefilled", "RolloutOutput", "Sampled", "Sampler", "SamplingParams", "Texts", "draw",
-    "effective_chunk", "run_chunks", "segment_plan",
+    "effective_chunk", "record_behaviour", "run_chunks", "segment_plan",
 ]

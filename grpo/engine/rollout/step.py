@@ -10,10 +10,15 @@ The collector owns everything between the data order and the update batch:
    as the reward ``overlong``). Round 0 samples with the step's key
    ``fold_in(key(seed), step)``; round r with that key folded with r.
 2. **Dynamic sampling** (DAPO, ``train.dynamic_sampling``): rounds until the step holds
-   ``prompts_per_step`` groups with a reward spread
-   (:class:`~grpo.engine.rollout.dynamic_sampling.GroupFilter`).
+   ``prompts_per_step`` informative groups
+   (:class:`~grpo.engine.rollout.dynamic_sampling.GroupFilter`): groups whose advantages,
+   under the configured credit, baseline and scale, are not all zero on the tokens they
+   train (:func:`~grpo.engine.training.advantages.informative_groups`, computed here on
+   the host with the update's own advantage functions). A short step's filler groups are
+   marked (``StepRollout.filler``): the trainer gives them exactly zero advantage.
 3. **Down-sampling** (PODS, ``train.down_sampling``): ``keep`` rows of each group the
-   step trains on (:func:`~grpo.engine.rollout.dynamic_sampling.down_sample`).
+   step trains on (:func:`~grpo.engine.rollout.dynamic_sampling.down_sample`), keeping
+   the spread that made a group informative.
 
 Without 2 and 3 the step's rollout is its one round as sampled (the rollout's layout);
 with either, the rows trained on are gathered from the rounds into the update's row
@@ -36,7 +41,7 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.engine.parallel.rows import local_rows, to_global
-from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, group_spread
+from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, selection_scores
 from grpo.engine.rollout.prompts import PromptSet, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
 from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
@@ -63,12 +68,16 @@ class ToolTotals:
 class SampleGroup:
     """The first prompt's group of completions of a step (what ``samples.jsonl`` shows):
     its example, the completions' texts and total rewards, and in a multi-turn rollout
-    each completion's turns ``[{role, text, trained}]``."""
+    each completion's turns ``[{role, text, trained}]``; the completions' lengths in
+    tokens (inserted environment tokens included) and the prompt's: a length profile for
+    ``grpo plan --lengths``."""
 
     example: dict[str, Any]
     texts: list[str]
     rewards: np.ndarray
     turns: list[list[dict[str, Any]]] | None
+    completion_lengths: list[int] | None = None
+    prompt_length: int | None = None
 
 
 @dataclasses.dataclass
@@ -90,6 +99,11 @@ class StepRollout:
       (multi-turn only); ``metrics``: ``dynamic_sampling/*`` and ``down_sampling/*``;
       ``group``: round 0's first group when asked for; ``prompts_drawn``: prompts taken
       from the data order (the data position moves past them).
+    - ``informative`` [B] bool (global, ``output``'s rows): whether the row's group is
+      informative over all the samples rolled out for it, before down-sampling (the
+      filter's verdict); None unless dynamic sampling is on, or down-sampling could lose
+      a spread (``rule: random`` or turn credit). ``filler`` [B] bool: the rows of the
+      groups filling a short step (exactly zero advantage); None when none did.
     """
 
     output: RolloutOutput
@@ -105,6 +119,8 @@ class StepRollout:
     metrics: dict[str, float]
     group: SampleGroup | None
     prompts_drawn: int
+    informative: jax.Array | None = None
+    filler: jax.Array | None = None
 
     @property
     def trained(self) -> jax.Array:
@@ -182,13 +198,15 @@ class StepCollector:
 
         out = sampled.output
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
-        totals, by_fn, failed = self._score(sampled.examples, texts, local_rows(out.mask).sum(axis=1))
+        lengths = local_rows(out.mask).sum(axis=1)
+        totals, by_fn, failed = self._score(sampled.examples, texts, lengths)
         errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
         ep = sampled.episodes
         group = None
         if round_ == 0 and sample_group:
             group = SampleGroup(batch.examples[0], texts[:k], totals[:k],
-                                None if ep is None else ep.turns[:k])
+                                None if ep is None else ep.turns[:k], [int(n) for n in lengths[:k]],
+                                int(np.asarray(batch.mask[0]).sum()))
         tools = None
         if ep is not None:
             counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts, ep.tool_truncated],
@@ -235,16 +253,54 @@ class StepCollector:
 
     def _dynamic_rounds(self, step: int, position: int, params: Callable[[], Any],
                         sample_group: bool) -> tuple[list[_Round], GroupFilter]:
-        """Rounds until the step holds ``prompts_per_step`` groups with a reward spread,
-        and the filter that picked them."""
+        """Rounds until the step holds ``prompts_per_step`` informative groups, and the
+        filter that picked them."""
         cfg = self.config
-        p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        p = cfg.train.prompts_per_step
         picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
         rounds: list[_Round] = []
         while not picker.done:
-            rounds.append(self._round(step, position + p * len(rounds), picker.rounds, params, sample_group))
-            picker.add(group_spread(_all_rows(rounds[-1].totals), k))
+            r = self._round(step, position + p * len(rounds), picker.rounds, params, sample_group)
+            rounds.append(r)
+            picker.add(self._informative(_all_rows(r.totals), {n: _all_rows(v) for n, v in r.by_fn.items()},
+                                         lambda: self._trained_rows(r.output)))
         return rounds, picker
+
+    @staticmethod
+    def _trained_rows(out: RolloutOutput) -> np.ndarray:
+        """The model's own tokens [B, N] of every process's rows of ``out``, on the host
+        (turn credit's informativeness needs the turns)."""
+        return _all_rows(local_rows(out.mask if out.loss_mask is None else out.loss_mask))
+
+    def _informative(self, totals: np.ndarray, by_fn: dict[str, np.ndarray],
+                     trained: Callable[[], np.ndarray]) -> np.ndarray:
+        """Which groups of these rows ([G*K] rewards, every process's, group-major) are
+        informative ([G] bool), judged over all K samples by the update's own advantage
+        functions (:meth:`~grpo.engine.programs.RunPrograms.informative_groups`)."""
+        return self.programs.informative_groups(totals, by_fn, trained,
+                                                num_generations=self.config.rollout.num_generations)
+
+    def _kept_rows(self, full: np.ndarray, per_full: dict[str, np.ndarray], step: int) -> np.ndarray:
+        """``train.down_sampling``'s rows of each group of the batch's rows (host indices
+        into them, [G*keep]): ranked by :func:`selection_scores` (under turn credit a group
+        with equal totals by the scope component with a spread)."""
+        cfg = self.config
+        ds, k = cfg.train.down_sampling, cfg.rollout.num_generations
+        scores = full
+        if cfg.train.advantage.credit == "turn":
+            scores = selection_scores(full, self.programs.scope_components(per_full), k)
+        rng = np.random.default_rng([cfg.train.seed, step]) if ds.rule == "random" else None
+        return down_sample(scores, k, ds.keep, rule=ds.rule, rng=rng)
+
+    def _tracks_informative(self) -> bool:
+        """Whether the step records each group's verdict for the trainer's metrics
+        (``advantage/informative_groups``, ``down_sampling/degenerate_groups``): with
+        dynamic sampling, or a down-sampling that could lose a spread (``random``, or
+        turn credit; ``max_variance`` of the totals keeps one whenever there is one)."""
+        train = self.config.train
+        ds = train.down_sampling
+        return train.dynamic_sampling.enabled or (
+            ds.keep is not None and (ds.rule == "random" or train.advantage.credit == "turn"))
 
     def _selected(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
         """The step's rollout when rows are selected (dynamic sampling, down-sampling):
@@ -257,8 +313,9 @@ class StepCollector:
             rounds, picker = [self._round(step, position, 0, params, sample_group)], None
         totals = [_all_rows(r.totals) for r in rounds]
         by_fn = [{n: _all_rows(v) for n, v in r.by_fn.items()} for r in rounds]
+        informative, filled = None, 0
         if picker is not None:
-            groups, _ = picker.picks()
+            groups, filled = picker.picks()
             used = sorted({r for r, _ in groups})  # rounds the batch takes groups from
             slot = {r: i for i, r in enumerate(used)}
             rows = np.asarray([(slot[r] * p + g) * k + j for r, g in groups for j in range(k)])
@@ -267,18 +324,26 @@ class StepCollector:
             full = np.concatenate(totals)[src]
             per_full = {n: np.concatenate([f[n] for f in by_fn])[src] for n in by_fn[0]}
             metrics = picker.metrics()
+            informative = np.arange(p) < p - filled  # the kept groups first, then the fill
         else:
             used, rows, full, per_full, metrics = [0], np.arange(rounds[0].output.tokens.shape[0]), totals[0], by_fn[0], {}
+            if self._tracks_informative():
+                informative = self._informative(full, per_full, lambda: self._trained_rows(rounds[0].output))
         logged = (full, per_full)
         ds = cfg.train.down_sampling
         if ds.keep is not None:
-            rng = np.random.default_rng([cfg.train.seed, step]) if ds.rule == "random" else None
-            keep = down_sample(full, k, ds.keep, rule=ds.rule, rng=rng)
+            keep = self._kept_rows(full, per_full, step)
             rows, full, per_full = rows[keep], full[keep], {n: v[keep] for n, v in per_full.items()}
             metrics = {**metrics, "down_sampling/kept_reward_mean": float(np.mean(full)),
                        "down_sampling/kept_reward_std": float(np.std(full))}
         out = self.programs.gather_rows([rounds[r].output for r in used], rows)
         place = lambda a: jax.make_array_from_callback(a.shape, self.programs.train_sharding, lambda idx: a[idx])  # noqa: E731
+        per_group = cfg.group_size
+        marks = {}
+        if informative is not None:
+            marks["informative"] = place(np.repeat(informative, per_group))
+        if filled:
+            marks["filler"] = place(np.repeat(np.arange(p) >= p - filled, per_group))
         tools = [r.tools for r in rounds if r.tools is not None]
         return StepRollout(
             output=out, rewards=place(full), rewards_by_fn={n: place(v) for n, v in per_full.items()},
@@ -286,7 +351,7 @@ class StepCollector:
             reward_errors=functools.reduce(operator.add, (r.errors for r in rounds)),
             generated_tokens=sum(jnp.sum(r.output.lengths) for r in rounds), rollout_s=sum(r.seconds for r in rounds),
             tools=sum(tools[1:], tools[0]) if tools else None, metrics=metrics, group=rounds[0].group,
-            prompts_drawn=p * len(rounds),
+            prompts_drawn=p * len(rounds), **marks,
         )
 
 

@@ -5,6 +5,15 @@ are rows ``i*K .. i*K+K-1``. Advantages are computed per group and broadcast to 
 token of a completion by the loss (:func:`group_advantages`, one per row), or with
 turn-level credit (``train.advantage.credit: turn``) given per token
 (:func:`turn_advantages`).
+
+A group is *informative* when the advantages the update trains on are not all zero on
+the tokens it trains (:func:`informative_groups`): under the configured credit, baseline
+and scale, over the samples it keeps (down-sampling). Dynamic sampling's filter, the fill
+of a short step and the metrics all use this one definition. Under sequence credit it is
+a spread of the group's total rewards. Under turn credit a group with equal totals may
+still be informative (one reward credits the call, another the answer), and one whose
+scopes' advantages cancel on every token it trains (a single-turn row where ``first``
+and ``all`` meet) is not. ``loss.mask_truncated``'s dropped rows are not considered.
 """
 
 from __future__ import annotations
@@ -107,3 +116,20 @@ def turn_advantages(
         adv = group_advantages(rewards, num_generations=num_generations, baseline=baseline, scale=scale, epsilon=epsilon)
         out = out + jnp.where(where[scope], adv[:, None], 0.0)
     return out
+
+
+def informative_groups(advantages: jnp.ndarray, trained: jnp.ndarray | None = None, *,
+                       num_generations: int) -> jnp.ndarray:
+    """Whether each group trains with an advantage that is not all zero: [G] bool.
+
+    ``advantages`` [B] (one per row: every trained token of the row carries it; ``trained``
+    is then not needed, a row has at least one) or [B, N] (turn credit); ``trained``
+    [B, N] the tokens the loss trains on (the model's own). B = G * num_generations,
+    group-major. Exact: a zero advantage is an exact 0 (:func:`group_advantages`)."""
+    k = num_generations
+    nonzero = advantages != 0
+    if advantages.ndim == 2:
+        if trained is None:
+            raise ValueError("per-token advantages [B, N] need the trained tokens [B, N]")
+        nonzero = jnp.any(nonzero & (trained > 0), axis=1)  # B
+    return jnp.any(nonzero.reshape(-1, k), axis=1)  # G K -> G

@@ -50,7 +50,9 @@ class UpdateBatch(NamedTuple):
     advantages: jax.Array  # B
     old_logprobs: jax.Array | None  # B N
     ref_logprobs: jax.Array | None  # B N
-    sampler_logprobs: jax.Array | None = None  # B N, the sampler's; used with loss.mismatch
+    # B N, the sampler's behaviour log-probs (under the top-k/top-p truncated, renormalised
+    # distribution that drew each token; the full-vocabulary ones without a filter); loss.mismatch only
+    sampler_logprobs: jax.Array | None = None
     dropout_keys: jax.Array | None = None  # B 2 uint32 key data per row; LoRA dropout > 0 only
     truncated: jax.Array | None = None  # B bool; loss.mask_truncated only: these rows get no loss
     # B N, multi-turn rollouts: 1 on the model's own tokens. ``mask`` then also covers the
@@ -193,8 +195,15 @@ class LossCall:
     batch_axes: tuple[str, ...] = ("dp", "fsdp")
 
     def __call__(self, args: dict[str, Any], normalizer=None):
-        """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs."""
+        """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs.
+
+        ``normalizer``: the aggregation's denominator; None: this call's global batch's
+        (``settings.normalizer`` of ``args["mask"]``, segments counted when packed), computed
+        here so that every path agrees: a per-shard loss sees only its device's rows and
+        cannot compute it."""
         args = self._plugin_args(args)
+        if normalizer is None:
+            normalizer = self.settings.normalizer(args["mask"], args.get("segment_ids"))
         if self._per_shard(args["targets"].shape[0]):
             loss, metrics, logprobs = self._shard_mapped(
                 self._local_loss, args, normalizer, out_specs=("rep", "rep", "rows"))
@@ -288,6 +297,7 @@ class LossCall:
             *vals, norm = xs
             return fn(axes, norm, **dict(zip(names, vals)), **{k: None for k in args if k not in names})
 
+        # None only for the log-prob pass, which has no aggregation to normalise.
         norm = jnp.asarray(0.0 if normalizer is None else normalizer, jnp.float32)
         return jax.shard_map(
             # Pallas calls carry no varying-axes annotations, so the check is off.

@@ -15,8 +15,9 @@ the pre-update log-probs, ``stop_gradient(logp)`` on-policy):
   gives the per-token objective from ``logp``, ``logp - old``, the mask and ``A``.
 - mismatch correction (``settings.mismatch``, see
   :class:`~grpo.core.contracts.MismatchCorrection`): the objective is multiplied by a
-  weight without gradient from ``exp(old - sampler)`` (per token, or per sequence from
-  its summed log-ratio), truncated at the cap or masked above it. It is computed in log
+  weight without gradient from ``exp(old - sampler)`` (``sampler``: the behaviour
+  policy's log-probs, top-k/top-p truncated and renormalised; per token, or per sequence
+  from its summed log-ratio), truncated at the cap or masked above it. It is computed in log
   space, so a long sequence's huge ratio is an exact comparison, never ``inf``.
 - per-token loss: ``-objective * weight + beta * k3`` with ``k3 = exp(ref - logp) - (ref -
   logp) - 1`` (Schulman's k3 estimate of KL(pi || ref)); with ``beta == 0`` the term and

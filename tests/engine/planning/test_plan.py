@@ -12,6 +12,7 @@ from click.testing import CliRunner
 
 pytest.importorskip("libtpu")
 
+from conftest import ROOT  # noqa: E402
 from grpo.core.cli import cli  # noqa: E402
 
 TINY = {
@@ -71,7 +72,7 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
         assert rep["mesh"] == {"dp": 1, "fsdp": 4, "tp": 1}
         assert rep["fits"] is True and rep["compiler_error"] is None
         assert rep["margin_bytes"] == rep["hbm_bytes_per_device"] - rep["peak_bytes_per_device"] > 0
-        assert set(rep["programs"]) == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
+        assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
         for name, p in rep["programs"].items():
             assert PROGRAM_KEYS <= set(p)
             # row_sums and to_train move arrays (their cost is bytes alone).
@@ -411,3 +412,38 @@ def test_multi_turn_task_plans_the_turn_decode_and_the_append(tiny_config):
     # 32 rows of 16 + 3 x 16 + 16 slots, 2 layers x 2 KV heads x 16 dims, k and v, bf16,
     # split over the 4 chips.
     assert rep["state_bytes_per_device"]["kv_cache"] == 2 * 2 * 32 * (16 + 48 + 16) * 2 * 16 * 2 // 4
+
+
+def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config, tmp_path):
+    """``--lengths``: the step's 32 sequences (16 prompt + 4 completion tokens of a 64 cap)
+    packed four to an 80-token bin: the update compiled at those 8 bins needs less memory
+    than at one row a sequence, and counts fewer FLOPs."""
+    lengths = tmp_path / "lengths.txt"
+    lengths.write_text("4\n")
+    args = (tiny_config, "--topology", "v6e:2x2", "--set", "rollout.max_new_tokens=64", "--set", "model.remat=none",
+            "--set", "model.attention=xla", "--set", "train.micro_batch_size=32", "--lengths", str(lengths))
+    code, rep = plan(*args, "--json")
+    assert code == 0, rep
+    pk = rep["packing"]
+    assert pk["bin_length"] == 80 and pk["bin_unit"] == 4  # one micro-batch over 4 devices
+    assert pk["bins"] == 8 and pk["efficiency"] == 1.0 and pk["bins_per_device"] == 2
+    assert pk["micro_batch"]["sequences_per_device"] == 8 and pk["compile_bound"] == 8
+    assert pk["profile"]["prompts"].startswith("every prompt at the config's prompt length, 16")
+    up = pk["passes"]["update"]
+    assert up["packed_flops"] < 0.5 * up["padded_flops"] and up["ratio"] < 1
+    assert pk["update_program"] and pk["update_peak_bytes"] < rep["programs"]["update"]["peak_bytes"]
+    assert pk["fits"] is True and pk["valid_tokens_per_s_packed"] > pk["valid_tokens_per_s_padded"]
+    assert pk["valid_tokens_per_step"] == 32 * 4
+    from grpo.engine.planning.report import format_report
+
+    text = format_report(rep)
+    assert "packed: 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
+
+
+def test_continuous_engine_refuses_a_multi_turn_task():
+    """The continuous engine is single-turn so far: a task with tools exits 2 naming
+    ``rollout.engine`` (before anything compiles)."""
+    code, out = plan(str(ROOT / "configs" / "quickstart_tools.yaml"), "--topology", "v6e-8",
+                     "--set", "rollout.engine=continuous")
+    assert code == 2 and "rollout.engine: continuous samples single-turn tasks only" in out
+    assert "Traceback" not in out

@@ -65,3 +65,52 @@ def test_down_sampling_keeps_the_max_variance_subset():
         assert len(set(mine)) == 3 and all(g * n <= r < (g + 1) * n for r in mine)
     with pytest.raises(ValueError, match="keep must be"):
         down_sample(rewards, n, 9)
+
+
+def test_random_down_sampling_keeps_the_spread_that_made_a_group_informative():
+    """Rewards [1, 0, 0, 0] at keep 2: a uniform subset (the rule before) lost the one
+    right answer, and with it every non-zero advantage, in half the draws (3 of the 6
+    pairs); the rule now always keeps it, paired with each wrong answer alike. A group
+    without a spread still gets a uniform draw; with more than one sample on a side each
+    is drawn alike."""
+    from grpo.engine.rollout.dynamic_sampling import down_sample
+
+    group = np.array([1.0, 0.0, 0.0, 0.0])
+    rng = np.random.default_rng(0)
+    uniform = [np.sort(rng.choice(4, size=2, replace=False)) for _ in range(6000)]
+    np.testing.assert_allclose(np.mean([0 not in s for s in uniform]), 0.5, atol=0.02)  # the old rule's loss
+    draws = [down_sample(group, 4, 2, rule="random", rng=np.random.default_rng(s)) for s in range(3000)]
+    assert all(d[0] == 0 for d in draws)  # the right answer is always kept
+    np.testing.assert_allclose(np.bincount([d[1] for d in draws], minlength=4)[1:] / 3000, 1 / 3, atol=0.03)
+    # Several groups at once, keep 3 of 8: every group with a spread keeps one above and
+    # one below its mean; the constant group is drawn uniformly.
+    rewards = np.concatenate([np.eye(8)[5], np.full(8, 0.5), np.array([0, 0, 1, 1, 1, 1, 1, 1.0]), np.arange(8.0)])
+    for seed in range(200):
+        rows = down_sample(rewards, 8, 3, rule="random", rng=np.random.default_rng(seed)).reshape(4, 3)
+        for g in (0, 2, 3):
+            kept = rewards[rows[g]]
+            mean = rewards[g * 8:(g + 1) * 8].mean()
+            assert kept.max() > mean > kept.min(), (seed, g, kept)
+        assert len(set(rows[1])) == 3
+
+
+def test_selection_scores_rank_equal_totals_by_the_component_with_a_spread():
+    """Under turn credit a group whose totals are equal is ranked by the first scope
+    component with a spread, so down-sampling keeps what made it informative; groups
+    whose totals differ, and groups equal everywhere, keep their totals."""
+    from grpo.engine.rollout.dynamic_sampling import down_sample, selection_scores
+
+    # Group 0: call = [1, 0, 1, 0] on the first turn, prefix = [0, 1, 0, 1] on every turn
+    # (equal totals 0.5); group 1 differs in its totals; group 2 is constant.
+    first = 0.5 * np.array([1, 0, 1, 0, 1, 0, 0, 0, 1, 1, 1, 1.0])
+    every = 0.5 * np.array([0, 1, 0, 1, 0, 0, 0, 1, 0, 0, 0, 0.0])
+    totals = first + every
+    scores = selection_scores(totals, {"all": every, "first": first}, 4)
+    np.testing.assert_array_equal(scores[:4], every[:4])
+    np.testing.assert_array_equal(scores[4:], totals[4:])
+    np.testing.assert_array_equal(selection_scores(totals, {}, 4), totals)
+    for seed in range(50):
+        rows = down_sample(scores, 4, 2, rule="random", rng=np.random.default_rng(seed))
+        assert np.ptp(every[rows[:2]]) > 0 and np.ptp(totals[rows[2:4]]) > 0
+    # max_variance of the scores: one row of each prefix value.
+    np.testing.assert_array_equal(down_sample(scores, 4, 2)[:2], [0, 3])

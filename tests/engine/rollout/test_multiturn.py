@@ -327,6 +327,14 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     # The trainer's log-probs of the model's tokens (tool replies between them) are the sampler's.
     assert row["logprob_gap/sampler_trainer"] < 1e-4 and np.isfinite(row["loss"])
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    # Each completion's tokens (the tool replies included) and the prompt's: a length
+    # profile for `grpo plan --lengths samples.jsonl`.
+    from grpo.engine.planning.profiles import load_profile
+
+    lengths = samples[0]["completion_lengths"]
+    assert len(lengths) == len(samples[0]["completions"]) and min(lengths) >= 1
+    assert samples[0]["prompt_length"] >= 1
+    assert list(load_profile(str(tmp_path / "samples.jsonl")).tokens) == lengths
     turns = samples[0]["turns"][0]
     assert [t["role"] for t in turns] == ["assistant"] + ["tool"] * 4 + ["assistant"]
     assert [t["trained"] for t in turns] == [True] + [False] * 4 + [True]

@@ -84,7 +84,7 @@ def _sampler(setup, style, **overrides):
 
 
 def _np(out: RolloutOutput) -> RolloutOutput:
-    return RolloutOutput(*(np.asarray(x) for x in out))
+    return RolloutOutput(*(None if x is None else np.asarray(x) for x in out))
 
 
 @pytest.fixture(scope="module")
@@ -189,6 +189,31 @@ def test_logprobs_match_full_forward(legacy_out, forward):
     assert np.all(np.take_along_axis(mass_before, np.minimum(rank, 49)[..., None], -1)[..., 0][valid] < 0.9 + 1e-5)
     # Sampling really samples: the K generations of a prompt differ.
     assert all(not np.array_equal(out.tokens[2 * b], out.tokens[2 * b + 1]) for b in range(P))
+
+
+def test_behaviour_logprobs_under_top_p_match_the_truncated_distribution(setup, prompts, forward, greedy):
+    """top-p 0.5 on the tiny model: ``behaviour`` is each drawn token's log-prob under the
+    nucleus renormalised (numpy, from a full forward pass); ``logprobs`` stays the
+    full-vocabulary one. Without a filter the two are one array (``legacy_out`` has top-k
+    and top-p: see ``test_logprobs_match_full_forward``)."""
+    out = _np(_sampler(setup, LegacyStyle(), top_k=0, top_p=0.5).generate(setup[1], *prompts, jax.random.key(3)))
+    seq, seq_mask = _full_sequence(out)
+    logits = forward(seq, seq_mask)[:, LP - 1 : LP - 1 + N].astype(np.float64) / TEMP  # B N V
+    valid = out.mask == 1
+    full = np.take_along_axis(_log_softmax(logits), out.tokens[..., None], -1)[..., 0]
+    np.testing.assert_allclose(out.logprobs[valid], full[valid], atol=1e-4)
+    behaviour = np.zeros_like(full)
+    for b, t in zip(*np.nonzero(valid)):
+        order = np.argsort(-logits[b, t], kind="stable")
+        p = np.exp(_log_softmax(logits[b, t][order]))
+        kept = order[: max(int(np.sum(np.cumsum(p) - p < 0.5)), 1)]  # the smallest nucleus of mass >= 0.5
+        assert out.tokens[b, t] in kept
+        behaviour[b, t] = _log_softmax(logits[b, t][kept])[list(kept).index(out.tokens[b, t])]
+    np.testing.assert_allclose(out.behaviour_logprobs[valid], behaviour[valid], atol=1e-4)
+    assert np.all(out.behaviour_logprobs[~valid] == 0.0)
+    # The truncation is real here: the full log-prob is off by the kept mass (< 1).
+    assert np.mean(out.behaviour_logprobs[valid] - out.logprobs[valid]) > 0.1
+    assert greedy.behaviour_logprobs is None and greedy.behaviour is greedy.logprobs  # no filter
 
 
 def test_legacy_and_maxtext_give_identical_samples(setup, prompts, legacy_out):

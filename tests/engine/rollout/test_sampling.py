@@ -28,7 +28,7 @@ def _sample_rows(logits, rng, step, *, kw):
 
 def _draw(logits_1d, **kw):
     logits = jnp.broadcast_to(jnp.asarray(logits_1d, jnp.float32), (ROWS, len(logits_1d)))
-    toks, lps = _sample_rows(logits, jax.random.key(0), 3, kw=tuple(sorted(kw.items())))
+    toks, lps, _ = _sample_rows(logits, jax.random.key(0), 3, kw=tuple(sorted(kw.items())))
     return np.asarray(toks), np.asarray(lps)
 
 
@@ -88,6 +88,32 @@ def test_top_p_applies_after_top_k():
     assert set(np.unique(both)) == {0, 1}
 
 
+def test_behaviour_logprobs_are_under_the_truncated_distribution():
+    """The behaviour log-prob of a drawn token is its log-prob under the distribution that
+    drew it (top-k then top-p at the temperature, renormalised over the kept tokens), by a
+    numpy reference; without a filter it is the full-vocabulary array itself."""
+    logits = np.random.default_rng(0).normal(size=(64, 11)).astype(np.float32)
+    keys = row_keys(jax.random.key(5), 64)
+    for kw in ({"top_p": 0.5}, {"top_k": 4}, {"top_k": 6, "top_p": 0.7}):
+        toks, full, behaviour = jax.jit(lambda x: sample_tokens(x, keys, temperature=1.3, **kw))(logits)
+        toks = np.asarray(toks)
+        for row, tok, f, b in zip(logits, toks, np.asarray(full), np.asarray(behaviour)):
+            scaled = row.astype(np.float64) / 1.3
+            order = np.argsort(-scaled)
+            kept = order[: kw.get("top_k", len(row))]
+            p = _softmax(scaled[kept])
+            n = int(np.sum(np.cumsum(p) - p < kw.get("top_p", 1.0)))  # the smallest nucleus
+            kept = kept[: max(n, 1)]
+            assert tok in kept
+            np.testing.assert_allclose(f, _log_softmax(scaled)[tok], atol=1e-5)
+            np.testing.assert_allclose(b, _log_softmax(scaled[kept])[list(kept).index(tok)], atol=1e-5)
+        assert np.all(np.asarray(behaviour) > np.asarray(full) + 1e-3)  # the kept mass was < 1 in every row
+    # No filter (or greedy): the full-vocabulary log-probs are the behaviour ones, one array.
+    for kw in ({}, {"greedy": True, "top_p": 0.5}):
+        _, full, behaviour = sample_tokens(jnp.asarray(logits), keys, **kw)
+        assert behaviour is full
+
+
 def test_filter_threshold_off_and_ties():
     x = jnp.asarray([[3.0, 1.0, 1.0, 0.0]])
     assert filter_threshold(x, top_k=0, top_p=1.0) is None
@@ -99,11 +125,11 @@ def test_filter_threshold_off_and_ties():
 def test_greedy_is_argmax_and_ignores_keys():
     logits = np.random.default_rng(1).normal(size=(64, 50)).astype(np.float32)
     kw = (("greedy", True), ("temperature", 0.7), ("top_k", 5))
-    toks, lps = _sample_rows(logits, jax.random.key(2), 0, kw=kw)
+    toks, lps, _ = _sample_rows(logits, jax.random.key(2), 0, kw=kw)
     np.testing.assert_array_equal(np.asarray(toks), np.argmax(logits, axis=-1))
     ref = np.stack([_log_softmax(row / 0.7) for row in logits])[np.arange(64), np.asarray(toks)]
     np.testing.assert_allclose(np.asarray(lps), ref, atol=1e-5)
-    toks2, _ = _sample_rows(logits, jax.random.key(3), 0, kw=kw)
+    toks2, *_ = _sample_rows(logits, jax.random.key(3), 0, kw=kw)
     np.testing.assert_array_equal(np.asarray(toks), np.asarray(toks2))
 
 
@@ -113,12 +139,12 @@ def test_plain_sampling_and_per_row_keys():
     np.testing.assert_array_equal(jax.random.key_data(few), jax.random.key_data(many[:5]))
     np.testing.assert_array_equal(jax.random.key_data(many[3]), jax.random.key_data(jax.random.fold_in(rng, 3)))
     logits = jnp.broadcast_to(jnp.asarray(LOGITS, jnp.float32), (ROWS, 4))
-    t_many, _ = _sample_rows(logits, rng, 4, kw=())
+    t_many, *_ = _sample_rows(logits, rng, 4, kw=())
     np.testing.assert_allclose(_freqs(np.asarray(t_many), 4), _softmax(LOGITS), atol=0.015)
     # A row's draw depends on its global index and the step only, not on the batch.
-    t_few, _ = _sample_rows(logits[:5], rng, 4, kw=())
+    t_few, *_ = _sample_rows(logits[:5], rng, 4, kw=())
     np.testing.assert_array_equal(np.asarray(t_many[:5]), np.asarray(t_few))
-    t_next, _ = _sample_rows(logits, rng, 5, kw=())
+    t_next, *_ = _sample_rows(logits, rng, 5, kw=())
     assert np.mean(np.asarray(t_next) == np.asarray(t_many)) < 0.6  # steps draw afresh (~0.46 by chance)
 
 

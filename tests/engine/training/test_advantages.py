@@ -111,3 +111,33 @@ def test_turn_advantages_against_reference(baseline, scale):
 def test_group_advantages_shape_error():
     with pytest.raises(ValueError, match="prompts \\* 4"):
         group_advantages(jnp.ones(6), num_generations=4)
+
+
+def test_informative_groups_follow_the_credit_the_update_trains_on():
+    """The issue's group (the lookup task's weights and scopes): call = [1, 0] (0.5, first
+    turn) and prefix = [0, 1] (0.5, every turn) give equal totals, so sequence credit
+    trains it with zero advantage; turn credit trains its last turn with -1/+1 (the first
+    turn's scopes cancel) when the rows have two turns, and with zero when they have one
+    (``first`` and ``all`` then meet on the same tokens)."""
+    from grpo.engine.training.advantages import informative_groups
+
+    call, prefix = np.array([1.0, 0.0]), np.array([0.0, 1.0])
+    totals = 0.5 * call + 0.5 * prefix
+    seq = group_advantages(jnp.asarray(totals), num_generations=2)
+    assert not bool(informative_groups(seq, num_generations=2)[0])
+    two_turns = jnp.asarray([[1, 1, 0, 0, 1, 1], [1, 1, 0, 0, 1, 1]])  # call, tool reply, answer
+    comps = {"first": jnp.asarray(0.5 * call), "all": jnp.asarray(0.5 * prefix)}
+    adv = np.asarray(turn_advantages(comps, two_turns, num_generations=2))
+    np.testing.assert_array_equal(adv[:, :4], 0.0)  # the call's scopes cancel; the reply is not trained
+    np.testing.assert_allclose(adv[:, 4:], [[-1, -1], [1, 1]], atol=1e-3)  # 0.25 / (0.25 + 1e-4)
+    assert bool(informative_groups(jnp.asarray(adv), two_turns, num_generations=2)[0])
+    one_turn = jnp.asarray([[1, 1, 1, 0, 0, 0], [1, 1, 1, 0, 0, 0]])
+    adv1 = turn_advantages(comps, one_turn, num_generations=2)
+    np.testing.assert_array_equal(np.asarray(adv1), 0.0)
+    assert not bool(informative_groups(adv1, one_turn, num_generations=2)[0])
+    # Only the trained tokens count: a non-zero advantage on an untrained token is none.
+    stray = jnp.zeros((2, 6)).at[0, 2].set(1.0)
+    assert not bool(informative_groups(stray, two_turns, num_generations=2)[0])
+    assert bool(informative_groups(stray, one_turn, num_generations=2)[0])
+    with pytest.raises(ValueError, match="trained tokens"):
+        informative_groups(stray, num_generations=2)

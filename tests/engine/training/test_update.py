@@ -194,6 +194,36 @@ def test_per_shard_pallas_loss_equals_global_jax_loss(tiny):
     np.testing.assert_allclose(np.asarray(got[3]), np.asarray(want[3]), atol=1e-5)
 
 
+def test_loss_call_without_a_normalizer_uses_the_global_batchs_on_every_path(tiny):
+    """``LossCall(args)`` with the normaliser left out: the per-shard (Pallas) path and the
+    global (JAX) path both divide by the global batch's (it used to hand the shards 0:
+    a NaN loss), and both equal the loss with the global normaliser passed explicitly."""
+    from grpo.engine.training.update import LossCall
+
+    mesh, model, graphdef, params = tiny
+    batch = _batch(model.config.vocab_size, seed=5)
+    plugins = load_plugins(entry_points=False)
+    settings = LossSettings(aggregation="token_mean", max_completion_length=6, temperature=0.7)
+    step = _step(graphdef, 1, "token_mean")
+    args = dict(step._loss_args(params, batch), mask=batch.mask, advantages=batch.advantages, old_logprobs=None,
+                ref_logprobs=None)
+    jax_loss, pallas = plugins.get("loss", "jax"), plugins.get("loss", "pallas")
+    calls = {
+        "jax": LossCall(jax_loss, jax_loss.parse_options({}), settings, mesh),
+        "pallas": LossCall(pallas, pallas.parse_options({"interpret": True}), settings, mesh),
+    }
+    assert calls["pallas"]._per_shard(8) and not calls["jax"]._per_shard(8)
+    explicit = float(jax.jit(lambda a: calls["jax"](a, settings.normalizer(a["mask"]))[0])(args))
+    for impl, call in calls.items():
+        omitted = float(jax.jit(lambda a: call(a)[0])(args))
+        assert np.isfinite(omitted), impl
+        np.testing.assert_allclose(omitted, explicit, rtol=1e-5, err_msg=impl)
+    # An independent value: token_mean of -A * 1 (on-policy ratio) over the valid tokens.
+    mask = np.asarray(batch.mask, np.float64)
+    want = -np.sum(np.asarray(batch.advantages, np.float64)[:, None] * mask) / mask.sum()
+    np.testing.assert_allclose(explicit, want, rtol=1e-5)
+
+
 # --------------------------------------------------------------------------- recipe precision
 
 

@@ -1,0 +1,93 @@
+"""``grpo plan --lengths``: the packed bins of a profile and the packed passes' costs, at
+the cost-model level (no compile), against padded layouts of the same work."""
+
+from __future__ import annotations
+
+import math
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+
+from grpo.core.config import load_config
+from grpo.engine.planning import packed, profiles
+from grpo.engine.planning.costs import padded_work, training_costs
+from grpo.engine.planning.tpu import CHIPS
+from grpo.models.presets import preset_config
+
+
+def programs_for(*, preset: str, rows: int, micro: int, prompt: int, cap: int, fsdp: int, impl: str = "jax",
+                 beta: float = 0.0):
+    """What the cost model and the bin plan read of a RunPrograms: config, layout."""
+    config = load_config({
+        "model": {"source": "random", "random": {"preset": preset}, "param_dtype": "bfloat16",
+                  "compute_dtype": "bfloat16", "remat": "full"},
+        "task": {"name": "arithmetic"},
+        "rollout": {"num_generations": 8, "max_prompt_length": prompt, "max_new_tokens": cap},
+        "train": {"prompts_per_step": rows // 8, "micro_batch_size": rows // micro},
+        "loss": {"impl": impl, "beta": beta},
+    })
+    layout = SimpleNamespace(dp=1, fsdp=fsdp, tp=1)
+    return SimpleNamespace(config=config, layout=layout, lora_dropout=False), preset_config(preset)
+
+
+def lengths_file(tmp_path, values):
+    path = tmp_path / "lengths.txt"
+    path.write_text("\n".join(map(str, values)) + "\n")
+    return profiles.load_profile(str(path))
+
+
+def test_two_sequences_a_bin_cost_what_rows_of_their_length_cost(tmp_path):
+    """32-token sequences (16 prompt + 16 completion) two to a 64-token bin: the layers and
+    a segment-aware attention see exactly the work of padded 32-token rows; the loss's
+    head also runs on the prompt slots of the bins. XLA's attention computes each bin's
+    whole square: twice the pairs."""
+    progs, arch = programs_for(preset="tiny", rows=32, micro=1, prompt=16, cap=48, fsdp=4, beta=0.04)
+    bp = packed.plan_bins(progs, lengths_file(tmp_path, [16]), prompt_length=16)
+    assert (bp.bin_length, bp.unit, bp.bins) == (64, 4, 16)
+    assert all(d["efficiency"] == 1.0 and d["bins_used"] == 16 for d in bp.draws)
+    assert bp.compile_bound == 8  # 4, 8, ..., 32 bins
+    chip = CHIPS["v6e"]
+    got = packed.packed_costs(progs, arch, chip, bp, "splash")
+    rows = padded_work(rows=32 / 4, prompt_length=16, max_new_tokens=16)
+    want = training_costs(progs, arch, chip, rows)
+    head = (3 * 2 + 2) * arch.hidden_size * arch.vocab_size  # update (jax loss: 3 matmuls) + reference (1)
+    prompt_slots = 32 / 4 * 16
+    assert got["update"].flops + got["reference"].flops == pytest.approx(
+        want["update"].flops + want["reference"].flops + prompt_slots * head)
+    assert got["update"].bytes == want["update"].bytes  # same weight reads per micro-batch
+    xla = packed.packed_costs(progs, arch, chip, bp, "xla")
+    attn = 4 * arch.num_attention_heads * arch.head_dim * arch.num_hidden_layers * (16 / 4 * 64 * 64 - 8 * 32 * 32)
+    assert xla["reference"].flops - got["reference"].flops == pytest.approx(attn)
+    assert xla["update"].flops - got["update"].flops == pytest.approx(4 * attn)  # fwd, bwd x2, remat
+
+
+def test_sequences_that_fill_their_bins_cost_the_padded_rows_plus_the_prompt_head(tmp_path):
+    progs, arch = programs_for(preset="tiny", rows=32, micro=2, prompt=16, cap=48, fsdp=4)
+    bp = packed.plan_bins(progs, lengths_file(tmp_path, [48]), prompt_length=16)
+    assert bp.bins == 32 and bp.unit == 8
+    chip = CHIPS["v6e"]
+    got = packed.packed_costs(progs, arch, chip, bp, "splash")["update"]
+    want = training_costs(progs, arch, chip, padded_work(rows=8, prompt_length=16, max_new_tokens=48))["update"]
+    assert got.flops == pytest.approx(want.flops + 8 * 16 * 3 * 2 * arch.hidden_size * arch.vocab_size)
+
+
+@pytest.mark.parametrize("micro, most", [(1, 0.46), (4, 0.5)])
+def test_recipe_update_at_the_builtin_profile(micro, most):
+    """Qwen2.5-3B on a v6e-8 (128 sequences, 256 + 1,024 tokens, pallas loss), every prompt
+    at its full 256 tokens (the profile's upper bound): about 55 bins of 1,280 tokens hold a
+    step, rounded up to a multiple of micro-batches x 8 devices. One micro-batch rounds to
+    56 or 64 bins (about 0.45 of the padded update); four round to 64 (about 0.5)."""
+    from grpo.engine.training.packing import round_bins
+
+    progs, arch = programs_for(preset="qwen2.5-3b", rows=128, micro=micro, prompt=256, cap=1024, fsdp=8, impl="pallas")
+    bp = packed.plan_bins(progs, profiles.load_profile("gsm8k-qwen25-3b-v6e8"), prompt_length=256)
+    assert bp.unit == 8 * micro and bp.compile_bound == math.ceil(128 / bp.unit)
+    assert all(d["bins"] == round_bins(d["bins_used"], unit=bp.unit) for d in bp.draws)
+    assert all(50 <= d["bins_used"] <= 64 for d in bp.draws)  # 128 x ~527 real tokens / 1,280
+    chip = CHIPS["v6e"]
+    pack = packed.packed_costs(progs, arch, chip, bp, "splash")["update"]
+    pad = training_costs(progs, arch, chip, padded_work(rows=128 / 8, prompt_length=256, max_new_tokens=1024))["update"]
+    assert pack.roofline_s <= most * pad.roofline_s
+    # Valid tokens: the profile's mean completion per sequence.
+    assert abs(bp.mean("valid_tokens") / 128 - 271) < 30
