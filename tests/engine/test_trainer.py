@@ -613,6 +613,7 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
     trainer = Trainer(cfg, run_dir)
     scored, steps = [], []
     score, update, collect = trainer.collector._score, trainer.update, trainer.collector.collect
+    row_batch = trainer.row_batch
 
     def recording_score(examples, texts, lengths):
         totals, per_fn, failed = score(examples, texts, lengths)
@@ -624,12 +625,18 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
         steps.append({"rounds": len(scored), "output": jax.device_get(rollout.output)})
         return rollout
 
+    def recording_rows(rollout, advantages):  # the update's rows (packed after, by default)
+        ub = row_batch(rollout, advantages)
+        steps[-1].update(ub=jax.device_get(ub))
+        return ub
+
     def recording_update(params, opt_state, ub, frozen):
         out = update(params, opt_state, ub, frozen)
-        steps[-1].update(ub=jax.device_get(ub), logprobs=np.asarray(out[3]))
+        steps[-1].update(logprobs=np.asarray(trainer.row_logprobs(out[3], steps[-1]["ub"].tokens.shape)))
         return out
 
     trainer.collector._score, trainer.collector.collect, trainer.update = recording_score, recording_collect, recording_update
+    trainer.row_batch = recording_rows
     try:
         trainer.run()
     finally:
