@@ -61,7 +61,9 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
     mosaic = {f.name.split(".")[0]: 'custom_call_target="tpu_custom_call"' in f.read_text()
               for f in (tmp_path / "hlo").glob("*.hlo.txt")}
     # The step's glue programs (row_sums, to_train) move arrays: no kernel of any kind.
-    assert mosaic == {"prefill": True, "decode": False, "row_sums": False, "to_train": False, "update": True}, mosaic
+    # Packing's glue (on by default) too: sequence_lengths, pack and unpack.
+    assert mosaic == {"prefill": True, "decode": False, "row_sums": False, "to_train": False, "update": True,
+                      "sequence_lengths": False, "pack": False, "unpack": False}, mosaic
     assert splash["attention"]["name"] == "splash" and big["attention"]["name"] == "xla"
     assert splash["attention"]["programs"] == {"prefill": "splash", "decode": "xla", "update": "splash"}
     assert splash["fits"] is True and splash["compiler_error"] is None
@@ -75,8 +77,9 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
         assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
         for name, p in rep["programs"].items():
             assert PROGRAM_KEYS <= set(p)
-            # row_sums and to_train move arrays (their cost is bytes alone).
-            assert p["argument_bytes"] > 0 and p["roofline_s"] > 0 and (p["flops"] > 0 or name in ("row_sums", "to_train"))
+            # row_sums, to_train and packing's glue move arrays (their cost is bytes alone).
+            assert p["argument_bytes"] > 0 and p["roofline_s"] > 0 and (
+                p["flops"] > 0 or name in ("row_sums", "to_train", "sequence_lengths", "pack", "unpack"))
     s, b = small["programs"]["update"], big["programs"]["update"]
     assert b["temp_bytes"] > s["temp_bytes"]
     assert big["peak_bytes_per_device"] >= small["peak_bytes_per_device"]
@@ -113,7 +116,7 @@ def test_multi_host_plan_with_reference_pass(tiny_config):
     assert rep["processes"] == 4 and rep["devices"] == 16
     assert rep["mesh"] == {"dp": 1, "fsdp": 16, "tp": 1}
     assert rep["fits"] is True
-    assert set(rep["programs"]) == {"prefill", "decode", "row_sums", "to_train", "reference", "update"}
+    assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "decode", "row_sums", "to_train", "reference", "update"}
     assert rep["state_bytes_per_device"]["reference_parameters"] == rep["state_bytes_per_device"]["parameters"]
 
 
@@ -157,7 +160,7 @@ def test_lora_plan_state_is_the_adapters_f32_moments_and_the_bf16_base(tiny_conf
     assert state["parameters"] == 2 * arch.num_params() + 4 * adapters  # bf16 base, f32 adapters
     # The reference pass runs the policy's base with the adapters off: no second copy.
     assert state["reference_parameters"] == 0
-    assert set(rep["programs"]) == {"prefill", "decode", "row_sums", "to_train", "reference", "update"}
+    assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "decode", "row_sums", "to_train", "reference", "update"}
     assert rep["programs"]["reference"]["resident_bytes"] == state["optimizer_state"]
     assert rep["programs"]["update"]["resident_bytes"] == 0
     assert rep["lora"]["rank"] == r and rep["lora"]["alpha"] == 2 * r
@@ -404,7 +407,7 @@ def test_multi_turn_task_plans_the_turn_decode_and_the_append(tiny_config):
     code, rep = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", 'task={"name": "lookup"}',
                      "--set", "rollout.max_turns=3")
     assert code == 0, rep
-    assert set(rep["programs"]) == {"prefill", "start", "decode", "append", "row_sums", "to_train", "update"}
+    assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "start", "decode", "append", "row_sums", "to_train", "update"}
     assert rep["fits"] is True and rep["compiler_error"] is None
     p = rep["programs"]["append"]
     assert p["argument_bytes"] > 0 and p["flops"] > 0 and p["roofline_s"] > 0
