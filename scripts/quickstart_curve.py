@@ -1,6 +1,7 @@
 """The quickstart's held-out curve, as the README's table:
 
     python scripts/quickstart_curve.py [--steps 800] [--suite-xla]
+    python scripts/quickstart_curve.py --check RUN_DIR
 
 runs ``configs/quickstart.yaml`` (evaluated every 50 steps from step 0, no checkpoints,
 no plot) and prints the table of held-out greedy pass@1 in the README's format (steps
@@ -9,6 +10,12 @@ was measured on and how long it took. ``--suite-xla`` runs it under the test sui
 XLA setup (8 virtual CPU devices, its compile flags), whose numerics the suite's
 ``test_quickstart_learns_held_out_sums`` checks the README's early columns against:
 XLA:CPU's code generation changes the low bits, and 800 steps of RL amplify them.
+
+``--check RUN_DIR`` reads a finished ``grpo run configs/quickstart.yaml`` run's
+``eval.jsonl`` and compares it with the README's table: CI runs it on the README's
+quickstart, so a change to the numerics updates the table or fails. It allows
+:data:`TOLERANCE` per column (one held-out prompt of 11, plus rounding): another CPU's
+float arithmetic may flip a prompt at one evaluation, a changed curve fails.
 """
 
 from __future__ import annotations
@@ -26,6 +33,10 @@ SUITE_XLA_FLAGS = (
 """tests/conftest.py's XLA flags (tests/_xla.py; a test keeps the two the same)."""
 
 ROW_LABEL = "held-out greedy pass@1 (11)"
+TOLERANCE = 1 / 11 + 0.006
+"""The largest difference --check allows between a run's held-out pass@1 and the README's
+at any evaluated step: one of the 11 held-out prompts, plus the table's rounding."""
+README = Path(__file__).resolve().parents[1] / "README.md"
 CONFIG = Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
 
 
@@ -66,6 +77,25 @@ def parse_table(text: str) -> dict[int, float]:
     raise ValueError(f"no table row {ROW_LABEL!r}")
 
 
+def check_run(run_dir: str | os.PathLike, readme: str | os.PathLike = README) -> list[str]:
+    """The steps where ``run_dir``'s held-out pass@1 (its ``eval.jsonl``) is further than
+    :data:`TOLERANCE` from the README's table, as lines for people (empty: they agree).
+    Reads JSON only: it runs in the quickstart's base install."""
+    import json
+
+    table = parse_table(Path(readme).read_text())
+    path = Path(run_dir) / "eval.jsonl"
+    if not path.exists():
+        return [f"{path} does not exist: not a finished quickstart run"]
+    run = {int(r["step"]): float(r["eval/pass@1"]) for r in map(json.loads, path.read_text().splitlines()) if r.strip()}
+    problems = [f"step {step}: the README's table says {value:.2f}, the run {run[step]:.2f}"
+                for step, value in sorted(table.items()) if step in run and abs(run[step] - value) > TOLERANCE]
+    missing = sorted(set(table) - set(run))
+    if missing:
+        problems.append(f"the run has no evaluation at steps {missing} of the README's table")
+    return problems
+
+
 def quickstart_curve(steps: int, config: str | os.PathLike = CONFIG) -> tuple[dict[int, float], float]:
     """``({step: held-out pass@1}, wall seconds)`` of the quickstart run for ``steps``."""
     import tempfile
@@ -91,7 +121,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=800, help="Training steps (the quickstart's 800).")
     parser.add_argument("--suite-xla", action="store_true", help="The test suite's XLA setup (see the module docstring).")
     parser.add_argument("--config", default=str(CONFIG), help="The config (default configs/quickstart.yaml).")
+    parser.add_argument("--check", metavar="RUN_DIR", help="Compare a finished quickstart run with the README's table.")
     args = parser.parse_args(argv)
+    if args.check:
+        problems = check_run(args.check)
+        for line in problems:
+            print(line, file=sys.stderr)
+        if problems:
+            raise SystemExit("The quickstart's held-out curve no longer matches README.md's table: regenerate it "
+                             "with `python scripts/quickstart_curve.py` (800 steps, one device) and update the table.")
+        print(f"{args.check}: held-out pass@1 agrees with README.md's table (within {TOLERANCE:.3f} a step)")
+        return
     if args.suite_xla:
         if "jax" in sys.modules:
             raise SystemExit("--suite-xla must be set before JAX starts: run this module as a script")
