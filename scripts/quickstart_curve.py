@@ -87,7 +87,8 @@ def check_run(run_dir: str | os.PathLike, readme: str | os.PathLike = README) ->
     path = Path(run_dir) / "eval.jsonl"
     if not path.exists():
         return [f"{path} does not exist: not a finished quickstart run"]
-    run = {int(r["step"]): float(r["eval/pass@1"]) for r in map(json.loads, path.read_text().splitlines()) if r.strip()}
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    run = {int(r["step"]): float(r["eval/pass@1"]) for r in rows}
     problems = [f"step {step}: the README's table says {value:.2f}, the run {run[step]:.2f}"
                 for step, value in sorted(table.items()) if step in run and abs(run[step] - value) > TOLERANCE]
     missing = sorted(set(table) - set(run))
