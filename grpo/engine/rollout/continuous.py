@@ -113,9 +113,11 @@ class ContinuousSampler(BaseSampler):
         texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
         return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
-    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+                 stop_at: Any = None) -> RolloutOutput:
         """All P*K rows through the queue; the rollout's global arrays (as the static
-        sampler's). Per-call figures land in :attr:`last_stats`."""
+        sampler's). Per-call figures land in :attr:`last_stats`. ``stop_at`` [P*K]
+        (benchmarks only): each row stops once it has that many tokens."""
         tokens, mask = _left_aligned(np.asarray(prompt_tokens), np.asarray(prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
@@ -125,24 +127,27 @@ class ContinuousSampler(BaseSampler):
         alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
                               max_pages=max_pages, shards=shards)
         raw, impl = self.place_key(rng)
+        if stop_at is not None:
+            stop_at = self._place(np.asarray(stop_at, np.int32), (None,))
         state = self.start_jit(params, rows=B, pages=alloc.pages)
         sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        chunks = 0
+        chunks, host_s = 0, 0.0
         while True:
             if sched.live():
                 done, lengths = jax.device_get((state.done, state.lengths))  # the chunk boundary's one sync
                 sched.sync(np.asarray(done), np.asarray(lengths))
             admitted = sched.admit()
             if admitted:
-                state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc)
+                state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc, stop_at)
             if not sched.live():
                 break
             table = self._place(alloc.table(), ("batch", None))
             slot_rows = self._place(np.asarray(sched.slot_row, np.int32), ("batch",))
-            state = self.decode_jit(params, state, table, slot_rows, raw, key_impl=impl)
+            state = self.decode_jit(params, state, table, slot_rows, raw, stop_at, key_impl=impl)
             chunks += 1
-        self.last_stats = {"chunks": chunks, "peak_pages": alloc.peak, "pool_pages": alloc.pages,
-                           "evictions": sched.evictions, "prefills": sched.prefills}
+        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
+                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
+                           "prefills": sched.prefills}
         return RolloutOutput(
             prompt_tokens=self._place(tokens, ("batch", "length")), prompt_mask=self._place(mask, ("batch", "length")),
             tokens=state.tokens, mask=state.mask, lengths=state.out_len, truncated=state.truncated,
@@ -214,7 +219,7 @@ class ContinuousSampler(BaseSampler):
 
     # ------------------------------------------------------------------ host pieces
 
-    def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc) -> SlotState:
+    def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
         two (padding rows write nowhere: row -1, slot ``slots``)."""
         S = alloc.slots
@@ -230,7 +235,7 @@ class ContinuousSampler(BaseSampler):
         place = self._place
         return self.prefill_jit(params, state, place(ptok, ("batch", "length")), place(pmask, ("batch", "length")),
                                 place(rows, ("batch",)), place(slots, ("batch",)), place(table, ("batch", None)), raw,
-                                key_impl=impl)
+                                stop_at, key_impl=impl)
 
     # ------------------------------------------------------------------ programs
 
@@ -267,7 +272,8 @@ class ContinuousSampler(BaseSampler):
         )
 
     def _prefill_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, rows: jax.Array,
-                      slots: jax.Array, table: jax.Array, raw_key: jax.Array, *, key_impl: str | None) -> SlotState:
+                      slots: jax.Array, table: jax.Array, raw_key: jax.Array, stop_at: jax.Array | None = None, *,
+                      key_impl: str | None) -> SlotState:
         """Prefill n rows [n, Lp] (left-aligned) into their pages and draw their step 0."""
         s, model = self.sampling, self._model(params)
         n, Lp = tokens.shape
@@ -292,7 +298,7 @@ class ContinuousSampler(BaseSampler):
 
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         tok, lp, blp, stopped = draw(logits, self._keys(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s,
-                                     stops=eos)
+                                     stops=eos, stop_at=_per_row(stop_at, rows))
         out_rows = jnp.where(live, rows, B)  # padding rows write nowhere
         first = jnp.arange(N)[None, :] == 0
         st = state
@@ -311,7 +317,7 @@ class ContinuousSampler(BaseSampler):
         )
 
     def _decode_impl(self, params: Any, state: SlotState, table: jax.Array, slot_rows: jax.Array,
-                     raw_key: jax.Array, *, key_impl: str | None) -> SlotState:
+                     raw_key: jax.Array, stop_at: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
         """``chunk`` decode steps of every live slot (``slot_rows``: the host's slots, -1
         free or evicted)."""
         s, model = self.sampling, self._model(params)
@@ -319,6 +325,7 @@ class ContinuousSampler(BaseSampler):
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         state = state._replace(row=slot_rows, done=state.done | (slot_rows < 0))
         keys = self._keys(raw_key, key_impl, slot_rows)
+        slot_stop = _per_row(stop_at, slot_rows)
         spec = self.spec(state.row.shape[0], state.k.shape[1])
 
         def step(_, st: SlotState) -> SlotState:
@@ -326,7 +333,8 @@ class ContinuousSampler(BaseSampler):
             cache = PagedKVCache(k=st.k, v=st.v, page_table=table, lengths=st.lengths, live=live)
             hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec)
             t = st.steps
-            tok, lp, blp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos)
+            tok, lp, blp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos,
+                                         stop_at=slot_stop)
             r = jnp.where(live, st.row, B)  # rows written (others dropped)
             tc = jnp.minimum(t, N - 1)
             return st._replace(
@@ -407,6 +415,11 @@ class _Schedule:
         self.alloc.free(slot)
         self.slot_row[slot] = -1
         self.admitted_at.pop(slot, None)
+
+
+def _per_row(stop_at: jax.Array | None, rows: jax.Array) -> jax.Array | None:
+    """The forced stop lengths [B] (None: none) of ``rows`` [n] (-1: any)."""
+    return None if stop_at is None else stop_at[jnp.maximum(rows, 0)]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:
