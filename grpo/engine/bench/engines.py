@@ -13,12 +13,14 @@ work, so their valid tokens/s compare the engines alone.
 Each engine is run once untimed (compiles, and the continuous engine's admission-size
 prefills), then ``repeats`` times; the fastest run is reported. Per engine:
 
-- ``valid_tokens_per_s``: the rows' completion tokens (the drawn lengths, unless a row
-  drew a real stop token first) over the rollout's wall time (prefill, decode and, for
+- ``valid_tokens_per_s``: the rows' completion tokens (the drawn lengths: the samplers'
+  stop token is set past the vocabulary, so no row stops early at random) over the rollout's wall time (prefill, decode and, for
   the continuous engine, its host scheduling at chunk boundaries);
 - ``slot_occupancy``: live-row decode steps over slot-steps run. Static: every row holds
   its slot until the longest row stops (``sum(lengths) / (rows * steps)``). Continuous:
-  the steps live slots ran over ``slots * chunk * chunks``;
+  the steps live slots ran over ``slots * chunk * chunks``, and ``computed_occupancy``
+  over the slot-steps its chunks computed (a chunk decodes only the live slots, padded to
+  a power of two);
 - ``kv_tokens``: the KV cache's token slots: the static cache's ``rows x (prompt + the
   decode's last segment)``, the continuous pool's peak (``peak_pages x page_size``; its
   ``pool_pages`` are what it reserves).
@@ -68,8 +70,13 @@ def run_engines_bench(*, config: Any, built: Any, params: Any, tokens: np.ndarra
     outs = {}
     for engine in engines:
         cfg = engine_config(config, engine, continuous)
+        # The stop token is an id past the vocabulary, never drawn: a row stops at its drawn
+        # length alone (random weights would otherwise stop rows at random, far shorter
+        # than the profile with a small vocabulary), yet the static engine still checks
+        # "every row stopped?" each early_stop_chunk steps as with a real stop token.
         programs = build_programs(
-            cfg, mesh=built.mesh, layout=built.layout, graphdef=built.graphdef, eos_ids=built.eos, pad_id=built.pad,
+            cfg, mesh=built.mesh, layout=built.layout, graphdef=built.graphdef, eos_ids=(built.arch.vocab_size,),
+            pad_id=built.pad,
             arch=built.arch, topology=None, state=built.state,
         )
         sampler = programs.sampler()
@@ -105,12 +112,14 @@ def _time_engine(sampler: Any, params: Any, tokens: np.ndarray, mask: np.ndarray
                                "valid_tokens": valid, "valid_tokens_per_s": round(valid / best, 2)}
     stats = getattr(sampler, "last_stats", None)
     if stats:  # the continuous engine
-        S, C = stats["slots"], sampler.chunk_steps
-        slot_steps = S * C * stats["chunks"]
+        steps = stats["slots"] * stats["chunk"] * stats["chunks"]
         # Every row's first token comes from its prefill; the rest from decode steps.
+        decoded = valid - len(lengths)
         figures.update({k: stats[k] for k in ("slots", "chunk", "chunks", "prefills", "evictions", "peak_pages",
                                               "pool_pages", "page_size")})
-        figures["slot_occupancy"] = round((valid - len(lengths)) / max(slot_steps, 1), 4)
+        figures["slot_occupancy"] = round(decoded / max(steps, 1), 4)
+        if "slot_steps" in stats:  # the slots each chunk computed (live ones and their padding)
+            figures["computed_occupancy"] = round(decoded / max(stats["slot_steps"], 1), 4)
         figures["kv_tokens"] = stats["peak_pages"] * stats["page_size"]
     else:
         steps = int(lengths.max())
