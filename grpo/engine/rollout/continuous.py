@@ -157,6 +157,44 @@ class ContinuousSampler(BaseSampler):
             logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
         )
 
+    def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int) -> dict[str, int]:
+        """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
+        ``completions`` [rows], each at most the cap), without a model: the same host
+        scheduler (:class:`_Schedule`) and allocator, each live slot advancing up to a
+        chunk of steps a chunk, a row done once it holds its completion. Returns the
+        figures of :attr:`last_stats` (chunks, slot_steps, peak_pages, evictions, ...);
+        ``grpo plan --lengths`` reports them. A stop token ends a row exactly as a known
+        length does, so on the rows a rollout produced it reproduces that rollout's."""
+        plen = np.asarray(prompt_lengths, np.int64)
+        comp = np.asarray(completions, np.int64)
+        B, C = len(comp), self.chunk_steps
+        S = self.slots_for(B)
+        shards = self.shards(S)
+        alloc = PageAllocator(pages=shards * self.pool_size(prompt_length, S // shards), page_size=self.page_size,
+                              slots=S, max_pages=self.max_pages(prompt_length), shards=shards)
+        sched = _Schedule(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=C)
+        drawn = np.zeros(S, np.int64)  # tokens the slot's row has drawn (its step count)
+        lengths = np.zeros(S, np.int64)  # tokens of the row in its pages
+        chunks = slot_steps = 0
+        while True:
+            if sched.live():
+                rows = np.asarray(sched.slot_row)
+                sched.sync((rows >= 0) & (drawn >= comp[np.maximum(rows, 0)]), lengths)
+            for slot, row in sched.admit():  # the prefill draws step 0
+                drawn[slot], lengths[slot] = 1, plen[row]
+            if not sched.live():
+                break
+            idx, _ = sched.selection()
+            rows = np.asarray(sched.slot_row)
+            live = rows >= 0
+            steps = np.where(live, np.clip(comp[np.maximum(rows, 0)] - drawn, 0, C), 0)
+            drawn, lengths = drawn + steps, lengths + steps
+            chunks += 1
+            slot_steps += len(idx) * C
+        return {"slots": S, "chunk": C, "page_size": self.page_size, "chunks": chunks, "peak_pages": alloc.peak,
+                "pool_pages": alloc.pages, "evictions": sched.evictions, "prefills": sched.prefills,
+                "slot_steps": slot_steps}
+
     def max_pages(self, prompt_length: int) -> int:
         """Pages of a row at the cap (prompt + every token fed back)."""
         return math.ceil((prompt_length + self.sampling.max_new_tokens) / self.page_size)

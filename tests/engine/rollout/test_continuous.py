@@ -69,6 +69,8 @@ def test_continuous_equals_static(setup, static):
     stats = cont.last_stats
     assert stats["pool_pages"] == 40 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
     _assert_same(out, static)
+    # The host scheduler alone, fed the rows' lengths, replays the rollout's schedule.
+    assert cont.simulate(prompt_lengths=np.repeat(LENGTHS, K), completions=out.lengths, prompt_length=LP) == stats
     # Each device reads and writes its own 5 pages: the whole 40-page pool never appears in
     # the compiled decode (no gather of the pool onto a device).
     hlo = cont.lowerings(params, prompts=P, prompt_length=LP, key=key)["decode"]().compile().as_text()
