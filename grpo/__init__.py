@@ -15,6 +15,7 @@ start fast: the API is imported on first use.
 
 from grpo.core.contracts import (
     AttentionPlugin,
+    EngineContext,
     Environment,
     EnvStep,
     LossPlugin,
@@ -28,6 +29,7 @@ from grpo.core.contracts import (
     ObjectivePlugin,
     ParsedTurn,
     PluginOptions,
+    RolloutEnginePlugin,
     RolloutLayout,
     RolloutStyle,
     TaskPlugin,
@@ -55,6 +57,7 @@ def __getattr__(name: str):
 
 __all__ = [
     "AttentionPlugin",
+    "EngineContext",
     "EnvStep",
     "Environment",
     "LossPlugin",
@@ -68,6 +71,7 @@ __all__ = [
     "ObjectivePlugin",
     "ParsedTurn",
     "PluginOptions",
+    "RolloutEnginePlugin",
     "RolloutLayout",
     "RolloutStyle",
     "RunResult",

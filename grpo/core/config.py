@@ -283,10 +283,15 @@ class RolloutConfig(Section):
         10.0, gt=0.0, le=3600.0,
         description="Wall-clock limit of one tool call; a call past it becomes a tool message saying so (counted).",
     )
-    engine: Literal["static", "continuous"] = Field(
+    engine: str = Field(
         "static",
-        description="Rollout engine: static (one batch, a dense KV cache per row) or continuous (rows queue for a "
-        "fixed number of decode slots over a paged KV cache; single-turn tasks only).",
+        description="Rollout engine plugin name (`grpo plugins list`): static (one batch, a dense KV cache per row) "
+        "or continuous (rows queue for a fixed number of decode slots over a paged KV cache; single-turn tasks "
+        "only), or an installed engine's.",
+    )
+    engine_options: dict[str, Any] = Field(
+        default_factory=dict, description="Options of the chosen rollout engine plugin (the built-in ones take none: "
+        "the continuous engine's are rollout.continuous)."
     )
     continuous: ContinuousEngineConfig = Field(
         default_factory=ContinuousEngineConfig, description="Options of rollout.engine: continuous."
@@ -638,9 +643,10 @@ PLUGIN_FIELDS: dict[str, tuple[str, str]] = {
     "loss": ("loss", "impl"),
     "objective": ("loss", "objective"),
     "task": ("task", "name"),
+    "engine": ("rollout", "engine"),
 }
 # Where a kind's options live when not in ``<section>.options``.
-OPTION_FIELDS: dict[str, str] = {"objective": "objective_options"}
+OPTION_FIELDS: dict[str, str] = {"objective": "objective_options", "engine": "engine_options"}
 
 # --------------------------------------------------------------------------- loading
 

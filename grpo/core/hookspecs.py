@@ -21,7 +21,8 @@ import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
     from grpo.core.contracts import (
-        AttentionPlugin, LossPlugin, MeshPolicy, ModelPlugin, ObjectivePlugin, RolloutStyle, TaskPlugin,
+        AttentionPlugin, LossPlugin, MeshPolicy, ModelPlugin, ObjectivePlugin, RolloutEnginePlugin, RolloutStyle,
+        TaskPlugin,
     )
 
 PROJECT = "grpo"
@@ -65,3 +66,9 @@ def register_models(register: "Register[ModelPlugin]") -> None:
 @hookspec
 def register_attention(register: "Register[AttentionPlugin]") -> None:
     """Register attention kernels (whole-sequence causal attention: update, reference, prefill)."""
+
+
+@hookspec
+def register_rollout_engines(register: "Register[RolloutEnginePlugin]") -> None:
+    """Register rollout engines (``rollout.engine``: weights + prompts + per-row keys in,
+    rows with tokens and both log-probs out; see :class:`grpo.RolloutEnginePlugin`)."""

@@ -38,6 +38,7 @@ DEFAULT_PLUGINS: tuple[str, ...] = (
     "grpo.plugins.tasks",
     "grpo.plugins.models",
     "grpo.plugins.attention",
+    "grpo.plugins.engines",
 )
 
 

@@ -151,13 +151,16 @@ class RunPrograms:
     # ------------------------------------------------------------------ programs
 
     def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
-        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k):
+        """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k),
+        built by the ``rollout.engine`` plugin (:class:`grpo.RolloutEnginePlugin`): the
+        built-in ``static`` engine gives
         :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler` (``rollout.max_turns``
         turns) when the run is :attr:`multi_turn`, else the single-turn
-        :class:`~grpo.engine.rollout.sampler.Sampler`. Both are called the same way
-        (``sample``) and lower their own programs for the plan (``lowerings``)."""
-        from grpo.engine.rollout.multiturn import MultiTurnSampler
-        from grpo.engine.rollout.sampler import Sampler, SamplingParams
+        :class:`~grpo.engine.rollout.sampler.Sampler`; ``continuous`` the
+        :class:`~grpo.engine.rollout.continuous.ContinuousSampler`. All are called the
+        same way (``sample``) and lower their own programs for the plan (``lowerings``)."""
+        from grpo.core.contracts import EngineContext
+        from grpo.engine.rollout.sampler import SamplingParams
 
         r = self.config.rollout
         k = r.num_generations if num_generations is None else num_generations
@@ -176,29 +179,29 @@ class RunPrograms:
             )
             ro = self.rollout
             kwargs = dict(
-                mesh=ro.mesh, batch_axes=ro.batch_axes, sampling=sampling,
+                mesh=ro.mesh, batch_axes=ro.batch_axes,
                 kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
                 activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
             )
-            if r.engine == "continuous":
-                if self.multi_turn:
-                    raise UserError(
-                        "rollout.engine: continuous samples single-turn tasks only (multi-turn append-prefill is "
-                        "not built yet); this run's task has tools or an environment: use rollout.engine: static."
-                    )
-                from grpo.engine.rollout.continuous import ContinuousSampler
-
-                c = r.continuous
-                self._samplers[key] = ContinuousSampler(
-                    self.graphdef, detokenize=self.detokenize, slots=c.slots, page_size=c.page_size,
-                    pool_pages=c.pool_pages, chunk=c.chunk, backend=c.attention, **kwargs)
-            elif self.multi_turn:
-                self._samplers[key] = MultiTurnSampler(
-                    self.graphdef, max_turns=r.max_turns, conversations=self.conversations,
-                    max_turn_tokens=r.max_turn_tokens, **kwargs)
-            else:
-                self._samplers[key] = Sampler(self.graphdef, detokenize=self.detokenize, **kwargs)
+            plugin, options = self._engine()
+            problems = plugin.check(multi_turn=self.multi_turn, options=options)
+            if problems:
+                raise UserError("The rollout engine cannot sample this run's task:", problems=problems)
+            context = EngineContext(graphdef=self.graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
+                                    detokenize=self.detokenize, conversations=self.conversations,
+                                    multi_turn=self.multi_turn)
+            self._samplers[key] = plugin.build(context, options)
         return self._samplers[key]
+
+    def _engine(self) -> tuple[Any, Any]:
+        """The ``rollout.engine`` plugin and its options (the selection's, else looked up)."""
+        selected = (self.plugins or {}).get("engine")
+        if selected is not None:
+            return selected.plugin, selected.options
+        from grpo.core.plugins import get_plugins
+
+        plugin = get_plugins().get("engine", self.config.rollout.engine)
+        return plugin, plugin.parse_options(self.config.rollout.engine_options)
 
     @property
     def multi_turn(self) -> bool:

@@ -104,7 +104,7 @@ BAD = [
     ({"train.down_sampling": {"keep": 2, "rule": "best"}}, "train.down_sampling.rule", "'max_variance' or 'random'"),
     ({"train.down_sampling": {"keep": 2}, "train.micro_batch_size": 3}, "train.micro_batch_size=3",
      "train.down_sampling.keep (2)"),
-    ({"rollout.engine": "paged"}, "rollout.engine", "'static' or 'continuous'"),
+    ({"rollout.engine": "paged"}, "rollout.engine", "Unknown engine plugin 'paged'. Available: "),
     ({"rollout.continuous": {"chunk": 0}}, "rollout.continuous.chunk", "greater than or equal to 1"),
     ({"rollout.continuous": {"page_size": 0}}, "rollout.continuous.page_size", "greater than or equal to 1"),
     ({"rollout.continuous": {"slots": -1}}, "rollout.continuous.slots", "greater than or equal to 0"),

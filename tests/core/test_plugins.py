@@ -18,7 +18,7 @@ from grpo.core.errors import PluginError
 from grpo.core.plugins import DEFAULT_PLUGINS, load_plugins
 
 HOOKS = ("register_mesh_policies", "register_rollout_styles", "register_losses", "register_objectives", "register_tasks",
-         "register_models", "register_attention")
+         "register_models", "register_attention", "register_rollout_engines")
 
 
 def _module(name, **attrs):
@@ -39,7 +39,7 @@ def test_hook_names_are_public_api():
         assert callable(getattr(hookspecs, name))
     assert [m for m in DEFAULT_PLUGINS] == [
         "grpo.plugins.mesh", "grpo.plugins.rollout", "grpo.plugins.losses", "grpo.plugins.objectives",
-        "grpo.plugins.tasks", "grpo.plugins.models", "grpo.plugins.attention",
+        "grpo.plugins.tasks", "grpo.plugins.models", "grpo.plugins.attention", "grpo.plugins.engines",
     ]
 
 
@@ -50,6 +50,7 @@ def test_builtins_registered_through_hooks():
     assert {"ppo_clip", "gspo", "cispo", "sapo"} <= set(loaded.registry("objective").names())
     assert {"qwen2", "qwen3", "llama"} <= set(loaded.registry("model").names())
     assert {"xla", "splash", "pallas_gpu"} <= set(loaded.registry("attention").names())
+    assert {"static", "continuous"} == set(loaded.registry("engine").names())
     assert all(e.provider == "built-in" for e in loaded.entries())
     assert loaded.failed == []
     # Builtins are plain plugin modules in pluggy, like third-party ones.
@@ -207,3 +208,41 @@ def test_a_third_party_attention_kernel_is_chosen_by_name():
     assert name == "chunked" and isinstance(plugin, Chunked)
     with pytest.raises(PluginError, match="chunked"):  # the choices listed for a typo
         loaded.get("attention", "chunkd")
+
+
+def test_a_third_party_rollout_engine_is_listed_validated_and_built(example_plugin, tmp_path):
+    """rollout.engine names an engine plugin: listed with its distribution, its options
+    validated under rollout.engine_options, a typo or a multi-turn task refused naming the
+    field, and the program builder's sampler is the one the plugin builds."""
+    import jax
+    from flax import nnx
+
+    from grpo.core.config import ConfigError, load_config, select_plugins
+    from grpo.engine.parallel.mesh import build_mesh
+    from grpo.engine.programs import build_programs
+    from grpo.models.loading import build_model
+
+    rows = [r for r in _list_json() if r["kind"] == "engine"]
+    assert {(r["name"], r["provider"]) for r in rows} == {
+        ("static", "built-in"), ("continuous", "built-in"), ("replay", "grpo-example-plugin==0.3.1")}
+    base = {"model": {"source": "random", "random": {"preset": "tiny"}, "param_dtype": "float32",
+                      "compute_dtype": "float32"},
+            "rollout": {"engine": "replay", "engine_options": {"label": "mine"}, "max_new_tokens": 8,
+                        "max_prompt_length": 8, "num_generations": 2},
+            "train": {"prompts_per_step": 2}}
+    for patch, text in (({"engine": "replya"}, "rollout.engine: Unknown engine plugin 'replya'"),
+                        ({"engine_options": {"lable": "x"}}, "rollout.engine_options.lable")):
+        with pytest.raises(ConfigError) as err:
+            select_plugins(load_config({**base, "rollout": {**base["rollout"], **patch}}))
+        assert text in str(err.value)
+    config = load_config(base)
+    layout = MeshLayout(dp=1, fsdp=jax.device_count(), tp=1)
+    mesh = build_mesh(layout)
+    graphdef, state = nnx.split(build_model(config.model, mesh, seed=0))
+    programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=(1,), pad_id=0, state=state)
+    sampler = programs.sampler()
+    assert sampler.label == "mine" and type(sampler).__name__ == "Sampler"
+    assert (sampler.sampling.max_new_tokens, sampler.sampling.num_generations, sampler.sampling.eos_ids) == (8, 2, (1,))
+    assert programs.sampler(greedy=True).sampling.greedy  # one build per (greedy, k)
+    problems = programs.plugins["engine"].plugin.check(multi_turn=True, options=programs.plugins["engine"].options)
+    assert problems and "rollout.engine='replay'" in problems[0]

@@ -739,8 +739,22 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     assert np.isfinite(row["loss"]) and row["logprob_gap/sampler_trainer"] < 1e-4
     ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
     planner = Planner("v6e-8")
-    listed = {name: lower for name, lower, *_ in planner.programs_to_compile(planner.subject(config))}
+    subject = planner.subject(config)
+    listed = {name: lower for name, lower, *_ in planner.programs_to_compile(subject)}
     assert ran == set(listed) and {"start", "prefill", "decode", "eval_start", "eval_decode"} <= ran
+    # The plan's engine section under a profile of rows all at the cap (6): 16 rows through
+    # 4 slots in 4 waves, each a prefill (step 0) and 5 decode steps = 3 chunks of 2, all
+    # 4 slots computed; the static engine decodes 5 steps (one chunk: early_stop_chunk
+    # capped at N - 1) of all 16 rows.
+    from grpo.engine.planning.plan import engine_report
+    from grpo.engine.planning.profiles import LengthProfile
+    from grpo.engine.planning.report import format_engine
+
+    en = engine_report(subject, LengthProfile(name="cap", source="test", tokens=np.array([6])))
+    assert en["pool_bytes_per_device"] == subject.state["kv_cache"] > 0
+    assert (en["chunks"], en["decode_steps"], en["slot_steps"], en["prefills"], en["evictions"]) == (12, 24, 96, 4, 0)
+    assert (en["static_decode_steps"], en["static_slot_steps"], en["valid_tokens"]) == (5, 80, 96)
+    assert "24 decode steps" in "\n".join(format_engine(en))
     for name in ("start", "prefill"):
         assert listed[name]() is not None, name
     # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for

@@ -1,7 +1,9 @@
 """``grpo bench``: speed and memory as JSON (measured here, never asserted in tests).
 
 - ``rollout``: prefill + decode of the sampler that ``grpo run`` builds
-  (:meth:`grpo.engine.programs.RunPrograms.sampler`), tokens/s and the HBM roofline.
+  (:meth:`grpo.engine.programs.RunPrograms.sampler`), tokens/s and the HBM roofline;
+  with ``--lengths``, ``engines``: the static and continuous engines on the same rows
+  stopped at lengths drawn from a profile (valid tokens/s, slot occupancy, page pool).
 - ``loss``: value+grad of a loss plugin as the update calls it
   (:meth:`grpo.engine.training.update.UpdateStep.head_loss` through the builder's
   :func:`grpo.engine.programs.loss_program`), and its compiled memory.

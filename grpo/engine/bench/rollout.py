@@ -33,6 +33,7 @@ import click
 import numpy as np
 
 from grpo.core.errors import UserError
+from grpo.engine.bench.engines import ENGINES
 
 # Nominal HBM bandwidth (bytes/s) by device kind substring, most specific first; used
 # only with --bandwidth nominal.
@@ -189,6 +190,34 @@ def run_rollout_bench(*, repeats: int, bandwidth: str, bandwidth_gbps: float | N
     result.update(_roofline(built, settings, timing, weight_bytes=weight_bytes, bandwidth=bandwidth,
                             bandwidth_gbps=bandwidth_gbps))
     return result
+
+
+def run_lengths_bench(*, repeats: int, lengths: str, engines: tuple[str, ...], continuous: dict[str, Any],
+                      **settings: Any) -> dict[str, Any]:
+    """The engines on the same rows stopped at lengths drawn from ``lengths``
+    (:mod:`grpo.engine.bench.engines`), with the bench's model and prompts."""
+    from grpo.engine.bench.engines import run_engines_bench
+
+    if (settings["model_path"] is None) == (settings["preset"] is None):
+        raise UserError("Give exactly one of --model PATH and --preset NAME.")
+    if settings["batch"] % settings["generations"]:
+        raise UserError(f"--batch {settings['batch']} must be a multiple of --generations {settings['generations']}.")
+    config = bench_config(**settings)
+    built = _build(config, settings)
+    params, _, _ = _sampler_state(built, settings, repeats)
+    tokens, mask = _random_prompts(built.arch, built.eos, batch=settings["batch"], generations=settings["generations"],
+                                   prompt_len=settings["prompt_len"], seed=settings["seed"])
+    import jax
+
+    dev = jax.devices()[0]
+    head = {"device": dev.device_kind, "platform": dev.platform, "num_devices": jax.device_count(),
+            "source": built.source, "params": built.arch.num_params(), "dtype": settings["dtype"],
+            "style": settings["style"], "batch": settings["batch"], "generations": settings["generations"],
+            "prompt_len": settings["prompt_len"], "new_tokens": settings["new_tokens"],
+            "kv_segment": settings["kv_segment"], "early_stop_chunk": settings["early_stop_chunk"]}
+    return {**head, **run_engines_bench(config=config, built=built, params=params, tokens=tokens, mask=mask,
+                                        lengths=lengths, engines=engines, continuous=continuous,
+                                        seed=settings["seed"], repeats=repeats)}
 
 
 @dataclasses.dataclass
@@ -476,23 +505,46 @@ def _roofline(built: _Built, settings: dict[str, Any], timing: _Timing, *, weigh
               "samples); the JSON's lora.merge_s is what merging them into the weights once would cost.")
 @click.option("--base-quantization", type=click.Choice(["none", "nf4", "int8"]), default="none", show_default=True,
               help="QLoRA: the base projections stored quantized, dequantized per layer in the decode.")
+@click.option("--lengths", metavar="PROFILE",
+              help="Stop each row at a completion length drawn from this profile (a built-in name, a file of "
+              "lengths or a run's samples.jsonl) and time the rollout engines (--engine) on the same rows: "
+              "valid tokens/s, slot occupancy, the page pool's peak.")
+@click.option("--engine", "engines", type=click.Choice(["static", "continuous"]), multiple=True,
+              help="With --lengths: the engines to time (repeatable; default both).")
+@click.option("--slots", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --lengths: rollout.continuous.slots (0 = every row at once).")
+@click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True,
+              help="With --lengths: rollout.continuous.page_size.")
+@click.option("--pool-pages", type=click.IntRange(min=0), default=0, show_default=True,
+              help="With --lengths: rollout.continuous.pool_pages.")
+@click.option("--chunk", type=click.IntRange(min=1), default=16, show_default=True,
+              help="With --lengths: rollout.continuous.chunk.")
 @click.option("--json", "as_json", is_flag=True, help="One line of JSON (default: indented).")
 def bench_rollout(
     model_path, preset, batch, generations, prompt_len, new_tokens, early_stop, early_stop_chunk, kv_segment,
     style, mesh_policy, mesh_shape, dtype, temperature, top_k, top_p, seed, repeats, bandwidth, bandwidth_gbps,
-    lora_rank, base_quantization, as_json, tensor_parallel,
+    lora_rank, base_quantization, as_json, tensor_parallel, lengths, engines, slots, page_size, pool_pages, chunk,
 ) -> None:
     """Rollout speed: prefill + decode of --batch sequences, JSON out."""
     if temperature <= 0:
         raise UserError(f"--temperature must be > 0, got {temperature}")
-    result = run_rollout_bench(
-        repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps, model_path=model_path, preset=preset,
+    if engines and lengths is None:
+        raise UserError("--engine compares the rollout engines on rows stopped at drawn lengths: give --lengths "
+                        "PROFILE too (e.g. --lengths gsm8k-qwen25-3b-v6e8).")
+    settings = dict(
+        model_path=model_path, preset=preset,
         batch=batch, generations=generations, prompt_len=prompt_len, new_tokens=new_tokens, early_stop=early_stop,
         early_stop_chunk=early_stop_chunk, kv_segment=kv_segment, style=style, mesh_policy=mesh_policy,
         mesh_shape=mesh_shape, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
         lora_rank=lora_rank, base_quantization=base_quantization,
         tensor_parallel=int(tensor_parallel) if str(tensor_parallel).isdigit() else tensor_parallel,
     )
+    if lengths is not None:
+        continuous = {"slots": slots, "page_size": page_size, "pool_pages": pool_pages, "chunk": chunk}
+        result = run_lengths_bench(repeats=repeats, lengths=lengths, engines=tuple(engines) or ENGINES,
+                                   continuous=continuous, **settings)
+    else:
+        result = run_rollout_bench(repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps, **settings)
     import jax
 
     if jax.process_index() == 0:

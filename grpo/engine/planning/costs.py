@@ -278,13 +278,17 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
         return Cost(0.0, nbytes, m.roof(0.0, nbytes))
 
     out: dict[str, Cost] = {}
-    if programs.multi_turn:
+    # The multi-turn sampler's and the continuous engine's ``start``: the cache (the page
+    # pool: its slots at the cap) written once.
+    paged = hasattr(programs.sampler(), "slots_for")
+    if programs.multi_turn or paged:
         kv_tok = kv_bytes_per_slot(d, itemsize=m.w, kv_split=split.kv_split)
         for name, prompts, k, sampler in (("start", P, K, programs.sampler()),
                                           ("eval_start", programs.eval_batch()[1], cfg.eval.k,
                                            programs.eval_sampler() if cfg.eval.every_n_steps > 0 else None)):
             if sampler is not None:
-                out[name] = moved(prompts * k / split.shards * (Lp + sampler.cache_slots(Lp)) * kv_tok)
+                rows = sampler.slots_for(prompts * k) if paged else prompts * k
+                out[name] = moved(rows / split.shards * (Lp + sampler.cache_slots(Lp)) * kv_tok)
     if programs.merged_sampling and cfg.model.lora is not None and not programs.rollout.resharded:
         out["merge"] = moved((m.weight_bytes + m.base_bytes) / (layout.fsdp * layout.tp))
     out["row_sums"] = moved(4 * rows_ro * 8)

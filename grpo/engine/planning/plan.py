@@ -169,6 +169,38 @@ ROLLOUT_LAYOUT_ONLY = ("rollout.style", "rollout.options")
 EVAL_ONLY = ("train", "rollout.num_generations", "loss", "checkpoint", "logging", "name")
 
 
+def engine_report(s: Any, lengths: LengthProfile | None) -> dict[str, Any]:
+    """The continuous engine's section of a plan: its page pool per device and, under a
+    length profile, one step's rows drawn from it (:func:`~grpo.engine.planning.profiles.draw`,
+    seed 0) run through the engine's own host scheduler
+    (:meth:`~grpo.engine.rollout.continuous.ContinuousSampler.simulate`): the sequential
+    decode steps and the slot-steps it computes, against the static engine's (every row
+    decodes until the longest stops, in whole ``early_stop_chunk`` chunks)."""
+    from grpo.engine.planning.profiles import draw
+    from grpo.engine.rollout.sampler import effective_chunk
+
+    config, sampler = s.config, s.sampler
+    P, Lp = s.inputs["prompt_tokens"].shape
+    rows, N = P * config.rollout.num_generations, config.rollout.max_new_tokens
+    out: dict[str, Any] = {"engine": config.rollout.engine, "pool_bytes_per_device": s.state["kv_cache"],
+                           "slots": sampler.slots_for(rows), "page_size": sampler.page_size}
+    if lengths is None:
+        return out
+    prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
+    sim = sampler.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp)
+    C = effective_chunk(N, config.rollout.early_stop_chunk)
+    static_steps = -(-(int(completions.max()) - 1) // C) * C if C else N - 1
+    out.update({
+        "valid_tokens": int(completions.sum()),
+        "decode_steps": sim["chunks"] * sim["chunk"], "slot_steps": sim["slot_steps"], "chunks": sim["chunks"],
+        "prefills": sim["prefills"], "evictions": sim["evictions"], "peak_pages": sim["peak_pages"],
+        "pool_pages": sim["pool_pages"],
+        "peak_pool_bytes_per_device": s.state["kv_cache"] * sim["peak_pages"] // max(sim["pool_pages"], 1),
+        "static_decode_steps": static_steps, "static_slot_steps": static_steps * rows,
+    })
+    return out
+
+
 def cache_key(config: RunConfig, name: str, exclude: tuple[str, ...]) -> tuple:
     """The compiled-program cache key of program ``name``: the config without the
     ``exclude``d sections / fields (``section`` or ``section.field``)."""
@@ -487,6 +519,8 @@ class Planner:
         report = self._report(s, results, entries, costs, peaks, errors)
         if lengths is not None:
             report["packing"] = self.packing(s, entries, lengths, slice_of)
+        if hasattr(s.sampler, "simulate"):
+            report["rollout_engine"] = engine_report(s, lengths)
         return report
 
     def packing(self, s: Subject, entries: dict[str, Any], lengths: LengthProfile,

@@ -114,11 +114,28 @@ def format_report(rep: dict[str, Any]) -> str:
         )
     if rep.get("packing"):
         lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"])
+    if rep.get("rollout_engine"):
+        lines += format_engine(rep["rollout_engine"])
     if rep["compiler_error"]:
         lines.append("compiler: " + rep["compiler_error"])
     for w in rep.get("mesh_warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def format_engine(en: dict[str, Any]) -> list[str]:
+    """The continuous engine's section (page pool, and the simulated schedule under a
+    length profile), as text."""
+    lines = [f"rollout engine {en['engine']}: {en['slots']} slots, page pool {_gib(en['pool_bytes_per_device'])} GiB "
+             f"per device (pages of {en['page_size']} tokens)"]
+    if "decode_steps" in en:
+        lines.append(
+            f"  length profile, scheduled on the host: {en['decode_steps']} decode steps ({en['chunks']} chunks, "
+            f"{en['prefills']} prefills, {en['evictions']} evictions), {en['slot_steps']:,} slot-steps for "
+            f"{en['valid_tokens']:,} valid tokens; static: {en['static_decode_steps']} steps, "
+            f"{en['static_slot_steps']:,} slot-steps; pool peak {en['peak_pages']} of {en['pool_pages']} pages "
+            f"({_gib(en['peak_pool_bytes_per_device'])} GiB per device)")
+    return lines
 
 
 def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
@@ -154,4 +171,4 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
     return lines
 
 
-__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_packing", "format_report"]
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_engine", "format_packing", "format_report"]

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding
+from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
@@ -113,9 +113,11 @@ class ContinuousSampler(BaseSampler):
         texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
         return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
-    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+                 stop_at: Any = None) -> RolloutOutput:
         """All P*K rows through the queue; the rollout's global arrays (as the static
-        sampler's). Per-call figures land in :attr:`last_stats`."""
+        sampler's). Per-call figures land in :attr:`last_stats`. ``stop_at`` [P*K]
+        (benchmarks only): each row stops once it has that many tokens."""
         tokens, mask = _left_aligned(np.asarray(prompt_tokens), np.asarray(prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
@@ -125,29 +127,73 @@ class ContinuousSampler(BaseSampler):
         alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
                               max_pages=max_pages, shards=shards)
         raw, impl = self.place_key(rng)
+        if stop_at is not None:
+            stop_at = self._place(np.asarray(stop_at, np.int32), (None,))
         state = self.start_jit(params, rows=B, pages=alloc.pages)
         sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        chunks = 0
+        chunks = slot_steps = 0
         while True:
             if sched.live():
                 done, lengths = jax.device_get((state.done, state.lengths))  # the chunk boundary's one sync
                 sched.sync(np.asarray(done), np.asarray(lengths))
             admitted = sched.admit()
             if admitted:
-                state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc)
+                state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc, stop_at)
             if not sched.live():
                 break
-            table = self._place(alloc.table(), ("batch", None))
-            slot_rows = self._place(np.asarray(sched.slot_row, np.int32), ("batch",))
-            state = self.decode_jit(params, state, table, slot_rows, raw, key_impl=impl)
+            idx, table = sched.selection()
+            slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
+            place = self._place
+            state = self.decode_jit(params, state, place(table, ("batch", None)), place(idx, ("batch",)),
+                                    place(slot_rows, ("batch",)), raw, stop_at, key_impl=impl)
             chunks += 1
-        self.last_stats = {"chunks": chunks, "peak_pages": alloc.peak, "pool_pages": alloc.pages,
-                           "evictions": sched.evictions, "prefills": sched.prefills}
+            slot_steps += len(idx) * self.chunk_steps
+        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
+                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
+                           "prefills": sched.prefills, "slot_steps": slot_steps}
         return RolloutOutput(
             prompt_tokens=self._place(tokens, ("batch", "length")), prompt_mask=self._place(mask, ("batch", "length")),
             tokens=state.tokens, mask=state.mask, lengths=state.out_len, truncated=state.truncated,
             logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
         )
+
+    def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int) -> dict[str, int]:
+        """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
+        ``completions`` [rows], each at most the cap), without a model: the same host
+        scheduler (:class:`_Schedule`) and allocator, each live slot advancing up to a
+        chunk of steps a chunk, a row done once it holds its completion. Returns the
+        figures of :attr:`last_stats` (chunks, slot_steps, peak_pages, evictions, ...);
+        ``grpo plan --lengths`` reports them. A stop token ends a row exactly as a known
+        length does, so on the rows a rollout produced it reproduces that rollout's."""
+        plen = np.asarray(prompt_lengths, np.int64)
+        comp = np.asarray(completions, np.int64)
+        B, C = len(comp), self.chunk_steps
+        S = self.slots_for(B)
+        shards = self.shards(S)
+        alloc = PageAllocator(pages=shards * self.pool_size(prompt_length, S // shards), page_size=self.page_size,
+                              slots=S, max_pages=self.max_pages(prompt_length), shards=shards)
+        sched = _Schedule(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=C)
+        drawn = np.zeros(S, np.int64)  # tokens the slot's row has drawn (its step count)
+        lengths = np.zeros(S, np.int64)  # tokens of the row in its pages
+        chunks = slot_steps = 0
+        while True:
+            if sched.live():
+                rows = np.asarray(sched.slot_row)
+                sched.sync((rows >= 0) & (drawn >= comp[np.maximum(rows, 0)]), lengths)
+            for slot, row in sched.admit():  # the prefill draws step 0
+                drawn[slot], lengths[slot] = 1, plen[row]
+            if not sched.live():
+                break
+            idx, _ = sched.selection()
+            rows = np.asarray(sched.slot_row)
+            live = rows >= 0
+            steps = np.where(live, np.clip(comp[np.maximum(rows, 0)] - drawn, 0, C), 0)
+            drawn, lengths = drawn + steps, lengths + steps
+            chunks += 1
+            slot_steps += len(idx) * C
+        return {"slots": S, "chunk": C, "page_size": self.page_size, "chunks": chunks, "peak_pages": alloc.peak,
+                "pool_pages": alloc.pages, "evictions": sched.evictions, "prefills": sched.prefills,
+                "slot_steps": slot_steps}
 
     def max_pages(self, prompt_length: int) -> int:
         """Pages of a row at the cap (prompt + every token fed back)."""
@@ -207,14 +253,16 @@ class ContinuousSampler(BaseSampler):
 
         def decode():
             raw, impl = self._abstract_key(key)
-            return self.decode_jit.lower(params, state(), self._rows(S, maxp), self._rows(S), raw, key_impl=impl)
+            # The widest variant: every slot, every page of a row at the cap.
+            return self.decode_jit.lower(params, state(), self._rows(S, maxp), self._rows(S), self._rows(S), raw,
+                                         key_impl=impl)
 
         return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages), "prefill": prefill,
                 "decode": decode}
 
     # ------------------------------------------------------------------ host pieces
 
-    def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc) -> SlotState:
+    def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
         two (padding rows write nowhere: row -1, slot ``slots``)."""
         S = alloc.slots
@@ -230,7 +278,7 @@ class ContinuousSampler(BaseSampler):
         place = self._place
         return self.prefill_jit(params, state, place(ptok, ("batch", "length")), place(pmask, ("batch", "length")),
                                 place(rows, ("batch",)), place(slots, ("batch",)), place(table, ("batch", None)), raw,
-                                key_impl=impl)
+                                stop_at, key_impl=impl)
 
     # ------------------------------------------------------------------ programs
 
@@ -267,7 +315,8 @@ class ContinuousSampler(BaseSampler):
         )
 
     def _prefill_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, rows: jax.Array,
-                      slots: jax.Array, table: jax.Array, raw_key: jax.Array, *, key_impl: str | None) -> SlotState:
+                      slots: jax.Array, table: jax.Array, raw_key: jax.Array, stop_at: jax.Array | None = None, *,
+                      key_impl: str | None) -> SlotState:
         """Prefill n rows [n, Lp] (left-aligned) into their pages and draw their step 0."""
         s, model = self.sampling, self._model(params)
         n, Lp = tokens.shape
@@ -292,7 +341,7 @@ class ContinuousSampler(BaseSampler):
 
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         tok, lp, blp, stopped = draw(logits, self._keys(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s,
-                                     stops=eos)
+                                     stops=eos, stop_at=_per_row(stop_at, rows))
         out_rows = jnp.where(live, rows, B)  # padding rows write nowhere
         first = jnp.arange(N)[None, :] == 0
         st = state
@@ -310,23 +359,47 @@ class ContinuousSampler(BaseSampler):
                                                                              mode="drop"),
         )
 
-    def _decode_impl(self, params: Any, state: SlotState, table: jax.Array, slot_rows: jax.Array,
-                     raw_key: jax.Array, *, key_impl: str | None) -> SlotState:
-        """``chunk`` decode steps of every live slot (``slot_rows``: the host's slots, -1
-        free or evicted)."""
+    def _decode_impl(self, params: Any, state: SlotState, table: jax.Array, idx: jax.Array, slot_rows: jax.Array,
+                     raw_key: jax.Array, stop_at: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
+        """``chunk`` decode steps of the n slots ``idx`` [n] (the host's
+        :meth:`_Schedule.selection`: the live ones, padded with free ones of the same part
+        of the pool; ``slot_rows`` [n] their rows, -1 free or evicted) over their page
+        tables [n, W] (the W pages that cover them). Compiled per (n, W): a step costs
+        what the live rows and their live pages cost, not every slot at the cap."""
+        S = state.row.shape[0]
+        spec = self.spec(S, state.k.shape[1])
+        rows_sharding = NamedSharding(self.mesh, PartitionSpec(spec.slot_axes or None))
+
+        def sub(x):  # [S] -> [n], each device keeps its own slots
+            return jax.lax.with_sharding_constraint(x[idx], rows_sharding)
+
+        inner = state._replace(row=jax.lax.with_sharding_constraint(slot_rows, rows_sharding), lengths=sub(state.lengths), steps=sub(state.steps),
+                               prev=sub(state.prev), done=sub(state.done) | (slot_rows < 0))
+        inner = self._decode_chunk(params, inner, table, raw_key, stop_at, key_impl=key_impl, spec=spec)
+
+        def back(full, part):
+            return jax.lax.with_sharding_constraint(full.at[idx].set(part), rows_sharding)
+
+        return inner._replace(row=back(state.row, inner.row), lengths=back(state.lengths, inner.lengths),
+                              steps=back(state.steps, inner.steps), prev=back(state.prev, inner.prev),
+                              done=back(state.done, inner.done))
+
+    def _decode_chunk(self, params: Any, state: SlotState, table: jax.Array, raw_key: jax.Array,
+                      stop_at: jax.Array | None, *, key_impl: str | None, spec: PagedSpec) -> SlotState:
+        """``chunk`` decode steps of the slots of ``state`` (per-slot fields [n])."""
         s, model = self.sampling, self._model(params)
         B, N = state.tokens.shape
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
-        state = state._replace(row=slot_rows, done=state.done | (slot_rows < 0))
-        keys = self._keys(raw_key, key_impl, slot_rows)
-        spec = self.spec(state.row.shape[0], state.k.shape[1])
+        keys = self._keys(raw_key, key_impl, state.row)
+        slot_stop = _per_row(stop_at, state.row)
 
         def step(_, st: SlotState) -> SlotState:
             live = (st.row >= 0) & ~st.done
             cache = PagedKVCache(k=st.k, v=st.v, page_table=table, lengths=st.lengths, live=live)
             hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec)
             t = st.steps
-            tok, lp, blp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos)
+            tok, lp, blp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos,
+                                         stop_at=slot_stop)
             r = jnp.where(live, st.row, B)  # rows written (others dropped)
             tc = jnp.minimum(t, N - 1)
             return st._replace(
@@ -379,6 +452,22 @@ class _Schedule:
                     self._release(victim)
                     self.evictions += 1
 
+    def selection(self) -> tuple[np.ndarray, np.ndarray]:
+        """The slots the next chunk decodes and their page tables: ``idx`` [n] (each part
+        of the pool's live slots padded with its free ones to the same power of two, part
+        by part, so a device's rows stay its own) and ``table`` [n, W] (W: a power of two
+        of pages covering every selected slot's pages, at most ``max_pages``). Powers of
+        two bound the decode's compilations to about log2(slots) x log2(max_pages)."""
+        a = self.alloc
+        parts = [range(d * a.shard_slots, (d + 1) * a.shard_slots) for d in range(a.shards)]
+        live = [[s for s in part if self.slot_row[s] >= 0] for part in parts]
+        n = min(_pow2(max(len(x) for x in live)), a.shard_slots)
+        idx = np.asarray([s for part, lv in zip(parts, live)
+                          for s in lv + [s for s in part if self.slot_row[s] < 0][: n - len(lv)]], np.int32)
+        held = max(len(a.held(int(s))) for s in idx)
+        width = min(_pow2(held), a.max_pages)
+        return idx, a.table()[idx, :width]
+
     def admit(self) -> list[tuple[int, int]]:
         """Queued rows, in queue order, into free slots whose part of the pool fits their
         prompt and first chunk."""
@@ -407,6 +496,16 @@ class _Schedule:
         self.alloc.free(slot)
         self.slot_row[slot] = -1
         self.admitted_at.pop(slot, None)
+
+
+def _pow2(n: int) -> int:
+    """The least power of two >= n (1 for n <= 1)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _per_row(stop_at: jax.Array | None, rows: jax.Array) -> jax.Array | None:
+    """The forced stop lengths [B] (None: none) of ``rows`` [n] (-1: any)."""
+    return None if stop_at is None else stop_at[jnp.maximum(rows, 0)]
 
 
 def _axes(entry: Any) -> tuple[str, ...]:

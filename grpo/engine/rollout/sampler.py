@@ -279,11 +279,13 @@ class _State(NamedTuple):
 
 
 def draw(logits: jax.Array, keys: jax.Array, step: jax.Array, live: jax.Array, *, sampling: SamplingParams,
-         stops: jax.Array | None) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
+         stops: jax.Array | None, stop_at: jax.Array | None = None
+         ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
     """One sampling step of every row: the tokens [B] (``pad_id`` where not ``live``), their
     full-vocabulary log-probs [B] and behaviour log-probs [B] (0 where not ``live``; None
     when ``sampling`` does not truncate: they are the full ones) and which live rows drew
-    one of ``stops`` [B]."""
+    one of ``stops`` [B] or, with ``stop_at`` [B] (a benchmark's forced completion
+    lengths, ``grpo bench rollout --lengths``), reached their length with this token."""
     s = sampling
     tok, lp, blp = sample_tokens(
         logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
@@ -291,9 +293,10 @@ def draw(logits: jax.Array, keys: jax.Array, step: jax.Array, live: jax.Array, *
     tok = jnp.where(live, tok, jnp.int32(s.pad_id))
     lp = jnp.where(live, lp, 0.0)
     blp = jnp.where(live, blp, 0.0) if s.truncates else None
+    forced = jnp.zeros_like(live) if stop_at is None else live & (step + 1 >= stop_at)
     if stops is None or not stops.size:
-        return tok, lp, blp, jnp.zeros_like(live)
-    return tok, lp, blp, live & jnp.any(tok[:, None] == stops[None, :], axis=1)
+        return tok, lp, blp, forced
+    return tok, lp, blp, forced | (live & jnp.any(tok[:, None] == stops[None, :], axis=1))
 
 
 def record_behaviour(buffer: jax.Array | None, blp: jax.Array | None, step: jax.Array) -> jax.Array | None:
@@ -591,20 +594,25 @@ class Sampler(BaseSampler):
         texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
         return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
-    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array) -> RolloutOutput:
-        """The device side of :meth:`sample`: the rollout's global arrays alone."""
-        out, _ = self.decode(params, self.prefill(params, prompt_tokens, prompt_mask), rng)
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+                 stop_at: Any = None) -> RolloutOutput:
+        """The device side of :meth:`sample`: the rollout's global arrays alone.
+        ``stop_at`` [P*K] (benchmarks only): each row stops once it has that many tokens."""
+        out, _ = self.decode(params, self.prefill(params, prompt_tokens, prompt_mask), rng, stop_at=stop_at)
         return out
 
-    def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array) -> tuple[RolloutOutput, jax.Array]:
+    def decode(self, params: Any, prefilled: Prefilled, rng: jax.Array,
+               stop_at: Any = None) -> tuple[RolloutOutput, jax.Array]:
         """Decode from a :class:`Prefilled` (whose cache is donated: do not reuse it).
 
         Returns the rollout and the number of sampling steps that ran (a device scalar,
         at most ``max_new_tokens``; fewer when every row stopped early)."""
         fn = self.decode_jit()
         raw, impl = self.place_key(rng)
+        if stop_at is not None:
+            stop_at = self._place(np.asarray(stop_at, np.int32), ("batch",))
         out, steps, _cache = fn(params, prefilled.cache, prefilled.logits, prefilled.prompt_tokens,
-                                prefilled.prompt_mask, raw, key_impl=impl)
+                                prefilled.prompt_mask, raw, stop_at, key_impl=impl)
         return out, steps
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
@@ -643,6 +651,7 @@ class Sampler(BaseSampler):
         prompt_tokens: jax.Array,
         prompt_mask: jax.Array,
         raw_key: jax.Array,
+        stop_at: jax.Array | None = None,
         *,
         key_impl: str | None,
     ) -> tuple[RolloutOutput, jax.Array, KVCache]:
@@ -660,7 +669,7 @@ class Sampler(BaseSampler):
         def record(state: _State, step: jax.Array, logits: jax.Array, cache: KVCache) -> _State:
             # Steps past the cap (the rounding of the last chunk) change nothing.
             active = ~state.done & (step < N)
-            tok, lp, blp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos)
+            tok, lp, blp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos, stop_at=stop_at)
             return _State(
                 cache=cache,
                 prev=tok,

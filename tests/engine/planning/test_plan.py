@@ -448,5 +448,5 @@ def test_continuous_engine_refuses_a_multi_turn_task():
     ``rollout.engine`` (before anything compiles)."""
     code, out = plan(str(ROOT / "configs" / "quickstart_tools.yaml"), "--topology", "v6e-8",
                      "--set", "rollout.engine=continuous")
-    assert code == 2 and "rollout.engine: continuous samples single-turn tasks only" in out
+    assert code == 2 and "rollout.engine='continuous' samples single-turn tasks only" in out
     assert "Traceback" not in out

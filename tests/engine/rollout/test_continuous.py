@@ -69,6 +69,8 @@ def test_continuous_equals_static(setup, static):
     stats = cont.last_stats
     assert stats["pool_pages"] == 40 and stats["prefills"] >= 3 and stats["evictions"] > 0, stats
     _assert_same(out, static)
+    # The host scheduler alone, fed the rows' lengths, replays the rollout's schedule.
+    assert cont.simulate(prompt_lengths=np.repeat(LENGTHS, K), completions=out.lengths, prompt_length=LP) == stats
     # Each device reads and writes its own 5 pages: the whole 40-page pool never appears in
     # the compiled decode (no gather of the pool onto a device).
     hlo = cont.lowerings(params, prompts=P, prompt_length=LP, key=key)["decode"]().compile().as_text()
@@ -114,3 +116,24 @@ def test_schedule_queue_order_refill_and_eviction():
     assert sched.slot_row == [-1, 1] and alloc.held(0) == ()
     assert sched.admit() == [(0, 2)] and not sched.queue
     alloc.check()
+
+
+def test_schedule_selection_decodes_live_slots_of_each_part():
+    """A chunk decodes each part's live slots padded with its own free ones to a power of
+    two (so each device keeps its rows), over the fewest power-of-two pages covering them."""
+    from grpo.engine.rollout.continuous import _Schedule
+    from grpo.engine.rollout.paged import PageAllocator
+
+    alloc = PageAllocator(pages=32, page_size=4, slots=8, max_pages=6, shards=2)
+    sched = _Schedule(alloc, prompt_len=np.array([2, 2, 2, 2, 2]), cap=20, chunk=4)
+    sched.admit()  # rows 0-4 into slots 0-4: part 0 full (slots 0-3), part 1 holds slot 4
+    for s in (1, 2):
+        sched._release(s)
+    alloc.grow(4, 13)  # slot 4 holds 4 pages
+    idx, table = sched.selection()
+    assert idx.tolist() == [0, 3, 4, 5]  # part 0: slots 0 and 3; part 1: slot 4 and free slot 5
+    assert table.shape == (4, 4)  # 4 pages cover every selected slot
+    np.testing.assert_array_equal(table, alloc.table()[idx, :4])
+    alloc.grow(0, 21)  # 6 pages: the width is capped at max_pages, not the next power of two
+    assert sched.selection()[1].shape == (4, 6)
+

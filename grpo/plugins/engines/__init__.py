@@ -1,0 +1,51 @@
+"""Built-in rollout engines (``rollout.engine``): ``static`` and ``continuous``.
+
+Each registers a factory only: the samplers live in :mod:`grpo.engine.rollout` and are
+imported when a run builds them (this module stays JAX-free). An engine outside grpo
+(an adapter to vLLM, SGLang-JAX, ...) registers the same way from its own package; its
+contract is :class:`grpo.RolloutEnginePlugin`'s.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo.core.contracts import EngineContext, RolloutEnginePlugin
+from grpo.core.hookspecs import hookimpl
+
+
+class StaticEngine(RolloutEnginePlugin):
+    name = "static"
+    description = ("One batch of every row of the step, each holding a decode slot and a prompt + max_new_tokens "
+                   "KV cache until the longest stops; multi-turn tasks too.")
+    multi_turn = True
+
+    def build(self, context: EngineContext, options: Any) -> Any:
+        from grpo.engine.rollout.multiturn import MultiTurnSampler
+        from grpo.engine.rollout.sampler import Sampler
+
+        r, kwargs = context.rollout, dict(context.sampler_kwargs)
+        if context.multi_turn:
+            return MultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
+                                    conversations=context.conversations, max_turn_tokens=r.max_turn_tokens, **kwargs)
+        return Sampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize, **kwargs)
+
+
+class ContinuousEngine(RolloutEnginePlugin):
+    name = "continuous"
+    description = ("Rows queue for rollout.continuous.slots decode slots over a paged KV cache, refilled at chunk "
+                   "boundaries; the static engine's samples; single-turn tasks.")
+
+    def build(self, context: EngineContext, options: Any) -> Any:
+        from grpo.engine.rollout.continuous import ContinuousSampler
+
+        c = context.rollout.continuous
+        return ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize,
+                                 slots=c.slots, page_size=c.page_size, pool_pages=c.pool_pages, chunk=c.chunk,
+                                 backend=c.attention, **context.sampler_kwargs)
+
+
+@hookimpl
+def register_rollout_engines(register):
+    register(StaticEngine())
+    register(ContinuousEngine())
