@@ -38,7 +38,7 @@ from __future__ import annotations
 
 import collections
 import math
-from typing import Any, Mapping, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
-from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
-from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled, Texts, draw
+from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, draw
 from grpo.models.decoder import positions_from_mask
 from grpo.models.paged_attention import BACKENDS, PagedKVCache, PagedSpec
 from grpo.sharding import fit_sharding
@@ -102,16 +101,6 @@ class ContinuousSampler(BaseSampler):
         self.last_stats: dict[str, Any] = {}
 
     # ------------------------------------------------------------------ the interface
-
-    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
-               examples: Sequence[Mapping[str, Any]]) -> Sampled:
-        if self.detokenize is None:
-            raise ValueError("this sampler was built without detokenize: sample() needs it for the rows' texts")
-        out = self.generate(params, prompt_tokens, prompt_mask, rng)
-        b = len(examples)
-        mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)
-        texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
-        return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
     def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
                  stop_at: Any = None) -> RolloutOutput:

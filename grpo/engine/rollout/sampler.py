@@ -400,7 +400,22 @@ class BaseSampler:
           rng: a PRNG key (typed or raw) for this rollout.
           examples: this process's rows' examples, in row order (row ``b*K + j``: sample j
             of prompt b).
+
+        A single-turn sampler's rollout is :meth:`generate`'s arrays and this process's
+        rows' texts (detokenized lazily); the multi-turn sampler overrides it.
         """
+        if self.detokenize is None:
+            raise ValueError(f"this {type(self).__name__} was built without detokenize: sample() needs it for the "
+                             "rows' texts")
+        out = self.generate(params, prompt_tokens, prompt_mask, rng)
+        b = len(examples)
+        mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows
+        texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
+        return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
+
+    def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
+                 stop_at: Any = None) -> RolloutOutput:
+        """The rollout's global arrays alone (a single-turn sampler's device side)."""
         raise NotImplementedError
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
@@ -583,16 +598,6 @@ class Sampler(BaseSampler):
         self._decode_plain = jax.jit(self._decode_impl, static_argnames=("key_impl",))
 
     # ------------------------------------------------------------------ public API
-
-    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
-               examples: Sequence[Mapping[str, Any]]) -> Sampled:
-        if self.detokenize is None:
-            raise ValueError("this Sampler was built without detokenize: sample() needs it for the rows' texts")
-        out = self.generate(params, prompt_tokens, prompt_mask, rng)
-        b = len(examples)
-        mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows
-        texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
-        return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 
     def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
                  stop_at: Any = None) -> RolloutOutput:
