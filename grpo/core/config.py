@@ -505,7 +505,30 @@ class PackingConfig(Section):
     )
 
 
+class AsyncConfig(Section):
+    """Asynchronous GRPO (``train.async``): the rollout and the update run at once on their own devices."""
+
+    enabled: bool = Field(
+        False,
+        description="Split the devices into a rollout mesh and an update mesh and run them at once: the rollout "
+        "draws the groups of the next steps while the update trains on this one.",
+    )
+    max_staleness: int = Field(
+        1, ge=0, le=64,
+        description="How many optimizer steps a sample's policy may lag the policy that trains on it; 0 = on-policy "
+        "(equal to the synchronous run). Staler samples are refused and counted.",
+    )
+    rollout_devices: int | None = Field(
+        None, ge=1, le=1_000_000,
+        description="Devices of the rollout mesh (the first ones; whole hosts when several hosts); the rest form the "
+        "update mesh. None = half of the devices.",
+    )
+
+
 class TrainConfig(Section):
+    # `async` is a Python keyword: the field is `async_` in Python and `async` in YAML/JSON.
+    model_config = ConfigDict(extra="forbid", validate_default=True, validate_by_name=True, serialize_by_alias=True)
+
     steps: int = Field(100, ge=1, le=100_000_000, description="Optimizer steps (one rollout batch each).")
     prompts_per_step: int = Field(16, ge=1, le=1_000_000, description="Prompts per step; sequences = prompts x num_generations.")
     micro_batch_size: int | None = Field(
@@ -523,6 +546,10 @@ class TrainConfig(Section):
     )
     packing: PackingConfig = Field(
         default_factory=PackingConfig, description="Sequence packing of the passes over a finished batch."
+    )
+    async_: AsyncConfig = Field(
+        default_factory=AsyncConfig, alias="async",
+        description="Asynchronous GRPO: rollout and update on their own devices at once, with bounded staleness.",
     )
 
 
