@@ -146,6 +146,78 @@ class ContinuousSampler(BaseSampler):
             logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
         )
 
+    def stream(self, params: Any, feeder: "StreamFeeder", rng: jax.Array, *, rows: int, prompt_length: int,
+               round_rows: int) -> RolloutOutput:
+        """Rows fed while the rollout runs: dynamic sampling's stream (issue 39).
+
+        At every chunk boundary the engine hands ``feeder`` the rows that finished since
+        the last one (:meth:`StreamFeeder.finished`, ascending: tokens and masks read to
+        the host) and stops as soon as it answers True; it then asks
+        :meth:`StreamFeeder.feed` for more prompts ([n, ``prompt_length``] left-padded),
+        queued after the rows already fed, K rows each, and ends when nothing runs, is
+        queued or is fed. Rows still queued or decoding when the feeder stops are dropped
+        (their tokens so far stay in the output: what was rolled out).
+
+        ``rows``: the most rows a step may feed (the output's row count); row ``r`` is
+        sample ``r % K`` of the ``r // K``-th prompt fed. Its key is row ``r % round_rows``
+        of round ``q = r // round_rows``: ``fold_in(rng_q, r % round_rows)`` with ``rng_0 =
+        rng`` and ``rng_q = fold_in(rng, q)``, the keys of the rounds the static step makes,
+        so a prompt draws the same tokens whether streamed or rolled out in its round.
+        Figures land in :attr:`last_stats` (``fed_rows``, ``finished_rows``,
+        ``dropped_rows``: fed and not finished)."""
+        K, N = self.sampling.num_generations, self.sampling.max_new_tokens
+        B, Lp = rows, prompt_length
+        tokens, mask = np.zeros((B, Lp), np.int32), np.zeros((B, Lp), np.int32)
+        S = self.slots_for(B)
+        shards = self.shards(S)
+        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
+                              max_pages=self.max_pages(Lp), shards=shards)
+        keys, impl = self.place_key(_round_keys(rng, rows=B, round_rows=round_rows))
+        state = self.start_jit(params, rows=B, pages=alloc.pages)
+        sched = _Schedule(alloc, prompt_len=np.zeros(B, np.int64), cap=N, chunk=self.chunk_steps)
+        sched.queue.clear()
+        fed = finished = chunks = slot_steps = 0
+        while True:
+            if sched.live():
+                done, lengths = (np.asarray(x) for x in jax.device_get((state.done, state.lengths)))
+                ended = np.sort([r for s, r in enumerate(sched.slot_row) if r >= 0 and done[s]]).astype(np.int64)
+                sched.sync(done, lengths)
+                if ended.size:
+                    finished += ended.size
+                    out_tokens, out_mask = jax.device_get((state.tokens, state.mask))
+                    if feeder.finished(ended, np.asarray(out_tokens)[ended], np.asarray(out_mask)[ended]):
+                        break
+            more = feeder.feed()
+            if more is not None and len(more[0]):
+                t, m = _left_aligned(np.asarray(more[0]), np.asarray(more[1]))
+                new = np.arange(fed, fed + len(t) * K)
+                if new.size and new[-1] >= B:
+                    raise ValueError(f"the feeder fed more than rows={B} rows")
+                tokens[new], mask[new] = np.repeat(t, K, axis=0), np.repeat(m, K, axis=0)
+                sched.prompt_len[new] = mask[new].sum(axis=1)
+                sched.queue.extend(int(r) for r in new)
+                fed += new.size
+            admitted = sched.admit()
+            if admitted:
+                state = self._prefill(params, state, admitted, tokens, mask, keys, impl, alloc)
+            if not sched.live():
+                break
+            idx, table = sched.selection()
+            slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
+            state = self.decode_jit(params, state, self._place(table, ("batch", None)), self._place(idx, ("batch",)),
+                                    self._place(slot_rows, ("batch",)), keys, None, key_impl=impl)
+            chunks += 1
+            slot_steps += len(idx) * self.chunk_steps
+        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
+                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
+                           "prefills": sched.prefills, "slot_steps": slot_steps, "fed_rows": fed,
+                           "finished_rows": finished, "dropped_rows": fed - finished}
+        return RolloutOutput(
+            prompt_tokens=self._place(tokens, ("batch", "length")), prompt_mask=self._place(mask, ("batch", "length")),
+            tokens=state.tokens, mask=state.mask, lengths=state.out_len, truncated=state.truncated,
+            logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
+        )
+
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int) -> dict[str, int]:
         """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
         ``completions`` [rows], each at most the cap), without a model: the same host
@@ -272,7 +344,11 @@ class ContinuousSampler(BaseSampler):
     # ------------------------------------------------------------------ programs
 
     def _keys(self, raw_key: jax.Array, key_impl: str | None, rows: jax.Array) -> jax.Array:
-        """Each row's key ``fold_in(rng, row)`` (:func:`~grpo.engine.rollout._sampling.row_keys`)."""
+        """Each row's key ``fold_in(rng, row)`` (:func:`~grpo.engine.rollout._sampling.row_keys`),
+        or with a key per row ([rows, key data]: :meth:`stream`) the row's own."""
+        if raw_key.ndim == 2:
+            data = raw_key[jnp.maximum(rows, 0)]
+            return data if key_impl is None else jax.random.wrap_key_data(data, impl=key_impl)
         rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
         return jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.maximum(rows, 0).astype(jnp.uint32))
 
@@ -487,6 +563,31 @@ class _Schedule:
         self.admitted_at.pop(slot, None)
 
 
+class StreamFeeder:
+    """What :meth:`ContinuousSampler.stream` consults at chunk boundaries (the step's
+    collector implements it; see :mod:`grpo.engine.rollout.step`)."""
+
+    def feed(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """Prompts to queue now ([n, prompt_length] tokens and mask, left-padded), or None."""
+        raise NotImplementedError
+
+    def finished(self, rows: np.ndarray, tokens: np.ndarray, mask: np.ndarray) -> bool:
+        """Rows [m] that finished since the last call (ascending) with their completions
+        [m, N]; True ends the stream (what is still in flight is dropped)."""
+        raise NotImplementedError
+
+
+def _round_keys(rng: jax.Array, *, rows: int, round_rows: int) -> jax.Array:
+    """Row r's key [rows]: ``fold_in(rng_q, r % round_rows)`` for round ``q = r //
+    round_rows`` (``rng_0 = rng``, ``rng_q = fold_in(rng, q)``: the static step's rounds)."""
+    within = jnp.arange(round_rows, dtype=jnp.uint32)
+    keys = []
+    for q in range(-(-rows // round_rows)):
+        base = rng if q == 0 else jax.random.fold_in(rng, q)
+        keys.append(jax.vmap(lambda i, b=base: jax.random.fold_in(b, i))(within))
+    return jnp.concatenate(keys)[:rows]
+
+
 def _pow2(n: int) -> int:
     """The least power of two >= n (1 for n <= 1)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -511,4 +612,4 @@ def _left_aligned(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.
         np.take_along_axis(mask, order, axis=1) != 0).astype(np.int32)
 
 
-__all__ = ["ContinuousSampler", "SlotState"]
+__all__ = ["ContinuousSampler", "SlotState", "StreamFeeder"]

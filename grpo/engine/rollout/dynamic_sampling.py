@@ -42,6 +42,7 @@ picks are identical across processes; they depend on the rewards alone, so a res
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 
@@ -118,6 +119,79 @@ class GroupFilter:
         }
 
 
+@dataclasses.dataclass
+class StreamFilter:
+    """One step's picks when groups stream (``rollout.engine: continuous``): prompts are
+    fed, the next ones of the data order, and each group is judged once its K samples have
+    finished, in finish order, until ``want`` informative groups finished or ``limit``
+    prompts were fed and every one of them finished. Groups fed and still unfinished then
+    are dropped (``in_flight``). :meth:`to_feed` says how many prompts to feed now: as many
+    as, at the informative rate seen so far in this step (with one informative and one
+    uninformative group of prior, so the first feed is 2 x ``want``), should finish the
+    ``want - kept`` informative groups still missing, less those in flight. The decision
+    depends only on the verdicts and their order, so a rerun or a resumed run feeds and
+    picks alike."""
+
+    want: int
+    limit: int  # most prompts fed (train.dynamic_sampling.max_rounds x prompts_per_step)
+    fed: int = 0
+    kept: list[int] = dataclasses.field(default_factory=list)  # fed-order indices, informative, in finish order
+    spare: list[int] = dataclasses.field(default_factory=list)  # uninformative, in finish order
+    surplus: int = 0  # informative groups finished beyond `want` (at the boundary that filled the step)
+    finished: int = 0
+
+    def to_feed(self) -> int:
+        """Prompts to feed now (0 once the step is done or the limit is fed)."""
+        if self.done:
+            return 0
+        missing = self.want - len(self.kept)
+        rate = (len(self.kept) + self.surplus + 1) / (self.finished + 2)
+        need = math.ceil(missing / rate) - (self.fed - self.finished)
+        return max(0, min(need, self.limit - self.fed))
+
+    def add(self, group: int, informative: bool) -> None:
+        """Record that fed group ``group`` finished, and its verdict."""
+        if group >= self.fed:
+            raise ValueError(f"group {group} finished but only {self.fed} were fed")
+        self.finished += 1
+        if not informative:
+            self.spare.append(group)
+        elif len(self.kept) < self.want:
+            self.kept.append(group)
+        else:
+            self.surplus += 1
+
+    @property
+    def done(self) -> bool:
+        return len(self.kept) == self.want or (self.fed == self.limit and self.finished == self.fed)
+
+    @property
+    def in_flight(self) -> int:
+        """Groups fed and not finished (dropped when the step ends)."""
+        return self.fed - self.finished
+
+    def picks(self) -> tuple[list[int], int]:
+        """``(groups, filled)``: the batch's ``want`` groups (fed-order indices) in batch
+        order, the informative ones in finish order, then ``filled`` uninformative ones in
+        finish order (zero advantage, as :meth:`GroupFilter.picks`)."""
+        filled = self.want - len(self.kept)
+        return self.kept + self.spare[:filled], filled
+
+    def metrics(self) -> dict[str, float]:
+        """:meth:`GroupFilter.metrics`' (``rounds`` as prompts fed / prompts_per_step),
+        and ``dynamic_sampling/dropped_in_flight``: groups fed and unfinished when the step
+        was full (dropped, partly rolled out, not in ``dropped_groups``)."""
+        filled = self.want - len(self.kept)
+        return {
+            "dynamic_sampling/rounds": self.fed / self.want,
+            "dynamic_sampling/uninformative_groups": float(len(self.spare)),
+            "dynamic_sampling/dropped_groups": float(len(self.spare) - filled + self.surplus),
+            "dynamic_sampling/dropped_in_flight": float(self.in_flight),
+            "dynamic_sampling/filled_groups": float(filled),
+            "dynamic_sampling/short": float(filled > 0),
+        }
+
+
 def selection_scores(totals: np.ndarray, components: dict[str, np.ndarray], num_generations: int) -> np.ndarray:
     """What down-sampling ranks each group's samples by, [G*K]: the total rewards, except
     in a group whose totals are all equal, which under turn credit takes the first of
@@ -187,4 +261,4 @@ def down_sample(rewards: np.ndarray, num_generations: int, keep: int, *, rule: s
     return np.concatenate(picks).astype(np.int64) if picks else np.zeros(0, np.int64)
 
 
-__all__ = ["GroupFilter", "down_sample", "group_spread", "selection_scores"]
+__all__ = ["GroupFilter", "StreamFilter", "down_sample", "group_spread", "selection_scores"]

@@ -41,8 +41,9 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.engine.parallel.rows import local_rows, to_global
-from grpo.engine.rollout.dynamic_sampling import GroupFilter, down_sample, selection_scores
-from grpo.engine.rollout.prompts import PromptSet, build_batch, position_indices, process_slice
+from grpo.engine.rollout.continuous import StreamFeeder
+from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down_sample, selection_scores
+from grpo.engine.rollout.prompts import PromptSet, bucket_for, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
 from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
 
@@ -302,9 +303,16 @@ class StepCollector:
         return train.dynamic_sampling.enabled or (
             ds.keep is not None and (ds.rule == "random" or train.advantage.credit == "turn"))
 
-    def _selected(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
-        """The step's rollout when rows are selected (dynamic sampling, down-sampling):
-        the rows trained on gathered from the rounds into the update's layout."""
+    def _streams(self) -> bool:
+        """Whether dynamic sampling streams groups (a single-turn sampler with
+        :meth:`~grpo.engine.rollout.continuous.ContinuousSampler.stream`, one process)
+        instead of rolling out rounds."""
+        return (self.config.train.dynamic_sampling.enabled and hasattr(self.sampler, "stream")
+                and not self.sampler.loss_mask and jax.process_count() == 1)
+
+    def _picked_rounds(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
+        """The batch's groups from rounds (:class:`GroupFilter`), or without dynamic
+        sampling the one round's."""
         cfg = self.config
         p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
         if cfg.train.dynamic_sampling.enabled:
@@ -329,6 +337,50 @@ class StepCollector:
             used, rows, full, per_full, metrics = [0], np.arange(rounds[0].output.tokens.shape[0]), totals[0], by_fn[0], {}
             if self._tracks_informative():
                 informative = self._informative(full, per_full, lambda: self._trained_rows(rounds[0].output))
+        tools = [r.tools for r in rounds if r.tools is not None]
+        return _Picked(
+            outs=[rounds[r].output for r in used], rows=rows, full=full, per_full=per_full, metrics=metrics,
+            informative=informative, filled=filled, reward_names=list(rounds[0].by_fn),
+            errors=functools.reduce(operator.add, (r.errors for r in rounds)),
+            generated=sum(jnp.sum(r.output.lengths) for r in rounds), seconds=sum(r.seconds for r in rounds),
+            tools=sum(tools[1:], tools[0]) if tools else None, group=rounds[0].group, drawn=p * len(rounds),
+        )
+
+    def _picked_stream(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
+        """The batch's groups streamed through the continuous engine (:class:`_Stream`)."""
+        cfg = self.config
+        p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        t0 = time.perf_counter()
+        feeder = _Stream(self, step, position)
+        rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
+        out = self.sampler.stream(params(), feeder, rng, rows=feeder.filter.limit * k, prompt_length=feeder.width,
+                                  round_rows=p * k)
+        groups, filled = feeder.filter.picks()
+        rows = np.asarray([g * k + j for g in groups for j in range(k)])
+        full = np.concatenate([feeder.scores[g][0] for g in groups])
+        per_full = {n: np.concatenate([feeder.scores[g][1][n] for g in groups]) for n in feeder.names}
+        failed = np.concatenate([feeder.scores[g][2] for g in sorted(feeder.scores)])  # every row scored
+        errors = jax.device_put(failed.sum(axis=0).astype(np.int32), self.programs.replicated)
+        group = None
+        if sample_group and feeder.order:
+            g = feeder.order[0]  # the first group to finish
+            totals, _, _, texts, lengths = feeder.scores[g]
+            group = SampleGroup(feeder.example(g), texts, totals, None, lengths, int(feeder.prompt(g)[1].sum()))
+        return _Picked(
+            outs=[out], rows=rows, full=full, per_full=per_full, metrics=feeder.filter.metrics(),
+            informative=np.arange(p) < p - filled, filled=filled, reward_names=list(feeder.names), errors=errors,
+            generated=jnp.sum(out.lengths), seconds=time.perf_counter() - t0, tools=None, group=group,
+            drawn=feeder.filter.fed,
+        )
+
+    def _selected(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
+        """The step's rollout when rows are selected (dynamic sampling, down-sampling):
+        the rows trained on gathered from the rounds (or the stream) into the update's layout."""
+        cfg = self.config
+        p = cfg.train.prompts_per_step
+        picked = (self._picked_stream if self._streams() else self._picked_rounds)(step, position, params,
+                                                                                   sample_group)
+        rows, full, per_full, metrics = picked.rows, picked.full, picked.per_full, picked.metrics
         logged = (full, per_full)
         ds = cfg.train.down_sampling
         if ds.keep is not None:
@@ -336,23 +388,106 @@ class StepCollector:
             rows, full, per_full = rows[keep], full[keep], {n: v[keep] for n, v in per_full.items()}
             metrics = {**metrics, "down_sampling/kept_reward_mean": float(np.mean(full)),
                        "down_sampling/kept_reward_std": float(np.std(full))}
-        out = self.programs.gather_rows([rounds[r].output for r in used], rows)
+        out = self.programs.gather_rows(picked.outs, rows)
         place = lambda a: jax.make_array_from_callback(a.shape, self.programs.train_sharding, lambda idx: a[idx])  # noqa: E731
-        per_group = cfg.group_size
+        per_group, filled = cfg.group_size, picked.filled
         marks = {}
-        if informative is not None:
-            marks["informative"] = place(np.repeat(informative, per_group))
+        if picked.informative is not None:
+            marks["informative"] = place(np.repeat(picked.informative, per_group))
         if filled:
             marks["filler"] = place(np.repeat(np.arange(p) >= p - filled, per_group))
-        tools = [r.tools for r in rounds if r.tools is not None]
         return StepRollout(
             output=out, rewards=place(full), rewards_by_fn={n: place(v) for n, v in per_full.items()},
-            logged_rewards=logged[0], logged_by_fn=logged[1], reward_names=list(rounds[0].by_fn),
-            reward_errors=functools.reduce(operator.add, (r.errors for r in rounds)),
-            generated_tokens=sum(jnp.sum(r.output.lengths) for r in rounds), rollout_s=sum(r.seconds for r in rounds),
-            tools=sum(tools[1:], tools[0]) if tools else None, metrics=metrics, group=rounds[0].group,
-            prompts_drawn=p * len(rounds), **marks,
+            logged_rewards=logged[0], logged_by_fn=logged[1], reward_names=picked.reward_names,
+            reward_errors=picked.errors, generated_tokens=picked.generated, rollout_s=picked.seconds,
+            tools=picked.tools, metrics=metrics, group=picked.group, prompts_drawn=picked.drawn, **marks,
         )
+
+
+@dataclasses.dataclass
+class _Picked:
+    """The groups a step's batch takes, before down-sampling: ``rows`` [P*K] host indices
+    into ``outs`` stacked, their rewards ``full`` [P*K] / ``per_full``, every process's;
+    ``informative`` [P] the groups' verdicts (None: not tracked), ``filled`` uninformative
+    groups filling a short step (last); and what the step record reports of the rollout."""
+
+    outs: list[RolloutOutput]
+    rows: np.ndarray
+    full: np.ndarray
+    per_full: dict[str, np.ndarray]
+    metrics: dict[str, float]
+    informative: np.ndarray | None
+    filled: int
+    reward_names: list[str]
+    errors: jax.Array
+    generated: jax.Array
+    seconds: float
+    tools: ToolTotals | None
+    group: SampleGroup | None
+    drawn: int
+
+
+class _Stream(StreamFeeder):
+    """A step's stream of groups (dynamic sampling on the continuous engine): feeds the
+    prompts :class:`StreamFilter` asks for, the next ones of the data order from the
+    step's position, and scores each group on the host once its K rows finished (the
+    task's reward functions, as a round's), handing the verdicts to the filter in finish
+    order (groups finishing at one boundary: in feed order). Prompt ``g`` fed is the
+    prompt at data position ``position + g``, prompt ``g % P`` of round ``g // P`` of the
+    static step: the same prompt, key and therefore tokens."""
+
+    def __init__(self, collector: StepCollector, step: int, position: int):
+        cfg = collector.config
+        self.c, self.position = collector, position
+        self.p, self.k = cfg.train.prompts_per_step, cfg.rollout.num_generations
+        self.filter = StreamFilter(want=self.p, limit=self.p * cfg.train.dynamic_sampling.max_rounds)
+        self.indices = position_indices(len(collector.prompts), start=position, count=self.filter.limit,
+                                        seed=cfg.train.seed)
+        # One width for every prompt the step may feed: a round's when they share its bucket.
+        self.width = bucket_for(max(len(collector.prompts.token_ids[i]) for i in self.indices), collector.buckets)
+        self.rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # finished row -> (tokens, mask)
+        self.scores: dict[int, tuple] = {}  # group -> (totals [K], by_fn, failed [K, F], texts, lengths)
+        self.order: list[int] = []  # groups in finish order
+        self.names: list[str] = []
+
+    def prompt(self, g: int) -> tuple[np.ndarray, np.ndarray]:
+        batch = build_batch(self.c.prompts, self.indices[g:g + 1], local=slice(None), buckets=self.c.buckets,
+                            pad_id=self.c.pad_id, width=self.width)
+        return batch.tokens[0], batch.mask[0]
+
+    def example(self, g: int) -> dict:
+        return self.c.prompts.examples[self.indices[g]]
+
+    def feed(self):
+        n = self.filter.to_feed()
+        if not n:
+            return None
+        prompts = [self.prompt(g) for g in range(self.filter.fed, self.filter.fed + n)]
+        self.filter.fed += n
+        return np.stack([t for t, _ in prompts]), np.stack([m for _, m in prompts])
+
+    def finished(self, rows, tokens, mask) -> bool:
+        k = self.k
+        for r, t, m in zip(rows, tokens, mask):
+            self.rows[int(r)] = (t, m)
+        ready = sorted(g for g in {int(r) // k for r in rows} if all(g * k + j in self.rows for j in range(k)))
+        if not ready:
+            return False
+        toks = np.stack([self.rows[g * k + j][0] for g in ready for j in range(k)])  # G*K N
+        masks = np.stack([self.rows[g * k + j][1] for g in ready for j in range(k)])
+        texts = list(self.c.sampler.detokenize(toks, masks))
+        lengths = masks.sum(axis=1)
+        examples = [self.example(g) for g in ready for _ in range(k)]
+        totals, by_fn, failed = self.c._score(examples, texts, lengths)
+        self.names = list(by_fn)
+        verdicts = self.c._informative(totals, by_fn, lambda: masks)
+        for i, g in enumerate(ready):
+            part = slice(i * k, (i + 1) * k)
+            self.scores[g] = (totals[part], {n: v[part] for n, v in by_fn.items()}, failed[part], texts[part],
+                              [int(x) for x in lengths[part]])
+            self.order.append(g)
+            self.filter.add(g, bool(verdicts[i]))
+        return self.filter.done
 
 
 def _all_rows(local: np.ndarray) -> np.ndarray:

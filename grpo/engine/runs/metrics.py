@@ -101,6 +101,8 @@ def rollout_scalars(rollout: Any, trainer_logprobs: Any) -> dict[str, Any]:
         # The completion tokens the loss trains on (multi-turn: not the environment's).
         "valid_tokens": jnp.sum(mask_f),
         "rollout/generated_tokens": rollout.generated_tokens,  # every round's completions, trained on or not
+        # What a trained token cost in rolled-out ones (dynamic sampling's rounds or stream, dropped rows included).
+        "rollout/rolled_out_per_trained_token": rollout.generated_tokens / n_valid,
     }
     return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
 
@@ -142,6 +144,7 @@ def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float
             # The objective's own metrics (named `<objective>/...`) and the mismatch correction's.
             **{k: v for k, v in update.items() if k.startswith(("mismatch/", f"{objective}/"))},
             "rollout/generated_tokens": scalars["rollout/generated_tokens"],
+            "rollout/rolled_out_per_trained_token": scalars["rollout/rolled_out_per_trained_token"],
             **extra,
             "time/train/rollout_generate_s": times["rollout"],
             "time/train/update_s": times["update"],
