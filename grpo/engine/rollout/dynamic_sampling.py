@@ -34,6 +34,11 @@ component that has a spread (:func:`selection_scores`). A subset that still trai
 all-zero advantage (turn-credit scopes cancelling on it) is counted by the trainer's
 ``down_sampling/degenerate_groups``.
 
+On the continuous engine the groups stream (:class:`StreamFilter`): prompts are fed
+while the rollout runs and each group is judged when its K samples have finished, the
+batch taking the first ``prompts_per_step`` informative ones in finish order; groups fed
+and unfinished when it is full are dropped (``dynamic_sampling/dropped_in_flight``).
+
 Every process makes the same decision from the same globally gathered rewards, so the
 picks are identical across processes; they depend on the rewards alone, so a resumed run
 (same data position, same keys) picks the same groups.

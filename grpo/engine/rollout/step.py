@@ -15,7 +15,11 @@ The collector owns everything between the data order and the update batch:
    under the configured credit, baseline and scale, are not all zero on the tokens they
    train (:func:`~grpo.engine.training.advantages.informative_groups`, computed here on
    the host with the update's own advantage functions). A short step's filler groups are
-   marked (``StepRollout.filler``): the trainer gives them exactly zero advantage.
+   marked (``StepRollout.filler``): the trainer gives them exactly zero advantage. On
+   the continuous engine the groups stream instead (:class:`_Stream`, through
+   :meth:`~grpo.engine.rollout.continuous.ContinuousSampler.stream`): prompts fed at
+   chunk boundaries, groups scored as they finish, the first informative ones in finish
+   order kept (:class:`~grpo.engine.rollout.dynamic_sampling.StreamFilter`).
 3. **Down-sampling** (PODS, ``train.down_sampling``): ``keep`` rows of each group the
    step trains on (:func:`~grpo.engine.rollout.dynamic_sampling.down_sample`), keeping
    the spread that made a group informative.

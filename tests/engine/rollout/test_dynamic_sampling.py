@@ -114,3 +114,40 @@ def test_selection_scores_rank_equal_totals_by_the_component_with_a_spread():
         assert np.ptp(every[rows[:2]]) > 0 and np.ptp(totals[rows[2:4]]) > 0
     # max_variance of the scores: one row of each prefix value.
     np.testing.assert_array_equal(down_sample(scores, 4, 2)[:2], [0, 3])
+
+
+def test_stream_filter_feeds_at_the_rate_seen_keeps_in_finish_order_and_fills_short_steps():
+    """The stream's picks against a hand count: the first feed is 2 x want (prior rate
+    1/2); later feeds cover the missing groups at the rate seen, less those in flight;
+    kept groups are the informative ones in finish order (not feed order); a step full
+    leaves the unfinished groups in flight; a short step fills with the uninformative
+    groups in finish order once the limit is fed and finished."""
+    from grpo.engine.rollout.dynamic_sampling import StreamFilter
+
+    f = StreamFilter(want=3, limit=12)
+    assert f.to_feed() == 6
+    f.fed = 6
+    for g, verdict in [(2, True), (0, False), (5, False), (1, False)]:
+        f.add(g, verdict)
+    # 1 kept of 4 finished: rate (1 + 1) / (4 + 2) = 1/3, 2 missing -> 6 needed, 2 in flight.
+    assert not f.done and f.in_flight == 2 and f.to_feed() == 4
+    f.fed = 10
+    f.add(4, True)
+    f.add(7, True)
+    assert f.done and f.to_feed() == 0 and f.in_flight == 4
+    assert f.picks() == ([2, 4, 7], 0)
+    m = f.metrics()
+    assert m["dynamic_sampling/dropped_in_flight"] == 4 and m["dynamic_sampling/dropped_groups"] == 3
+    assert m["dynamic_sampling/short"] == 0 and m["dynamic_sampling/rounds"] == 10 / 3
+
+    short = StreamFilter(want=2, limit=3)
+    assert short.to_feed() == 3  # capped at the limit
+    short.fed = 3
+    for g, verdict in [(1, False), (2, True)]:
+        short.add(g, verdict)
+    assert not short.done and short.to_feed() == 0  # the limit is fed: wait for the last group
+    short.add(0, False)
+    assert short.done and short.picks() == ([2, 1], 1)
+    assert short.metrics()["dynamic_sampling/filled_groups"] == 1 and short.metrics()["dynamic_sampling/short"] == 1
+    with pytest.raises(ValueError):
+        short.add(3, True)
