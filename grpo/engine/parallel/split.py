@@ -79,8 +79,8 @@ def async_meshes(config, devices: Sequence[jax.Device] | None = None, *, plugins
         except UserError as err:
             problems = getattr(err, "problems", None) or [str(err)]
             raise ConfigError(
-                f"train.async.rollout_devices={len(rollout)} (of {len(rollout) + len(update)} devices) gives a "
-                f"{name} mesh of {len(devs)} devices that does not fit this config "
+                f"train.async.rollout_devices={len(rollout)} (of {len(rollout) + len(update)} devices) gives "
+                f"{'an' if name == 'update' else 'a'} {name} mesh of {len(devs)} devices that does not fit this config "
                 f"(rollout.style={config.rollout.style}):", problems=problems,
             ) from None
         sides.append(MeshSide(topology=topology, layout=layout, mesh=build_mesh(layout, devs)))
