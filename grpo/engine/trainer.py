@@ -23,6 +23,8 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.engine.asynchronous import Pipeline
+from grpo.engine.asynchronous import train_step as pipeline_step
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -46,8 +48,6 @@ from grpo.engine.runs.metrics import (
 from grpo.engine.training.advantages import group_advantages, informative_groups
 from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.packing import PackedBatch, packing_stats
-from grpo.engine.training.pipeline import Pipeline
-from grpo.engine.training.pipeline import train_step as pipeline_step
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.families import family_of
 from grpo.models.lora import count_params, split_params
@@ -416,7 +416,7 @@ class Trainer:
     def train_step(self) -> dict[str, Any]:
         """One GRPO step, as the data flows: collect (roll out and score) -> advantages ->
         update batch -> optimizer steps -> metrics row (asynchronous GRPO: the
-        :mod:`~grpo.engine.training.pipeline`'s step, the rollout on its own mesh)."""
+        :mod:`~grpo.engine.asynchronous`'s step, the rollout on its own mesh)."""
         if self.pipeline is not None:
             return pipeline_step(self.pipeline)
         t0 = time.perf_counter()
