@@ -516,7 +516,9 @@ class AsyncConfig(Section):
     max_staleness: int = Field(
         1, ge=0, le=64,
         description="How many optimizer steps a sample's policy may lag the policy that trains on it; 0 = on-policy "
-        "(equal to the synchronous run). Staler samples are refused and counted.",
+        "(equal to the synchronous run). Staler samples are refused and counted. Above 0 the loss corrects with the "
+        "sampler's own log-probs (decoupled PPO): loss.mismatch, defaulted to {level: token, mode: truncate, cap: 2} "
+        "when unset.",
     )
     rollout_devices: int | None = Field(
         None, ge=1, le=1_000_000,
@@ -606,6 +608,14 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Orbax checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
+
+    @model_validator(mode="after")
+    def _async_correction(self):
+        # Asynchronous GRPO trains on samples drawn by older weights: the loss must weigh
+        # them by the sampler's own log-probs (decoupled PPO through loss.mismatch).
+        if self.train.async_.enabled and self.train.async_.max_staleness > 0 and self.loss.mismatch is None:
+            self.loss.mismatch = MismatchConfig()
+        return self
 
     @property
     def group_size(self) -> int:

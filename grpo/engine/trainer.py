@@ -23,9 +23,12 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
+from grpo.engine.asynchronous import Pipeline
+from grpo.engine.asynchronous import train_step as pipeline_step
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
+from grpo.engine.parallel.split import async_meshes
 from grpo.engine.planning.tpu import chip_of
 from grpo.engine.programs import build_programs
 from grpo.engine.rollout.conversations import Conversations
@@ -71,9 +74,15 @@ class Trainer:
         rundir.probe(run_dir)
         distributed.initialize(config.distributed)
         self.is_main = jax.process_index() == 0
-        self.topology = current_topology()
-        self.layout = resolve_layout(config, self.topology)
-        self.mesh = build_mesh(self.layout)
+        # Asynchronous GRPO: the update mesh is the trainer's; the rollout mesh its own.
+        self.meshes = async_meshes(config) if config.train.async_.enabled else None
+        if self.meshes is None:
+            self.topology = current_topology()
+            self.layout = resolve_layout(config, self.topology)
+            self.mesh = build_mesh(self.layout)
+        else:
+            side = self.meshes.update
+            self.topology, self.layout, self.mesh = side.topology, side.layout, side.mesh
         self.plugins = select_plugins(config)
         self.task = self.plugins["task"].plugin
         self.task_options = self.plugins["task"].options
@@ -108,19 +117,25 @@ class Trainer:
             tool_format=family_of(model.config).tool_call_format, timeout_s=config.rollout.tool_timeout_s,
         ) if examples else None
         # Every jitted program of a step comes from the one builder `grpo plan` compiles.
-        self.programs = build_programs(
-            config, mesh=self.mesh, layout=self.layout, graphdef=self.graphdef,
-            eos_ids=self.policy.eos_ids, pad_id=self.policy.pad_id, plugins=self.plugins,
-            arch=model.config, topology=self.topology, state=state, chip=chip_of(self.mesh.devices.flat[0]),
-            detokenize=self.policy.decode, conversations=self.conversations,
-        )
-        if self.is_main and self.programs.rollout.resharded:
-            log.info("rollout layout: %s", self.programs.rollout.describe())
+        def programs_on(mesh, layout, topology):
+            return build_programs(
+                config, mesh=mesh, layout=layout, graphdef=self.graphdef,
+                eos_ids=self.policy.eos_ids, pad_id=self.policy.pad_id, plugins=self.plugins,
+                arch=model.config, topology=topology, state=state, chip=chip_of(mesh.devices.flat[0]),
+                detokenize=self.policy.decode, conversations=self.conversations,
+            )
+
+        self.programs = programs_on(self.mesh, self.layout, self.topology)
+        # Async: the rollout's programs on the rollout mesh, from the same builder.
+        rollout_programs = self.programs if self.meshes is None else programs_on(
+            self.meshes.rollout.mesh, self.meshes.rollout.layout, self.meshes.rollout.topology)
+        if self.is_main and rollout_programs.rollout.resharded:
+            log.info("rollout layout: %s", rollout_programs.rollout.describe())
         self.opt_state = self.programs.init_opt_state(self.params)
         self.render = self._renderer()
         self.buckets = config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length)
         self.collector = StepCollector(
-            config, self.programs, self.programs.sampler(), task=self.task, task_options=self.task_options,
+            config, rollout_programs, rollout_programs.sampler(), task=self.task, task_options=self.task_options,
             prompts=tokenize_prompts(examples, self.render, self.policy.tokenizer,
                                      max_prompt_length=config.rollout.max_prompt_length,
                                      split=config.task.train_split),
@@ -146,6 +161,7 @@ class Trainer:
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
+        self.pipeline = None if self.meshes is None else Pipeline(self, rollout_programs)
 
     def _renderer(self):
         """An example's prompt text: a multi-turn task's opening messages through the chat
@@ -389,6 +405,8 @@ class Trainer:
         self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
+        if self.pipeline is not None:  # the buffered steps are re-drawn from data_position
+            self.pipeline.reset()
         if self.is_main:
             print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
         return True
@@ -397,7 +415,10 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One GRPO step, as the data flows: collect (roll out and score) -> advantages ->
-        update batch -> optimizer steps -> metrics row."""
+        update batch -> optimizer steps -> metrics row (asynchronous GRPO: the
+        :mod:`~grpo.engine.asynchronous`'s step, the rollout on its own mesh)."""
+        if self.pipeline is not None:
+            return pipeline_step(self.pipeline)
         t0 = time.perf_counter()
         rollout = self.collector.collect(
             step=self.step, position=self.data_position, params=self.policy_params,
@@ -468,6 +489,8 @@ class Trainer:
             if cfg.checkpoint.at_end and self.checkpointer.latest_step() != self.step:
                 self.save()
         finally:
+            if self.pipeline is not None:
+                self.pipeline.close()
             logger.close()
             self._logger = None
             if self._samples is not None:

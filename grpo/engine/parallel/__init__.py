@@ -4,6 +4,7 @@ batch-sharded arrays that each process owns.
 - ``mesh``: the topology of this runtime and the ``Mesh`` a mesh policy's layout asks for.
 - ``distributed``: ``jax.distributed.initialize`` from the ``distributed`` config section.
 - ``rows``: process-local rows <-> global batch-sharded arrays.
+- ``split``: the devices split into a rollout mesh and an update mesh (``train.async``).
 
 May import: ``grpo.core``, ``grpo.sharding``. Nothing else of ``grpo.engine``.
 """

@@ -1,0 +1,60 @@
+"""The device split of asynchronous GRPO: sizes and config errors naming the field."""
+
+from __future__ import annotations
+
+import jax
+import pytest
+
+from _runs import _config
+
+from grpo.core.errors import ConfigError, UserError
+from grpo.engine.parallel.split import async_meshes, split_devices
+
+
+def test_split_takes_the_first_devices_for_the_rollout():
+    devices = jax.devices()  # 8 CPU devices (conftest)
+    rollout, update = split_devices(devices, rollout_devices=None)
+    assert len(rollout) == len(update) == 4 and not set(rollout) & set(update)
+    rollout, update = split_devices(devices, rollout_devices=2)
+    assert [d.id for d in rollout] == [0, 1] and [d.id for d in update] == [2, 3, 4, 5, 6, 7]
+
+
+@pytest.mark.parametrize("n, side", [(8, "update"), (9, "update")])
+def test_a_side_without_devices_is_a_config_error(n, side):
+    with pytest.raises(ConfigError) as err:
+        split_devices(jax.devices(), rollout_devices=n)
+    assert "train.async.rollout_devices" in str(err.value) and f"{side} mesh without devices" in str(err.value)
+    assert err.value.exit_code == 2
+
+
+def test_the_field_is_bounded_below():
+    with pytest.raises(UserError, match="rollout_devices"):
+        _config(**{"train.async": {"enabled": True, "rollout_devices": 0}})
+
+
+def test_meshes_of_a_fitting_split():
+    config = _config(**{"train.prompts_per_step": 12, "train.async": {"enabled": True, "rollout_devices": 2}})
+    meshes = async_meshes(config)
+    assert meshes.rollout.mesh.devices.size == 2 and meshes.update.mesh.devices.size == 6
+    assert {d.id for d in meshes.update.mesh.devices.flat} == {2, 3, 4, 5, 6, 7}
+
+
+@pytest.mark.parametrize("rollout_devices, prompts, side", [(3, 8, "rollout"), (2, 10, "update")])
+def test_a_split_the_batch_does_not_divide_names_the_field(rollout_devices, prompts, side):
+    # 8 prompts x 2 samples = 16 rows: 3 rollout shards do not divide them; 10 x 2 = 20
+    # rows divide the rollout's 2 devices but not the update's 6.
+    config = _config(**{"train.prompts_per_step": prompts,
+                        "train.async": {"enabled": True, "rollout_devices": rollout_devices}})
+    with pytest.raises(ConfigError) as err:
+        async_meshes(config)
+    msg = str(err.value)
+    assert f"train.async.rollout_devices={rollout_devices}" in msg and f"{side} mesh of" in msg
+
+
+def test_a_split_that_does_not_fit_the_rollout_style():
+    # maxtext needs dp == process count on its mesh: an explicit dp=2 mesh cannot be laid
+    # over the rollout's devices as the style wants.
+    config = _config(**{"rollout.style": "maxtext", "mesh": {"policy": "explicit", "options": {"shape": [2, -1, 1]}},
+                        "train.async": {"enabled": True, "rollout_devices": 4}})
+    with pytest.raises(ConfigError, match=r"train.async.rollout_devices=4 .* rollout mesh"):
+        async_meshes(config)
