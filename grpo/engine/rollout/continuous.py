@@ -106,8 +106,10 @@ class ContinuousSampler(BaseSampler):
                  stop_at: Any = None) -> RolloutOutput:
         """All P*K rows through the queue; the rollout's global arrays (as the static
         sampler's). Per-call figures land in :attr:`last_stats`. ``stop_at`` [P*K]
-        (benchmarks only): each row stops once it has that many tokens."""
-        tokens, mask = _left_aligned(np.asarray(prompt_tokens), np.asarray(prompt_mask))
+        (benchmarks only): each row stops once it has that many tokens. Under several
+        processes every one runs the same host schedule on gathered prompts and chunk
+        boundaries (:func:`_on_host`), so each launches the same programs."""
+        tokens, mask = _left_aligned(*_on_host(prompt_tokens, prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
@@ -117,14 +119,13 @@ class ContinuousSampler(BaseSampler):
                               max_pages=max_pages, shards=shards)
         raw, impl = self.place_key(rng)
         if stop_at is not None:
-            stop_at = self._place(np.asarray(stop_at, np.int32), (None,))
+            stop_at = self._place(_on_host(stop_at)[0].astype(np.int32), (None,))
         state = self.start_jit(params, rows=B, pages=alloc.pages)
         sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
         chunks = slot_steps = 0
         while True:
             if sched.live():
-                done, lengths = jax.device_get((state.done, state.lengths))  # the chunk boundary's one sync
-                sched.sync(np.asarray(done), np.asarray(lengths))
+                sched.sync(*_on_host(state.done, state.lengths))  # the chunk boundary's one sync
             admitted = sched.admit()
             if admitted:
                 state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc, stop_at)
@@ -586,6 +587,22 @@ def _round_keys(rng: jax.Array, *, rows: int, round_rows: int) -> jax.Array:
         base = rng if q == 0 else jax.random.fold_in(rng, q)
         keys.append(jax.vmap(lambda i, b=base: jax.random.fold_in(b, i))(within))
     return jnp.concatenate(keys)[:rows]
+
+
+def _on_host(*arrays: Any) -> list[np.ndarray]:
+    """Each of ``arrays`` whole, as numpy, on every process: the host scheduler reads the
+    prompts and each chunk's done/lengths, and every process must run the very same
+    schedule (the programs it launches are collectives over every process's devices).
+    A global array whose shards span several processes is gathered from all of them
+    (``process_allgather``: a collective, so every process calls this at the same
+    point); numpy inputs are already every process's whole copy (evaluation's batches)."""
+    spans = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in arrays]
+    gathered = iter([])
+    if any(spans):
+        from jax.experimental import multihost_utils
+
+        gathered = iter(multihost_utils.process_allgather([x for x, s in zip(arrays, spans) if s], tiled=True))
+    return [np.asarray(next(gathered) if s else jax.device_get(x)) for x, s in zip(arrays, spans)]
 
 
 def _pow2(n: int) -> int:

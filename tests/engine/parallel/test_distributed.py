@@ -90,7 +90,11 @@ LORA = {
     "checkpoint": {"at_end": True},
     # PODS down-sampling: 4 samples of each prompt rolled out, the 2 of largest reward
     # variance trained on (rows chosen from every process's rewards, gathered across them).
-    "rollout": {"num_generations": 4},
+    # Rolled out (and evaluated) by the continuous engine: a step's 32 rows queue for 8
+    # slots, refilled every 2 decode steps; each process gathers the prompts and every
+    # chunk boundary's done/lengths, so both run the same schedule (one process x 8
+    # devices: 8 parts of the page pool of 1 slot each; maxtext's dp=2: 2 of 4).
+    "rollout": {"num_generations": 4, "engine": "continuous", "continuous": {"slots": 8, "chunk": 2}},
     # Packed (train.packing is on by default) into bins of two longest sequences (32 + 3 each).
     "train": {"down_sampling": {"keep": 2}, "packing": {"bin_length": 70}},
     # Sampled pass@3 on the 5 test prompts in batches of 3: padded to 8 prompts on one
@@ -169,7 +173,8 @@ def _export_adapters(run_dir: Path, out: Path) -> dict[str, np.ndarray]:
 def test_two_processes_match_single_process(tmp_path, example_plugin, single_process_reference, mesh, style, model):
     """2 processes x 4 devices give the single-process metrics for each mesh and rollout
     style, the update's passes packed (the same bins: each process plans them from the
-    lengths of every process's rows). The ``lora`` case trains LoRA with dropout (adapters sharded over both
+    lengths of every process's rows). The ``lora`` case rolls out with the continuous engine (its host schedule run alike
+    on both processes) and trains LoRA with dropout (adapters sharded over both
     processes' devices, per-row dropout keys, the frozen base beside them) on
     down-sampled groups (2 of 4 samples each, picked from both processes' rewards), and the
     adapters the two processes checkpointed export (PEFT) to the single-process run's, and
