@@ -1,5 +1,6 @@
-"""The continuous-batching single-turn sampler over a paged KV cache
-(``rollout.engine: continuous``).
+"""The continuous-batching sampler over a paged KV cache (``rollout.engine:
+continuous``); its multi-turn rows are
+:mod:`grpo.engine.rollout.continuous_multiturn`'s.
 
 The static :class:`~grpo.engine.rollout.sampler.Sampler` decodes all B = P*K rows of a
 step as one batch: each row keeps its decode slot and its ``prompt + max_new_tokens``
@@ -28,7 +29,7 @@ queue is empty and every slot is free. Row ``r`` draws step ``t`` from
 so the two give the same tokens (and log-probs to float rounding: attention sums the
 same keys in another order).
 
-Limits of this first version (issue 39): single-turn only; prefill runs once per row (no
+Limits of this first version (issue 39): prefill runs once per row (no
 sharing of a prompt's pages between its K samples); the pool's pages are not split per
 device (each device holds the pool of its KV heads; rows are sharded over the batch
 axes as in the static sampler); the plan's costs of this engine are the static ones.

@@ -93,6 +93,15 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
     def _stop_ids(self) -> tuple[int, ...]:
         return tuple(self.sampling.eos_ids) + self.turn_stop_ids
 
+    # The plan's cost model (grpo.engine.planning.costs) models this engine as the static
+    # one, whose multi-turn decode it sizes by these: a row's turns sample at most N tokens
+    # over at most prompt + N cached tokens (its pages at the cap).
+    def width(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def allocated(self, prompt_length: int) -> int:
+        return self.cache_slots(prompt_length)
+
     def jitted(self) -> dict[str, list[Any]]:
         return {"start": [self.start_jit], "append": [self.extend_jit], "decode": [self.decode_jit],
                 "read": [self.read_jit]}
@@ -207,7 +216,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         """The ``finished`` rows' turns read and recorded, their environments stepped and
         their replies added; each continuing row goes back to the queue with its pages,
         each ended one frees them."""
-        padded = np.zeros(_pow2(len(finished)), np.int32)
+        padded = np.zeros(sched.alloc.slots, np.int32)  # at most one row a slot: one program
         padded[: len(finished)] = finished
         tok, lp, blp, count, trunc = jax.device_get(self.read_jit(
             state.tokens, state.logprobs, state.behaviour, state.out_len, state.truncated,
@@ -232,8 +241,11 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
                 talk: _Talk, prompts: list[np.ndarray], raw: jax.Array, impl: str | None) -> SlotState:
         """The admitted ``(slot, row)`` pairs' chunks (what the row's pages lack of its
         conversation so far) written in one append program, padded to a power of two of
-        rows (padding: row -1, slot ``slots``, writing nowhere) and an
-        :func:`append_bucket` of tokens."""
+        rows, at least a quarter of the slots (padding: row -1, slot ``slots``, writing
+        nowhere; at most three row counts, each costing under a decode chunk's rows) and an
+        :func:`append_bucket` of tokens. It reads every row's whole page table (a row at
+        the cap): one program per (rows, tokens), where the decode's varies with the pages
+        too; the append's forward is over its chunk, its attention over the pages."""
         alloc = sched.alloc
         S = alloc.slots
         chunks = []
@@ -241,7 +253,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             conversation = np.concatenate([prompts[row]] + [p[0] for p in talk.pieces[row]]).astype(np.int32)
             assert len(conversation) == sched.hist_len[row], (row, len(conversation), sched.hist_len[row])
             chunks.append(conversation[int(sched.base[row]):])
-        k, n = len(admitted), min(_pow2(len(admitted)), S)
+        k, n = len(admitted), min(_pow2(max(len(admitted), S // 4)), S)
         L = append_bucket(max(map(len, chunks)))
         tok = np.full((n, L), self.sampling.pad_id, np.int32)
         real = np.zeros((n, L), np.int32)
@@ -254,9 +266,8 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             base[i], rows[i], slots[i] = sched.base[row], row, slot
         r = np.maximum(rows, 0)
         turns, caps = talk.episodes.num_turns[r].astype(np.int32), self._turn_caps(talk, r)
-        width = min(_pow2(max(len(alloc.held(s)) for s, _ in admitted)), alloc.max_pages)
-        table = np.zeros((n, width), np.int32)
-        table[:k] = alloc.table()[slots[:k], :width]
+        table = np.zeros((n, alloc.max_pages), np.int32)
+        table[:k] = alloc.table()[slots[:k]]
         place = self._place
         vec = [place(x, ("batch",)) for x in (base, rows, slots)]
         return self.extend_jit(params, state, place(tok, ("batch", "length")), place(real, ("batch", "length")),
