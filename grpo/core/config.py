@@ -286,8 +286,8 @@ class RolloutConfig(Section):
     engine: str = Field(
         "static",
         description="Rollout engine plugin name (`grpo plugins list`): static (one batch, a dense KV cache per row) "
-        "or continuous (rows queue for a fixed number of decode slots over a paged KV cache; single-turn tasks "
-        "only), or an installed engine's.",
+        "or continuous (rows queue for a fixed number of decode slots over a paged KV cache; multi-turn tasks "
+        "too), or an installed engine's.",
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the chosen rollout engine plugin (the built-in ones take none: "

@@ -25,6 +25,11 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
   (:class:`~grpo.engine.rollout.continuous.ContinuousSampler`) ``start`` (the empty page
   pool and slots), ``prefill`` (queued rows into free slots, run at chunk boundaries) and
   ``decode`` (one chunk of decode steps over the paged cache, run until every row stops);
+  for a multi-turn task on it
+  (:class:`~grpo.engine.rollout.continuous_multiturn.ContinuousMultiTurnSampler`)
+  ``start``, ``append`` (queued rows' prompts, or a turn's replies appended into the
+  row's own pages, at chunk boundaries), ``decode`` (one chunk of the slots' turns) and
+  ``read`` (the turns finished at a boundary, read for the host's environments);
 - the step's glue (:meth:`RunPrograms.step_lowerings`): ``row_sums`` (reward-error and
   tool counters over every process's rows), ``gather_rows`` (the rows trained on,
   gathered from the rounds: dynamic sampling, down-sampling), ``turn_advantages``

@@ -259,7 +259,8 @@ def program_costs(
 def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int) -> dict[str, Cost]:
     """The step's small programs, as the bytes they move per device (no matmuls): a
     multi-turn rollout's ``start`` (the prefilled cache copied into its final size) for
-    the step and an eval batch, LoRA's ``merge`` (merged sampling on the training layout:
+    the step and an eval batch (the continuous engine's multi-turn ``read`` too: the
+    turns finished at a chunk boundary, a slot's row each), LoRA's ``merge`` (merged sampling on the training layout:
     reads the base and adapters, writes the merged projections), ``row_sums`` (reward
     errors), ``gather_rows`` (the rows trained on, gathered from every round),
     ``turn_advantages``, ``to_train`` (every update-batch array resharded), LoRA
@@ -289,6 +290,9 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
             if sampler is not None:
                 rows = sampler.slots_for(prompts * k) if paged else prompts * k
                 out[name] = moved(rows / split.shards * (Lp + sampler.cache_slots(Lp)) * kv_tok)
+                if hasattr(sampler, "read_jit"):  # the continuous engine's multi-turn turn reads
+                    read = name.replace("start", "read")
+                    out[read] = moved(sampler.slots_for(prompts * k) / split.shards * N * 4 * 3)
     if programs.merged_sampling and cfg.model.lora is not None and not programs.rollout.resharded:
         out["merge"] = moved((m.weight_bytes + m.base_bytes) / (layout.fsdp * layout.tp))
     out["row_sums"] = moved(4 * rows_ro * 8)

@@ -11,8 +11,11 @@
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
 - ``paged``: the paged KV cache's host side: which pool pages each decode slot holds
   (:class:`PageAllocator`).
-- ``continuous``: the continuous-batching single-turn sampler over a paged KV cache
+- ``continuous``: the continuous-batching sampler over a paged KV cache
   (``rollout.engine: continuous``, :class:`ContinuousSampler`).
+- ``continuous_multiturn``: its multi-turn rows: a row leaves its slot at a tool call,
+  parks its pages, and its next turn is appended into them
+  (:class:`ContinuousMultiTurnSampler`).
 - ``conversations``: a multi-turn task's environments and chat rendering with tools
   (the wiring between a task plugin and the multi-turn rollout).
 - ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,

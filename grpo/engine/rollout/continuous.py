@@ -1,5 +1,6 @@
-"""The continuous-batching single-turn sampler over a paged KV cache
-(``rollout.engine: continuous``).
+"""The continuous-batching sampler over a paged KV cache (``rollout.engine:
+continuous``); its multi-turn rows are
+:mod:`grpo.engine.rollout.continuous_multiturn`'s.
 
 The static :class:`~grpo.engine.rollout.sampler.Sampler` decodes all B = P*K rows of a
 step as one batch: each row keeps its decode slot and its ``prompt + max_new_tokens``
@@ -28,7 +29,7 @@ queue is empty and every slot is free. Row ``r`` draws step ``t`` from
 so the two give the same tokens (and log-probs to float rounding: attention sums the
 same keys in another order).
 
-Limits of this first version (issue 39): single-turn only; prefill runs once per row (no
+Limits of this first version (issue 39): prefill runs once per row (no
 sharing of a prompt's pages between its K samples); the pool's pages are not split per
 device (each device holds the pool of its KV heads; rows are sharded over the batch
 axes as in the static sampler); the plan's costs of this engine are the static ones.
@@ -46,6 +47,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
+from grpo.engine.rollout._sampling import step_keys
 from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, draw
 from grpo.models.decoder import positions_from_mask
@@ -344,6 +346,10 @@ class ContinuousSampler(BaseSampler):
 
     # ------------------------------------------------------------------ programs
 
+    def _stop_ids(self) -> tuple[int, ...]:
+        """The tokens that end a row's decoding (a multi-turn sampler's turn stops too)."""
+        return tuple(self.sampling.eos_ids)
+
     def _keys(self, raw_key: jax.Array, key_impl: str | None, rows: jax.Array) -> jax.Array:
         """Each row's key ``fold_in(rng, row)`` (:func:`~grpo.engine.rollout._sampling.row_keys`),
         or with a key per row ([rows, key data]: :meth:`stream`) the row's own."""
@@ -408,14 +414,25 @@ class ContinuousSampler(BaseSampler):
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         tok, lp, blp, stopped = draw(logits, self._keys(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s,
                                      stops=eos, stop_at=_per_row(stop_at, rows))
-        out_rows = jnp.where(live, rows, B)  # padding rows write nowhere
+        st = state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
+        return self._seat(st, slots=slots, rows=rows, lengths=plen, drawn=(tok, lp, blp, stopped),
+                          done=stopped | (N <= 1))
+
+    def _seat(self, st: SlotState, *, slots: jax.Array, rows: jax.Array, lengths: jax.Array, drawn: tuple,
+              done: jax.Array) -> SlotState:
+        """``rows`` [n] (-1: padding, written nowhere) seated in ``slots`` [n] holding
+        ``lengths`` [n] tokens, with their step 0 ``drawn`` (:func:`draw`'s tokens, log-probs,
+        behaviour log-probs, stopped) as the first column of their (reset) outputs."""
+        s = self.sampling
+        tok, lp, blp, stopped = drawn
+        n = rows.shape[0]
+        B, N = st.tokens.shape
+        out_rows = jnp.where(rows >= 0, rows, B)  # padding rows write nowhere
         first = jnp.arange(N)[None, :] == 0
-        st = state
         return st._replace(
-            k=scatter(st.k, cache.k), v=scatter(st.v, cache.v),
-            row=st.row.at[slots].set(rows, mode="drop"), lengths=st.lengths.at[slots].set(plen, mode="drop"),
+            row=st.row.at[slots].set(rows, mode="drop"), lengths=st.lengths.at[slots].set(lengths, mode="drop"),
             steps=st.steps.at[slots].set(1, mode="drop"), prev=st.prev.at[slots].set(tok, mode="drop"),
-            done=st.done.at[slots].set(stopped | (N <= 1), mode="drop"),
+            done=st.done.at[slots].set(done, mode="drop"),
             tokens=st.tokens.at[out_rows].set(jnp.where(first, tok[:, None], s.pad_id), mode="drop"),
             logprobs=st.logprobs.at[out_rows].set(jnp.where(first, lp[:, None], 0.0), mode="drop"),
             mask=st.mask.at[out_rows].set(first.astype(jnp.int32).repeat(n, axis=0), mode="drop"),
@@ -426,12 +443,15 @@ class ContinuousSampler(BaseSampler):
         )
 
     def _decode_impl(self, params: Any, state: SlotState, table: jax.Array, idx: jax.Array, slot_rows: jax.Array,
-                     raw_key: jax.Array, stop_at: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
+                     raw_key: jax.Array, stop_at: jax.Array | None = None, turns: jax.Array | None = None,
+                     caps: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
         """``chunk`` decode steps of the n slots ``idx`` [n] (the host's
         :meth:`_Schedule.selection`: the live ones, padded with free ones of the same part
         of the pool; ``slot_rows`` [n] their rows, -1 free or evicted) over their page
         tables [n, W] (the W pages that cover them). Compiled per (n, W): a step costs
-        what the live rows and their live pages cost, not every slot at the cap."""
+        what the live rows and their live pages cost, not every slot at the cap.
+        Multi-turn rows (:mod:`grpo.engine.rollout.continuous_multiturn`): ``turns`` [n]
+        each slot's turn (its keys), ``caps`` [n] the most tokens of its turn (None: N)."""
         S = state.row.shape[0]
         spec = self.spec(S, state.k.shape[1])
         rows_sharding = NamedSharding(self.mesh, PartitionSpec(spec.slot_axes or None))
@@ -441,7 +461,8 @@ class ContinuousSampler(BaseSampler):
 
         inner = state._replace(row=jax.lax.with_sharding_constraint(slot_rows, rows_sharding), lengths=sub(state.lengths), steps=sub(state.steps),
                                prev=sub(state.prev), done=sub(state.done) | (slot_rows < 0))
-        inner = self._decode_chunk(params, inner, table, raw_key, stop_at, key_impl=key_impl, spec=spec)
+        inner = self._decode_chunk(params, inner, table, raw_key, stop_at, key_impl=key_impl, spec=spec, turns=turns,
+                                   caps=caps)
 
         def back(full, part):
             return jax.lax.with_sharding_constraint(full.at[idx].set(part), rows_sharding)
@@ -451,12 +472,18 @@ class ContinuousSampler(BaseSampler):
                               done=back(state.done, inner.done))
 
     def _decode_chunk(self, params: Any, state: SlotState, table: jax.Array, raw_key: jax.Array,
-                      stop_at: jax.Array | None, *, key_impl: str | None, spec: PagedSpec) -> SlotState:
-        """``chunk`` decode steps of the slots of ``state`` (per-slot fields [n])."""
+                      stop_at: jax.Array | None, *, key_impl: str | None, spec: PagedSpec, turns: jax.Array | None = None,
+                      caps: jax.Array | None = None) -> SlotState:
+        """``chunk`` decode steps of the slots of ``state`` (per-slot fields [n]; ``turns``,
+        ``caps`` as :meth:`_decode_impl`'s)."""
         s, model = self.sampling, self._model(params)
         B, N = state.tokens.shape
-        eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
+        stop_ids = self._stop_ids()
+        eos = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
         keys = self._keys(raw_key, key_impl, state.row)
+        if turns is not None:  # a multi-turn row draws turn t's steps from fold_in(its key, t)
+            keys = step_keys(keys, turns)
+        cap = N if caps is None else caps
         slot_stop = _per_row(stop_at, state.row)
 
         def step(_, st: SlotState) -> SlotState:
@@ -470,7 +497,7 @@ class ContinuousSampler(BaseSampler):
             tc = jnp.minimum(t, N - 1)
             return st._replace(
                 k=cache.k, v=cache.v, lengths=st.lengths + live, steps=t + live, prev=jnp.where(live, tok, st.prev),
-                done=st.done | stopped | (live & (t + 1 >= N)),
+                done=st.done | stopped | (live & (t + 1 >= cap)),
                 tokens=st.tokens.at[r, tc].set(tok, mode="drop"), logprobs=st.logprobs.at[r, tc].set(lp, mode="drop"),
                 mask=st.mask.at[r, tc].set(1, mode="drop"), out_len=st.out_len.at[r].add(1, mode="drop"),
                 truncated=st.truncated.at[r].set(~stopped, mode="drop"),
@@ -502,21 +529,46 @@ class _Schedule:
     def sync(self, done: np.ndarray, lengths: np.ndarray) -> None:
         """Free finished rows; grow live ones by the next chunk, evicting the latest
         admitted row of the same part of the pool while it is short."""
+        self.release_done(done, lengths)
+        self.grow_live(lengths)
+
+    def release_done(self, done: np.ndarray, lengths: np.ndarray) -> list[int]:
+        """The rows of the slots that are ``done`` leave them (:meth:`_finish`); returns them."""
+        finished = []
         for s, row in enumerate(self.slot_row):
             if row >= 0 and done[s]:
-                self._release(s)
+                finished.append(row)
+                self._finish(s, int(lengths[s]))
+        return finished
+
+    def grow_live(self, lengths: np.ndarray) -> None:
+        """Every live slot given the pages of its next chunk, oldest first, evicting while
+        its part of the pool is short (:meth:`_evict_one`)."""
         for s in sorted((s for s, r in enumerate(self.slot_row) if r >= 0), key=self.admitted_at.get):
             while self.slot_row[s] >= 0:
                 try:
                     self.alloc.grow(s, self._need(s, int(lengths[s])))
                     break
-                except PoolExhausted:  # evict the latest admitted row of this slot's part of the pool
-                    shard = self.alloc.shard(s)
-                    victim = max((v for v, r in enumerate(self.slot_row) if r >= 0 and self.alloc.shard(v) == shard),
-                                 key=self.admitted_at.get)
-                    self.queue.appendleft(self.slot_row[victim])
-                    self._release(victim)
-                    self.evictions += 1
+                except PoolExhausted:
+                    self._evict_one(self.alloc.shard(s))
+
+    def _finish(self, slot: int, length: int) -> None:
+        """A finished row leaves ``slot`` (holding ``length`` tokens): its pages are freed."""
+        self._release(slot)
+
+    def _evict_one(self, shard: int) -> None:
+        """Evict the latest admitted row of the ``shard``'s part of the pool back to the
+        head of the queue (the oldest row there always goes on: the part holds a row at
+        the cap)."""
+        victim = max((v for v, r in enumerate(self.slot_row) if r >= 0 and self.alloc.shard(v) == shard),
+                     key=self.admitted_at.get)
+        self.queue.appendleft(self.slot_row[victim])
+        self._release(victim)
+        self.evictions += 1
+
+    def _admit_length(self, row: int) -> int:
+        """Tokens ``row`` holds once prefilled (its prompt)."""
+        return int(self.prompt_len[row])
 
     def selection(self) -> tuple[np.ndarray, np.ndarray]:
         """The slots the next chunk decodes and their page tables: ``idx`` [n] (each part
@@ -546,7 +598,7 @@ class _Schedule:
             row = self.queue[0]
             self.slot_row[s] = row
             try:
-                self.alloc.grow(s, self._need(s, int(self.prompt_len[row])))
+                self.alloc.grow(s, self._need(s, self._admit_length(row)))
             except PoolExhausted:  # another shard's slot may still fit it
                 self.slot_row[s] = -1
                 continue

@@ -187,31 +187,51 @@ class _Talk:
     def record_turn(self, out: "TurnOutput", budget: np.ndarray, *, last: bool) -> list[int]:
         """Each sampling row's turn added to its transcript; the rows whose environment
         steps next (the others' episodes end here)."""
-        ep, tok_ = self.episodes, self.tokenizer
         tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
         blp = None if out.behaviour is None else local_rows(out.behaviour)
         count, ended = local_rows(out.count), local_rows(out.ended)
         stepping = []
         for r in np.flatnonzero(budget > 0):
             n = int(count[r])
-            ids = tok[r, :n]
-            self.pieces[r].append((ids, lp[r, :n], None if blp is None else blp[r, :n], True))
-            self.used[r] += n
-            ep.num_turns[r] += 1
-            raw_text = tok_.decode(ids.tolist(), skip_special_tokens=False)
-            text = tok_.decode([int(t) for t in ids if int(t) not in self.eos], skip_special_tokens=False)
-            ep.last_text[r] = text
-            ep.messages[r].append({"role": "assistant", "content": text})
-            ep.turns[r].append({"role": "assistant", "text": text, "trained": True})
-            self.context[r] += raw_text
-            stopped_eos = n > 0 and int(ids[-1]) in self.eos
-            if not ended[r] or last:
-                # Budget, slots or the turn's cap ran out mid-turn, or the last turn: no reply.
-                self.active[r] = False
-                self.truncated[r] = not stopped_eos
-                continue
-            stepping.append(int(r))
+            if self.record(int(r), tok[r, :n], lp[r, :n], None if blp is None else blp[r, :n], ended=bool(ended[r]),
+                           last=last):
+                stepping.append(int(r))
         return stepping
+
+    def record(self, r: int, ids: np.ndarray, lp: np.ndarray, blp: np.ndarray | None, *, ended: bool,
+               last: bool) -> bool:
+        """Row ``r``'s turn (its tokens, full and behaviour log-probs) added to its
+        transcript; whether its environment steps next (False: its episode ends here,
+        truncated unless the turn ended on a stop token of the sequence). ``ended``: the
+        turn stopped on a stop token; ``last``: it was the row's last allowed turn. Both
+        engines record a turn through here (the continuous one row by row, as rows finish
+        their turns at different chunk boundaries)."""
+        ep, tok_ = self.episodes, self.tokenizer
+        n = len(ids)
+        self.pieces[r].append((ids, lp, blp, True))
+        self.used[r] += n
+        ep.num_turns[r] += 1
+        raw_text = tok_.decode(ids.tolist(), skip_special_tokens=False)
+        text = tok_.decode([int(t) for t in ids if int(t) not in self.eos], skip_special_tokens=False)
+        ep.last_text[r] = text
+        ep.messages[r].append({"role": "assistant", "content": text})
+        ep.turns[r].append({"role": "assistant", "text": text, "trained": True})
+        self.context[r] += raw_text
+        stopped_eos = n > 0 and int(ids[-1]) in self.eos
+        if not ended or last:
+            # Budget, slots or the turn's cap ran out mid-turn, or the last turn: no reply.
+            self.active[r] = False
+            self.truncated[r] = not stopped_eos
+            return False
+        return True
+
+    def step(self, pool: concurrent.futures.Executor, stepping: Sequence[int]) -> list[EnvStep]:
+        """The environments of the ``stepping`` rows stepped on their last turns,
+        concurrently on ``pool`` (their wall time added to ``tools_s``)."""
+        t0 = time.perf_counter()
+        steps = list(pool.map(lambda r: safe_step(self.envs[r], self.last_text[r]), stepping))
+        self.episodes.tools_s += time.perf_counter() - t0
+        return steps
 
     def add_replies(self, stepping: list[int], steps: Sequence[EnvStep], *, room: int, slots_left: int,
                     inserted: Any) -> dict[int, list[int]]:
@@ -246,6 +266,24 @@ class _Talk:
         return appends
 
 
+def set_turns(sampler: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None, max_turn_tokens: int | None,
+              conversations: Any) -> None:
+    """The multi-turn settings of ``sampler`` (a :class:`MultiTurnSampler` or the
+    continuous engine's multi-turn sampler), checked: ``conversations``, ``max_turns``,
+    ``max_turn_tokens`` and ``turn_stop_ids`` (the conversations' own when None; never an
+    end-of-sequence id)."""
+    sampler.conversations = conversations
+    if turn_stop_ids is None:
+        turn_stop_ids = conversations.turn_stop_ids() if conversations is not None else ()
+    if max_turns < 1:
+        raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+    if max_turn_tokens is not None and max_turn_tokens < 1:
+        raise ValueError(f"max_turn_tokens must be >= 1, got {max_turn_tokens}")
+    sampler.max_turns = int(max_turns)
+    sampler.max_turn_tokens = None if max_turn_tokens is None else int(max_turn_tokens)
+    sampler.turn_stop_ids = tuple(sorted({int(t) for t in turn_stop_ids} - set(sampler.sampling.eos_ids)))
+
+
 class MultiTurnSampler(BaseSampler):
     """A sampler whose rollouts alternate model turns and environment replies.
 
@@ -264,16 +302,8 @@ class MultiTurnSampler(BaseSampler):
     def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,
                  max_turn_tokens: int | None = None, conversations: Any = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
-        self.conversations = conversations
-        if turn_stop_ids is None:
-            turn_stop_ids = conversations.turn_stop_ids() if conversations is not None else ()
-        if max_turns < 1:
-            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
-        if max_turn_tokens is not None and max_turn_tokens < 1:
-            raise ValueError(f"max_turn_tokens must be >= 1, got {max_turn_tokens}")
-        self.max_turns = int(max_turns)
-        self.max_turn_tokens = None if max_turn_tokens is None else int(max_turn_tokens)
-        self.turn_stop_ids = tuple(sorted({int(t) for t in turn_stop_ids} - set(self.sampling.eos_ids)))
+        set_turns(self, max_turns=max_turns, turn_stop_ids=turn_stop_ids, max_turn_tokens=max_turn_tokens,
+                  conversations=conversations)
         self.start_jit = jax.jit(self._start_impl)  # grows the cache: a new buffer anyway
         self.turn_jit = jax.jit(self._turn_impl, static_argnames=("key_impl",), donate_argnums=(1, 2))
         self.append_jit = jax.jit(self._append_impl, donate_argnums=(1, 2))
@@ -477,9 +507,7 @@ class MultiTurnSampler(BaseSampler):
                 talk.episodes.turn_s.append(time.perf_counter() - t0)
                 stepping = talk.record_turn(out, budget, last=turn == self.max_turns - 1)
 
-                t1 = time.perf_counter()
-                steps: list[EnvStep] = list(pool.map(lambda r: safe_step(envs[r], talk.last_text[r]), stepping))
-                talk.episodes.tools_s += time.perf_counter() - t1
+                steps = talk.step(pool, stepping)
 
                 t2 = time.perf_counter()
                 appends = talk.add_replies(stepping, steps, room=self.sampling.max_new_tokens,
@@ -534,31 +562,41 @@ class MultiTurnSampler(BaseSampler):
         return list(memo[text])
 
     def _compact(self, pre, pieces, truncated: np.ndarray) -> RolloutOutput:
-        s = self.sampling
-        b, N = len(pieces), s.max_new_tokens
-        tokens = np.full((b, N), s.pad_id, np.int32)
-        mask = np.zeros((b, N), np.int32)
-        loss_mask = np.zeros((b, N), np.int32)
-        logprobs = np.zeros((b, N), np.float32)
-        # The behaviour log-probs (top-k/top-p only; 0 on inserted tokens like the full ones).
-        behaviour = np.zeros((b, N), np.float32) if s.truncates else None
-        for r, row in enumerate(pieces):
-            at = 0
-            for ids, lp, blp, trained in row:
-                n = len(ids)
-                tokens[r, at : at + n] = ids
-                mask[r, at : at + n] = 1
-                loss_mask[r, at : at + n] = int(trained)
-                logprobs[r, at : at + n] = lp
-                if behaviour is not None and blp is not None:
-                    behaviour[r, at : at + n] = blp
-                at += n
         g = self._global
+        c = compact(pieces, sampling=self.sampling)
         return RolloutOutput(
-            prompt_tokens=pre.prompt_tokens, prompt_mask=pre.prompt_mask, tokens=g(tokens), mask=g(mask),
-            lengths=g(mask.sum(axis=1).astype(np.int32)), truncated=g(truncated), logprobs=g(logprobs),
-            loss_mask=g(loss_mask), behaviour_logprobs=None if behaviour is None else g(behaviour),
+            prompt_tokens=pre.prompt_tokens, prompt_mask=pre.prompt_mask, tokens=g(c["tokens"]), mask=g(c["mask"]),
+            lengths=g(c["mask"].sum(axis=1).astype(np.int32)), truncated=g(truncated), logprobs=g(c["logprobs"]),
+            loss_mask=g(c["loss_mask"]), behaviour_logprobs=None if c["behaviour"] is None else g(c["behaviour"]),
         )
 
 
-__all__ = ["Episodes", "MultiTurnSampler", "TurnOutput", "append_bucket"]
+def compact(pieces: Sequence[Sequence[tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]]], *,
+            sampling: Any) -> dict[str, np.ndarray | None]:
+    """Each row's pieces (:attr:`_Talk.pieces`: tokens, log-probs, behaviour log-probs,
+    trained) laid end to end, ``[turn 1, reply 1, turn 2, ...]`` + padding to N: tokens,
+    mask (every real token), loss_mask (the model's tokens), logprobs and behaviour (0 on
+    inserted tokens; behaviour None without top-k/top-p), all [b, N] (both engines'
+    output)."""
+    s = sampling
+    b, N = len(pieces), s.max_new_tokens
+    tokens = np.full((b, N), s.pad_id, np.int32)
+    mask = np.zeros((b, N), np.int32)
+    loss_mask = np.zeros((b, N), np.int32)
+    logprobs = np.zeros((b, N), np.float32)
+    behaviour = np.zeros((b, N), np.float32) if s.truncates else None
+    for r, row in enumerate(pieces):
+        at = 0
+        for ids, lp, blp, trained in row:
+            n = len(ids)
+            tokens[r, at : at + n] = ids
+            mask[r, at : at + n] = 1
+            loss_mask[r, at : at + n] = int(trained)
+            logprobs[r, at : at + n] = lp
+            if behaviour is not None and blp is not None:
+                behaviour[r, at : at + n] = blp
+            at += n
+    return {"tokens": tokens, "mask": mask, "loss_mask": loss_mask, "logprobs": logprobs, "behaviour": behaviour}
+
+
+__all__ = ["Episodes", "MultiTurnSampler", "TurnOutput", "append_bucket", "compact"]

@@ -16,6 +16,10 @@ so a device's rows find every page they read in its own part of the pool.
 The allocator is pure host Python/numpy and changes only at chunk boundaries, so the
 device never waits on it mid-chunk. It never hands out a page twice (a page belongs to at
 most one slot) and never loses one (free + held == the pool, :meth:`PageAllocator.check`).
+A multi-turn row that stops for a tool call leaves its slot but keeps its pages: they are
+*parked* under the row (:meth:`PageAllocator.park`) until its next turn takes a slot of
+the same shard (:meth:`PageAllocator.unpark`), or are dropped (:meth:`PageAllocator.drop`).
+
 Table entries past a slot's pages hold its shard's first page: a valid local index, so a
 kernel that reads a whole compute block stays in bounds; attention masks them by the row's
 length.
@@ -54,6 +58,7 @@ class PageAllocator:
             list(range((d + 1) * self.shard_pages - 1, d * self.shard_pages - 1, -1)) for d in range(shards)
         ]
         self._held: list[list[int]] = [[] for _ in range(slots)]
+        self._parked: dict[int, tuple[int, list[int]]] = {}  # owner -> (shard, pages) held outside a slot
         self.peak = 0  # most pages held at once
 
     # ------------------------------------------------------------------ queries
@@ -72,6 +77,10 @@ class PageAllocator:
 
     def held(self, slot: int) -> tuple[int, ...]:
         return tuple(self._held[slot])
+
+    def parked(self) -> dict[int, int]:
+        """Each parked owner's shard."""
+        return {owner: shard for owner, (shard, _) in self._parked.items()}
 
     def pages_for(self, tokens: int) -> int:
         """Pages that hold ``tokens`` tokens."""
@@ -111,10 +120,35 @@ class PageAllocator:
         self._held[slot] = []
         return len(pages)
 
+    def park(self, slot: int, owner: int) -> None:
+        """Move ``slot``'s pages out of the slot, held under ``owner`` (the slot is then
+        empty; the pages stay allocated, in the slot's shard)."""
+        if owner in self._parked:
+            raise ValueError(f"owner {owner} already has parked pages")
+        self._parked[owner] = (self.shard(slot), self._held[slot])
+        self._held[slot] = []
+
+    def unpark(self, owner: int, slot: int) -> None:
+        """Give ``owner``'s parked pages to the empty ``slot`` of the same shard."""
+        shard, pages = self._parked[owner]
+        if self.shard(slot) != shard or self._held[slot]:
+            raise ValueError(f"slot {slot} (shard {self.shard(slot)}, {len(self._held[slot])} pages) cannot take "
+                             f"owner {owner}'s pages of shard {shard}")
+        del self._parked[owner]
+        self._held[slot] = pages
+
+    def drop(self, owner: int) -> int:
+        """Free ``owner``'s parked pages (none: 0); returns how many."""
+        shard, pages = self._parked.pop(owner, (0, []))
+        self._free[shard].extend(reversed(pages))
+        return len(pages)
+
     def check(self) -> None:
-        """Assert the invariants: every page is either free or held by exactly one slot,
-        of the page's shard."""
-        held = [p for pages in self._held for p in pages]
+        """Assert the invariants: every page is either free or held by exactly one slot or
+        parked owner, of the page's shard."""
+        for owner, (shard, pages) in self._parked.items():
+            assert all(p // self.shard_pages == shard for p in pages), f"owner {owner} parks another shard's page"
+        held = [p for pages in self._held for p in pages] + [p for _, pages in self._parked.values() for p in pages]
         everything = held + [p for free in self._free for p in free]
         for s, pages in enumerate(self._held):
             assert all(p // self.shard_pages == self.shard(s) for p in pages), f"slot {s} holds another shard's page"

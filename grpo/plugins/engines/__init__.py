@@ -34,15 +34,23 @@ class StaticEngine(RolloutEnginePlugin):
 class ContinuousEngine(RolloutEnginePlugin):
     name = "continuous"
     description = ("Rows queue for rollout.continuous.slots decode slots over a paged KV cache, refilled at chunk "
-                   "boundaries; the static engine's samples; single-turn tasks.")
+                   "boundaries; the static engine's samples; multi-turn tasks too (a row leaves its slot at a tool "
+                   "call and its next turn is appended into its own pages).")
+    multi_turn = True
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.continuous import ContinuousSampler
+        from grpo.engine.rollout.continuous_multiturn import ContinuousMultiTurnSampler
 
-        c = context.rollout.continuous
-        return ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize,
-                                 slots=c.slots, page_size=c.page_size, pool_pages=c.pool_pages, chunk=c.chunk,
-                                 backend=c.attention, **context.sampler_kwargs)
+        r = context.rollout
+        c = r.continuous
+        paged = dict(slots=c.slots, page_size=c.page_size, pool_pages=c.pool_pages, chunk=c.chunk,
+                     backend=c.attention, **context.sampler_kwargs)
+        if context.multi_turn:
+            return ContinuousMultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
+                                              conversations=context.conversations,
+                                              max_turn_tokens=r.max_turn_tokens, **paged)
+        return ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize, **paged)
 
 
 @hookimpl

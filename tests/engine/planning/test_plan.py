@@ -443,10 +443,22 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
     assert "packed: 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
 
 
-def test_continuous_engine_refuses_a_multi_turn_task():
-    """The continuous engine is single-turn so far: a task with tools exits 2 naming
-    ``rollout.engine`` (before anything compiles)."""
-    code, out = plan(str(ROOT / "configs" / "quickstart_tools.yaml"), "--topology", "v6e-8",
-                     "--set", "rollout.engine=continuous")
-    assert code == 2 and "rollout.engine='continuous' samples single-turn tasks only" in out
-    assert "Traceback" not in out
+def test_engine_check_refuses_multi_turn_only_for_single_turn_engines():
+    """Both built-in engines sample multi-turn tasks; an engine that does not declare
+    ``multi_turn`` (the contract's default) refuses one, naming ``rollout.engine`` (the
+    run exits 2 before anything compiles)."""
+    from grpo.core.contracts import NoOptions, RolloutEnginePlugin
+    from grpo.plugins.engines import ContinuousEngine, StaticEngine
+
+    assert ContinuousEngine().check(multi_turn=True, options=NoOptions()) == []
+    assert StaticEngine().check(multi_turn=True, options=NoOptions()) == []
+
+    class SingleTurn(RolloutEnginePlugin):
+        name = "single"
+
+        def build(self, context, options):
+            raise NotImplementedError
+
+    [problem] = SingleTurn().check(multi_turn=True, options=NoOptions())
+    assert "rollout.engine='single' samples single-turn tasks only" in problem
+    assert SingleTurn().check(multi_turn=False, options=NoOptions()) == []

@@ -1,0 +1,429 @@
+"""Multi-turn rollouts on the continuous-batching engine (``rollout.engine: continuous``
+with a task that has tools or an environment).
+
+The rows are those of :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler` (the
+static engine's multi-turn sampler), and so is the host side: each row's environment,
+transcript and budgets live in the same :class:`~grpo.engine.rollout.multiturn._Talk`,
+and the output is the same compaction (:func:`~grpo.engine.rollout.multiturn.compact`).
+Only the device side differs: the rows run through the continuous engine's slots and
+page pool (:class:`~grpo.engine.rollout.continuous.ContinuousSampler`).
+
+How a row runs
+--------------
+
+1. **Turn decode**: in a decode slot, the row draws its turn as a single-turn row draws
+   its completion, stopping at an end-of-sequence or turn-stop token (a tool call's end)
+   or at its turn's budget: ``N - tokens used`` (model and inserted), and
+   ``max_turn_tokens``. Turn ``t``'s step ``i`` is drawn from
+   ``fold_in(fold_in(fold_in(rng, row), t), i)``: the static multi-turn sampler's key.
+2. **Leaving the slot** (host, at a chunk boundary): the finished row's turn is read
+   (one gather of the finished rows), recorded in its transcript, and its environment
+   steps (concurrently over the rows that finished at this boundary). The row's pages are
+   *parked* under it (:meth:`~grpo.engine.rollout.paged.PageAllocator.park`): its slot is
+   free for any row. An episode that ends frees its pages.
+3. **Append-prefill**: a continuing row goes back through the queue, ahead of rows that
+   hold no pages. At its admission it takes a free slot of its pages' part of the pool
+   and the tokens the static sampler appends (its turn's last token, never fed, then the
+   reply the chat template adds) are written *after its real tokens* in its own pages,
+   RoPE positions continuing its count of real tokens (one forward over the chunk,
+   attending to the row's pages gathered densely and, causally, to the chunk). Its next
+   turn's step 0 is drawn from the chunk's last position; it then decodes in that slot.
+   Fresh rows are admitted the same way, with their prompt as the chunk and no pages.
+
+The host takes part only at chunk boundaries; there is no per-token host sync.
+
+Eviction: a multi-turn row may be evicted like a single-turn one (its part of the pool
+short; the latest admitted row of that part first, parked rows included). It is
+**re-prefilled from what the host recorded**, not re-run from scratch: its pages are freed
+and, when admitted again, the chunk written into empty pages is the whole conversation so
+far (prompt, turns and replies, exactly the tokens its pages held); then it redraws its
+current turn from step 0 with the same keys. The environment is never stepped again (a
+tool's effects happen once, and the replies are already in the transcript), and no page
+is ever held by a row that cannot run: the oldest row of a part of the pool is never
+evicted and the part holds one row at the cap, so every row finishes.
+
+Differences from the static sampler: none in the samples (tokens equal, log-probs to
+float rounding: attention sums the same keys in another order). The static sampler also
+ends a row whose next turn or reply would not fit its shared cache slots (a write index
+shared by every row); here a row's pages hold exactly its real tokens, so only the
+budgets bind. Environments step synchronously at the boundary where their rows finish
+(the decode waits for the slowest tool of that boundary).
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import time
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from grpo.core.contracts import Environment
+from grpo.engine.rollout._sampling import step_keys
+from grpo.engine.rollout.continuous import ContinuousSampler, SlotState, _left_aligned, _pow2, _Schedule
+from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
+from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
+from grpo.engine.rollout.sampler import RolloutOutput, draw
+from grpo.models.decoder import KVCache
+
+
+class ContinuousMultiTurnSampler(ContinuousSampler):
+    """The continuous engine's multi-turn sampler: :class:`MultiTurnSampler`'s rows and
+    :meth:`sample` (``max_turns``, ``turn_stop_ids``, ``max_turn_tokens``,
+    ``conversations`` as its), over :class:`ContinuousSampler`'s slots and pages (its
+    other args)."""
+
+    loss_mask = True
+    sample = MultiTurnSampler.sample
+
+    def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,
+                 max_turn_tokens: int | None = None, conversations: Any = None, **kwargs: Any):
+        super().__init__(graphdef, **kwargs)
+        set_turns(self, max_turns=max_turns, turn_stop_ids=turn_stop_ids, max_turn_tokens=max_turn_tokens,
+                  conversations=conversations)
+        self.extend_jit = jax.jit(self._extend_impl, static_argnames=("key_impl",), donate_argnums=(1,))
+        self.read_jit = jax.jit(self._read_impl)
+
+    def generate(self, *args: Any, **kwargs: Any) -> RolloutOutput:
+        raise TypeError("a multi-turn rollout needs its environments: call sample() or converse()")
+
+    def _stop_ids(self) -> tuple[int, ...]:
+        return tuple(self.sampling.eos_ids) + self.turn_stop_ids
+
+    # The plan's cost model (grpo.engine.planning.costs) models this engine as the static
+    # one, whose multi-turn decode it sizes by these: a row's turns sample at most N tokens
+    # over at most prompt + N cached tokens (its pages at the cap).
+    def width(self) -> int:
+        return self.sampling.max_new_tokens
+
+    def allocated(self, prompt_length: int) -> int:
+        return self.cache_slots(prompt_length)
+
+    def jitted(self) -> dict[str, list[Any]]:
+        return {"start": [self.start_jit], "append": [self.extend_jit], "decode": [self.decode_jit],
+                "read": [self.read_jit]}
+
+    def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
+        rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
+        S = self.slots_for(rows)
+        pages = self.shards(S) * self.pool_size(prompt_length, S // self.shards(S))
+        L = append_bucket(prompt_length + self.sampling.max_new_tokens)  # the widest chunk: a re-prefill
+
+        def state():
+            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages), params)
+
+        def append():
+            raw, impl = self._abstract_key(key)
+            vec = self._rows(S)
+            return self.extend_jit.lower(params, state(), self._rows(S, L), self._rows(S, L), vec, vec,
+                                         vec, self._rows(S, maxp), vec, vec, raw, key_impl=impl)
+
+        def decode():
+            raw, impl = self._abstract_key(key)
+            vec = self._rows(S)
+            return self.decode_jit.lower(params, state(), self._rows(S, maxp), vec, vec, raw, None, vec, vec,
+                                         key_impl=impl)
+
+        def read():
+            st = state()
+            return self.read_jit.lower(st.tokens, st.logprobs, st.behaviour, st.out_len, st.truncated, self._rows(S))
+
+        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages), "append": append,
+                "decode": decode, "read": read}
+
+    # ------------------------------------------------------------------ the host loop
+
+    def converse(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array, *,
+                 envs: Sequence[Environment], openings: Sequence[list[dict[str, Any]]], render: Render,
+                 tokenizer: Any, workers: int = 32) -> tuple[RolloutOutput, Episodes]:
+        """:meth:`MultiTurnSampler.converse`'s rollout (same arguments, same output) through
+        the slots and pages (see the module docstring). One process only: the host reads
+        every row's prompt."""
+        if jax.process_count() != 1:
+            raise ValueError("the continuous engine's multi-turn rollout runs on one process")
+        tokens, mask = _left_aligned(np.asarray(prompt_tokens), np.asarray(prompt_mask))
+        K, N = self.sampling.num_generations, self.sampling.max_new_tokens
+        tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
+        B, Lp = tokens.shape
+        if len(envs) != B:
+            raise ValueError(f"{len(envs)} environments for {B} rows")
+        S = self.slots_for(B)
+        shards = self.shards(S)
+        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
+                              max_pages=self.max_pages(Lp), shards=shards)
+        raw, impl = self.place_key(rng)
+        state = self.start_jit(params, rows=B, pages=alloc.pages)
+        talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
+        prompts = [tokens[r][mask[r] == 1] for r in range(B)]
+        sched = _TurnSchedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
+        chunks = slot_steps = 0
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, B)))
+        try:
+            while True:
+                if sched.live():
+                    done, lengths = (np.asarray(x) for x in jax.device_get((state.done, state.lengths)))
+                    finished = sched.release_done(done, lengths)
+                    if finished:
+                        self._end_turns(state, finished, talk, sched, pool)
+                    sched.grow_live(lengths)
+                admitted = sched.admit()
+                if admitted:
+                    t0 = time.perf_counter()
+                    state = self._extend(params, state, admitted, sched, talk, prompts, raw, impl)
+                    talk.episodes.append_s += time.perf_counter() - t0
+                if not sched.live():
+                    break
+                state, n = self._decode_turns(params, state, sched, talk, raw, impl)
+                chunks += 1
+                slot_steps += n * self.chunk_steps
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+        assert not sched.queue and not sched.returning and alloc.held_pages == 0, "a row was left behind"
+        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
+                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
+                           "prefills": sched.prefills, "slot_steps": slot_steps}
+        c, place = compact(talk.pieces, sampling=self.sampling), self._put
+
+        def rows(x):
+            return place(x, ("batch", "length"))
+
+        out = RolloutOutput(
+            prompt_tokens=rows(tokens), prompt_mask=rows(mask), tokens=rows(c["tokens"]), mask=rows(c["mask"]),
+            lengths=place(c["mask"].sum(axis=1).astype(np.int32), ("batch",)),
+            truncated=place(talk.truncated, ("batch",)), logprobs=rows(c["logprobs"]), loss_mask=rows(c["loss_mask"]),
+            behaviour_logprobs=None if c["behaviour"] is None else rows(c["behaviour"]),
+        )
+        return out, talk.episodes
+
+    def _put(self, x: np.ndarray, names: Sequence[str]) -> jax.Array:
+        """A host array on the mesh in its rollout sharding, its dtype kept."""
+        data = np.asarray(x)
+        return jax.make_array_from_callback(data.shape, self.sharding(data.shape, names), lambda idx: data[idx])
+
+    def _turn_caps(self, talk: _Talk, rows: np.ndarray) -> np.ndarray:
+        """Most tokens of each row's current turn (the static sampler's budget: what is
+        left of N, at most ``max_turn_tokens``)."""
+        caps = self.sampling.max_new_tokens - talk.used[rows]
+        if self.max_turn_tokens is not None:
+            caps = np.minimum(caps, self.max_turn_tokens)
+        return caps.astype(np.int32)
+
+    def _end_turns(self, state: SlotState, finished: list[int], talk: _Talk, sched: "_TurnSchedule",
+                   pool: concurrent.futures.Executor) -> None:
+        """The ``finished`` rows' turns read and recorded, their environments stepped and
+        their replies added; each continuing row goes back to the queue with its pages,
+        each ended one frees them."""
+        padded = np.zeros(sched.alloc.slots, np.int32)  # at most one row a slot: one program
+        padded[: len(finished)] = finished
+        tok, lp, blp, count, trunc = jax.device_get(self.read_jit(
+            state.tokens, state.logprobs, state.behaviour, state.out_len, state.truncated,
+            self._place(padded, ("batch",))))
+        stepping = []
+        for i, r in enumerate(finished):
+            n = int(count[i])
+            last = int(talk.episodes.num_turns[r]) == self.max_turns - 1
+            if talk.record(r, np.asarray(tok[i, :n]), np.asarray(lp[i, :n]), None if blp is None else blp[i, :n],
+                           ended=not bool(trunc[i]), last=last):
+                stepping.append(r)
+        steps = talk.step(pool, stepping)
+        N = self.sampling.max_new_tokens
+        appends = talk.add_replies(stepping, steps, room=N, slots_left=N, inserted=MultiTurnSampler._inserted)
+        for r in finished:
+            if r in appends:
+                sched.resume(r, int(sched.base[r]) + len(appends[r]))
+            else:
+                sched.close(r)
+
+    def _extend(self, params: Any, state: SlotState, admitted: list[tuple[int, int]], sched: "_TurnSchedule",
+                talk: _Talk, prompts: list[np.ndarray], raw: jax.Array, impl: str | None) -> SlotState:
+        """The admitted ``(slot, row)`` pairs' chunks (what the row's pages lack of its
+        conversation so far) written in one append program, padded to a power of two of
+        rows, at least a quarter of the slots (padding: row -1, slot ``slots``, writing
+        nowhere; at most three row counts, each costing under a decode chunk's rows) and an
+        :func:`append_bucket` of tokens. It reads every row's whole page table (a row at
+        the cap): one program per (rows, tokens), where the decode's varies with the pages
+        too; the append's forward is over its chunk, its attention over the pages."""
+        alloc = sched.alloc
+        S = alloc.slots
+        chunks = []
+        for _, row in admitted:
+            conversation = np.concatenate([prompts[row]] + [p[0] for p in talk.pieces[row]]).astype(np.int32)
+            assert len(conversation) == sched.hist_len[row], (row, len(conversation), sched.hist_len[row])
+            chunks.append(conversation[int(sched.base[row]):])
+        k, n = len(admitted), min(_pow2(max(len(admitted), S // 4)), S)
+        L = append_bucket(max(map(len, chunks)))
+        tok = np.full((n, L), self.sampling.pad_id, np.int32)
+        real = np.zeros((n, L), np.int32)
+        real[k:, 0] = 1  # a padding row's query sees one key (never NaN)
+        base = np.zeros(n, np.int32)
+        rows = np.full(n, -1, np.int32)
+        slots = np.full(n, S, np.int32)
+        for i, ((slot, row), ch) in enumerate(zip(admitted, chunks)):
+            tok[i, : len(ch)], real[i, : len(ch)] = ch, 1
+            base[i], rows[i], slots[i] = sched.base[row], row, slot
+        r = np.maximum(rows, 0)
+        turns, caps = talk.episodes.num_turns[r].astype(np.int32), self._turn_caps(talk, r)
+        table = np.zeros((n, alloc.max_pages), np.int32)
+        table[:k] = alloc.table()[slots[:k]]
+        place = self._place
+        vec = [place(x, ("batch",)) for x in (base, rows, slots)]
+        return self.extend_jit(params, state, place(tok, ("batch", "length")), place(real, ("batch", "length")),
+                               *vec, place(table, ("batch", None)), place(turns, ("batch",)),
+                               place(caps, ("batch",)), raw, key_impl=impl)
+
+    def _decode_turns(self, params: Any, state: SlotState, sched: "_TurnSchedule", talk: _Talk, raw: jax.Array,
+                      impl: str | None) -> tuple[SlotState, int]:
+        """One chunk of the live slots' turns; the state and the slots decoded."""
+        idx, table = sched.selection()
+        slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
+        r = np.maximum(slot_rows, 0)
+        turns, caps = talk.episodes.num_turns[r].astype(np.int32), self._turn_caps(talk, r)
+        place = self._place
+        state = self.decode_jit(params, state, place(table, ("batch", None)), place(idx, ("batch",)),
+                                place(slot_rows, ("batch",)), raw, None, place(turns, ("batch",)),
+                                place(caps, ("batch",)), key_impl=impl)
+        return state, len(idx)
+
+    # ------------------------------------------------------------------ programs
+
+    @staticmethod
+    def _read_impl(tokens, logprobs, behaviour, out_len, truncated, rows):
+        """The turn outputs of ``rows`` [n] (the rows that finished a turn)."""
+        return (tokens[rows], logprobs[rows], None if behaviour is None else behaviour[rows], out_len[rows],
+                truncated[rows])
+
+    def _extend_impl(self, params: Any, state: SlotState, tokens: jax.Array, real: jax.Array, base: jax.Array,
+                     rows: jax.Array, slots: jax.Array, table: jax.Array, turns: jax.Array, caps: jax.Array,
+                     raw_key: jax.Array, *, key_impl: str | None) -> SlotState:
+        """The append-prefill: each of n rows' ``tokens`` [n, L] (``real`` ones first,
+        then padding) written after the ``base`` [n] tokens already in its pages (page table
+        ``table`` [n, W], covering the tokens written), at RoPE positions ``base + i``; one
+        forward attends to the row's W pages (gathered densely, masked by ``base``) and
+        causally to the chunk. The row is seated in ``slots`` [n] with its turn ``turns``'s
+        step 0 drawn from the chunk's last real position (the turn at most ``caps`` [n])."""
+        model = self._model(params)
+        real = real != 0
+        n, L = tokens.shape
+        P, ps = state.k.shape[2], state.k.shape[3]
+        W = table.shape[1]
+        D = W * ps  # the gathered pages' tokens: dense slots [0, D); the chunk at [D, D + L)
+
+        def gather(pool):  # pool [Ly, KH, P, ps, E] -> dense [Ly, n, D, KH, E]
+            g = pool[:, :, table]  # Ly KH n W ps E
+            return g.transpose(0, 2, 3, 4, 1, 5).reshape(g.shape[0], n, D, g.shape[1], g.shape[-1])
+
+        empty = model.init_cache(n, D + L, dtype=state.k.dtype)
+        cache = KVCache(k=empty.k.at[:, :, :D].set(gather(state.k)), v=empty.v.at[:, :, :D].set(gather(state.v)))
+        m = real.sum(axis=1).astype(jnp.int32)  # n
+        kv = jnp.concatenate([jnp.arange(D)[None, :] < base[:, None], real], axis=1)  # n D+L
+        positions = base[:, None] + jnp.cumsum(real, axis=1).astype(jnp.int32) - 1  # n L
+        hidden, cache = model(tokens, positions, kv, cache=cache, write_index=D)
+        h = jnp.take_along_axis(hidden, jnp.maximum(m - 1, 0)[:, None, None], axis=1)  # n 1 H
+        logits = model.logits(h)[:, 0, :]  # n V
+        live = rows >= 0
+        # Chunk token i of a row is its token base + i: page table[(base + i) // ps], offset (base + i) % ps.
+        at = base[:, None] + jnp.arange(L, dtype=jnp.int32)[None, :]  # n L
+        page = jnp.take_along_axis(table, jnp.minimum(at // ps, W - 1), axis=1)
+        page = jnp.where(live[:, None] & real, page, P)  # out of range: dropped
+
+        def scatter(pool, dense):  # dense [Ly, n, D+L, KH, E] -> the chunk into pool [Ly, KH, P, ps, E]
+            return pool.at[:, :, page, at % ps].set(dense[:, :, D:].transpose(0, 3, 1, 2, 4).astype(pool.dtype),
+                                                    mode="drop")
+
+        stops = jnp.asarray(self._stop_ids(), jnp.int32)
+        keys = step_keys(self._keys(raw_key, key_impl, rows), turns)
+        drawn = draw(logits, keys, jnp.int32(0), live, sampling=self.sampling, stops=stops)
+        st = state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
+        return self._seat(st, slots=slots, rows=rows, lengths=base + m, drawn=drawn, done=drawn[3] | (caps <= 1))
+
+
+class _TurnSchedule(_Schedule):
+    """:class:`_Schedule` for multi-turn rows: a row that finishes a turn parks its pages
+    (:meth:`_finish`); if its episode goes on (:meth:`resume`) it waits in ``returning``,
+    admitted before the queue into a free slot of its pages' part of the pool; eviction
+    takes the latest admitted row of the part, parked or in a slot, and frees its pages
+    (it is then re-prefilled from its conversation)."""
+
+    def __init__(self, alloc: PageAllocator, *, prompt_len: np.ndarray, cap: int, chunk: int):
+        super().__init__(alloc, prompt_len=prompt_len, cap=cap, chunk=chunk)
+        self.hist_len = self.prompt_len.copy()  # [B] tokens of each row's conversation so far
+        self.base = np.zeros(len(self.prompt_len), np.int64)  # [B] of them already in its pages
+        self.returning: collections.deque[int] = collections.deque()
+        self.age: dict[int, int] = {}  # a parked row -> its admission counter
+
+    def _admit_length(self, row: int) -> int:
+        return int(self.hist_len[row])
+
+    def _finish(self, slot: int, length: int) -> None:
+        row = self.slot_row[slot]
+        self.age[row] = self.admitted_at.pop(slot)
+        self.alloc.park(slot, row)
+        self.base[row] = length
+        self.slot_row[slot] = -1
+
+    def close(self, row: int) -> None:
+        """``row``'s episode ended: its pages go back."""
+        self.alloc.drop(row)
+        self.age.pop(row, None)
+
+    def resume(self, row: int, length: int) -> None:
+        """``row`` goes on to its next turn, its conversation now ``length`` tokens."""
+        self.hist_len[row] = length
+        self.returning.append(row)
+
+    def _evict_one(self, shard: int) -> None:
+        parked = self.alloc.parked()
+        held = [(self.admitted_at[s], s, r) for s, r in enumerate(self.slot_row)
+                if r >= 0 and self.alloc.shard(s) == shard]
+        held += [(self.age[r], -1, r) for r in self.returning if parked.get(r) == shard]
+        _, slot, row = max(held)
+        if slot >= 0:
+            self._release(slot)
+        else:
+            self.returning.remove(row)
+            self.alloc.drop(row)
+            self.age.pop(row)
+        self.base[row] = 0
+        self.queue.appendleft(row)
+        self.evictions += 1
+
+    def admit(self) -> list[tuple[int, int]]:
+        """Returning rows first (each into a free slot of its part, given its chunk's and
+        next chunk's pages), then the queue's (:meth:`_Schedule.admit`)."""
+        admitted = []
+        for row in list(self.returning):
+            if row in self.returning:
+                slot = self._seat_returning(row)
+                if slot is not None:
+                    admitted.append((slot, row))
+        prefills = self.prefills
+        admitted += super().admit()
+        self.prefills = prefills + bool(admitted)
+        return admitted
+
+    def _seat_returning(self, row: int) -> int | None:
+        """A free slot of ``row``'s part of the pool with its parked pages grown for the
+        next chunk (evicting while short); None: no free slot there yet, or it was
+        evicted itself (it then waits in the queue, its pages freed)."""
+        a = self.alloc
+        shard = a.parked()[row]
+        free = [s for s in range(shard * a.shard_slots, (shard + 1) * a.shard_slots) if self.slot_row[s] < 0]
+        if not free:
+            return None
+        slot = free[0]
+        self.returning.remove(row)
+        a.unpark(row, slot)
+        self.slot_row[slot], self.admitted_at[slot] = row, self.age.pop(row)
+        while self.slot_row[slot] == row:
+            try:
+                a.grow(slot, self._need(slot, int(self.hist_len[row])))
+                return slot
+            except PoolExhausted:
+                self._evict_one(shard)
+        return None
+
+
+__all__ = ["ContinuousMultiTurnSampler"]
