@@ -124,7 +124,8 @@ def plot(run_dir, output) -> None:
               help="TPU pod: v6e-8, v6e-16, v6e-64, v5e-8, v5p-8, v4-8, ... or a raw topology such as v6e:2x4.")
 @_set_option
 @click.option("--search", "search_field", metavar="FIELD",
-              help="Find the largest value that fits: train.micro_batch_size or train.prompts_per_step.")
+              help="Find the largest value that fits: train.micro_batch_size or train.prompts_per_step; or the best "
+              "asynchronous split: train.async.rollout_devices.")
 @click.option("--hbm-limit", type=click.FloatRange(min=0, min_open=True), metavar="GIB",
               help="Plan against this much HBM per chip (GiB) instead of all of it, to keep headroom.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object.")
@@ -167,6 +168,8 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
         result = search(config_path, list(overrides), search_field, planner, lengths=profile)
         report = dict(result["plan"])
         report["search"] = {k: result[k] for k in ("field", "max_fitting", "tried")}
+        if "best" in result:
+            report["search"]["best"] = result["best"]
     else:
         report = planner.plan(config, profile)
     if as_json:
@@ -175,5 +178,9 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
     click.echo(format_report(report))
     if search_field:
         s = report["search"]
+        if "best" in s:
+            tried = ", ".join(f"{v}: {r:.2f} s" if isinstance(r, float) else f"{v}: {r}" for v, r in s["tried"])
+            click.echo(f"search {s['field']}: best split = {s['best']} (pipelined step per split: {tried})")
+            return
         tried = ", ".join(f"{v}: {'fits' if ok else 'no'}" for v, ok in s["tried"])
         click.echo(f"search {s['field']}: largest that fits = {s['max_fitting']} (tried {tried})")

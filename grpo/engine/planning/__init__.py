@@ -9,7 +9,12 @@ have, and what they need (memory per chip, fit, roofline).
 - ``profiles``: completion-length profiles (``--lengths``): built-in, a file of lengths, a
   run's ``samples.jsonl``.
 - ``packed``: the packed bins of a profile's steps and the packed passes' costs.
-- ``search``: ``--search``, the largest value of a field whose plan fits.
+- ``engine``: the continuous rollout engine's figures: its simulated schedule's roofline,
+  concurrent rows, the largest pool that fits, the steady state per valid token.
+- ``pipeline``: asynchronous GRPO (``train.async``): the split, the weight sync and the
+  pipelined step.
+- ``search``: ``--search``, the largest value of a field whose plan fits (or the best
+  asynchronous split).
 - ``report``: the attention each program runs, and the report as text.
 - ``tpu``: the TPU compiler's topologies (libtpu) and the chip table.
 - ``hlo``: the collectives of a compiled program's optimized HLO text (communication).

@@ -222,11 +222,35 @@ def program_costs(
     """
     cfg = programs.config
     m = _model(arch, cfg, chip)
-    ro = programs.rollout
     if programs.multi_turn and append_length is None:
         raise ValueError("a multi-turn rollout's costs need append_length (its largest append bucket)")
     P, Lp = programs.abstract_rollout_inputs()["prompt_tokens"].shape
-    split = _RolloutSplit(
+    split = _rollout_split(programs, arch, m, rollout_weight_bytes, append_length)
+    out: dict[str, Cost] = {}
+    names = ("prefill", "decode", "append")
+    out.update(zip(names, _rollout_costs(m, programs, split, P, cfg.rollout.num_generations, programs.sampler())))
+    if cfg.eval.every_n_steps > 0:
+        # One eval batch, padded as the Evaluator pads it (padding rows cost like real ones).
+        eval_names = ("eval_prefill", "eval_decode", "eval_append")
+        out.update(zip(eval_names, _rollout_costs(m, programs, split, programs.eval_batch()[1], cfg.eval.k,
+                                                  programs.eval_sampler())))
+    if programs.rollout.resharded:
+        # The once-per-step reshard reads the training shard and writes the rollout copy.
+        nbytes = (rollout_weight_bytes or 0) + train_state_bytes
+        out["reshard"] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
+    rows = P * cfg.group_size / (programs.layout.dp * programs.layout.fsdp)  # the update's rows per device
+    out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
+                                                        max_new_tokens=cfg.rollout.max_new_tokens)))
+    out.update(_glue_costs(m, programs, split, P, Lp))
+    return out
+
+
+def _rollout_split(programs: Any, arch: Any, m: _Model, rollout_weight_bytes: float | None,
+                   append_length: int | None) -> _RolloutSplit:
+    """How ``programs``' rollout splits over the chips."""
+    ro = programs.rollout
+    Lp = programs.abstract_rollout_inputs()["prompt_tokens"].shape[1]
+    return _RolloutSplit(
         prompt_length=Lp,
         shards=math.prod(ro.mesh.shape[a] for a in programs.batch_axes),
         # The rollout's weights per chip: on the training layout all of them (FSDP gathers
@@ -237,23 +261,6 @@ def program_costs(
         weights=rollout_weight_bytes if rollout_weight_bytes is not None else m.weight_bytes,
         append_length=append_length if programs.multi_turn else None,
     )
-    out: dict[str, Cost] = {}
-    names = ("prefill", "decode", "append")
-    out.update(zip(names, _rollout_costs(m, programs, split, P, cfg.rollout.num_generations, programs.sampler())))
-    if cfg.eval.every_n_steps > 0:
-        # One eval batch, padded as the Evaluator pads it (padding rows cost like real ones).
-        eval_names = ("eval_prefill", "eval_decode", "eval_append")
-        out.update(zip(eval_names, _rollout_costs(m, programs, split, programs.eval_batch()[1], cfg.eval.k,
-                                                  programs.eval_sampler())))
-    if ro.resharded:
-        # The once-per-step reshard reads the training shard and writes the rollout copy.
-        nbytes = (rollout_weight_bytes or 0) + train_state_bytes
-        out["reshard"] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
-    rows = P * cfg.group_size / (programs.layout.dp * programs.layout.fsdp)  # the update's rows per device
-    out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
-                                                        max_new_tokens=cfg.rollout.max_new_tokens)))
-    out.update(_glue_costs(m, programs, split, P, Lp))
-    return out
 
 
 def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int) -> dict[str, Cost]:
@@ -388,6 +395,17 @@ def packed_work(*, bins: float, bin_length: int, square_sum: float, segment_atte
     return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=bins * bin_length)
 
 
+def rollout_figures(programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None) -> dict[str, Any]:
+    """What a rollout pass costs a chip, as :func:`program_costs` counts it: the weights it
+    reads, its matmul split ``tp``, the KV heads' split, the rollout's batch shards, the
+    compute dtype's bytes, LoRA adapter parameters and the chip's peak FLOP/s (f32: a third)
+    and HBM bandwidth (what :mod:`grpo.engine.planning.engine` costs a schedule with)."""
+    m = _model(arch, programs.config, chip)
+    sp = _rollout_split(programs, arch, m, rollout_weight_bytes, None)
+    return {"weight_bytes": sp.weights, "tp": sp.tp, "kv_split": sp.kv_split, "shards": sp.shards, "itemsize": m.w,
+            "adapters": m.na, "peak": m.peak, "bw": m.bw, "prompt_length": sp.prompt_length}
+
+
 def training_costs(programs: Any, arch: Any, chip: Any, work: TrainingWork) -> dict[str, Cost]:
     """The passes over a step's batch (:func:`_training_costs`) for ``work``: what a plan
     under a length profile counts for the packed layout."""
@@ -503,5 +521,5 @@ def communication(collectives: list[Any] | None, hlo_source: str | None, cost: C
     return out
 
 
-__all__ = ["Cost", "DecodeStep", "TrainingWork", "packed_work", "padded_work", "training_costs", "communication", "decode_step_cost", "decode_step_estimate", "kv_bytes_per_slot",
+__all__ = ["Cost", "DecodeStep", "rollout_figures", "TrainingWork", "packed_work", "padded_work", "training_costs", "communication", "decode_step_cost", "decode_step_estimate", "kv_bytes_per_slot",
            "matmul_params", "program_costs"]

@@ -169,36 +169,39 @@ ROLLOUT_LAYOUT_ONLY = ("rollout.style", "rollout.options")
 EVAL_ONLY = ("train", "rollout.num_generations", "loss", "checkpoint", "logging", "name")
 
 
-def engine_report(s: Any, lengths: LengthProfile | None) -> dict[str, Any]:
-    """The continuous engine's section of a plan: its page pool per device and, under a
-    length profile, one step's rows drawn from it (:func:`~grpo.engine.planning.profiles.draw`,
-    seed 0) run through the engine's own host scheduler
-    (:meth:`~grpo.engine.rollout.continuous.ContinuousSampler.simulate`): the sequential
-    decode steps and the slot-steps it computes, against the static engine's (every row
-    decodes until the longest stops, in whole ``early_stop_chunk`` chunks)."""
-    from grpo.engine.planning.profiles import draw
-    from grpo.engine.rollout.sampler import effective_chunk
+ROLLOUT_SIDE = ("start", "prefill", "decode", "append")  # an asynchronous rollout mesh's programs
+TRAINING_SIDE = ("reference", "policy_logprobs", "update")  # an asynchronous update mesh's programs
 
-    config, sampler = s.config, s.sampler
-    P, Lp = s.inputs["prompt_tokens"].shape
-    rows, N = P * config.rollout.num_generations, config.rollout.max_new_tokens
-    out: dict[str, Any] = {"engine": config.rollout.engine, "pool_bytes_per_device": s.state["kv_cache"],
-                           "slots": sampler.slots_for(rows), "page_size": sampler.page_size}
-    if lengths is None:
-        return out
-    prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
-    sim = sampler.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp)
-    C = effective_chunk(N, config.rollout.early_stop_chunk)
-    static_steps = -(-(int(completions.max()) - 1) // C) * C if C else N - 1
-    out.update({
-        "valid_tokens": int(completions.sum()),
-        "decode_steps": sim["chunks"] * sim["chunk"], "slot_steps": sim["slot_steps"], "chunks": sim["chunks"],
-        "prefills": sim["prefills"], "evictions": sim["evictions"], "peak_pages": sim["peak_pages"],
-        "pool_pages": sim["pool_pages"],
-        "peak_pool_bytes_per_device": s.state["kv_cache"] * sim["peak_pages"] // max(sim["pool_pages"], 1),
-        "static_decode_steps": static_steps, "static_slot_steps": static_steps * rows,
-    })
-    return out
+
+def synchronous(config: RunConfig) -> RunConfig:
+    """``config`` with ``train.async`` off: what each side of an asynchronous split runs
+    (and the synchronous plan it is compared with)."""
+    train = config.train.model_copy(update={"async_": config.train.async_.model_copy(update={"enabled": False,
+                                                                                            "rollout_devices": None})})
+    return config.model_copy(update={"train": train})
+
+
+def synchronous_step(report: dict[str, Any]) -> float:
+    """One synchronous step's roofline: packed under a length profile, with the continuous
+    engine's simulated prefill and decode in place of the cap's."""
+    step = report["packing"]["roofline_step_packed_s"] if report.get("packing") else report["roofline_step_s"]
+    en = report.get("rollout_engine") or {}
+    if "decode_roofline_s" in en:
+        p = report["programs"]
+        step += en["decode_roofline_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_s"] - p["prefill"]["roofline_s"]
+    return step
+
+
+def engine_report(s: Any, lengths: LengthProfile | None, *, chip: Any = None, hbm: int | None = None,
+                  entries: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The continuous engine's section of a plan of subject ``s``
+    (:func:`grpo.engine.planning.engine.engine_section`; ``chip`` defaults to a v6e)."""
+    from grpo.engine.planning.engine import engine_section
+    from grpo.engine.planning.tpu import CHIPS
+
+    chip = chip or CHIPS["v6e"]
+    return engine_section(s, lengths, chip=chip, hbm=hbm or chip.hbm_bytes, entries=entries or {},
+                          rollout_weight_bytes=s.state["rollout_parameters"] if s.programs.rollout.resharded else None)
 
 
 def cache_key(config: RunConfig, name: str, exclude: tuple[str, ...]) -> tuple:
@@ -484,7 +487,14 @@ class Planner:
 
     def plan(self, config: RunConfig, lengths: LengthProfile | None = None) -> dict[str, Any]:
         """The plan of ``config`` (the report ``grpo plan --json`` prints); with a length
-        profile also its ``packing`` section (:meth:`packing`)."""
+        profile also its ``packing`` section (:meth:`packing`); with ``train.async.enabled``
+        the synchronous plan and its ``async`` section (:meth:`plan_async`)."""
+        if config.train.async_.enabled:
+            sync = synchronous(config)
+            report = self.plan(sync, lengths)
+            report["async"] = self.plan_async(sync, lengths, report,
+                                              rollout_devices=config.train.async_.rollout_devices)
+            return report
         s = self.subject(config)
         results: list[ProgramResult] = []
         for name, lower, key, takes in self.programs_to_compile(s):
@@ -520,8 +530,94 @@ class Planner:
         if lengths is not None:
             report["packing"] = self.packing(s, entries, lengths, slice_of)
         if hasattr(s.sampler, "simulate"):
-            report["rollout_engine"] = engine_report(s, lengths)
+            report["rollout_engine"] = engine_report(s, lengths, chip=self.topology.chip, hbm=self.hbm_bytes,
+                                                     entries=entries)
         return report
+
+    def sub(self, devices: list[Any]) -> "Planner":
+        """This planner on ``devices`` alone (one side of an asynchronous split)."""
+        import copy
+
+        p = copy.copy(self)
+        p.devices = list(devices)
+        counts = self.topology.processes(p.devices)
+        p.topo = Topology(process_count=len(counts), local_device_count=counts[0], devices_per_process=counts,
+                          platform="tpu")
+        p._cache, p.dump_hlo = {}, None
+        return p
+
+    def side(self, config: RunConfig, names: tuple[str, ...]) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
+        """The programs ``names`` of ``config`` compiled on this planner's devices alone:
+        ``(subject, entries, costs, slice_of)``. A side holds only its own state: the
+        rollout mesh its weights (the programs' arguments), the update mesh the training
+        state."""
+        s = self.subject(config)
+        results = []
+        for name, lower, key, takes in self.programs_to_compile(s):
+            if name in names:
+                if key not in self._cache:
+                    self._cache[key] = self._compile(name, lower, takes)
+                results.append(self._cache[key])
+        ro = s.programs.rollout
+        costs = program_costs(s.programs, s.arch, self.topology.chip,
+                              rollout_weight_bytes=s.state["rollout_parameters"] if ro.resharded else None,
+                              train_state_bytes=s.state["parameters"],
+                              append_length=rollout_append_length(config) if s.programs.multi_turn else None)
+        slice_of = [getattr(d, "slice_index", 0) or 0 for d in s.programs.mesh.devices.flat]
+        training = s.state["parameters"] + s.state["optimizer_state"] + s.state["reference_parameters"]
+        entries = {}
+        for r in results:
+            resident = 0 if r.name in ROLLOUT_PROGRAMS + ("start",) else training - sum(s.state[t] for t in r.takes)
+            entries[r.name] = program_entry(r, costs[r.name], resident=resident, state=s.state,
+                                            chip=self.topology.chip, slice_of=slice_of)
+        return s, entries, costs, slice_of
+
+    def plan_async(self, config: RunConfig, lengths: LengthProfile | None, report: dict[str, Any], *,
+                   rollout_devices: int | None) -> dict[str, Any]:
+        """The ``async`` section (:mod:`grpo.engine.planning.pipeline`) of ``config`` (its
+        synchronous form, whose plan is ``report``) split at ``rollout_devices``."""
+        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync
+
+        k, u = split_devices(devices=len(self.devices), per_process=self.topo.local_device_count,
+                             processes=self.topo.process_count, rollout_devices=rollout_devices)
+        sides = {}
+        for side, devices, names in (("rollout", self.devices[:k], ROLLOUT_SIDE),
+                                     ("update", self.devices[k:], TRAINING_SIDE)):
+            try:
+                sides[side] = self.sub(devices).side(config, names)
+            except ConfigError as err:
+                problems = "; ".join(getattr(err, "problems", None) or [str(err)])
+                raise UserError(f"train.async.rollout_devices={k}: the {side} side ({len(devices)} of "
+                                f"{len(self.devices)} devices) cannot run this config: {problems}") from None
+        s_ro, e_ro, _, _ = sides["rollout"]
+        s_up, e_up, c_up, slice_up = sides["update"]
+        rollout = {"whole_s": sum(e["roofline_s"] for e in e_ro.values())}
+        if hasattr(s_ro.sampler, "simulate") and lengths is not None:
+            en = engine_report(s_ro, lengths, chip=self.topology.chip, hbm=self.hbm_bytes, entries=e_ro)
+            best = en["steady_state_best"]
+            rollout = {"whole_s": en["decode_roofline_s"] + en["prefill_roofline_s"] + e_ro["start"]["roofline_s"],
+                       "steady_s": best["s_per_valid_token"] * en["valid_tokens"] if best else None,
+                       "slots": best["slots"] if best else None}
+        if lengths is not None:
+            pk = self.packing(s_up, e_up, lengths, slice_up)
+            update_s, update_fits = pk["roofline_step_packed_s"], pk["fits"]
+        else:
+            update_s = step_roofline(e_up, c_up, config.train.ppo_epochs)[0]
+            update_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
+                              and not e["compiler_error"] for e in e_up.values())
+        weights = s_ro.state["rollout_parameters"] or s_ro.state["parameters"]
+        sync = weight_sync(rollout_bytes_per_chip=weights, rollout_chips=k, update_chips=u,
+                           ici_bandwidth=self.topology.chip.ici_bandwidth)
+        rollout_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
+                           and not e["compiler_error"] for e in e_ro.values())
+        out = async_section(split=(k, u), synchronous_s=synchronous_step(report), rollout=rollout, update_s=update_s,
+                            sync=sync, valid_tokens=report["packing"]["valid_tokens_per_step"] if lengths else None,
+                            update_fits=update_fits, rollout_fits=rollout_fits)
+        out["rollout_peak_bytes"] = max((e["peak_bytes"] or 0) for e in e_ro.values())
+        out["update_peak_bytes"] = max((e["peak_bytes"] or 0) for e in e_up.values())
+        out["rollout_mesh"] = dict(s_ro.programs.layout.shape)
+        out["update_mesh"] = dict(s_up.programs.layout.shape)
+        return out
 
     def packing(self, s: Subject, entries: dict[str, Any], lengths: LengthProfile,
                 slice_of: list[int]) -> dict[str, Any]:

@@ -116,6 +116,8 @@ def format_report(rep: dict[str, Any]) -> str:
         lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"])
     if rep.get("rollout_engine"):
         lines += format_engine(rep["rollout_engine"])
+    if rep.get("async"):
+        lines += format_async(rep["async"])
     if rep["compiler_error"]:
         lines.append("compiler: " + rep["compiler_error"])
     for w in rep.get("mesh_warnings", []):
@@ -135,6 +137,56 @@ def format_engine(en: dict[str, Any]) -> list[str]:
             f"{en['valid_tokens']:,} valid tokens; static: {en['static_decode_steps']} steps, "
             f"{en['static_slot_steps']:,} slot-steps; pool peak {en['peak_pages']} of {en['pool_pages']} pages "
             f"({_gib(en['peak_pool_bytes_per_device'])} GiB per device)")
+    lp = en.get("largest_pool")
+    if lp:
+        lines.append(f"  largest pool that fits beside the rest: pool_pages {lp['pool_pages']:,} per device "
+                     f"({_gib(lp['pool_bytes'])} GiB; set rollout.continuous.pool_pages to it)")
+    if "decode_roofline_s" in en:
+        ratio = f" = {en['decode_ratio']:.2f}x" if en["decode_ratio"] is not None else ""
+        lines.append(
+            f"  synchronous decode roofline: continuous {en['decode_roofline_s']:.3f} s (+ prefill "
+            f"{en['prefill_roofline_s']:.3f} s), static {en['static_decode_roofline_s']:.3f} s{ratio}")
+        cr = en["concurrent_rows"]
+        lines.append(f"  concurrent rows in the static cache's {_gib(cr['static_cache_bytes_per_device'])} GiB per "
+                     f"device: static {cr['static']}, pool {cr['pool']:.0f} at the profile's lengths "
+                     f"({cr['ratio']:.2f}x)")
+        best = min(en["slots_sweep"], key=lambda x: x["decode_roofline_s"] + x["prefill_roofline_s"], default=None)
+        if best:
+            lines.append(f"  best slots for the synchronous step: {best['slots']} (decode "
+                         f"{best['decode_roofline_s']:.3f} s, {best['decode_ratio']:.2f}x static)")
+        st = en.get("steady_state_best")
+        if st:
+            lines.append(
+                f"  steady state (partial rollouts), {st['slots']} slots: {st['s_per_valid_token'] * 1e6:.2f} us per "
+                f"valid token (decode {st['decode_s_per_valid_token'] * 1e6:.2f}, prefill "
+                f"{st['prefill_s_per_valid_token'] * 1e6:.2f}), {st['valid_tokens_per_s']:,.0f} valid tokens/s")
+    return lines
+
+
+def format_async(a: dict[str, Any]) -> list[str]:
+    """The ``async`` section (pipelined step against the synchronous one), as text."""
+    ws = a["weight_sync"]
+    lines = [
+        "",
+        f"async: rollout on {a['rollout_devices']} devices (mesh " + ", ".join(f"{k}={v}" for k, v in
+                                                                          a["rollout_mesh"].items())
+        + f"), update on {a['update_devices']} (mesh " + ", ".join(f"{k}={v}" for k, v in a["update_mesh"].items())
+        + f"); peaks {_gib(a['rollout_peak_bytes'])} / {_gib(a['update_peak_bytes'])} GiB: "
+        + ("fit" if a["fits"] else "DO NOT FIT"),
+        f"  weight sync {ws['received_bytes_per_chip'] / 1e9:.2f} GB in / {ws['sent_bytes_per_chip'] / 1e9:.2f} GB out "
+        f"per chip, {ws['seconds'] * 1e3:.1f} ms",
+        f"  step roofline: synchronous {a['synchronous_step_s']:.3f} s; pipelined max(rollout {a['rollout_s']:.3f}, "
+        f"update {a['update_s']:.3f} + sync) = {a['pipelined_step_s']:.3f} s ({a['ratio']:.2f}x)",
+    ]
+    if "pipelined_partial_step_s" in a:
+        lines.append(f"  with partial rollouts ({a['rollout_slots']} slots, steady state): rollout "
+                     f"{a['rollout_partial_s']:.3f} s, pipelined {a['pipelined_partial_step_s']:.3f} s "
+                     f"({a['partial_ratio']:.2f}x)")
+    if "valid_tokens_per_s" in a:
+        lines.append(f"  valid tokens/s: synchronous {a['valid_tokens_per_s_synchronous']:,.0f}, pipelined "
+                     f"{a['valid_tokens_per_s']:,.0f}"
+                     + (f", with partial rollouts {a['valid_tokens_per_s_partial']:,.0f}"
+                        if "valid_tokens_per_s_partial" in a else ""))
     return lines
 
 
@@ -171,4 +223,4 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
     return lines
 
 
-__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_engine", "format_packing", "format_report"]
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_async", "format_engine", "format_packing", "format_report"]

@@ -20,7 +20,39 @@ from grpo.core.errors import ConfigError, UserError
 if TYPE_CHECKING:
     from grpo.engine.planning.plan import Planner
 
-SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step")
+SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step", "train.async.rollout_devices")
+
+
+def search_split(config_path: str, overrides: list[str], planner: Planner, lengths: Any = None) -> dict[str, Any]:
+    """``--search train.async.rollout_devices``: every split the topology allows (whole
+    hosts on several hosts) planned with ``train.async.enabled``; the best is the one with
+    the shortest pipelined step (with partial rollouts where the plan has them). A split a
+    side cannot lay out is skipped (``tried`` says why)."""
+    from grpo.engine.planning.plan import synchronous
+
+    base = load_config(config_path, list(overrides) + ["train.async.enabled=true"])
+    sync = synchronous(base)
+    report = planner.plan(sync, lengths)  # compiled once for every split
+    n, per = len(planner.devices), planner.topo.local_device_count
+    values = [k for k in range(1, n) if planner.topo.process_count == 1 or k % per == 0]
+    tried: list[list[Any]] = []
+    sections: dict[int, dict[str, Any]] = {}
+    for k in values:
+        try:
+            sec = planner.plan_async(sync, lengths, report, rollout_devices=k)
+        except UserError as err:
+            tried.append([k, str(err)])
+            continue
+        sections[k] = sec
+        tried.append([k, sec.get("pipelined_partial_step_s", sec["pipelined_step_s"])])
+    if not sections:
+        raise UserError(f"--search train.async.rollout_devices: no split of {planner.topology.name}'s {n} devices can "
+                        "run this config: " + "; ".join(str(t[1]) for t in tried))
+    best = min(sections, key=lambda k: sections[k].get("pipelined_partial_step_s", sections[k]["pipelined_step_s"]))
+    plan = dict(report)
+    plan["async"] = sections[best]
+    return {"field": "train.async.rollout_devices", "max_fitting": best, "best": best, "tried": tried,
+            "candidates": values, "plan": plan}
 
 
 def _candidates_micro(config: RunConfig, planner: Planner) -> list[int]:
@@ -45,6 +77,8 @@ def search(config_path: str, overrides: list[str], field: str, planner: Planner,
     fits and the first that does not."""
     if field not in SEARCH_FIELDS:
         raise UserError(f"--search {field!r}: searchable fields are {', '.join(SEARCH_FIELDS)}.")
+    if field == "train.async.rollout_devices":
+        return search_split(config_path, overrides, planner, lengths)
     base = load_config(config_path, overrides)
     reports: dict[int, dict[str, Any]] = {}
     tried: list[list[Any]] = []
@@ -122,4 +156,4 @@ def valid_prompts(config: RunConfig, prompts: int, planner: Planner) -> bool:
     return True
 
 
-__all__ = ["SEARCH_FIELDS", "search", "valid_prompts"]
+__all__ = ["SEARCH_FIELDS", "search", "search_split", "valid_prompts"]

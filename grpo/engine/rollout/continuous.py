@@ -221,14 +221,21 @@ class ContinuousSampler(BaseSampler):
             logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
         )
 
-    def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int) -> dict[str, int]:
+    def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
+                 trace: list | None = None) -> dict[str, int]:
         """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
         ``completions`` [rows], each at most the cap), without a model: the same host
         scheduler (:class:`_Schedule`) and allocator, each live slot advancing up to a
         chunk of steps a chunk, a row done once it holds its completion. Returns the
         figures of :attr:`last_stats` (chunks, slot_steps, peak_pages, evictions, ...);
         ``grpo plan --lengths`` reports them. A stop token ends a row exactly as a known
-        length does, so on the rows a rollout produced it reproduces that rollout's."""
+        length does, so on the rows a rollout produced it reproduces that rollout's.
+
+        ``trace`` (a list; ``grpo plan`` costs the schedule from it) receives one entry per
+        prefill batch, ``{"prefill": rows admitted}``, and per decode chunk, ``{"idx"`` [n]
+        the slots decoded (part by part of the pool), ``"width"`` their page-table width,
+        ``"lengths"`` [n] their cached tokens at the chunk's start, ``"advance"`` [n] the
+        steps each is live in the chunk``}``."""
         plen = np.asarray(prompt_lengths, np.int64)
         comp = np.asarray(completions, np.int64)
         B, C = len(comp), self.chunk_steps
@@ -244,14 +251,20 @@ class ContinuousSampler(BaseSampler):
             if sched.live():
                 rows = np.asarray(sched.slot_row)
                 sched.sync((rows >= 0) & (drawn >= comp[np.maximum(rows, 0)]), lengths)
-            for slot, row in sched.admit():  # the prefill draws step 0
+            admitted = sched.admit()
+            for slot, row in admitted:  # the prefill draws step 0
                 drawn[slot], lengths[slot] = 1, plen[row]
+            if admitted and trace is not None:
+                trace.append({"prefill": len(admitted)})
             if not sched.live():
                 break
-            idx, _ = sched.selection()
+            idx, table = sched.selection()
             rows = np.asarray(sched.slot_row)
             live = rows >= 0
             steps = np.where(live, np.clip(comp[np.maximum(rows, 0)] - drawn, 0, C), 0)
+            if trace is not None:
+                trace.append({"idx": idx, "width": table.shape[1], "lengths": lengths[idx].copy(),
+                              "advance": steps[idx].copy()})
             drawn, lengths = drawn + steps, lengths + steps
             chunks += 1
             slot_steps += len(idx) * C
