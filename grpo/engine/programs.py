@@ -40,7 +40,8 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
   dropout; once more under the step's dropout masks with ``loss.mismatch``);
 - ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
-  optimizer step (params and optimizer state donated).
+  optimizer step (params and optimizer state donated). Packed, the step's own micro-batch
+  schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width.
 
 Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
 on the training layout (``legacy``, ``maxtext``), or in the style's own layout
@@ -423,28 +424,49 @@ class RunPrograms:
     # ------------------------------------------------------------------ packing
 
     @property
-    def bin_unit(self) -> int:
-        """Bin counts are multiples of this: micro-batches x the devices the update's rows
-        split over, so every micro-batch of bins divides over the devices."""
-        return self.update_step.micro_batches * math.prod(self.mesh.shape[a] for a in ("dp", "fsdp"))
+    def update_devices(self) -> int:
+        """The devices the update's rows (and bins) split over: dp x fsdp."""
+        return math.prod(self.mesh.shape[a] for a in ("dp", "fsdp"))
 
-    def bin_count_sizes(self) -> tuple[int, ...]:
-        """Every bin count a step can compile (its length: the compile bound of each packed
-        pass, :func:`~grpo.engine.training.packing.bin_count_sizes`)."""
-        from grpo.engine.training.packing import bin_count_sizes
+    @property
+    def max_bins_per_device(self) -> int:
+        """The most bins a device holds in one packed micro-batch: the tokens the configured
+        padded micro-batch gives it (:func:`~grpo.engine.training.packing.max_bins_per_device`)."""
+        from grpo.engine.rollout.prompts import default_buckets
+        from grpo.engine.training.packing import max_bins_per_device
 
-        return bin_count_sizes(rows=self.config.sequences_per_step, unit=self.bin_unit)
+        cfg = self.config
+        lp = max(cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length))
+        return max_bins_per_device(micro_batch_size=cfg.micro_batch_size, devices=self.update_devices,
+                                   sequence_length=lp + cfg.rollout.max_new_tokens, bin_length=cfg.bin_length)
+
+    def schedule_shapes(self) -> dict[int, list[tuple[int, int]]]:
+        """The micro-batch schedules a step can take, by bins per device per micro-batch
+        (each key one compiled shape of each packed pass: their count is the compile
+        bound; :func:`~grpo.engine.training.packing.schedule_shapes`)."""
+        from grpo.engine.training.packing import schedule_shapes
+
+        return schedule_shapes(rows=self.config.sequences_per_step, devices=self.update_devices,
+                               max_per=self.max_bins_per_device)
 
     def pack_plan(self, batch: Any) -> Any:
         """The step's :class:`~grpo.engine.training.packing.PackPlan` (host) from the rows'
-        lengths, read back replicated: every process computes the same plan."""
+        lengths, read back replicated: every process computes the same plan, laid out for
+        the step's micro-batch schedule."""
         from grpo.engine.parallel.rows import row_range
-        from grpo.engine.training.packing import plan_packing
+        from grpo.engine.training.packing import schedule_packing
 
         # Replicated: every process reads all rows from its own shards (no device spans
         # processes in a host read-back; row_range says so if the sharding ever changes).
         lengths = row_range(self._lengths_jit()(batch.prompt_mask, batch.mask), slice(None))
-        return plan_packing(lengths, bin_length=self.config.bin_length, unit=self.bin_unit)
+        return schedule_packing(lengths, bin_length=self.config.bin_length, devices=self.update_devices,
+                                max_per=self.max_bins_per_device, rows=self.config.sequences_per_step)
+
+    @property
+    def bins_sharding(self) -> NamedSharding:
+        """Scheduled bins [m_cap, devices x per, L, ...]: each micro-batch's bins over the
+        update's row axes, the micro-batch axis on every device."""
+        return NamedSharding(self.mesh, P(None, ("dp", "fsdp")))
 
     def _lengths_jit(self) -> Any:
         from grpo.engine.training.packing import sequence_lengths
@@ -456,14 +478,19 @@ class RunPrograms:
         by ``plan``: bins over the update's row axes, the normaliser of the padded batch."""
         idx = [jax.make_array_from_callback(a.shape, self.replicated, lambda i, a=a: a[i])
                for a in (plan.row, plan.index, plan.segment_ids)]
-        return self._pack_jit()(batch, *idx)
+        packed, place = self._pack_jit()(batch, *idx)
+        if plan.scheduled:
+            m = jax.make_array_from_callback((), self.replicated, lambda i: np.asarray(plan.micro_batches, np.int32))
+            packed = packed._replace(micro_batches=m)
+        return packed, place
 
     def _pack_jit(self) -> Any:
         from grpo.engine.training.packing import pack_batch
 
-        step, rows = self.update_step, self.train_sharding
+        step = self.update_step
 
         def pack(b, row, index, seg):
+            rows = self.bins_sharding if row.ndim == 3 else self.train_sharding
             packed, place = pack_batch(
                 prompt_tokens=b.prompt_tokens, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
                 row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
@@ -576,13 +603,13 @@ class RunPrograms:
             out["dropout_keys"] = lambda: self._dropout_keys_jit(b).lower(jax.ShapeDtypeStruct((), jnp.int32))
         if self.packing:
             padded = self.abstract_update_batch(packed=False)
-            bins, length = b, self.config.bin_length  # the most bins a step can compile
-            idx = [arr((bins, length), jnp.int32, self.replicated)] * 3
+            shape = self.scheduled_shape()  # the widest micro-batch a step can schedule
+            idx = [arr(shape, jnp.int32, self.replicated)] * 3
             out["sequence_lengths"] = lambda: self._lengths_jit().lower(padded.prompt_mask, padded.mask)
             out["pack"] = lambda: self._pack_jit().lower(padded, *idx)
             packed, place = jax.eval_shape(self._pack_jit(), padded, *idx)
-            values = arr((bins, length), jnp.float32, self.train_sharding)
-            place = jax.tree.map(lambda x: arr(x.shape, x.dtype, self.train_sharding), place)
+            values = arr(shape, jnp.float32, self.bins_sharding)
+            place = jax.tree.map(lambda x: arr(x.shape, x.dtype, self.bins_sharding), place)
             out["unpack"] = lambda: self._unpack_jit().lower(values, place, b, n)
         return out
 
@@ -638,13 +665,24 @@ class RunPrograms:
         tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=self.prompt_sharding((p, lp)))
         return {"prompt_tokens": tok, "prompt_mask": tok}
 
-    def abstract_update_batch(self, *, old_logprobs: bool = False, packed: bool | None = None, bins: int | None = None):
+    def scheduled_shape(self, per: int | None = None) -> tuple[int, int, int]:
+        """``(m_cap, devices x per, L)``: the scheduled bins' layout at ``per`` bins per
+        device per micro-batch (default: the widest a step can schedule)."""
+        from grpo.engine.training.packing import micro_capacity
+
+        per = per or max(self.schedule_shapes())
+        d = self.update_devices
+        return (micro_capacity(rows=self.config.sequences_per_step, devices=d, per=per), d * per,
+                self.config.bin_length)
+
+    def abstract_update_batch(self, *, old_logprobs: bool = False, packed: bool | None = None, per: int | None = None):
         """An abstract :class:`~grpo.engine.training.update.UpdateBatch` of one step, in the
         update's row sharding (the first PPO epoch has no old log-probs); with packing
         (``packed``, default: the run's) a :class:`~grpo.engine.training.packing.PackedBatch`
-        of ``bins`` bins (default: the most a step can compile, one per sequence)."""
+        in the scheduled layout at ``per`` bins per device per micro-batch
+        (:meth:`scheduled_shape`; default: the widest, the most memory a step needs)."""
         if self.packing if packed is None else packed:
-            return self._abstract_packed_batch(old_logprobs=old_logprobs, bins=bins)
+            return self._abstract_packed_batch(old_logprobs=old_logprobs, per=per)
         from grpo.engine.rollout.prompts import default_buckets
         from grpo.engine.training.update import UpdateBatch
 
@@ -670,12 +708,12 @@ class RunPrograms:
         )
 
 
-    def _abstract_packed_batch(self, *, old_logprobs: bool, bins: int | None) -> Any:
+    def _abstract_packed_batch(self, *, old_logprobs: bool, per: int | None) -> Any:
         from grpo.engine.training.packing import PackedBatch
 
         cfg = self.config
-        shape = (bins or cfg.sequences_per_step, cfg.bin_length)
-        sh = self.train_sharding
+        shape = self.scheduled_shape(per)
+        sh = self.bins_sharding
         i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
         f32 = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
         return PackedBatch(
@@ -685,6 +723,7 @@ class RunPrograms:
             sampler_logprobs=f32 if cfg.loss.mismatch is not None else None,
             dropout_keys=jax.ShapeDtypeStruct(shape + (2,), jnp.uint32, sharding=sh) if self.lora_dropout else None,
             normalizer=jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated),
+            micro_batches=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
         )
 
 

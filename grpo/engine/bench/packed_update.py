@@ -7,15 +7,18 @@ prompt and a completion of the drawn lengths, random token ids, the prompt left-
 to ``--prompt-len`` and the completion padded to ``--new-tokens`` as a rollout pads them.
 Both updates are the program ``grpo run`` executes (:meth:`grpo.engine.programs.RunPrograms.update`),
 from the same parameters: padded on the rows, packed on the bins the trainer packs them
-into (:meth:`~grpo.engine.programs.RunPrograms.pack_plan` and
+into and the micro-batch schedule the trainer runs them in
+(:meth:`~grpo.engine.programs.RunPrograms.pack_plan` and
 :meth:`~grpo.engine.programs.RunPrograms.pack`, whose time is reported as ``pack_s``).
 
 Prints one JSON object: ``padded_s`` and ``packed_s`` (the fastest of ``--iters`` timed
 updates, after compiling and ``--warmup`` untimed ones), ``pack_s`` (planning the bins
 and gathering the batch into them), ``ratio`` = ``(pack_s + packed_s) / padded_s``
-(``update_ratio`` without the packing), valid (trained) tokens per second each way, the
-bins, their efficiency (real tokens / bin tokens), and both updates' losses (equal up to
-float rounding: the same rows). Times mean something only relative to each other on CPU.
+(``update_ratio`` without the packing), the process's CPU seconds of both timed updates
+(``cpu_s``, ``cpu_ratio``: on a machine shared with other jobs, wall time includes waiting
+for a core), valid (trained) tokens per second each way, the bins, the micro-batch
+schedule, their efficiency (real tokens / bin tokens), and both updates' losses (equal up
+to float rounding: the same rows). Times mean something only relative to each other on CPU.
 """
 
 from __future__ import annotations
@@ -72,22 +75,24 @@ def synthetic_rows(*, prompts: np.ndarray, completions: np.ndarray, prompt_len: 
     }
 
 
-def _timed(prepare: Any, call: Any, *, warmup: int, iters: int) -> tuple[float, float, Any]:
-    """``(compile + first call s, fastest of iters s, first call's metrics)``; each call
-    gets fresh ``prepare()``d arguments, made outside the timed region."""
+def _timed(prepare: Any, call: Any, *, warmup: int, iters: int) -> tuple[float, float, float, Any]:
+    """``(compile + first call s, fastest of iters s, the process's CPU s of that call,
+    first call's metrics)``; each call gets fresh ``prepare()``d arguments, made outside
+    the timed region. CPU seconds (every thread of the process) are what a shared
+    machine's other jobs disturb least: wall time there includes waiting for a core."""
     import jax
 
-    def once() -> tuple[float, Any]:
+    def once() -> tuple[float, float, Any]:
         args = jax.block_until_ready(prepare())
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(call(*args))
-        return time.perf_counter() - t0, out
+        return time.perf_counter() - t0, time.process_time() - c0, out
 
-    first, metrics = once()
+    first, _, metrics = once()
     for _ in range(warmup):
         once()
-    best = min(once()[0] for _ in range(iters))
-    return first, best, metrics
+    best = min((once()[:2] for _ in range(iters)), key=lambda t: t[0])
+    return first, best[0], best[1], metrics
 
 
 def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) -> dict[str, Any]:
@@ -143,8 +148,8 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         t0 = time.perf_counter()
         jax.block_until_ready(programs.pack(ub, programs.pack_plan(ub))[0])
         pack_s = min(pack_s, time.perf_counter() - t0)
-    padded_first, padded_s, m_pad = _timed(prepare, runner(ub), warmup=warmup, iters=iters)
-    packed_first, packed_s, m_pack = _timed(prepare, runner(packed), warmup=warmup, iters=iters)
+    padded_first, padded_s, padded_cpu, m_pad = _timed(prepare, runner(ub), warmup=warmup, iters=iters)
+    packed_first, packed_s, packed_cpu, m_pack = _timed(prepare, runner(packed), warmup=warmup, iters=iters)
     valid = int(completions.sum())
     device = jax.devices()[0]
     return {
@@ -161,13 +166,17 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         "bins": plan.bins,
         "bins_used": plan.used,
         "bin_length": plan.bin_length,
-        "bin_unit": programs.bin_unit,
+        "micro_batches_packed": plan.micro_batches,
+        "bins_per_device": plan.per,
+        "max_bins_per_device": programs.max_bins_per_device,
         "efficiency": plan.efficiency,
         "padded_s": padded_s,
         "packed_s": packed_s,
         "pack_s": pack_s,
         "ratio": (pack_s + packed_s) / padded_s,
         "update_ratio": packed_s / padded_s,
+        "cpu_s": {"padded": padded_cpu, "packed": packed_cpu},
+        "cpu_ratio": packed_cpu / padded_cpu,
         "valid_tokens_per_s_padded": valid / padded_s,
         "valid_tokens_per_s_packed": valid / (pack_s + packed_s),
         "first_call_s": {"padded": padded_first, "packed": packed_first, "pack": pack_first},

@@ -379,6 +379,9 @@ class TrainingWork:
     tokens: float
     attn_pairs: float
     head_tokens: float
+    # Micro-batches (each reads the weights once per pass); None: the config's. A packed
+    # step's schedule picks its own (grpo.engine.training.packing.micro_schedule).
+    micro_batches: float | None = None
 
 
 def padded_work(*, rows: float, prompt_length: int, max_new_tokens: int) -> TrainingWork:
@@ -387,12 +390,15 @@ def padded_work(*, rows: float, prompt_length: int, max_new_tokens: int) -> Trai
     return TrainingWork(tokens=rows * S, attn_pairs=rows * S * S, head_tokens=rows * max_new_tokens)
 
 
-def packed_work(*, bins: float, bin_length: int, square_sum: float, segment_attention: bool) -> TrainingWork:
-    """``bins`` per device of ``bin_length`` slots; ``square_sum``: the sum over the
-    device's sequences of (prompt + completion tokens)^2 (what a kernel that skips the
-    blocks between segments computes; without one, XLA computes each bin's full square)."""
+def packed_work(*, bins: float, bin_length: int, square_sum: float, segment_attention: bool,
+                micro_batches: float | None = None) -> TrainingWork:
+    """``bins`` per device of ``bin_length`` slots in ``micro_batches`` micro-batches (None:
+    the config's); ``square_sum``: the sum over the device's sequences of (prompt +
+    completion tokens)^2 (what a kernel that skips the blocks between segments computes;
+    without one, XLA computes each bin's full square)."""
     pairs = square_sum if segment_attention else bins * bin_length * bin_length
-    return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=bins * bin_length)
+    return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=bins * bin_length,
+                        micro_batches=micro_batches)
 
 
 def rollout_figures(programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None) -> dict[str, Any]:
@@ -421,7 +427,7 @@ def _training_costs(m: _Model, programs: Any, work: TrainingWork) -> dict[str, C
     lora = cfg.model.lora
     out: dict[str, Cost] = {}
     attn = 4 * H * E * Lyr * work.attn_pairs  # one forward's attention (scores and values)
-    micro = cfg.sequences_per_step // cfg.micro_batch_size
+    micro = work.micro_batches or cfg.sequences_per_step // cfg.micro_batch_size
     if cfg.loss.beta > 0:
         # LoRA: the base alone. Micro-batched like the update: one forward pass reads the
         # weights per micro-batch.

@@ -3,18 +3,22 @@ passes over the batch cost on them beside the padded figures.
 
 The bins come from the packing the trainer runs (:mod:`grpo.engine.training.packing`):
 first-fit decreasing of each row's real tokens (prompt + completion) into bins of
-``bin_length``, the bin count rounded up to a multiple of ``unit`` (micro-batches x the
-update's batch shards), so each micro-batch gives every device the same number of bins.
-A step's rows are drawn from the profile (:func:`~grpo.engine.planning.profiles.draw`,
-seeded) :data:`DRAWS` times; the plan compiles the largest rounded bin count of the
-draws (what the run must fit) and counts the costs of each draw (their mean is the
-roofline).
+``bin_length``, then the step's micro-batch schedule
+(:func:`~grpo.engine.training.packing.micro_schedule`): ``m`` micro-batches of ``per``
+bins per device, ``m x devices x per`` the smallest at least the bins used with ``per``
+within the configured micro-batch's memory. A step's rows are drawn from the profile
+(:func:`~grpo.engine.planning.profiles.draw`, seeded) :data:`DRAWS` times; the plan
+compiles the update at the widest ``per`` of the draws (what the run must fit: memory
+depends on ``per``, not ``m``) and counts the costs of each draw's own schedule (their
+mean is the roofline). Each ``per`` of the schedule space is one compiled shape of each
+packed pass: the compile bound.
 
 Costs are :func:`~grpo.engine.planning.costs.training_costs` on
 :func:`~grpo.engine.planning.costs.packed_work`: a packed bin runs all its slots through
 the layers and the loss's head, and a segment-aware attention kernel (``splash``,
-``pallas_gpu``) computes each sequence's own square only. Weight reads stay one pass per
-micro-batch, as padded. Valid tokens are the completion tokens the loss trains on.
+``pallas_gpu``) computes each sequence's own square only. Weight reads (and the FSDP
+gathers in the compiled update's micro-batch loop) are one pass per micro-batch of the
+draw's schedule. Valid tokens are the completion tokens the loss trains on.
 """
 
 from __future__ import annotations
@@ -39,15 +43,28 @@ class BinPlan:
 
     profile: dict[str, Any]  # profiles.summary
     bin_length: int
-    unit: int  # the bin count's rounding multiple
+    max_per: int  # the most bins per device per micro-batch (the configured micro-batch's memory)
     rows: int  # sequences per step
     devices: int  # the update's batch shards
-    draws: list[dict[str, Any]]  # per draw: bins_used, bins, real_tokens, valid_tokens, square_sum, efficiency
-    compile_bound: int  # how many bin counts a run can compile
+    # per draw: bins_used, bins (computed: m x devices x per), micro_batches, per,
+    # real_tokens, valid_tokens, square_sum, efficiency
+    draws: list[dict[str, Any]]
+    schedules: dict[int, list[tuple[int, int]]]  # the schedule space by per (packing.schedule_shapes)
+    micro_batches: int  # the config's (the padded update's)
+
+    @property
+    def compile_bound(self) -> int:
+        """How many shapes of each packed pass a run can compile: one per ``per``."""
+        return len(self.schedules)
+
+    @property
+    def per(self) -> int:
+        """The widest micro-batch of the draws, in bins per device (the compiled update's)."""
+        return max(d["per"] for d in self.draws)
 
     @property
     def bins(self) -> int:
-        """The compiled bin count: the largest of the draws."""
+        """The most bins a draw computes."""
         return max(d["bins"] for d in self.draws)
 
     def mean(self, key: str) -> float:
@@ -62,48 +79,76 @@ def bin_length(config: Any, prompt_length: int) -> int:
 
 def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draws: int = DRAWS,
               seed: int = 0) -> BinPlan:
-    """Pack ``draws`` steps of the profile as the trainer packs a step."""
-    from grpo.engine.training.packing import bin_count_sizes, first_fit_decreasing, round_bins
+    """Pack ``draws`` steps of the profile and schedule their micro-batches as the trainer
+    does (:meth:`~grpo.engine.programs.RunPrograms.pack_plan`)."""
+    from grpo.engine.training.packing import first_fit_decreasing, max_bins_per_device, micro_schedule, schedule_shapes
 
     cfg, layout = programs.config, programs.layout
     rows, cap = cfg.sequences_per_step, cfg.rollout.max_new_tokens
     devices = layout.dp * layout.fsdp
-    # The trainer's rounding (RunPrograms.bin_unit): micro-batches x the update's batch shards.
-    unit = getattr(programs, "bin_unit", None) or cfg.sequences_per_step // cfg.micro_batch_size * devices
     length = bin_length(cfg, prompt_length)
     if length < prompt_length + cap:
         raise UserError(
             f"train.packing.bin_length {length} is below one whole sequence (prompt {prompt_length} + "
             f"rollout.max_new_tokens {cap}): a sequence is never split, so a bin must hold the longest one."
         )
+    max_per = max_bins_per_device(micro_batch_size=cfg.micro_batch_size, devices=devices,
+                                  sequence_length=prompt_length + cap, bin_length=length)
     out = []
     for i in range(draws):
         prompts, completions = draw(profile, rows=rows, cap=cap, prompt_length=prompt_length, seed=seed + i)
         seq = prompts + completions
         used = len(first_fit_decreasing(seq, bin_length=length))
-        bins = round_bins(used, unit=unit)
+        m, per = micro_schedule(used, devices=devices, max_per=max_per)
+        bins = m * devices * per
         out.append({
-            "bins_used": used, "bins": bins, "real_tokens": int(seq.sum()), "valid_tokens": int(completions.sum()),
-            "square_sum": float(np.sum(seq.astype(np.float64) ** 2)),
+            "bins_used": used, "bins": bins, "micro_batches": m, "per": per, "real_tokens": int(seq.sum()),
+            "valid_tokens": int(completions.sum()), "square_sum": float(np.sum(seq.astype(np.float64) ** 2)),
             "efficiency": float(seq.sum() / (bins * length)),
         })
     return BinPlan(
-        profile=summary(profile, cap=cap, prompt_length=prompt_length), bin_length=length, unit=unit, rows=rows,
-        devices=devices, draws=out, compile_bound=len(bin_count_sizes(rows=rows, unit=unit)),
+        profile=summary(profile, cap=cap, prompt_length=prompt_length), bin_length=length, max_per=max_per,
+        rows=rows, devices=devices, draws=out, schedules=schedule_shapes(rows=rows, devices=devices, max_per=max_per),
+        micro_batches=rows // cfg.micro_batch_size,
     )
 
 
 def packed_costs(programs: Any, arch: Any, chip: Any, bp: BinPlan, attention: str) -> dict[str, Cost]:
-    """The mean over the draws of each packed pass's cost, per device."""
+    """The mean over the draws of each packed pass's cost, per device, each draw at its
+    own schedule (its bins, and one weight read per pass per micro-batch)."""
     per_draw = []
     for d in bp.draws:
         work = packed_work(bins=d["bins"] / bp.devices, bin_length=bp.bin_length,
-                           square_sum=d["square_sum"] / bp.devices, segment_attention=attention in SEGMENT_KERNELS)
+                           square_sum=d["square_sum"] / bp.devices, segment_attention=attention in SEGMENT_KERNELS,
+                           micro_batches=d["micro_batches"])
         per_draw.append(training_costs(programs, arch, chip, work))
     return {
         name: Cost(*(float(np.mean([getattr(c[name], f) for c in per_draw])) for f in ("flops", "bytes", "roofline_s")))
         for name in per_draw[0]
     }
+
+
+def scheduled_collectives(collectives: list[Any] | None, *, micro_batches: float) -> list[Any] | None:
+    """A packed pass's compiled collectives at ``micro_batches`` micro-batches: those in
+    its micro-batch loop (a traced trip count, which the HLO reader counts once:
+    :attr:`~grpo.engine.planning.hlo.Collective.unknown_trips`) run once per micro-batch,
+    the rest once. None without HLO."""
+    if collectives is None:
+        return None
+    return [dataclasses.replace(op, executions=op.executions * micro_batches) if op.unknown_trips else op
+            for op in collectives]
+
+
+def scheduled_ici_s(collectives: list[Any] | None, *, micro_batches: float, chip: Any,
+                    slice_of: list[int]) -> float | None:
+    """The packed update's ICI time at ``micro_batches`` micro-batches
+    (:func:`scheduled_collectives`); None without HLO."""
+    from grpo.engine.planning import hlo
+
+    ops = scheduled_collectives(collectives, micro_batches=micro_batches)
+    if ops is None:
+        return None
+    return sum(op.total_bytes for op in ops if not hlo.crosses(op, slice_of)) / (chip.ici_bandwidth / 2)
 
 
 def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost], ppo_epochs: int,
@@ -112,14 +157,17 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
     figure, the step's roofline and valid tokens/s both ways, and the packed update's memory.
 
     ``padded``: the plan's program entries; ``packed``: :func:`packed_costs`;
-    ``update_entry``: the compiled packed update's entry (its ``peak_bytes``; its
-    communication is the padded update's when it has none of its own)."""
+    ``update_entry``: the compiled packed update's entry (its ``peak_bytes``, and its
+    ``ici_s`` at the draws' micro-batches: :func:`scheduled_ici_s`)."""
     passes = {}
     for name, cost in packed.items():
         pad = padded[name]
         # Communication: the packed pass gathers the same weights per micro-batch as the
-        # padded one (its HLO when compiled, else the padded pass's ICI time).
-        ici = update_entry.get("ici_s") if name == "update" and update_entry.get("ici_s") is not None else pad.get("ici_s")
+        # padded one, once per micro-batch of the schedule (the update: its compiled HLO,
+        # scheduled_ici_s; else the padded pass's ICI time scaled to the micro-batches).
+        ici = update_entry.get("ici_s") if name == "update" else None
+        if ici is None and pad.get("ici_s") is not None:
+            ici = pad["ici_s"] * bp.mean("micro_batches") / bp.micro_batches
         roof = max(cost.roofline_s, ici or 0.0)
         passes[name] = {
             "padded_flops": pad["flops"], "packed_flops": cost.flops,
@@ -134,15 +182,17 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
     valid = bp.mean("valid_tokens")
     peak = update_entry.get("peak_bytes")
     bins_chip = bp.bins // bp.devices
-    per_micro = bins_chip // (bp.unit // bp.devices)
-    # Packing density: sequences per used bin (the rounding's extra bins are empty).
+    per_micro = bp.per
+    # Packing density: sequences per used bin (the schedule's extra bins are empty).
     seqs_per_bin = bp.rows / bp.mean("bins_used")
     return {
         "profile": bp.profile,
         "bin_length": bp.bin_length,
-        "bin_unit": bp.unit,
+        "max_bins_per_device": bp.max_per,
         "compile_bound": bp.compile_bound,
-        "draws": [{k: d[k] for k in ("bins_used", "bins", "efficiency", "valid_tokens")} for d in bp.draws],
+        "schedules": {str(per): [list(s) for s in pairs] for per, pairs in bp.schedules.items()},
+        "draws": [{k: d[k] for k in ("bins_used", "bins", "micro_batches", "per", "efficiency", "valid_tokens")}
+                  for d in bp.draws],
         "bins": bp.bins,
         "bins_per_device": bins_chip,
         "efficiency": bp.mean("real_tokens") / (bp.mean("bins") * bp.bin_length),
@@ -154,8 +204,8 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
         "valid_tokens_per_s_packed": valid / packed_step if packed_step else None,
         "update_valid_tokens_per_s_padded": valid / (ppo_epochs * passes["update"]["padded_roofline_s"]),
         "update_valid_tokens_per_s_packed": valid / (ppo_epochs * passes["update"]["packed_roofline_s"]),
-        # One micro-batch of the update on one device, in bins and in sequences (the
-        # profile's mean sequences per used bin).
+        # The widest micro-batch of the update on one device, in bins and in sequences
+        # (the profile's mean sequences per used bin).
         "micro_batch": {"bins_per_device": per_micro, "bin_length": bp.bin_length,
                         "sequences_per_device": per_micro * seqs_per_bin, "sequences_per_bin": seqs_per_bin},
         "update_program": update_source,
@@ -165,4 +215,5 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
     }
 
 
-__all__ = ["BinPlan", "DRAWS", "PACKED_PROGRAMS", "bin_length", "packed_costs", "packed_report", "plan_bins"]
+__all__ = ["BinPlan", "DRAWS", "PACKED_PROGRAMS", "bin_length", "packed_costs", "packed_report", "plan_bins",
+           "scheduled_collectives", "scheduled_ici_s"]

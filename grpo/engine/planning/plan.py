@@ -55,6 +55,7 @@ from grpo.core.config import RunConfig, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.costs import Cost, communication, program_costs
+from grpo.engine.planning.packed import PACKED_PROGRAMS, scheduled_collectives
 from grpo.engine.planning.profiles import LengthProfile
 from grpo.engine.planning.report import attention_report
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
@@ -517,6 +518,11 @@ class Planner:
         peaks: list[int] = []
         errors: list[str] = []
         for r in results:
+            if r.name in PACKED_PROGRAMS and getattr(s.programs, "packing", False):
+                # The packed passes loop over a step's micro-batches (a traced trip count):
+                # counted at the config's micro-batches, the padded step's.
+                r = dataclasses.replace(r, collectives=scheduled_collectives(
+                    r.collectives, micro_batches=config.sequences_per_step // config.micro_batch_size))
             resident = resident_total - sum(state[t] for t in r.takes if t != "rollout_parameters")
             if r.name in ROLLOUT_PROGRAMS:
                 resident += state["merged_projections"]
@@ -625,22 +631,25 @@ class Planner:
         (:mod:`grpo.engine.planning.packed`): the bins, the packed passes beside the padded
         ones, and the memory of the update compiled at the bins (``fits``: every program's
         peak with the packed update in the padded one's place)."""
-        from grpo.engine.planning.packed import packed_costs, packed_report, plan_bins
+        from grpo.engine.planning.packed import packed_costs, packed_report, plan_bins, scheduled_ici_s
 
         config = s.config
         Lp = s.inputs["prompt_tokens"].shape[1]
         bp = plan_bins(s.programs, lengths, prompt_length=Lp)
         attention = self._report_attention(config)
         pcosts = packed_costs(s.programs, s.arch, self.topology.chip, bp, attention)
-        name = f"update_packed_{bp.bins}x{bp.bin_length}"
+        name = f"update_packed_{bp.per}x{bp.devices}x{bp.bin_length}"
         key = cache_key(config, name, ROLLOUT_LAYOUT_ONLY)
         if key not in self._cache:
-            lower, source = self._packed_update(s, bins=bp.bins, length=bp.bin_length)
+            lower, source = self._packed_update(s, per=bp.per, length=bp.bin_length)
             self._cache[key] = dataclasses.replace(self._compile("update", lower, ("parameters", "optimizer_state")),
                                                    hlo_source=source)
         r = self._cache[key]
         update = program_entry(r, pcosts["update"], resident=entries["update"]["resident_bytes"], state=s.state,
                                chip=self.topology.chip, slice_of=slice_of)
+        if hasattr(s.programs, "schedule_shapes"):  # the micro-batch loop's collectives, once per micro-batch
+            update["ici_s"] = scheduled_ici_s(r.collectives, micro_batches=bp.mean("micro_batches"),
+                                              chip=self.topology.chip, slice_of=slice_of)
         rep = packed_report(bp, padded=entries, packed=pcosts, ppo_epochs=config.train.ppo_epochs,
                             update_entry=update, update_source=r.hlo_source or "", hbm=self.hbm_bytes)
         others = [e["peak_bytes"] for n, e in entries.items() if n != "update"]
@@ -656,21 +665,25 @@ class Planner:
         return attention_report(config, ["update"])["programs"]["update"]
 
     @staticmethod
-    def _packed_update(s: Subject, *, bins: int, length: int) -> tuple[Callable[[], Any], str]:
-        """The update lowered at ``bins`` rows of ``length`` tokens: ``(lower, what it
-        is)``. The run's packed update program where the builder has one; else the padded
-        update at ``bins`` rows of ``length`` tokens (prompt ``length - N`` + ``N``): the
-        same tokens per micro-batch through the layers, the loss's head over the ``N``
-        completion slots of each row rather than all of a bin's (a lower bound)."""
+    def _packed_update(s: Subject, *, per: int, length: int) -> tuple[Callable[[], Any], str]:
+        """The update lowered at micro-batches of ``per`` bins of ``length`` tokens per
+        device: ``(lower, what it is)``. The run's packed update program where the builder
+        has one (its micro-batch loop's trip count is traced); else the padded update at
+        ``per`` x devices x the config's micro-batches rows of ``length`` tokens (prompt
+        ``length - N`` + ``N``): the same tokens per micro-batch through the layers, the
+        loss's head over the ``N`` completion slots of each row rather than all of a bin's
+        (a lower bound)."""
         import jax
 
         programs, params, frozen = s.programs, s.params, s.frozen
-        if hasattr(programs, "bin_unit"):  # the builder's packed passes
-            batch = programs.abstract_update_batch(packed=True, bins=bins)
-            assert batch.tokens.shape == (bins, length), (batch.tokens.shape, bins, length)
+        if hasattr(programs, "schedule_shapes"):  # the builder's packed passes
+            batch = programs.abstract_update_batch(packed=True, per=per)
+            assert batch.tokens.shape[1:] == (programs.update_devices * per, length), (batch.tokens.shape, per, length)
             fn = programs.update(params, s.opt_state)
             return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "packed update program"
-        N = s.config.rollout.max_new_tokens
+        config = s.config
+        bins = per * programs.layout.dp * programs.layout.fsdp * (config.sequences_per_step // config.micro_batch_size)
+        N = config.rollout.max_new_tokens
 
         def resize(leaf: Any, columns: int | None = None) -> Any:
             if leaf is None:

@@ -194,17 +194,17 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
     """The ``packing`` section of a plan under a length profile, as text."""
     prof = pk["profile"]
     q = prof["quantiles"]
-    bins = sorted({d["bins"] for d in pk["draws"]})
+    scheds = sorted({(d["micro_batches"], d["per"]) for d in pk["draws"]})
     mb = pk["micro_batch"]
     lines = [
         "",
         f"lengths {prof['name']}: completions mean {prof['mean_completion']:.0f} of {prof['cap']} (p50 "
         f"{q['p50']:.0f}, p90 {q['p90']:.0f}, {100 * prof['at_cap']:.1f}% at the cap); prompts: {prof['prompts']}",
-        f"packed: {pk['bins']} bins of {pk['bin_length']} tokens ({pk['bins_per_device']} per device; "
+        f"packed: at most {pk['bins']} bins of {pk['bin_length']} tokens ({pk['bins_per_device']} per device; "
         f"{len(pk['draws'])} drawn steps used {min(d['bins_used'] for d in pk['draws'])}-"
-        f"{max(d['bins_used'] for d in pk['draws'])} bins, rounded to multiples of {pk['bin_unit']}: "
-        f"{', '.join(map(str, bins))}), efficiency {100 * pk['efficiency']:.1f}%; at most {pk['compile_bound']} "
-        "bin counts compiled per pass",
+        f"{max(d['bins_used'] for d in pk['draws'])} bins, scheduled as micro-batches x bins per device: "
+        f"{', '.join(f'{m}x{p}' for m, p in scheds)}; at most {pk['max_bins_per_device']} per device), "
+        f"efficiency {100 * pk['efficiency']:.1f}%; at most {pk['compile_bound']} shapes compiled per pass",
         f"{'PASS':<16} {'PADDED':>9} {'PACKED':>9} {'RATIO':>6}",
     ]
     for name, p in pk["passes"].items():

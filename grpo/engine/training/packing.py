@@ -7,12 +7,21 @@ Two halves, so the plan is deterministic and cheap and the data never leaves the
 * :func:`plan_packing` (host, numpy): the rows' lengths -> a :class:`PackPlan`, first-fit
   decreasing into bins of ``bin_length`` tokens (a sequence is never split; its tokens are
   contiguous; ties broken by row index, so every process computes the same plan from the
-  same lengths). The bin count is rounded up to a multiple of ``bin_unit`` (micro-batches
-  x data-parallel devices): each multiple is one compiled shape, so a run compiles at most
-  :func:`bin_count_sizes` shapes of each pass.
+  same lengths), optionally rounded up to a multiple of ``unit`` (:func:`round_bins`; the
+  flat [bins, L] layout the loss tests and fixtures use).
+* :func:`micro_schedule` (host): the step's micro-batches. A run's update does not round
+  the bins to a fixed multiple: each step takes the micro-batch count ``m`` and bins per
+  device per micro-batch ``per`` whose ``m x devices x per`` is the smallest at least the
+  bins used, ``per`` within the memory the configured micro-batch holds
+  (:func:`max_bins_per_device`), ties to fewer micro-batches. :func:`schedule_packing`
+  lays the bins out micro-batch major, ``[m_cap, devices x per, L]``, ``m_cap`` the most
+  micro-batches a step of ``per`` can need; the update loops over the first ``m`` only (a
+  loop with a traced trip count), so each pass compiles once per ``per``:
+  :func:`schedule_shapes` is the compile bound.
 * :func:`pack_batch` / :func:`unpack_logprobs` (jittable, jnp): the padded update batch ->
   the packed one by a gather with the plan's indices, and the packed per-token log-probs
-  back to the row layout [B, N] by the inverse scatter.
+  back to the row layout [B, N] by the inverse scatter (either layout: the token axis is
+  the last).
 
 Layout (the packing contract shared with the losses): ``segment_ids`` [bins, L] int32 are
 1, 2, ... in bin order for the sequences of a bin, 0 for bin padding; ``positions`` restart
@@ -75,31 +84,85 @@ def bin_count_sizes(*, rows: int, unit: int) -> tuple[int, ...]:
     return tuple(unit * k for k in range(1, math.ceil(rows / unit) + 1))
 
 
+def max_bins_per_device(*, micro_batch_size: int, devices: int, sequence_length: int, bin_length: int) -> int:
+    """The most bins one device may hold in one micro-batch: no more tokens than the
+    configured padded micro-batch gives it (``micro_batch_size / devices`` rows of
+    ``sequence_length``), so a packed micro-batch never needs more activation memory than
+    the padded one the config was sized for. At least one bin (a bin holds one sequence)."""
+    return max(1, (micro_batch_size * sequence_length) // (devices * bin_length))
+
+
+def micro_schedule(bins: int, *, devices: int, max_per: int) -> tuple[int, int]:
+    """``(m, per)`` for a step that uses ``bins`` bins: ``m`` micro-batches of ``per`` bins
+    per device, ``m x devices x per >= bins`` the smallest with ``1 <= per <= max_per``,
+    ties to fewer micro-batches (each reads the weights once more). E.g. 56 bins on 8
+    devices: 7 micro-batches of 1 bin a device (56), not 2 of 4 (64)."""
+    need = max(1, math.ceil(bins / devices))  # bins per device
+    best = None
+    for per in range(1, max_per + 1):
+        m = math.ceil(need / per)
+        key = (m * per, m)
+        if best is None or key < best[0]:
+            best = (key, (m, per))
+    return best[1]
+
+
+def micro_capacity(*, rows: int, devices: int, per: int) -> int:
+    """The most micro-batches a step of ``rows`` sequences scheduled at ``per`` bins per
+    device can run (first-fit never opens more bins than sequences): the leading size of
+    the bins' layout at ``per``, so a pass's shape depends on ``per`` alone."""
+    return math.ceil(math.ceil(rows / devices) / per)
+
+
+def schedule_shapes(*, rows: int, devices: int, max_per: int) -> dict[int, list[tuple[int, int]]]:
+    """The schedule space: for every ``per`` a step of at most ``rows`` sequences can be
+    scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled shape
+    of each packed pass (its length is the compile bound)."""
+    out: dict[int, list[tuple[int, int]]] = {}
+    for bins in range(1, rows + 1):
+        m, per = micro_schedule(bins, devices=devices, max_per=max_per)
+        if (m, per) not in out.setdefault(per, []):
+            out[per].append((m, per))
+    return out
+
+
 class PackPlan(NamedTuple):
-    """Where each bin slot's token comes from (host arrays, [bins, L] int32 each).
+    """Where each bin slot's token comes from (host arrays, [bins, L] int32 each, or
+    scheduled, [m_cap, devices x per, L]: micro-batch major).
 
     ``row``: the source row (0 on padding); ``index``: the token's index among its row's
     real tokens (its RoPE position; 0 on padding); ``segment_ids``: 1, 2, ... per bin, 0 on
-    padding. ``used`` bins hold sequences, the rest (up to the rounded count) are padding."""
+    padding. ``used`` bins hold sequences, the rest (up to the rounded count) are padding.
+    Scheduled: ``micro_batches`` (``m``) of ``per`` bins a device run; the micro-batches
+    after the ``m``-th are layout only (never computed)."""
 
     row: np.ndarray
     index: np.ndarray
     segment_ids: np.ndarray
     used: int
     real_tokens: int
+    micro_batches: int | None = None
+    per: int | None = None
+
+    @property
+    def scheduled(self) -> bool:
+        return self.micro_batches is not None
 
     @property
     def bins(self) -> int:
+        """The bins computed: every bin of the layout, or the scheduled micro-batches'."""
+        if self.scheduled:
+            return self.micro_batches * self.row.shape[1]
         return self.row.shape[0]
 
     @property
     def bin_length(self) -> int:
-        return self.row.shape[1]
+        return self.row.shape[-1]
 
     @property
     def efficiency(self) -> float:
-        """Real tokens / bin tokens of the compiled bins."""
-        return self.real_tokens / max(1, self.row.size)
+        """Real tokens / bin tokens of the computed bins."""
+        return self.real_tokens / max(1, self.bins * self.bin_length)
 
     @property
     def positions(self) -> np.ndarray:
@@ -126,6 +189,27 @@ def plan_packing(lengths: np.ndarray, *, bin_length: int, unit: int = 1) -> Pack
     return PackPlan(row=row, index=index, segment_ids=seg, used=len(bins), real_tokens=int(lengths.sum()))
 
 
+def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_per: int,
+                     rows: int | None = None) -> PackPlan:
+    """The packing of ``lengths`` [B] laid out for the step's micro-batch schedule
+    (:func:`micro_schedule`): arrays [m_cap, devices x per, L], bin ``b`` of first-fit in
+    micro-batch ``b // (devices x per)``. ``rows``: the most sequences a step has (the
+    layout's capacity; default B). Each micro-batch's bins split evenly over the devices
+    (a device's block of the bin axis), so taking micro-batch ``i`` moves no data."""
+    flat = plan_packing(lengths, bin_length=bin_length)
+    m, per = micro_schedule(flat.used, devices=devices, max_per=max_per)
+    cap = micro_capacity(rows=rows or len(lengths), devices=devices, per=per)
+    width = devices * per
+
+    def lay(x: np.ndarray) -> np.ndarray:
+        out = np.zeros((cap * width, bin_length), np.int32)
+        out[: x.shape[0]] = x
+        return out.reshape(cap, width, bin_length)  # m_cap (devices per) L
+
+    return flat._replace(row=lay(flat.row), index=lay(flat.index), segment_ids=lay(flat.segment_ids),
+                         micro_batches=m, per=per)
+
+
 # --------------------------------------------------------------------------- device: the arrays
 
 
@@ -150,6 +234,9 @@ class PackedBatch(NamedTuple):
     # The loss's normaliser of the padded batch (valid tokens, sequences, or sequences x
     # max length): scalar, replicated; the update divides every micro-batch by it.
     normalizer: jax.Array | None = None
+    # Scheduled layout (every array [m_cap, devices x per, L]): the micro-batches this step
+    # runs, an int32 scalar (replicated; traced, so one compile serves every m at a per).
+    micro_batches: jax.Array | None = None
 
 
 class Placement(NamedTuple):
@@ -182,7 +269,7 @@ def pack_batch(
     real = segment_ids > 0
     col = order[row, index]  # bins L
     # The next slot of the bin holds the next token of the same sequence iff same segment.
-    nxt = jnp.concatenate([segment_ids[:, 1:], jnp.zeros_like(segment_ids[:, :1])], axis=1)
+    nxt = jnp.concatenate([segment_ids[..., 1:], jnp.zeros_like(segment_ids[..., :1])], axis=-1)
     has_next = real & (nxt == segment_ids)
     ncol = order[row, jnp.minimum(index + 1, lp + n - 1)]
     predicts = has_next & (ncol >= lp)
@@ -229,8 +316,12 @@ def sequence_lengths(prompt_mask: jax.Array, mask: jax.Array) -> jax.Array:
 
 
 def packing_stats(plan: PackPlan) -> dict[str, float]:
-    """The step's packing metrics: efficiency (real / bin tokens) and bin counts."""
-    return {"packing/efficiency": plan.efficiency, "packing/bins": float(plan.bins), "packing/bins_used": float(plan.used)}
+    """The step's packing metrics: efficiency (real / bin tokens), bin counts and, when
+    scheduled, the micro-batches and bins per device per micro-batch."""
+    out = {"packing/efficiency": plan.efficiency, "packing/bins": float(plan.bins), "packing/bins_used": float(plan.used)}
+    if plan.scheduled:
+        out.update({"packing/micro_batches": float(plan.micro_batches), "packing/bins_per_device": float(plan.per)})
+    return out
 
 
 __all__ = [
@@ -239,11 +330,16 @@ __all__ = [
     "Placement",
     "bin_count_sizes",
     "first_fit_decreasing",
+    "max_bins_per_device",
+    "micro_capacity",
+    "micro_schedule",
     "pack_batch",
     "packing_stats",
     "plan_packing",
     "real_order",
     "round_bins",
+    "schedule_packing",
+    "schedule_shapes",
     "sequence_lengths",
     "unpack_logprobs",
 ]

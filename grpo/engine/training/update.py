@@ -3,7 +3,10 @@ accumulation over micro-batches, optimizer step that skips non-finite gradients.
 
 Micro-batch ``m`` takes rows ``m, m + M, m + 2M, ...`` of the batch (a reshape
 ``[B] -> [B/M, M]`` and a transpose), so every micro-batch keeps the batch's even spread
-over the data-parallel devices. Each micro-batch loss is divided by the *global*
+over the data-parallel devices. A packed batch in the scheduled layout
+(:func:`~grpo.engine.training.packing.schedule_packing`, [m_cap, W, L]) brings its own
+micro-batches: the step's ``micro_batches`` of them run, in a loop whose trip count is
+traced, so one compiled program serves every micro-batch count at a width ``W``. Each micro-batch loss is divided by the *global*
 normaliser (valid tokens, sequences, or sequences x max length of the whole batch), so
 summing the micro-batch losses and gradients gives the full-batch ones exactly (up to
 float summation order).
@@ -169,6 +172,59 @@ def _finish(metrics: dict[str, jax.Array], *, weighted: bool) -> dict[str, jax.A
 def _merge_micro(x: jax.Array) -> jax.Array:
     m, mb = x.shape[:2]
     return jnp.swapaxes(x, 0, 1).reshape((m * mb,) + x.shape[2:])
+
+
+def _micro(batch: PackedBatch, i: jax.Array) -> PackedBatch:
+    """Micro-batch ``i`` (traced) of a scheduled batch: [m_cap, W, L] -> [W, L] (the
+    leading axis is not sharded, so every device takes its own bins)."""
+    return batch._replace(micro_batches=None, normalizer=None, **{
+        f: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
+        for f, x in zip(batch._fields, batch) if x is not None and f not in ("micro_batches", "normalizer")})
+
+
+def _first(batch: PackedBatch) -> PackedBatch:
+    return _micro(batch, jnp.int32(0))
+
+
+def _scheduled_map(one, batch: PackedBatch, *, adapters: bool) -> jax.Array:
+    """``one`` (a micro-batch's per-token log-probs [W, L]) over the first
+    ``batch.micro_batches`` micro-batches of a scheduled batch, into [m_cap, W, L] (0 in
+    the micro-batches not run). A loop with a traced trip count: one compile for every m."""
+    if not adapters:
+        batch = batch._replace(dropout_keys=None)
+    cap = batch.tokens.shape[0]
+    shape = jax.eval_shape(one, _first(batch))
+    out = jnp.zeros((cap,) + shape.shape, shape.dtype)
+
+    def body(i, out):
+        return jax.lax.dynamic_update_index_in_dim(out, one(_micro(batch, i)), i, 0)
+
+    return jax.lax.fori_loop(0, jnp.minimum(batch.micro_batches, cap), body, out)
+
+
+def _scheduled_grads(grad_fn, params, batch: PackedBatch, normalizer):
+    """:meth:`UpdateStep.grads` over the first ``batch.micro_batches`` micro-batches of a
+    scheduled batch: each micro-batch's loss divided by the step's ``normalizer`` (so the
+    sums are the full batch's), f32 gradient accumulation, token-weighted metrics and the
+    log-probs [m_cap, W, L] (0 in the micro-batches not run)."""
+    cap = batch.tokens.shape[0]
+    shapes = jax.eval_shape(lambda: grad_fn(params, _first(batch), normalizer))
+    lp = shapes[0][1]["logprobs"]
+    metric_keys = [k for k in shapes[0][1] if k != "logprobs"]
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+    init = (jnp.float32(0.0), zeros, {k: _identity(k) for k in metric_keys}, jnp.zeros((cap,) + lp.shape, lp.dtype))
+
+    def body(i, carry):
+        loss_sum, grad_sum, weighted, logprobs = carry
+        (loss, metrics), grads = grad_fn(params, _micro(batch, i), normalizer)
+        logprobs = jax.lax.dynamic_update_index_in_dim(logprobs, metrics.pop("logprobs"), i, 0)
+        n = metrics["num_tokens"].astype(jnp.float32)
+        weighted = {k: _combine(k, weighted[k], v, n) for k, v in metrics.items()}
+        grad_sum = jax.tree.map(lambda acc, g: acc + g.astype(jnp.float32), grad_sum, grads)
+        return loss_sum + loss, grad_sum, weighted, logprobs
+
+    loss, grads, weighted, logprobs = jax.lax.fori_loop(0, jnp.minimum(batch.micro_batches, cap), body, init)
+    return loss, grads, _finish(weighted, weighted=True), logprobs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -395,6 +451,8 @@ class UpdateStep:
             logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters))
             return jnp.where(mb.trained > 0, logp.astype(jnp.float32), 0.0)
 
+        if isinstance(batch, PackedBatch) and batch.micro_batches is not None:
+            return _scheduled_map(one, batch, adapters=adapters)
         m = self.micro_batches
         if m == 1:
             return one(batch)
@@ -428,6 +486,8 @@ class UpdateStep:
             normalizer = self.settings.normalizer(self.loss_tokens(batch))  # of the global batch
         grad_fn = jax.value_and_grad(functools.partial(self.loss_and_metrics, frozen=frozen), has_aux=True)
         f32 = lambda tree: jax.tree.map(lambda g: g.astype(jnp.float32), tree)  # noqa: E731
+        if isinstance(batch, PackedBatch) and batch.micro_batches is not None:
+            return _scheduled_grads(grad_fn, params, batch, normalizer)
         m = self.micro_batches
         if m == 1:
             (loss, metrics), grads = grad_fn(params, batch, normalizer)

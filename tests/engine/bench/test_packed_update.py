@@ -49,3 +49,6 @@ def test_bench_update_json(tmp_path):
     # The same rows, the same parameters: the same loss (f32).
     assert out["loss_packed"] == pytest.approx(out["loss_padded"], abs=1e-5)
     assert out["ratio"] == pytest.approx((out["pack_s"] + out["packed_s"]) / out["padded_s"])
+    # The trainer's schedule: m micro-batches of per bins on each device, no more bins than that.
+    assert out["bins"] == out["micro_batches_packed"] * out["bins_per_device"] * out["devices"]
+    assert out["cpu_ratio"] == pytest.approx(out["cpu_s"]["packed"] / out["cpu_s"]["padded"])

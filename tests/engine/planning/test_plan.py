@@ -428,7 +428,7 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
     code, rep = plan(*args, "--json")
     assert code == 0, rep
     pk = rep["packing"]
-    assert pk["bin_length"] == 80 and pk["bin_unit"] == 4  # one micro-batch over 4 devices
+    assert pk["bin_length"] == 80 and pk["max_bins_per_device"] == 8  # 32 rows of 80 over 4 devices
     assert pk["bins"] == 8 and pk["efficiency"] == 1.0 and pk["bins_per_device"] == 2
     assert pk["micro_batch"]["sequences_per_device"] == 8 and pk["compile_bound"] == 8
     assert pk["profile"]["prompts"].startswith("every prompt at the config's prompt length, 16")
@@ -440,7 +440,8 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
     from grpo.engine.planning.report import format_report
 
     text = format_report(rep)
-    assert "packed: 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
+    assert "packed: at most 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
+    assert pk["draws"][0]["micro_batches"] == 1 and pk["draws"][0]["per"] == 2
 
 
 def test_engine_check_refuses_multi_turn_only_for_single_turn_engines():

@@ -11,9 +11,14 @@ import pytest
 from grpo.engine.training.packing import (
     bin_count_sizes,
     first_fit_decreasing,
+    max_bins_per_device,
+    micro_capacity,
+    micro_schedule,
     pack_batch,
     plan_packing,
     round_bins,
+    schedule_packing,
+    schedule_shapes,
     unpack_logprobs,
 )
 
@@ -63,6 +68,49 @@ def test_rounding_and_compile_bound():
         lengths = rng.integers(1, 33, size=16)
         plan = plan_packing(lengths, bin_length=32, unit=4)
         assert plan.bins in bin_count_sizes(rows=16, unit=4)
+
+
+def _brute_schedule(bins, devices, max_per):
+    """Every (m, per) with m x devices x per >= bins, the smallest total, then fewest m."""
+    pairs = [(m, p) for m in range(1, bins + 1) for p in range(1, max_per + 1) if m * devices * p >= bins]
+    return min(pairs, key=lambda mp: (mp[0] * mp[1], mp[0]))
+
+
+def test_micro_schedule_against_brute_force():
+    assert micro_schedule(56, devices=8, max_per=4) == (7, 1)  # 56 bins, not 2 x 4 x 8 = 64
+    assert micro_schedule(61, devices=8, max_per=4) == (2, 4)  # 64: ties go to fewer micro-batches
+    for devices in (1, 2, 8):
+        for max_per in (1, 3, 4, 16):
+            for bins in range(1, 70):
+                assert micro_schedule(bins, devices=devices, max_per=max_per) == _brute_schedule(
+                    bins, devices, max_per), (bins, devices, max_per)
+
+
+def test_memory_limit_and_compile_bound():
+    # The v6e-8 recipe: 32 rows of 1,280 a micro-batch over 8 chips, bins of 1,280 -> 4.
+    assert max_bins_per_device(micro_batch_size=32, devices=8, sequence_length=1280, bin_length=1280) == 4
+    assert max_bins_per_device(micro_batch_size=8, devices=8, sequence_length=1280, bin_length=2000) == 1
+    shapes = schedule_shapes(rows=128, devices=8, max_per=4)
+    assert sorted(shapes) == [1, 2, 3, 4]  # one compiled shape per width
+    assert sorted(mp for pairs in shapes.values() for mp in pairs) == sorted(
+        {_brute_schedule(b, 8, 4) for b in range(1, 129)})
+    for per, pairs in shapes.items():  # every schedule fits the layout of its width
+        assert all(m <= micro_capacity(rows=128, devices=8, per=per) for m, _ in pairs)
+
+
+def test_scheduled_layout():
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(1, 33, size=40)
+    flat = plan_packing(lengths, bin_length=32)
+    plan = schedule_packing(lengths, bin_length=32, devices=4, max_per=2, rows=48)
+    m, per = plan.micro_batches, plan.per
+    assert (m, per) == micro_schedule(flat.used, devices=4, max_per=2)
+    assert plan.row.shape == (micro_capacity(rows=48, devices=4, per=per), 4 * per, 32)
+    # The same bins in micro-batch order, padding bins after them, nothing past micro-batch m.
+    np.testing.assert_array_equal(plan.segment_ids.reshape(-1, 32)[: flat.used], flat.segment_ids)
+    assert not plan.segment_ids.reshape(-1, 32)[flat.used:].any()
+    assert plan.bins == m * 4 * per and plan.efficiency == pytest.approx(lengths.sum() / (plan.bins * 32))
+    assert plan.segment_ids[m - 1].any()  # the last scheduled micro-batch is not empty
 
 
 def test_plan_segments_and_positions():

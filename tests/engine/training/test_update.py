@@ -409,9 +409,12 @@ def _packing_loss():
 
 @pytest.mark.parametrize("micro, aggregation", [(2, "token_mean")])
 def test_packed_update_equals_padded(tiny, micro, aggregation):
-    """Same rows packed into bins: equal loss, gradients, metrics and per-token log-probs
-    (unpacked to the rows), for the update and the forward-only log-prob pass."""
-    from grpo.engine.training.packing import pack_batch, plan_packing, sequence_lengths, unpack_logprobs
+    """Same rows packed into bins, in two micro-batch schedules (every bin its own
+    micro-batch; one micro-batch of every bin; each in a layout with spare micro-batches
+    that never run): equal loss, gradients, metrics and per-token log-probs (unpacked to
+    the rows) to the padded batch's, for the update and the forward-only log-prob pass.
+    The schedule changes only the summation order (the global normaliser is the same)."""
+    from grpo.engine.training.packing import pack_batch, schedule_packing, sequence_lengths, unpack_logprobs
 
     _, model, graphdef, params = tiny
     batch = _batch(model.config.vocab_size, seed=3)
@@ -422,24 +425,27 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
     step = _step(graphdef, micro, aggregation)
     step = UpdateStep(**{**step.__dict__, "loss": _packing_loss()})
     lengths = np.asarray(sequence_lengths(batch.prompt_mask, batch.mask))
-    plan = plan_packing(lengths, bin_length=22, unit=2)  # rows are 11 wide
-    assert plan.used < 8  # really packed
-    packed, place = pack_batch(
-        prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
-        row=plan.row, index=plan.index, segment_ids=plan.segment_ids, loss_mask=step.loss_tokens(batch),
-        trained=batch.trained, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
-    )
-    packed = packed._replace(normalizer=step.settings.normalizer(step.loss_tokens(batch)))
-    loss_p, g_p, m_p, lp_p = jax.jit(step.grads)(params, packed)
     loss_r, g_r, m_r, lp_r = jax.jit(step.grads)(params, batch)
-    np.testing.assert_allclose(float(loss_p), float(loss_r), rtol=1e-5, atol=1e-7)
-    for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_r)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
-    for k in m_r:
-        np.testing.assert_allclose(float(m_p[k]), float(m_r[k]), rtol=1e-5, atol=1e-6, err_msg=k)
     trained = np.asarray(batch.trained) > 0
-    rows = lambda x: np.asarray(unpack_logprobs(x, place, rows=8, length=6))  # noqa: E731
-    np.testing.assert_allclose(rows(lp_p)[trained], np.asarray(lp_r)[trained], atol=1e-5)
+    for max_per in (8, 1):
+        plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=12)  # rows are 11 wide
+        assert plan.used < 8  # really packed
+        assert plan.micro_batches == (1 if max_per == 8 else plan.used) and plan.row.shape[0] > plan.micro_batches
+        packed, place = pack_batch(
+            prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
+            row=plan.row, index=plan.index, segment_ids=plan.segment_ids, loss_mask=step.loss_tokens(batch),
+            trained=batch.trained, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+        )
+        packed = packed._replace(normalizer=step.settings.normalizer(step.loss_tokens(batch)),
+                                 micro_batches=jnp.int32(plan.micro_batches))
+        loss_p, g_p, m_p, lp_p = jax.jit(step.grads)(params, packed)
+        np.testing.assert_allclose(float(loss_p), float(loss_r), rtol=1e-5, atol=1e-7)
+        for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_r)):
+            np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
+        for k in m_r:
+            np.testing.assert_allclose(float(m_p[k]), float(m_r[k]), rtol=1e-5, atol=1e-6, err_msg=k)
+        rows = lambda x: np.asarray(unpack_logprobs(x, place, rows=8, length=6))  # noqa: E731
+        np.testing.assert_allclose(rows(lp_p)[trained], np.asarray(lp_r)[trained], atol=1e-5)
     fwd = rows(jax.jit(step.policy_logprobs)(params, packed))
     np.testing.assert_allclose(fwd, np.asarray(jax.jit(step.policy_logprobs)(params, batch)), atol=1e-5)
     assert np.abs(fwd[trained]).min() > 0  # real log-probs, not zeros
