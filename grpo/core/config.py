@@ -525,6 +525,14 @@ class AsyncConfig(Section):
         description="Devices of the rollout mesh (the first ones; whole hosts when several hosts); the rest form the "
         "update mesh. None = half of the devices.",
     )
+    partial_rollouts: bool = Field(
+        False,
+        description="Partial rollouts (rollout.engine: continuous, single-turn): one continuous stream lives across "
+        "optimizer steps, rows in flight at a weight change go on under the new weights, and each token records the "
+        "policy version that drew it. A step trains the first prompts_per_step groups to finish; a row is as stale "
+        "as its oldest token. Rows cross a weight change from max_staleness 2 (at 1 the stream drains each batch; "
+        "at 0 it equals the synchronous continuous run).",
+    )
 
 
 class TrainConfig(Section):
@@ -608,6 +616,22 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Orbax checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
+
+    @model_validator(mode="after")
+    def _partial_rollouts(self):
+        a = self.train.async_
+        if not a.partial_rollouts:
+            return self
+        why = None
+        if not a.enabled:
+            why = "needs train.async.enabled=true"
+        elif self.rollout.engine != "continuous":
+            why = f"needs rollout.engine: continuous (got {self.rollout.engine!r})"
+        elif self.train.dynamic_sampling.enabled or self.train.down_sampling.keep is not None:
+            why = "does not combine with train.dynamic_sampling or train.down_sampling (a batch is the first groups to finish)"
+        if why:
+            raise ValueError(f"train.async.partial_rollouts=true {why}")
+        return self
 
     @model_validator(mode="after")
     def _async_correction(self):

@@ -30,6 +30,12 @@ the importance weight ``exp(logp_current - logp_behaviour)`` against the sampler
 (top-k/top-p truncated) log-probs, while the PPO ratio is taken against the trainer's
 log-probs at its current weights (decoupled PPO); the loss logs ``mismatch/weight_mean``
 and the fraction truncated or masked.
+
+With ``train.async.partial_rollouts`` (the continuous engine) the rollout side is one
+stream that lives across steps (:mod:`grpo.engine.rollout.partial`): it runs at most one
+step ahead, a step's batch is the first groups to finish, rows in flight at a weight
+change go on under the new weights, each token records its version, and a row is as
+stale as its oldest token.
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from grpo.engine.rollout.partial import PartialRollouts, oldest_versions, token_staleness
 from grpo.engine.rollout.step import StepRollout
 
 
@@ -62,6 +69,10 @@ class Buffered:
     position: int
     versions: np.ndarray
     rollout: StepRollout
+    # Partial rollouts: each token's version [B, N] (host, -1 off the mask; ``versions`` is
+    # then each row's oldest) and the batch's groups' data positions.
+    token_versions: np.ndarray | None = None
+    positions: list[int] | None = None
 
 
 def staleness(*, step: int, versions: np.ndarray) -> np.ndarray:
@@ -125,13 +136,28 @@ class Pipeline:
         self.next_step: int | None = None
         self.next_position = 0
         self.sync_s = 0.0
+        cfg = trainer.config.train.async_
+        self.partial = PartialRollouts(trainer.collector, max_staleness=self.max_staleness) \
+            if cfg.partial_rollouts else None
+        # Steps the rollout runs ahead: m whole batches; with partial rollouts at most one,
+        # so that rows may go on across weight changes within the staleness budget.
+        self.lead = self.max_staleness if self.partial is None else min(self.max_staleness, 1)
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollout")
 
-    def reset(self) -> None:
-        """Forget the buffer (a resume re-draws it from the trainer's data position)."""
+    def reset(self, meta: dict[str, Any] | None = None) -> None:
+        """Forget the buffer (a resume re-draws it from the trainer's data position; with
+        partial rollouts from the frontier, skipping the checkpoint ``meta``'s groups
+        trained ahead)."""
         self.buffer.clear()
         self.next_step = None
         self.version = -1
+        if self.partial is not None:
+            self.partial.reset(frontier=self.trainer.data_position,
+                               ahead=(meta or {}).get("partial_trained_ahead", ()))
+
+    def meta(self) -> dict[str, Any]:
+        """The checkpoint's share of the pipeline (partial rollouts: the groups trained ahead)."""
+        return {} if self.partial is None else self.partial.meta()
 
     def sync(self) -> None:
         """The trainer's weights to the rollout mesh: one resharding transfer."""
@@ -147,11 +173,15 @@ class Pipeline:
         """Draw the next step's rollout on the rollout mesh at the synced weights and move
         it to the update mesh (not yet buffered: the main thread appends it)."""
         tr, step, position, version = self.trainer, self.next_step, self.next_position, self.version
+        sample_group = tr.is_main and step % tr.config.logging.every_n_steps == 0
+        token_versions = positions = None
         try:
-            rollout = tr.collector.collect(
-                step=step, position=position, params=self.sampler_params,
-                sample_group=tr.is_main and step % tr.config.logging.every_n_steps == 0,
-            )
+            if self.partial is not None:
+                rollout, token_versions, positions = self.partial.draw(
+                    step=step, params=self.sampler_params(), version=version, sample_group=sample_group)
+            else:
+                rollout = tr.collector.collect(step=step, position=position, params=self.sampler_params,
+                                               sample_group=sample_group)
         except Exception as err:
             raise RolloutFailed(
                 f"async GRPO: the rollout of step {step + 1} (data position {position}, policy version {version}) "
@@ -159,6 +189,9 @@ class Pipeline:
             ) from err
         up = tr.programs
         rollout = _moved(rollout, rows=up.train_sharding, replicated=up.replicated)
+        if positions is not None:
+            return Buffered(step=step, position=min(positions), versions=oldest_versions(token_versions),
+                            rollout=rollout, token_versions=token_versions, positions=positions)
         versions = np.full(rollout.rewards.shape[0], version, np.int64)
         return Buffered(step=step, position=position, versions=versions, rollout=rollout)
 
@@ -174,12 +207,12 @@ class Pipeline:
             self.next_step, self.next_position = tr.step, tr.data_position
         if self.version != tr.step:
             self.sync()
-        while self.next_step < tr.step + max(self.max_staleness, 1):
+        while self.next_step < tr.step + max(self.lead, 1):
             self._append(self.collect())
 
     def ahead(self) -> concurrent.futures.Future | None:
-        """Start drawing step ``s + m`` in the worker (None when ``m = 0``)."""
-        if self.max_staleness == 0:
+        """Start drawing step ``s + lead`` in the worker (None when ``lead = 0``)."""
+        if self.lead == 0:
             return None
         return self._pool.submit(self.collect)
 
@@ -194,7 +227,7 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
     t0 = time.perf_counter()
     pipeline.fill()
     entry = pipeline.buffer.popleft()
-    if (entry.step, entry.position) != (tr.step, tr.data_position):
+    if pipeline.partial is None and (entry.step, entry.position) != (tr.step, tr.data_position):
         raise RuntimeError(f"async GRPO: the buffer holds step {entry.step + 1} at data position {entry.position} "
                            f"where step {tr.step + 1} at {tr.data_position} is due")
     rollout = entry.rollout
@@ -213,7 +246,10 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
         ahead = None if future is None else future.result()  # re-raises the rollout's failure
     if ahead is not None:
         pipeline._append(ahead)
-    tr.data_position = entry.position + rollout.prompts_drawn
+    if pipeline.partial is None:
+        tr.data_position = entry.position + rollout.prompts_drawn
+    else:  # the frontier of the trained groups (they finish out of data order)
+        tr.data_position = pipeline.partial.trained(entry.positions)
     tr.step += 1
     pipeline.sync()
     stale = staleness(step=tr.step - 1, versions=entry.versions)
@@ -227,6 +263,8 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
         "async/data_position": entry.position,
         "time/train/weight_sync_s": pipeline.sync_s,
     })
+    if entry.token_versions is not None:
+        row.update(token_staleness(step=tr.step - 1, versions=entry.token_versions))
     return row
 
 

@@ -384,6 +384,7 @@ class Trainer:
             "seed": self.config.train.seed,
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": self.reward_errors,
+            **({} if self.pipeline is None else self.pipeline.meta()),
         }
 
     def save(self) -> None:
@@ -406,7 +407,7 @@ class Trainer:
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
         if self.pipeline is not None:  # the buffered steps are re-drawn from data_position
-            self.pipeline.reset()
+            self.pipeline.reset(meta)
         if self.is_main:
             print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
         return True

@@ -16,6 +16,9 @@
 - ``continuous_multiturn``: its multi-turn rows: a row leaves its slot at a tool call,
   parks its pages, and its next turn is appended into them
   (:class:`ContinuousMultiTurnSampler`).
+- ``partial``: partial rollouts of asynchronous GRPO: one continuous stream across
+  optimizer steps whose in-flight rows go on under new weights, each token's policy
+  version, and the ledger that makes a resume lose no group (:class:`PartialStream`).
 - ``conversations``: a multi-turn task's environments and chat rendering with tools
   (the wiring between a task plugin and the multi-turn rollout).
 - ``step``: a training step's rollout as one record (:class:`StepRollout`): rounds,

@@ -173,6 +173,10 @@ class RolloutOutput(NamedTuple):
     # distribution renormalised over its kept tokens (0 where mask or loss_mask is 0);
     # None: no filter, the behaviour log-probs are ``logprobs`` (see :attr:`behaviour`).
     behaviour_logprobs: jax.Array | None = None
+    # [B, N] int32, partial rollouts only (``train.async.partial_rollouts``): the policy
+    # version (optimizer steps applied) that drew each token, -1 where mask is 0; a row
+    # that went on across a weight change holds several. None: one version per rollout.
+    versions: jax.Array | None = None
 
     @property
     def behaviour(self) -> jax.Array:

@@ -1,0 +1,380 @@
+"""Partial rollouts (``train.async.partial_rollouts``): one continuous-batching stream
+that lives across optimizer steps, so rows in flight at a weight change go on under the
+new weights.
+
+The stream (:class:`PartialStream`) keeps the engine's slots, page pool and in-flight
+rows between steps; each call of :meth:`PartialStream.next_batch` decodes with the
+weights it is handed (the params are an argument of the engine's programs, so a weight
+change is simply the next chunk reading other params) until ``prompts_per_step`` groups
+(all K rows) have finished, and stops at that chunk boundary. The rows still decoding keep
+their slots and pages for the next call.
+
+- **Batches.** A step's batch is the first ``prompts_per_step`` groups to finish (groups
+  finishing at one chunk boundary: in data order), laid out in data order. Deterministic:
+  the work between two weight changes is "until P more groups finish", never a time.
+- **Feeding.** Prompts are fed in the data order (skipping those a resumed run already
+  trained) so that the slots stay full, within the staleness budget: at policy version
+  ``v`` the stream has fed at most ``(v + max_staleness + 1) * prompts_per_step`` groups
+  in all. Were groups to finish in feed order, every group would then train at most
+  ``max_staleness`` steps after its first token (AReaL bounds its rollouts' staleness
+  the same way); with ``max_staleness = 0`` every batch is drawn to the end at one
+  version, as the synchronous continuous run draws it.
+- **Versions.** Every token records the policy version that drew it (``RolloutOutput.
+  versions`` [B, N], -1 off the mask), kept on the host from the chunk boundaries: a
+  row's tokens between two boundaries were drawn by the params of that call.
+- **Staleness** is measured on a row's *oldest* token: the update at step ``s`` refuses a
+  group (exactly zero advantage, counted) when one of its rows holds a token drawn more
+  than ``max_staleness`` versions before ``s``. The oldest token bounds how far the
+  most off-policy part of the row is from the trained policy, and it is the version the
+  row's prefix was conditioned on, so a row is never judged fresher than its start.
+- **Correction.** The importance weights are already per token: the behaviour log-prob
+  of each token is recorded by the sampler at the moment it is drawn, under the weights
+  of that moment (``behaviour_logprobs``), so ``loss.mismatch``'s token weight
+  ``exp(logp_current - logp_behaviour)`` compares each token with the very policy that
+  drew it, and the sequence-level weight multiplies those per-token ratios (the
+  behaviour probability of a mixed row is the product of its tokens' own). The version
+  array serves the refusal and the logs (:func:`token_staleness`).
+- **Nothing lost** (:class:`Ledger`): trained groups are not a prefix of the data order
+  (they finish out of order), so the checkpoint holds the *frontier* (every data
+  position below it trained: the trainer's ``data_position``) and the few positions
+  above it already trained. In-flight, queued and buffered groups are not saved: a
+  resumed stream feeds again from the frontier, skipping the positions trained ahead.
+- **Keys.** The prompt at data position ``p`` draws its row ``j`` from
+  ``fold_in(fold_in(key(seed), p // P), (p % P) * K + j)``: the key the synchronous run's
+  step ``p // P`` gives that row, so ``max_staleness = 0`` reproduces it.
+
+Single-turn rows on one process only (the asynchronous split runs one process).
+"""
+
+from __future__ import annotations
+
+import collections
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
+
+from grpo.core.errors import UserError
+from grpo.engine.parallel.rows import to_global
+from grpo.engine.rollout.continuous import _left_aligned, _Schedule
+from grpo.engine.rollout.paged import PageAllocator
+from grpo.engine.rollout.prompts import bucket_for, position_indices
+from grpo.engine.rollout.sampler import RolloutOutput
+from grpo.engine.rollout.step import SampleGroup, StepRollout
+
+# ------------------------------------------------------------------ pure pieces
+
+
+class Ledger:
+    """Which data positions (groups) the update has trained: all below ``frontier``, and
+    ``ahead`` above it. The checkpoint holds both; a resumed stream feeds from the
+    frontier, skipping ``ahead``: no group lost, none trained twice."""
+
+    def __init__(self, frontier: int = 0, ahead: Any = ()):
+        self.frontier = int(frontier)
+        self.ahead = {int(p) for p in ahead}
+
+    def record(self, positions: Any) -> int:
+        """Mark ``positions`` trained; returns the new frontier. A position trained twice
+        is a bug, not a user error."""
+        for p in (int(x) for x in positions):
+            if p < self.frontier or p in self.ahead:
+                raise RuntimeError(f"partial rollouts: data position {p} trained twice")
+            self.ahead.add(p)
+        while self.frontier in self.ahead:
+            self.ahead.remove(self.frontier)
+            self.frontier += 1
+        return self.frontier
+
+    def untrained(self):
+        """The data positions not yet trained now, ascending (an endless iterator over a
+        snapshot: the ledger may move on while the stream reads it)."""
+        p, ahead = self.frontier, set(self.ahead)
+        while True:
+            if p not in ahead:
+                yield p
+            p += 1
+
+
+def mark_versions(versions: np.ndarray, marks: np.ndarray, *, rows: np.ndarray, drawn: np.ndarray,
+                  version: int) -> None:
+    """Record that ``rows`` [n] have drawn ``drawn`` [n] tokens by now, those past their
+    ``marks`` (tokens already versioned) under ``version`` (in place: ``versions`` [R, N],
+    ``marks`` [R])."""
+    for r, d in zip(rows, drawn):
+        versions[r, marks[r]:d] = version
+        marks[r] = max(marks[r], d)
+
+
+def token_staleness(*, step: int, versions: np.ndarray) -> dict[str, float]:
+    """Per-token staleness figures of a batch trained at ``step`` from its token versions
+    ([B, N], -1 off the mask): the mean and max over the valid tokens, the fraction at
+    each staleness (``async/token_staleness_hist/k``), the fraction drawn under a version
+    older than their row's last token (``async/older_version_token_frac``: the part of
+    rows that crossed a weight change before it) and the rows drawn under more than one
+    version (``async/crossed_rows``)."""
+    valid = versions >= 0  # B N
+    stale = (step - versions)[valid]
+    newest = versions.max(axis=1, initial=-1)  # B
+    oldest = np.where(valid, versions, np.iinfo(np.int64).max).min(axis=1)  # B
+    n = max(int(valid.sum()), 1)
+    out = {
+        "async/token_staleness_mean": float(stale.mean()) if stale.size else 0.0,
+        "async/token_staleness_max": int(stale.max()) if stale.size else 0,
+        "async/older_version_token_frac": float((valid & (versions < newest[:, None])).sum() / n),
+        "async/crossed_rows": int(((oldest < newest) & valid.any(axis=1)).sum()),
+    }
+    for k, c in zip(*np.unique(stale, return_counts=True)):
+        out[f"async/token_staleness_hist/{int(k)}"] = float(c / n)
+    return out
+
+
+def oldest_versions(versions: np.ndarray) -> np.ndarray:
+    """Each row's oldest token version [B] (what the staleness refusal reads)."""
+    valid = versions >= 0
+    return np.where(valid.any(axis=1), np.where(valid, versions, np.iinfo(np.int64).max).min(axis=1), -1)
+
+
+# ------------------------------------------------------------------ the stream
+
+
+class PartialStream:
+    """The persistent stream of a run (see the module docstring). ``collector``: the
+    run's :class:`~grpo.engine.rollout.step.StepCollector` on the rollout mesh (sampler,
+    prompts, scoring); ``ledger``: what the update has trained (read once, here);
+    ``version``: the policy version of the first call."""
+
+    def __init__(self, collector: Any, *, max_staleness: int, ledger: Ledger, version: int):
+        cfg = collector.config
+        self.c, self.sampler = collector, collector.sampler
+        self.P, self.K, self.N = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout.max_new_tokens
+        self.seed, self.m = cfg.train.seed, max_staleness
+        self.rows = (max_staleness + 1) * self.P * self.K  # outstanding rows never exceed it
+        self.width = bucket_for(max(len(t) for t in collector.prompts.token_ids), collector.buckets)
+        S = self.sampler.slots or self.P * self.K
+        shards = self.sampler.shards(S)
+        self.alloc = PageAllocator(pages=shards * self.sampler.pool_size(self.width, S // shards),
+                                   page_size=self.sampler.page_size, slots=S, max_pages=self.sampler.max_pages(self.width),
+                                   shards=shards)
+        self.sched = _Schedule(self.alloc, prompt_len=np.zeros(self.rows, np.int64), cap=self.N,
+                               chunk=self.sampler.chunk_steps)
+        self.sched.queue.clear()
+        self.tokens = np.zeros((self.rows, self.width), np.int32)
+        self.mask = np.zeros((self.rows, self.width), np.int32)
+        self.versions = np.full((self.rows, self.N), -1, np.int64)
+        self.marks = np.zeros(self.rows, np.int64)
+        self.key_data: np.ndarray | None = None
+        self.keys, self.impl = None, None
+        self.state = None
+        self.free = collections.deque(range(self.rows))
+        self.todo = ledger.untrained()
+        self.fed = version * self.P  # groups counted against the staleness budget
+        self.groups: dict[int, dict] = {}  # data position -> {rows, width, done: {row: host arrays}}
+        self.row_group: dict[int, int] = {}  # buffer row -> the data position of its group
+        self.ready: list[int] = []  # finished groups not yet in a batch, in finish order
+        self.widths: dict[int, int] = {}  # nominal step -> its prompts' bucket
+        self.fed_log: list[int] = []  # data positions fed, in order (tests read it)
+
+    # ------------------------------------------------------------------ feeding
+
+    def _row_width(self, position: int) -> int:
+        """The bucket of the synchronous step ``position // P``'s prompts (what its prefill pads to)."""
+        s = position // self.P
+        if s not in self.widths:
+            idx = position_indices(len(self.c.prompts), start=s * self.P, count=self.P, seed=self.seed)
+            self.widths[s] = bucket_for(max(len(self.c.prompts.token_ids[i]) for i in idx), self.c.buckets)
+        return self.widths[s]
+
+    def _feed(self, version: int) -> None:
+        """Queue the next groups of the data order while the staleness budget allows."""
+        new = []
+        while self.fed < (version + self.m + 1) * self.P:
+            p = next(self.todo)
+            rows = [self.free.popleft() for _ in range(self.K)]
+            ids = self.c.prompts.token_ids[position_indices(len(self.c.prompts), start=p, count=1, seed=self.seed)[0]]
+            for r in rows:
+                self.tokens[r], self.mask[r] = self.c.pad_id, 0
+                self.tokens[r, self.width - len(ids):], self.mask[r, self.width - len(ids):] = ids, 1
+                self.sched.prompt_len[r] = len(ids)
+                self.row_group[r] = p
+            self.groups[p] = {"rows": rows, "width": self._row_width(p), "done": {}}
+            self.sched.queue.extend(rows)
+            self.fed += 1
+            self.fed_log.append(p)
+            new.append(p)
+        if new:
+            self._rekey(new)
+
+    def _rekey(self, positions: list[int]) -> None:
+        """The new groups' row keys (:func:`row_key` of their data positions) on the mesh."""
+        base = jax.random.key(self.seed)
+        for p in positions:
+            step_key = jax.random.fold_in(base, p // self.P)
+            within = jnp.arange((p % self.P) * self.K, (p % self.P + 1) * self.K, dtype=jnp.uint32)
+            keys = jax.vmap(lambda i, k=step_key: jax.random.fold_in(k, i))(within)
+            if self.key_data is None:
+                self.impl = jax.random.key_impl(keys)
+                data = np.asarray(jax.random.key_data(keys))
+                self.key_data = np.zeros((self.rows,) + data.shape[1:], data.dtype)
+            self.key_data[self.groups[p]["rows"]] = np.asarray(jax.random.key_data(keys))
+        replicated = NamedSharding(self.sampler.mesh, PartitionSpec())
+        data = self.key_data
+        self.keys = jax.make_array_from_callback(data.shape, replicated, lambda idx: data[idx])
+
+    # ------------------------------------------------------------------ the engine
+
+    def _run_chunk(self, params: Any, version: int) -> None:
+        """Admit and prefill queued rows, decode one chunk, and read the boundary."""
+        s, sched = self.sampler, self.sched
+        if self.state is None:
+            self.state = s.start_jit(params, rows=self.rows, pages=self.alloc.pages)
+        admitted = sched.admit()
+        if admitted:
+            for _, r in admitted:  # a row (re)starts from its first token
+                self.versions[r], self.marks[r] = -1, 0
+            w = max(self.groups[self.row_group[r]]["width"] for _, r in admitted)
+            self.state = s._prefill(params, self.state, admitted, self.tokens[:, -w:], self.mask[:, -w:], self.keys,
+                                    self.impl, self.alloc)
+        if not sched.live():
+            raise RuntimeError("partial rollouts: nothing is queued or decoding, yet the batch is short")
+        idx, table = sched.selection()
+        slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
+        self.state = s.decode_jit(params, self.state, s._place(table, ("batch", None)), s._place(idx, ("batch",)),
+                                  s._place(slot_rows, ("batch",)), self.keys, None, key_impl=self.impl)
+        self._boundary(version)
+
+    def _boundary(self, version: int) -> None:
+        """The chunk boundary: version the tokens drawn since the last one, hand finished
+        rows to their groups (host copies), free their slots and grow the live ones."""
+        st = self.state
+        done, lengths = (np.asarray(x) for x in jax.device_get((st.done, st.lengths)))
+        slots = [s for s, r in enumerate(self.sched.slot_row) if r >= 0]
+        rows = np.asarray([self.sched.slot_row[s] for s in slots], np.int64)
+        drawn = np.asarray([lengths[s] for s in slots], np.int64) - self.sched.prompt_len[rows] + 1
+        mark_versions(self.versions, self.marks, rows=rows, drawn=drawn, version=version)
+        ended = sorted(int(self.sched.slot_row[s]) for s in slots if done[s])
+        if ended:
+            got = jax.device_get((st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour))
+            got = [None if a is None else np.asarray(a) for a in got]
+            finished = set()
+            for r in ended:
+                g = self.row_group[r]
+                self.groups[g]["done"][r] = tuple(None if a is None else a[r].copy() for a in got) + (
+                    self.versions[r].copy(),)
+                if len(self.groups[g]["done"]) == self.K:
+                    finished.add(g)
+            self.ready.extend(sorted(finished))  # one boundary's groups: in data order
+        self.sched.sync(done, lengths)
+
+    # ------------------------------------------------------------------ a batch
+
+    def next_batch(self, *, step: int, params: Any, version: int, sample_group: bool) -> tuple[StepRollout, np.ndarray,
+                                                                                               list[int]]:
+        """Decode with ``params`` (policy ``version``) until ``prompts_per_step`` groups
+        have finished; returns step ``step``'s rollout (rows in data order of their
+        groups), its token versions [P*K, N] (host) and its groups' data positions."""
+        t0 = time.perf_counter()
+        while len(self.ready) < self.P:
+            self._feed(version)
+            self._run_chunk(params, version)
+        picked, self.ready = sorted(self.ready[: self.P]), self.ready[self.P:]
+        rollout, versions = self._rollout(picked, sample_group)
+        for g in picked:
+            for r in self.groups.pop(g)["rows"]:
+                self.free.append(r)
+                del self.row_group[r]
+        in_flight = sum(1 for r in self.sched.slot_row if r >= 0) + len(self.sched.queue)
+        rollout.metrics.update({"partial/in_flight_rows": in_flight, "partial/ready_groups": len(self.ready)})
+        rollout.rollout_s = time.perf_counter() - t0
+        return rollout, versions, picked
+
+    def _rollout(self, picked: list[int], sample_group: bool) -> tuple[StepRollout, np.ndarray]:
+        """The picked groups' rows as a step's record (scored with the task's rewards)."""
+        c, s, K = self.c, self.sampler, self.K
+        rows = [r for g in picked for r in self.groups[g]["rows"]]  # b*K + j: sample j of group b
+        done = [self.groups[self.row_group[r]]["done"][r] for r in rows]
+        tokens, mask, logprobs, out_len, truncated, behaviour, versions = (
+            None if d[0] is None else np.stack(d) for d in zip(*done))
+        w = max(self.groups[g]["width"] for g in picked)
+
+        def put(x, names, dtype):
+            x = np.asarray(x, dtype)
+            sharding = s.sharding(x.shape, names)
+            return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
+
+        out = RolloutOutput(
+            prompt_tokens=put(self.tokens[rows, -w:], ("batch", "length"), np.int32),
+            prompt_mask=put(self.mask[rows, -w:], ("batch", "length"), np.int32),
+            tokens=put(tokens, ("batch", "length"), np.int32), mask=put(mask, ("batch", "length"), np.int32),
+            lengths=put(out_len, ("batch",), np.int32), truncated=put(truncated, ("batch",), bool),
+            logprobs=put(logprobs, ("batch", "length"), np.float32),
+            behaviour_logprobs=None if behaviour is None else put(behaviour, ("batch", "length"), np.float32),
+            versions=put(versions, ("batch", "length"), np.int32),
+        )
+        examples = [c.prompts.examples[self._example(g)] for g in picked for _ in range(K)]
+        texts = list(s.detokenize(tokens, mask))
+        totals, by_fn, failed = c._score(examples, texts, mask.sum(axis=1))
+        sharding = c.programs.rollout_sharding
+        rewards = to_global(totals, sharding)
+        by_fn_g = {n: to_global(v, sharding) for n, v in by_fn.items()}
+        group = None
+        if sample_group:
+            g = picked[0]
+            group = SampleGroup(c.prompts.examples[self._example(g)], texts[:K], totals[:K], None,
+                                [int(n) for n in mask.sum(axis=1)[:K]], int(self.mask[rows[0]].sum()))
+        rollout = StepRollout(
+            output=out, rewards=rewards, rewards_by_fn=by_fn_g, logged_rewards=rewards, logged_by_fn=by_fn_g,
+            reward_names=list(by_fn), reward_errors=c.programs.row_sums(to_global(failed, sharding)),
+            generated_tokens=jnp.sum(out.lengths), rollout_s=0.0, tools=None, metrics={}, group=group,
+            prompts_drawn=len(picked),
+        )
+        return rollout, versions
+
+    def _example(self, position: int) -> int:
+        return int(position_indices(len(self.c.prompts), start=position, count=1, seed=self.seed)[0])
+
+
+class PartialRollouts:
+    """The asynchronous pipeline's partial rollouts: the stream (rollout side, made at
+    the first draw and again after a resume) and the ledger of trained groups (update
+    side: only the main thread touches it)."""
+
+    def __init__(self, collector: Any, *, max_staleness: int):
+        sampler = collector.sampler
+        if getattr(sampler, "loss_mask", False) or not hasattr(sampler, "stream"):
+            raise UserError(
+                "train.async.partial_rollouts=true needs the single-turn continuous engine (rollout.engine: "
+                f"continuous); this run's sampler is {type(sampler).__name__} (a task with tools rolls out "
+                "multi-turn rows). Set train.async.partial_rollouts=false."
+            )
+        self.collector, self.max_staleness = collector, max_staleness
+        self.ledger = Ledger()
+        self.stream: PartialStream | None = None
+        self.trained_log: list[list[int]] = []  # each trained batch's data positions (this process's life)
+
+    def reset(self, *, frontier: int = 0, ahead: Any = ()) -> None:
+        """Forget the stream (in-flight rows are re-fed) and start the ledger at a checkpoint's."""
+        self.stream = None
+        self.ledger = Ledger(frontier, ahead)
+
+    def draw(self, *, step: int, params: Any, version: int, sample_group: bool):
+        """Step ``step``'s batch at policy ``version`` (:meth:`PartialStream.next_batch`)."""
+        if self.stream is None:
+            self.stream = PartialStream(self.collector, max_staleness=self.max_staleness, ledger=self.ledger,
+                                        version=version)
+        return self.stream.next_batch(step=step, params=params, version=version, sample_group=sample_group)
+
+    def trained(self, positions: list[int]) -> int:
+        """Record a trained batch's groups; returns the new frontier (the data position)."""
+        self.trained_log.append(list(positions))
+        return self.ledger.record(positions)
+
+    def meta(self) -> dict[str, Any]:
+        """What the checkpoint needs beside ``data_position`` (the frontier)."""
+        return {"partial_trained_ahead": sorted(self.ledger.ahead)}
+
+
+__all__ = ["Ledger", "PartialRollouts", "PartialStream", "mark_versions", "oldest_versions", "token_staleness"]
