@@ -5,9 +5,8 @@ The schedule, for ``m = max_staleness`` (``v`` = the weights' version: optimizer
 applied to them):
 
 - before step ``s``'s update the buffer holds the rollouts of steps ``s .. s + m - 1``
-  (at the start, or after a resume, they are drawn there and then, at the current
-  weights: a resumed run re-draws the steps that were buffered, from the same data
-  positions with the same per-step keys);
+  (at the start they are drawn there and then, at the start weights; after a resume
+  they come back from the checkpoint, as drawn);
 - step ``s``: the update trains on the rollout of step ``s`` on the update mesh while the
   rollout of step ``s + m`` is drawn on the rollout mesh with the weights of version
   ``s`` (so it trains at staleness exactly ``m``); then the new weights (version
@@ -22,6 +21,18 @@ main thread runs the update. That is safe here because the run is one process (t
 split refuses several, :mod:`grpo.engine.parallel.split`): the two sides' programs run
 on disjoint devices and share no collective, so no cross-process ordering exists to
 break. Only the main thread touches the trainer's state, the logs and the weights.
+
+A checkpoint holds the buffer (:meth:`Pipeline.saved`, :meth:`Pipeline.restore`): the
+rollouts drawn but not yet trained, every array the update and the logs read (tokens,
+masks, sampler and behaviour log-probs, rewards, lengths, the logged group, each row's
+version), so a resumed run trains them exactly as the uninterrupted run would have
+(same completions, same versions) and goes on drawing step ``s + m`` at version ``s``.
+The record's structure goes into the checkpoint's JSON metadata, its arrays into one
+Orbax item (``buffer``): device arrays as the global arrays they are on the update mesh
+(Orbax writes each process's shards, and restores them into the same shardings), host
+arrays and scalars as values every process holds alike (Orbax writes numpy arrays and
+the JSON from the primary process; every process reads them back). Host-only extras of
+process 0 (the logged sample group) are kept on process 0 only.
 
 Every buffered rollout records the version that drew it; the update refuses groups
 staler than ``m`` (exactly zero advantage: no gradient; ``async/refused_groups``).
@@ -84,6 +95,88 @@ def refuse(advantages: jax.Array, accepted: np.ndarray, *, group_size: int) -> j
     return jnp.where(rows, advantages, jnp.zeros_like(advantages))
 
 
+# The records a checkpointed buffer is made of, by name (nothing else is rebuilt).
+def _record_types() -> dict[str, type]:
+    from grpo.engine.rollout.sampler import RolloutOutput
+    from grpo.engine.rollout.step import SampleGroup, ToolTotals
+
+    return {cls.__name__: cls for cls in (Buffered, StepRollout, RolloutOutput, SampleGroup, ToolTotals)}
+
+
+def encode(value: Any, arrays: dict[str, Any], memo: dict[int, str]) -> Any:
+    """``value`` as JSON, its arrays moved into ``arrays`` (named by index; an array met
+    twice, like ``logged_rewards is rewards``, stored once and restored as one object).
+    Every tagged node is a one-key dict, so a record's own dicts never read as tags."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        if id(value) not in memo:
+            memo[id(value)] = name = str(len(arrays))
+            arrays[name] = np.asarray(value) if isinstance(value, np.generic) else value
+        x, name = value, memo[id(value)]
+        leaf = {"name": name, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
+        if isinstance(x, jax.Array):
+            leaf["spec"] = [list(a) if isinstance(a, tuple) else a for a in getattr(x.sharding, "spec", P())]
+        else:
+            leaf["kind"] = "scalar" if isinstance(x, np.generic) else "numpy"
+        return {"array": leaf}
+    if dataclasses.is_dataclass(value) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        name = type(value).__name__
+        if _record_types().get(name) is not type(value):
+            raise TypeError(f"async GRPO: cannot checkpoint a buffered {name}")
+        fields = ([f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value)
+                  else list(value._fields))
+        return {"record": [name, {f: encode(getattr(value, f), arrays, memo) for f in fields}]}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [encode(v, arrays, memo) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: encode(v, arrays, memo) for k, v in value.items()}}
+    raise TypeError(f"async GRPO: cannot checkpoint a buffered {type(value).__name__}")
+
+
+def _leaves(spec: Any):
+    """The array leaves of an :func:`encode` spec."""
+    if isinstance(spec, dict):
+        if "array" in spec:
+            yield spec["array"]
+            return
+        for v in spec.values():
+            yield from _leaves(v)
+    elif isinstance(spec, list):
+        for v in spec:
+            yield from _leaves(v)
+
+
+def like(spec: Any, mesh: Any) -> dict[str, Any]:
+    """What Orbax restores an :func:`encode`'s arrays into: device arrays as
+    ``ShapeDtypeStruct``s in their saved sharding on ``mesh``, host arrays as numpy."""
+    out = {}
+    for leaf in _leaves(spec):
+        shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+        if "spec" in leaf:
+            sharding = NamedSharding(mesh, P(*[tuple(a) if isinstance(a, list) else a for a in leaf["spec"]]))
+            out[leaf["name"]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        else:
+            out[leaf["name"]] = np.zeros(shape, dtype)
+    return out
+
+
+def decode(spec: Any, arrays: dict[str, Any]) -> Any:
+    """The value :func:`encode` described, with its arrays from ``arrays``."""
+    if not isinstance(spec, dict):
+        return spec
+    (tag, body), = spec.items()
+    if tag == "array":
+        x = arrays[body["name"]]
+        return np.asarray(x)[()] if body.get("kind") == "scalar" else x
+    if tag == "record":
+        name, fields = body
+        return _record_types()[name](**{f: decode(v, arrays) for f, v in fields.items()})
+    if tag in ("list", "tuple"):
+        return (list if tag == "list" else tuple)(decode(v, arrays) for v in body)
+    return {k: decode(v, arrays) for k, v in body.items()}
+
+
 def _moved(value: Any, *, rows: NamedSharding, replicated: NamedSharding) -> Any:
     """``value``'s device arrays (through pytrees and dataclasses) on the other mesh: a
     batch-sharded array over ``rows`` (when its rows divide), anything else replicated."""
@@ -128,10 +221,37 @@ class Pipeline:
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollout")
 
     def reset(self) -> None:
-        """Forget the buffer (a resume re-draws it from the trainer's data position)."""
+        """Forget the buffer (then :meth:`fill` draws it from the trainer's data position)."""
         self.buffer.clear()
         self.next_step = None
         self.version = -1
+
+    def saved(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The buffer for a checkpoint: its arrays (an Orbax item; empty when nothing is
+        buffered) and its JSON description (what :meth:`restore` rebuilds it from)."""
+        arrays: dict[str, Any] = {}
+        spec = encode(list(self.buffer), arrays, {})
+        return arrays, {"buffer": spec, "max_staleness": self.max_staleness}
+
+    def restore(self, saved: dict[str, Any] | None, read: Any) -> None:
+        """The checkpoint's buffer back, on the update mesh: ``saved`` the JSON of
+        :meth:`saved` (None: a synchronous run's checkpoint, or an older one: the buffered
+        steps are re-drawn at the restored weights from the data position); ``read(like)``
+        restores the arrays into ``like`` (:func:`like`)."""
+        self.reset()
+        if not saved or not saved["buffer"]["list"]:
+            return
+        arrays = read(like(saved["buffer"], self.trainer.mesh))
+        entries = decode(saved["buffer"], arrays)
+        tr = self.trainer
+        for entry in entries:
+            if not tr.is_main:  # the logged group is process 0's (see the module docstring)
+                entry.rollout.group = None
+            self._append(entry)
+        first = self.buffer[0]
+        if (first.step, first.position) != (tr.step, tr.data_position):
+            raise RuntimeError(f"async GRPO: the checkpoint's buffer starts at step {first.step + 1} (data position "
+                               f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
 
     def sync(self) -> None:
         """The trainer's weights to the rollout mesh: one resharding transfer."""
@@ -230,4 +350,5 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
     return row
 
 
-__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "refuse", "staleness", "train_step"]
+__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "decode", "encode", "like", "refuse", "staleness",
+           "train_step"]
