@@ -10,8 +10,12 @@ applied to them):
 - step ``s``: the update trains on the rollout of step ``s`` on the update mesh while the
   rollout of step ``s + m`` is drawn on the rollout mesh with the weights of version
   ``s`` (so it trains at staleness exactly ``m``); then the new weights (version
-  ``s + 1``) move to the rollout mesh in one resharding ``device_put``
-  (``time/train/weight_sync_s``);
+  ``s + 1``) move to the rollout mesh in one resharding ``device_put``, dispatched and
+  not waited for: the main thread goes on (logs, checkpoint, the next step's batch) and
+  the next rollout's first program waits for the weights on the device side
+  (``time/train/weight_sync_s``: that transfer's seconds from dispatch to arrival, timed
+  by a thread that waits for it; ``time/train/weight_sync_dispatch_s``: what the main
+  thread spent dispatching it);
 - with ``m = 0`` nothing overlaps: every rollout is drawn at the weights that train on
   it, and the run equals the synchronous one (up to the reduction order of a smaller
   mesh).
@@ -217,7 +221,9 @@ class Pipeline:
         self.buffer: collections.deque[Buffered] = collections.deque()
         self.next_step: int | None = None
         self.next_position = 0
-        self.sync_s = 0.0
+        self.dispatch_s = 0.0
+        self._arrival: concurrent.futures.Future | None = None  # the last transfer's seconds to arrival
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollout")
 
     def reset(self) -> None:
@@ -254,11 +260,25 @@ class Pipeline:
                                f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
 
     def sync(self) -> None:
-        """The trainer's weights to the rollout mesh: one resharding transfer."""
+        """The trainer's weights to the rollout mesh: one resharding transfer, dispatched
+        and not waited for (the programs reading ``self.params`` wait on the devices; the
+        update's donation of the source waits for the transfer's reads)."""
         t = time.perf_counter()
-        self.params = jax.block_until_ready(jax.device_put(self.trainer.params, self.param_shardings))
-        self.version = self.trainer.step
-        self.sync_s = time.perf_counter() - t
+        params = jax.device_put(self.trainer.params, self.param_shardings)
+        self.params, self.version = params, self.trainer.step
+        self.dispatch_s = time.perf_counter() - t
+
+        def arrival() -> float:
+            jax.block_until_ready(params)
+            return time.perf_counter() - t
+
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-weight-sync")
+        self._arrival = self._waiter.submit(arrival)
+
+    def sync_s(self) -> float:
+        """The last transfer's seconds from its dispatch to its arrival on the rollout mesh."""
+        return 0.0 if self._arrival is None else self._arrival.result()
 
     def sampler_params(self) -> Any:
         return self.programs.sampler_state(self.params, self.frozen)
@@ -305,6 +325,9 @@ class Pipeline:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+            self._waiter = None
 
 
 def train_step(pipeline: Pipeline) -> dict[str, Any]:
@@ -335,6 +358,9 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
         pipeline._append(ahead)
     tr.data_position = entry.position + rollout.prompts_drawn
     tr.step += 1
+    # The transfer this step's rollout side drew with (dispatched after the previous
+    # update, or before the first draw): arrived, since that rollout is complete.
+    sync_s = pipeline.sync_s()
     pipeline.sync()
     stale = staleness(step=tr.step - 1, versions=entry.versions)
     times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
@@ -345,7 +371,8 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
         "async/refused_groups": int((~accepted).sum()),
         "async/buffered_steps": len(pipeline.buffer),
         "async/data_position": entry.position,
-        "time/train/weight_sync_s": pipeline.sync_s,
+        "time/train/weight_sync_s": sync_s,
+        "time/train/weight_sync_dispatch_s": pipeline.dispatch_s,
     })
     return row
 
