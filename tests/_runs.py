@@ -33,10 +33,11 @@ def _config(**overrides):
     return load_config(TINY, sets)
 
 
-def preempted_and_resumed(config, run_dir, *, after: int, after_preempt=None) -> Trainer:
+def preempted_and_resumed(config, run_dir, *, after: int, after_preempt=None, after_resume=None) -> Trainer:
     """Run ``config`` in ``run_dir`` (a path or a bucket URL) with a real SIGTERM after step
     ``after`` (as on a preempted TPU), then resume it in a new trainer to the end; returns
-    that trainer. ``after_preempt(trainer)`` looks at what the preempted trainer left."""
+    that trainer. ``after_preempt(trainer)`` looks at what the preempted trainer left,
+    ``after_resume(trainer)`` at the new trainer just resumed (before its first step)."""
     first = Trainer(config, run_dir)
     step_fn = first.train_step
 
@@ -57,6 +58,8 @@ def preempted_and_resumed(config, run_dir, *, after: int, after_preempt=None) ->
         after_preempt(first)
     second = Trainer(config, run_dir)
     assert second.maybe_resume() and second.step == after
+    if after_resume is not None:
+        after_resume(second)
     second.run()
     return second
 

@@ -5,14 +5,17 @@ The schedule, for ``m = max_staleness`` (``v`` = the weights' version: optimizer
 applied to them):
 
 - before step ``s``'s update the buffer holds the rollouts of steps ``s .. s + m - 1``
-  (at the start, or after a resume, they are drawn there and then, at the current
-  weights: a resumed run re-draws the steps that were buffered, from the same data
-  positions with the same per-step keys);
+  (at the start they are drawn there and then, at the start weights; after a resume
+  they come back from the checkpoint, as drawn);
 - step ``s``: the update trains on the rollout of step ``s`` on the update mesh while the
   rollout of step ``s + m`` is drawn on the rollout mesh with the weights of version
   ``s`` (so it trains at staleness exactly ``m``); then the new weights (version
-  ``s + 1``) move to the rollout mesh in one resharding ``device_put``
-  (``time/train/weight_sync_s``);
+  ``s + 1``) move to the rollout mesh in one resharding ``device_put``, dispatched and
+  not waited for: the main thread goes on (logs, checkpoint, the next step's batch) and
+  the next rollout's first program waits for the weights on the device side
+  (``time/train/weight_sync_s``: that transfer's seconds from dispatch to arrival, timed
+  by a thread that waits for it; ``time/train/weight_sync_dispatch_s``: what the main
+  thread spent dispatching it);
 - with ``m = 0`` nothing overlaps: every rollout is drawn at the weights that train on
   it, and the run equals the synchronous one (up to the reduction order of a smaller
   mesh).
@@ -22,6 +25,18 @@ main thread runs the update. That is safe here because the run is one process (t
 split refuses several, :mod:`grpo.engine.parallel.split`): the two sides' programs run
 on disjoint devices and share no collective, so no cross-process ordering exists to
 break. Only the main thread touches the trainer's state, the logs and the weights.
+
+A checkpoint holds the buffer (:meth:`Pipeline.saved`, :meth:`Pipeline.restore`): the
+rollouts drawn but not yet trained, every array the update and the logs read (tokens,
+masks, sampler and behaviour log-probs, rewards, lengths, the logged group, each row's
+version), so a resumed run trains them exactly as the uninterrupted run would have
+(same completions, same versions) and goes on drawing step ``s + m`` at version ``s``.
+The record's structure goes into the checkpoint's JSON metadata, its arrays into one
+Orbax item (``buffer``): device arrays as the global arrays they are on the update mesh
+(Orbax writes each process's shards, and restores them into the same shardings), host
+arrays and scalars as values every process holds alike (Orbax writes numpy arrays and
+the JSON from the primary process; every process reads them back). Host-only extras of
+process 0 (the logged sample group) are kept on process 0 only.
 
 Every buffered rollout records the version that drew it; the update refuses groups
 staler than ``m`` (exactly zero advantage: no gradient; ``async/refused_groups``).
@@ -95,6 +110,88 @@ def refuse(advantages: jax.Array, accepted: np.ndarray, *, group_size: int) -> j
     return jnp.where(rows, advantages, jnp.zeros_like(advantages))
 
 
+# The records a checkpointed buffer is made of, by name (nothing else is rebuilt).
+def _record_types() -> dict[str, type]:
+    from grpo.engine.rollout.sampler import RolloutOutput
+    from grpo.engine.rollout.step import SampleGroup, ToolTotals
+
+    return {cls.__name__: cls for cls in (Buffered, StepRollout, RolloutOutput, SampleGroup, ToolTotals)}
+
+
+def encode(value: Any, arrays: dict[str, Any], memo: dict[int, str]) -> Any:
+    """``value`` as JSON, its arrays moved into ``arrays`` (named by index; an array met
+    twice, like ``logged_rewards is rewards``, stored once and restored as one object).
+    Every tagged node is a one-key dict, so a record's own dicts never read as tags."""
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (jax.Array, np.ndarray, np.generic)):
+        if id(value) not in memo:
+            memo[id(value)] = name = str(len(arrays))
+            arrays[name] = np.asarray(value) if isinstance(value, np.generic) else value
+        x, name = value, memo[id(value)]
+        leaf = {"name": name, "shape": list(np.shape(x)), "dtype": str(x.dtype)}
+        if isinstance(x, jax.Array):
+            leaf["spec"] = [list(a) if isinstance(a, tuple) else a for a in getattr(x.sharding, "spec", P())]
+        else:
+            leaf["kind"] = "scalar" if isinstance(x, np.generic) else "numpy"
+        return {"array": leaf}
+    if dataclasses.is_dataclass(value) or (isinstance(value, tuple) and hasattr(value, "_fields")):
+        name = type(value).__name__
+        if _record_types().get(name) is not type(value):
+            raise TypeError(f"async GRPO: cannot checkpoint a buffered {name}")
+        fields = ([f.name for f in dataclasses.fields(value)] if dataclasses.is_dataclass(value)
+                  else list(value._fields))
+        return {"record": [name, {f: encode(getattr(value, f), arrays, memo) for f in fields}]}
+    if isinstance(value, (list, tuple)):
+        return {type(value).__name__: [encode(v, arrays, memo) for v in value]}
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        return {"dict": {k: encode(v, arrays, memo) for k, v in value.items()}}
+    raise TypeError(f"async GRPO: cannot checkpoint a buffered {type(value).__name__}")
+
+
+def _leaves(spec: Any):
+    """The array leaves of an :func:`encode` spec."""
+    if isinstance(spec, dict):
+        if "array" in spec:
+            yield spec["array"]
+            return
+        for v in spec.values():
+            yield from _leaves(v)
+    elif isinstance(spec, list):
+        for v in spec:
+            yield from _leaves(v)
+
+
+def like(spec: Any, mesh: Any) -> dict[str, Any]:
+    """What Orbax restores an :func:`encode`'s arrays into: device arrays as
+    ``ShapeDtypeStruct``s in their saved sharding on ``mesh``, host arrays as numpy."""
+    out = {}
+    for leaf in _leaves(spec):
+        shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+        if "spec" in leaf:
+            sharding = NamedSharding(mesh, P(*[tuple(a) if isinstance(a, list) else a for a in leaf["spec"]]))
+            out[leaf["name"]] = jax.ShapeDtypeStruct(shape, dtype, sharding=sharding)
+        else:
+            out[leaf["name"]] = np.zeros(shape, dtype)
+    return out
+
+
+def decode(spec: Any, arrays: dict[str, Any]) -> Any:
+    """The value :func:`encode` described, with its arrays from ``arrays``."""
+    if not isinstance(spec, dict):
+        return spec
+    (tag, body), = spec.items()
+    if tag == "array":
+        x = arrays[body["name"]]
+        return np.asarray(x)[()] if body.get("kind") == "scalar" else x
+    if tag == "record":
+        name, fields = body
+        return _record_types()[name](**{f: decode(v, arrays) for f, v in fields.items()})
+    if tag in ("list", "tuple"):
+        return (list if tag == "list" else tuple)(decode(v, arrays) for v in body)
+    return {k: decode(v, arrays) for k, v in body.items()}
+
+
 def _moved(value: Any, *, rows: NamedSharding, replicated: NamedSharding) -> Any:
     """``value``'s device arrays (through pytrees and dataclasses) on the other mesh: a
     batch-sharded array over ``rows`` (when its rows divide), anything else replicated."""
@@ -135,18 +232,20 @@ class Pipeline:
         self.buffer: collections.deque[Buffered] = collections.deque()
         self.next_step: int | None = None
         self.next_position = 0
-        self.sync_s = 0.0
         cfg = trainer.config.train.async_
         self.partial = PartialRollouts(trainer.collector, max_staleness=self.max_staleness) \
             if cfg.partial_rollouts else None
         # Steps the rollout runs ahead: m whole batches; with partial rollouts at most one,
         # so that rows may go on across weight changes within the staleness budget.
         self.lead = self.max_staleness if self.partial is None else min(self.max_staleness, 1)
+        self.dispatch_s = 0.0
+        self._arrival: concurrent.futures.Future | None = None  # the last transfer's seconds to arrival
+        self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollout")
 
     def reset(self, meta: dict[str, Any] | None = None) -> None:
-        """Forget the buffer (a resume re-draws it from the trainer's data position; with
-        partial rollouts from the frontier, skipping the checkpoint ``meta``'s groups
+        """Forget the buffer (then :meth:`fill` draws it from the trainer's data position;
+        with partial rollouts from the frontier, skipping the checkpoint ``meta``'s groups
         trained ahead)."""
         self.buffer.clear()
         self.next_step = None
@@ -159,12 +258,56 @@ class Pipeline:
         """The checkpoint's share of the pipeline (partial rollouts: the groups trained ahead)."""
         return {} if self.partial is None else self.partial.meta()
 
+    def saved(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The buffer for a checkpoint: its arrays (an Orbax item; empty when nothing is
+        buffered) and its JSON description (what :meth:`restore` rebuilds it from). With
+        partial rollouts nothing is saved: a resume re-feeds the groups not yet trained
+        from the frontier (:meth:`reset`), as it does the rows in flight."""
+        arrays: dict[str, Any] = {}
+        spec = encode([] if self.partial is not None else list(self.buffer), arrays, {})
+        return arrays, {"buffer": spec, "max_staleness": self.max_staleness}
+
+    def restore(self, saved: dict[str, Any] | None, read: Any, meta: dict[str, Any] | None = None) -> None:
+        """The checkpoint's buffer back, on the update mesh: ``saved`` the JSON of
+        :meth:`saved` (None: a synchronous run's checkpoint, or an older one: the buffered
+        steps are re-drawn at the restored weights from the data position); ``read(like)``
+        restores the arrays into ``like`` (:func:`like`); ``meta`` the checkpoint's meta
+        (partial rollouts' groups trained ahead, :meth:`reset`)."""
+        self.reset(meta)
+        if not saved or not saved["buffer"]["list"]:
+            return
+        arrays = read(like(saved["buffer"], self.trainer.mesh))
+        entries = decode(saved["buffer"], arrays)
+        tr = self.trainer
+        for entry in entries:
+            if not tr.is_main:  # the logged group is process 0's (see the module docstring)
+                entry.rollout.group = None
+            self._append(entry)
+        first = self.buffer[0]
+        if (first.step, first.position) != (tr.step, tr.data_position):
+            raise RuntimeError(f"async GRPO: the checkpoint's buffer starts at step {first.step + 1} (data position "
+                               f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
+
     def sync(self) -> None:
-        """The trainer's weights to the rollout mesh: one resharding transfer."""
+        """The trainer's weights to the rollout mesh: one resharding transfer, dispatched
+        and not waited for (the programs reading ``self.params`` wait on the devices; the
+        update's donation of the source waits for the transfer's reads)."""
         t = time.perf_counter()
-        self.params = jax.block_until_ready(jax.device_put(self.trainer.params, self.param_shardings))
-        self.version = self.trainer.step
-        self.sync_s = time.perf_counter() - t
+        params = jax.device_put(self.trainer.params, self.param_shardings)
+        self.params, self.version = params, self.trainer.step
+        self.dispatch_s = time.perf_counter() - t
+
+        def arrival() -> float:
+            jax.block_until_ready(params)
+            return time.perf_counter() - t
+
+        if self._waiter is None:
+            self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-weight-sync")
+        self._arrival = self._waiter.submit(arrival)
+
+    def sync_s(self) -> float:
+        """The last transfer's seconds from its dispatch to its arrival on the rollout mesh."""
+        return 0.0 if self._arrival is None else self._arrival.result()
 
     def sampler_params(self) -> Any:
         return self.programs.sampler_state(self.params, self.frozen)
@@ -218,6 +361,9 @@ class Pipeline:
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)
+        if self._waiter is not None:
+            self._waiter.shutdown(wait=True)
+            self._waiter = None
 
 
 def train_step(pipeline: Pipeline) -> dict[str, Any]:
@@ -251,6 +397,9 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
     else:  # the frontier of the trained groups (they finish out of data order)
         tr.data_position = pipeline.partial.trained(entry.positions)
     tr.step += 1
+    # The transfer this step's rollout side drew with (dispatched after the previous
+    # update, or before the first draw): arrived, since that rollout is complete.
+    sync_s = pipeline.sync_s()
     pipeline.sync()
     stale = staleness(step=tr.step - 1, versions=entry.versions)
     times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
@@ -261,11 +410,13 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
         "async/refused_groups": int((~accepted).sum()),
         "async/buffered_steps": len(pipeline.buffer),
         "async/data_position": entry.position,
-        "time/train/weight_sync_s": pipeline.sync_s,
+        "time/train/weight_sync_s": sync_s,
+        "time/train/weight_sync_dispatch_s": pipeline.dispatch_s,
     })
     if entry.token_versions is not None:
         row.update(token_staleness(step=tr.step - 1, versions=entry.token_versions))
     return row
 
 
-__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "refuse", "staleness", "train_step"]
+__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "decode", "encode", "like", "refuse", "staleness",
+           "train_step"]

@@ -390,7 +390,12 @@ class Trainer:
     def save(self) -> None:
         # Logs first: after a preemption, every row up to the checkpoint's step is stored.
         self._flush_logs()
-        self.checkpointer.save(self.step, self._state(), self._meta())
+        state, meta = self._state(), self._meta()
+        if self.pipeline is not None:  # async: the rollouts drawn and not yet trained
+            buffer, meta["async"] = self.pipeline.saved()
+            if buffer:
+                state["buffer"] = buffer
+        self.checkpointer.save(self.step, state, meta)
         if self.is_main:
             log.info("checkpoint saved at step %d in %s", self.step, self.checkpointer.directory)
 
@@ -406,8 +411,9 @@ class Trainer:
         self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
-        if self.pipeline is not None:  # the buffered steps are re-drawn from data_position
-            self.pipeline.reset(meta)
+        if self.pipeline is not None:  # the rollouts buffered when it was saved
+            self.pipeline.restore(meta.get("async"),
+                                  lambda like: self.checkpointer.restore({"buffer": like}, latest)[0]["buffer"], meta)
         if self.is_main:
             print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
         return True

@@ -1,7 +1,8 @@
 """Asynchronous GRPO (grpo/engine/asynchronous.py): version bookkeeping and the
 staleness refusal by hand, the correction's weights by hand, and end to end on 8 CPU
 devices: max_staleness 0 equals the synchronous quickstart, the weight transfer is
-bit-exact, and a preempted max_staleness 1 run resumes with no group lost or repeated."""
+bit-exact, and a preempted max_staleness 2 run resumes from its checkpointed buffer
+exactly as the uninterrupted run goes on."""
 
 from __future__ import annotations
 
@@ -76,6 +77,64 @@ def test_the_correction_weights_by_hand():
     np.testing.assert_array_equal(np.asarray(masked)[0, :3], [1.0, 0.0, 1.0])
 
 
+def test_a_buffered_rollout_round_trips_through_an_orbax_checkpoint(tmp_path):
+    """Every field back as saved through the real checkpointer: device arrays in their
+    shardings, host arrays and scalars with their dtypes, records, dicts, lists, None; an
+    array held twice (``logged_rewards is rewards``) comes back as one object."""
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from grpo.engine.asynchronous import Buffered, decode, encode, like
+    from grpo.engine.rollout.sampler import RolloutOutput
+    from grpo.engine.rollout.step import SampleGroup, StepRollout, ToolTotals
+    from grpo.engine.runs.checkpoint import Checkpointer
+
+    mesh = Mesh(np.array(jax.devices()[:4]), ("data",))
+    rows, rep = NamedSharding(mesh, P("data")), NamedSharding(mesh, P())
+    tokens = jax.device_put(jnp.arange(24, dtype=jnp.int32).reshape(4, 6), rows)
+    mask = jax.device_put(jnp.ones((4, 6), jnp.int32), rows)
+    logprobs = jax.device_put(-jnp.linspace(0.1, 2.0, 24, dtype=jnp.float32).reshape(4, 6), rows)
+    rewards = jax.device_put(jnp.array([0.5, -1.0, 0.25, 2.0], jnp.float32), rows)
+    output = RolloutOutput(prompt_tokens=tokens[:, :2], prompt_mask=mask[:, :2], tokens=tokens, mask=mask,
+                           lengths=jnp.sum(mask, axis=1), truncated=jax.device_put(jnp.array([True, False] * 2), rows),
+                           logprobs=logprobs)
+    group = SampleGroup(example={"question": "2+2", "answer": 4, "tags": ["a", {"b": None}]}, texts=["4", "5"],
+                        rewards=np.array([1.0, 0.0], np.float32), turns=[[{"role": "assistant", "text": "4",
+                                                                          "trained": True}]])
+    rollout = StepRollout(output=output, rewards=rewards, rewards_by_fn={"correct": rewards * 2},
+                          logged_rewards=rewards, logged_by_fn={"correct": np.array([1.0, -2.0, 0.5, 4.0])},
+                          reward_names=["correct"], reward_errors=jax.device_put(jnp.array([3], jnp.int32), rep),
+                          generated_tokens=jax.device_put(jnp.array(24, jnp.int32), rep), rollout_s=0.123456789,
+                          tools=ToolTotals(jax.device_put(jnp.arange(5), rep), 4, 0.5, 0.25),
+                          metrics={"dynamic_sampling/rounds": 2.0, "x": np.float32(1.5)}, group=group, prompts_drawn=2)
+    entries = [Buffered(step=3, position=16, versions=np.array([2, 2, 1, 1]), rollout=rollout)]
+    arrays = {}
+    spec = encode(entries, arrays, {})
+    checkpointer = Checkpointer(tmp_path / "ckpt", keep=1)
+    checkpointer.save(3, {"buffer": arrays}, {"async": spec})
+    restored, meta = checkpointer.restore({"buffer": like(spec, mesh)}, 3)
+    back = decode(meta["async"], restored["buffer"])[0]
+    assert (back.step, back.position, back.versions.tolist()) == (3, 16, [2, 2, 1, 1])
+    got, want = back.rollout, rollout
+    assert got.logged_rewards is got.rewards and got.metrics == want.metrics
+    assert (got.group.example, got.group.texts, got.group.turns) == (group.example, group.texts, group.turns)
+    np.testing.assert_array_equal(got.group.rewards, group.rewards)
+    assert got.group.rewards.dtype == np.float32
+    assert isinstance(got.metrics["x"], np.float32) and got.rollout_s == want.rollout_s
+    assert (got.tools.rows, got.tools.tools_s, got.reward_names, got.prompts_drawn) == (4, 0.5, ["correct"], 2)
+    assert got.output.loss_mask is None and got.informative is None
+    pairs = [(got.output, want.output), (got.rewards_by_fn, want.rewards_by_fn), (got.logged_by_fn, want.logged_by_fn),
+             (got.reward_errors, want.reward_errors), (got.tools.counts, want.tools.counts)]
+    for a, b in zip(*(jax.tree.leaves([p[i] for p in pairs]) for i in (0, 1)), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert a.dtype == b.dtype and type(a) is type(b)
+        if isinstance(b, jax.Array):
+            assert a.sharding == b.sharding
+    with pytest.raises(TypeError, match="cannot checkpoint a buffered set"):
+        encode({"bad": {1, 2}}, {}, {})
+    checkpointer.close()
+
+
 # ------------------------------------------------------------------ end to end
 
 
@@ -117,31 +176,66 @@ def test_the_weight_transfer_is_bit_exact(quickstart_pair):
         assert a.dtype == b.dtype
 
 
-def _positions_and_prompts(run_dir):
-    rows = read_metrics(run_dir)
-    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
-    return [(r["step"], r["async/data_position"]) for r in rows], [(s["step"], s["prompt"]) for s in samples]
+def _buffer_arrays(trainer):
+    """Each buffered step's (step, position, versions, every array of its rollout, host)."""
+    from grpo.engine.asynchronous import encode
+
+    out = []
+    for entry in trainer.pipeline.buffer:
+        arrays = {}
+        spec = encode(entry, arrays, {})
+        out.append((entry.step, entry.position, spec, {k: np.asarray(v) for k, v in arrays.items()}))
+    return out
 
 
-def test_a_preempted_async_run_resumes_without_loss(tmp_path):
+def test_a_preempted_async_run_resumes_exactly(tmp_path_factory):
+    """SIGTERM after step 2 of 5 (max_staleness 2: steps 3 and 4 are buffered, drawn at
+    versions 1 and 2): the checkpoint holds them, the rerun trains them as drawn, and the
+    run equals the uninterrupted one bit for bit (metrics, samples, parameters)."""
+    from _runs import assert_same_run
+
     steps, prompts = 5, 8
     config = _config(**{"train.steps": steps, "train.async": {"enabled": True, "max_staleness": 2},
                         "checkpoint.at_end": True})
-    resumed = preempted_and_resumed(config, tmp_path, after=2)
-    positions, samples = _positions_and_prompts(tmp_path)
-    # Every step once, at the uninterrupted run's data position (no dynamic sampling:
-    # step s starts at s x prompts_per_step), nothing lost or repeated across the resume.
-    assert positions == [(s + 1, s * prompts) for s in range(steps)]
+    straight = Trainer(config, tmp_path_factory.mktemp("straight"))
+    straight.run()
+    saved = {}
+    run_dir = tmp_path_factory.mktemp("resumed")
+    resumed = preempted_and_resumed(config, run_dir, after=2,
+                                    after_preempt=lambda t: saved.setdefault("preempted", _buffer_arrays(t)),
+                                    after_resume=lambda t: saved.setdefault("resumed", _buffer_arrays(t)))
+    # The buffer came back as it was saved: steps 3, 4 at positions 16, 24, versions 1, 2,
+    # every array (tokens, masks, log-probs, rewards, lengths...) bit for bit, on the
+    # update mesh's devices.
+    before, after = saved["preempted"], saved["resumed"]
+    assert [(s, p) for s, p, _, _ in before] == [(2, 16), (3, 24)] == [(s, p) for s, p, _, _ in after]
+    for (_, _, spec_a, a), (_, _, spec_b, b) in zip(before, after, strict=True):
+        assert spec_a == spec_b and a.keys() == b.keys() and len(a) > 10
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+            assert a[name].dtype == b[name].dtype
+    # What both runs drew past their end (steps 6, 7 at versions 3, 4) is bit-equal too.
+    ends = [_buffer_arrays(t) for t in (straight, resumed)]
+    assert [(s, p) for s, p, _, _ in ends[0]] == [(5, 40), (6, 48)] == [(s, p) for s, p, _, _ in ends[1]]
+    for (_, _, _, a), (_, _, _, b) in zip(*ends, strict=True):
+        for name in a:
+            np.testing.assert_array_equal(a[name], b[name])
+    assert [e.versions.tolist() for e in resumed.pipeline.buffer] == [[3] * 16, [4] * 16]
+    # Every step once, at the uninterrupted run's data position, with its staleness:
+    # nothing lost, repeated or re-drawn.
+    rows = read_metrics(run_dir)
+    assert [(r["step"], r["async/data_position"]) for r in rows] == [(s + 1, s * prompts) for s in range(steps)]
+    assert [r["async/staleness_max"] for r in rows] == [0, 1, 2, 2, 2]
+    assert all(0 < r["mismatch/weight_mean"] <= 2.0 for r in rows)
     assert resumed.data_position == steps * prompts and resumed.step == steps
+    assert_same_run(straight, resumed)  # rewards, losses, staleness... equal; parameters bit-equal
+    assert (run_dir / "samples.jsonl").read_text() == (straight.run_dir / "samples.jsonl").read_text()
     # The first prompt of each step is the data order's at that position.
     order = [position_indices(len(resumed.collector.prompts), start=s * prompts, count=1,
                               seed=config.train.seed)[0] for s in range(steps)]
-    expected = [resumed.render(resumed.collector.prompts.examples[i]) for i in order]
-    assert samples == [(s + 1, p) for s, p in enumerate(expected)]
-    rows = read_metrics(tmp_path)
-    # Steps 1..2 of each launch are drawn at the start weights (staleness 0, 1); later ones at 2.
-    assert [r["async/staleness_max"] for r in rows] == [0, 1, 0, 1, 2]
-    assert all(0 < r["mismatch/weight_mean"] <= 2.0 for r in rows)
+    samples = [json.loads(line) for line in (run_dir / "samples.jsonl").read_text().splitlines()]
+    assert [(s["step"], s["prompt"]) for s in samples] == [
+        (s + 1, resumed.render(resumed.collector.prompts.examples[i])) for s, i in enumerate(order)]
 
 
 def test_a_rollout_failure_stops_with_a_clear_message(quickstart_pair, monkeypatch):

@@ -6,8 +6,13 @@ The split is inside one process. Several processes are refused: with the install
 (0.10.2) a ``device_put`` between devices of different processes is a cross-host
 transfer, which needs the source and destination shardings to have the same HLO sharding
 and a backend with cross-host transfers (TPU/GPU plugins) or a DCN socket address
-(``jax_cross_host_transfer_socket_address``); none of that is wired or tested here, and
-a rollout on one host's devices would leave the other host's scoring without rows.
+(``jax_cross_host_transfer_socket_address``; measured on CPU with 2 processes x 4
+devices: with it set, ``P('x')`` over one process's 4 devices to ``P('x')`` over the
+other's arrives, while a resharding transfer is refused with "Cannot reshard an input
+that is not fully addressable"). None of that is wired here, and a rollout on one
+process's devices would leave the other process's host scoring without rows, and its
+host gathers (``process_allgather`` over every process) would run in the rollout thread
+in an order the other process's update thread does not share.
 """
 
 from __future__ import annotations
