@@ -497,16 +497,7 @@ class Planner:
                                               rollout_devices=config.train.async_.rollout_devices)
             return report
         s = self.subject(config)
-        results: list[ProgramResult] = []
-        for name, lower, key, takes in self.programs_to_compile(s):
-            if key not in self._cache:
-                self._cache[key] = self._compile(name, lower, takes)
-            results.append(self._cache[key])
-        ro = s.programs.rollout
-        costs = program_costs(s.programs, s.arch, self.topology.chip,
-                              rollout_weight_bytes=s.state["rollout_parameters"] if ro.resharded else None,
-                              train_state_bytes=s.state["parameters"],
-                              append_length=rollout_append_length(config) if s.programs.multi_turn else None)
+        results, costs = self._compiled(s)
         self._dump(results)
         state = s.state
         # Partition id -> TPU slice (the program's device assignment is the mesh's order).
@@ -552,15 +543,12 @@ class Planner:
         p._cache, p.dump_hlo = {}, None
         return p
 
-    def side(self, config: RunConfig, names: tuple[str, ...]) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
-        """The programs ``names`` of ``config`` compiled on this planner's devices alone:
-        ``(subject, entries, costs, slice_of)``. A side holds only its own state: the
-        rollout mesh its weights (the programs' arguments), the update mesh the training
-        state."""
-        s = self.subject(config)
-        results = []
+    def _compiled(self, s: Subject, names: tuple[str, ...] | None = None) -> tuple[list[ProgramResult], dict[str, Cost]]:
+        """The programs of ``s`` (those named in ``names``; None: every one) compiled, each
+        once per cache key, and every program's counted cost."""
+        results: list[ProgramResult] = []
         for name, lower, key, takes in self.programs_to_compile(s):
-            if name in names:
+            if names is None or name in names:
                 if key not in self._cache:
                     self._cache[key] = self._compile(name, lower, takes)
                 results.append(self._cache[key])
@@ -568,7 +556,16 @@ class Planner:
         costs = program_costs(s.programs, s.arch, self.topology.chip,
                               rollout_weight_bytes=s.state["rollout_parameters"] if ro.resharded else None,
                               train_state_bytes=s.state["parameters"],
-                              append_length=rollout_append_length(config) if s.programs.multi_turn else None)
+                              append_length=rollout_append_length(s.config) if s.programs.multi_turn else None)
+        return results, costs
+
+    def side(self, config: RunConfig, names: tuple[str, ...]) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
+        """The programs ``names`` of ``config`` compiled on this planner's devices alone:
+        ``(subject, entries, costs, slice_of)``. A side holds only its own state: the
+        rollout mesh its weights (the programs' arguments), the update mesh the training
+        state."""
+        s = self.subject(config)
+        results, costs = self._compiled(s, names)
         slice_of = [getattr(d, "slice_index", 0) or 0 for d in s.programs.mesh.devices.flat]
         training = s.state["parameters"] + s.state["optimizer_state"] + s.state["reference_parameters"]
         entries = {}

@@ -21,6 +21,7 @@ from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
 from grpo.plugins.rollout import LegacyStyle
+from _multiturn import opening_prompts
 
 P, K, N, TURNS = 4, 4, 64, 3
 
@@ -73,12 +74,7 @@ def converse(sampler, params, tok):
     envs = [Scripted(r) for r in range(P * K)]
     openings = [envs[r].reset(examples[r // K]) for r in range(P * K)]
     rend = _render(tok)
-    prompts = [tok(rend(openings[p * K], {}, True), add_special_tokens=False)["input_ids"] for p in range(P)]
-    Lp = max(map(len, prompts))
-    ptok = np.full((P, Lp), tok.pad_token_id, np.int32)
-    pmask = np.zeros((P, Lp), np.int32)
-    for p, ids in enumerate(prompts):
-        ptok[p, Lp - len(ids):], pmask[p, Lp - len(ids):] = ids, 1
+    ptok, pmask, Lp = opening_prompts(tok, rend, openings, prompts=P, generations=K)
     out, ep = sampler.converse(params, ptok, pmask, jax.random.key(7), envs=envs, openings=openings, render=rend,
                                tokenizer=tok)
     return type(out)(*(None if x is None else np.asarray(x) for x in out)), ep, Lp

@@ -20,6 +20,7 @@ from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.decoder import positions_from_mask
 from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
+from _multiturn import opening_prompts
 
 P, K, N, TURNS = 2, 4, 40, 3
 TEMP = 0.8
@@ -79,12 +80,7 @@ def scripted_rollout(setup, **sampler_kwargs):
     envs = [Scripted(r) for r in range(P * K)]
     openings = [envs[r].reset(examples[r // K]) for r in range(P * K)]
     rend = render(tok)
-    prompts = [tok(rend(openings[p * K], {}, True), add_special_tokens=False)["input_ids"] for p in range(P)]
-    Lp = max(map(len, prompts))
-    ptok = np.full((P, Lp), tok.pad_token_id, np.int32)
-    pmask = np.zeros((P, Lp), np.int32)
-    for p, ids in enumerate(prompts):
-        ptok[p, Lp - len(ids):], pmask[p, Lp - len(ids):] = ids, 1
+    ptok, pmask, Lp = opening_prompts(tok, rend, openings, prompts=P, generations=K)
     out, ep = mt.converse(params, ptok, pmask, jax.random.key(0), envs=envs, openings=openings, render=rend,
                           tokenizer=tok)
     return out, ep, rend, openings, Lp, set(letters) | {eos}
@@ -217,7 +213,9 @@ def _assert_packed_as_rows(plan, ub, packed) -> None:
     holding its real token ``i`` predicts completion column ``i + 1 - prompt length`` when
     the next slot is the same segment (worked out here from the plan, not by the packer's
     own placement), and is 0 everywhere else (prompts, bin padding, sequence ends)."""
-    seg, row, index = plan.segment_ids, plan.row, plan.index
+    # The scheduled layout [micro-batches, bins, L] read as bins [*, L].
+    flat = lambda x: np.asarray(x).reshape(-1, np.shape(x)[-1])  # noqa: E731
+    seg, row, index = flat(plan.segment_ids), flat(plan.row), flat(plan.index)
     assert seg.max() > 1  # really packed: a bin holds two conversations
     same_next = np.zeros(seg.shape, bool)
     same_next[:, :-1] = (seg[:, 1:] == seg[:, :-1]) & (seg[:, :-1] > 0)
@@ -227,8 +225,8 @@ def _assert_packed_as_rows(plan, ub, packed) -> None:
     want_mask[b, t] = np.asarray(ub.loss_mask)[row[b, t], col[b, t]]
     want_adv[b, t] = np.asarray(ub.advantages)[row[b, t], col[b, t]]
     assert 0 < want_mask.sum() < len(b)  # environment tokens inside the completions, not trained
-    np.testing.assert_array_equal(np.asarray(packed.mask), want_mask)
-    np.testing.assert_array_equal(np.asarray(packed.advantages), want_adv)
+    np.testing.assert_array_equal(flat(packed.mask), want_mask)
+    np.testing.assert_array_equal(flat(packed.advantages), want_adv)
 
 
 def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
