@@ -44,6 +44,11 @@ def _compilation_cache() -> None:
     import jax
 
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    # Programs run in the thread that dispatches them: with 8 virtual devices on 2 shared
+    # cores, several programs with collectives in flight at once (the CPU client's async
+    # dispatch) can starve each other's rendezvous (a suite run hung twice and aborted
+    # once that way under -n 2); what the tests check does not depend on the overlap.
+    jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
 _compilation_cache()
