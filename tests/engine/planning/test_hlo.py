@@ -213,7 +213,13 @@ def test_fsdp_decode_gathers_every_weight_per_token(tmp_path):
         assert p["ici_s"] == pytest.approx(p["ici_bytes"] / ici)
         assert p["dcn_bytes"] == 0  # one slice: ICI even between hosts
         assert p["roofline_s"] >= p["roofline_no_comm_s"] > 0
-        assert p["unknown_trip_counts"] == []
+        # The packed passes loop over the step's micro-batch count, a traced value (one
+        # compile for every count): that one loop's trip count is unknown to the HLO, and
+        # the plan multiplies its collectives by the schedule's count instead.
+        if name in ("update", "reference", "policy_logprobs"):
+            assert len(p["unknown_trip_counts"]) <= 1, (name, p["unknown_trip_counts"])
+        else:
+            assert p["unknown_trip_counts"] == [], name
         text = (dump / f"{name}.hlo.txt").read_text()
         assert text.startswith("HloModule") and "ENTRY" in text
     # The update's gradients are reduced across the 8 chips.
