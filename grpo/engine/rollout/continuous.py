@@ -94,6 +94,9 @@ class ContinuousSampler(BaseSampler):
                 raise ValueError(f"{name} must be an integer >= {low} (got {value!r})")
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {list(BACKENDS)} (got {backend!r})")
+        # A row decodes at most max_new_tokens steps in all, so a longer chunk would only run
+        # steps in which every slot is done (the quickstart's 2-token answers under chunk 16).
+        chunk = min(chunk, self.sampling.max_new_tokens)
         self.slots, self.page_size, self.pool_pages, self.chunk_steps = slots, page_size, pool_pages, chunk
         self.backend = backend
         self.detokenize = detokenize
