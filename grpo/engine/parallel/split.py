@@ -2,17 +2,21 @@
 rollout mesh (the first ``train.async.rollout_devices``, laid out by the rollout style)
 and an update mesh (the rest, in the training layout).
 
-The split is inside one process. Several processes are refused: with the installed JAX
-(0.10.2) a ``device_put`` between devices of different processes is a cross-host
-transfer, which needs the source and destination shardings to have the same HLO sharding
-and a backend with cross-host transfers (TPU/GPU plugins) or a DCN socket address
-(``jax_cross_host_transfer_socket_address``; measured on CPU with 2 processes x 4
-devices: with it set, ``P('x')`` over one process's 4 devices to ``P('x')`` over the
-other's arrives, while a resharding transfer is refused with "Cannot reshard an input
-that is not fully addressable"). None of that is wired here, and a rollout on one
-process's devices would leave the other process's host scoring without rows, and its
-host gathers (``process_allgather`` over every process) would run in the rollout thread
-in an order the other process's update thread does not share.
+The split is inside one process. Several processes are refused, with a config error
+naming ``train.async.rollout_devices`` (exit status 2) that says which of two cases it is:
+
+- a split that is not by whole processes (a process with devices on both sides): its
+  host would score rollouts and train at once, and a ``device_put`` between processes
+  works only between equal shardings (JAX 0.10.2 on CPU with
+  ``jax_cross_host_transfer_socket_address`` set; a resharding transfer fails with
+  "Cannot reshard an input that is not fully addressable"), so this is not planned;
+- a split by whole processes (e.g. 2 processes x 4 devices, ``rollout_devices: 4``): the
+  cross-process move it needs exists and is tested
+  (:class:`~grpo.engine.parallel.exchange.SideExchange`: one program over both sides'
+  devices swaps the weights and the rollouts, with a stop flag and failures), but the
+  trainer does not run it yet: each side's loop (the rollout side's host scoring as if
+  it were alone, the update side's logs and checkpoints, Orbax saving with processes
+  that hold different state) is still to be built.
 """
 
 from __future__ import annotations
@@ -43,25 +47,43 @@ class AsyncMeshes:
     update: MeshSide
 
 
+def _multiprocess_refusal(devices: list, r: int) -> str:
+    """Why a split of several processes' devices (host-major ``devices``) is refused: the
+    message for :func:`split_devices`."""
+    n = len(devices)
+    rollout = sorted({d.process_index for d in devices[:r]})
+    update = sorted({d.process_index for d in devices[r:]})
+    if set(rollout) & set(update):
+        return (
+            f"train.async.rollout_devices={r} does not split this run's {n} devices (of "
+            f"{len(set(rollout) | set(update))} processes) by whole processes: a process would hold devices of both "
+            f"the rollout and the update mesh, which asynchronous GRPO does not support. Asynchronous runs are "
+            f"single-process in this version: run on one host, or set train.async.enabled=false."
+        )
+    return (
+        f"train.async.rollout_devices={r} splits this run's {n} devices by whole processes (rollout: processes "
+        f"{rollout}, update: processes {update}), but asynchronous GRPO does not run over several processes yet "
+        f"(the cross-process exchange of weights and rollouts exists, the per-side loop does not). Run "
+        f"asynchronously on one host, or set train.async.enabled=false."
+    )
+
+
 def split_devices(devices: Sequence[jax.Device], *, rollout_devices: int | None) -> tuple[list, list]:
     """``(rollout, update)`` devices: the first ``rollout_devices`` (None: half) of the
     host-major order and the rest; a side left without devices, or devices of several
-    processes, is a config error naming ``train.async.rollout_devices``."""
+    processes (see the module docstring), is a config error naming
+    ``train.async.rollout_devices``."""
     devices = ordered_devices(devices)
     n = len(devices)
     r = n // 2 if rollout_devices is None else int(rollout_devices)
-    if len({d.process_index for d in devices}) > 1:
-        raise UserError(
-            "train.async.enabled=true runs on one process only: splitting the devices of several processes into "
-            "a rollout mesh and an update mesh needs cross-host transfers of the weights and the rollouts, which "
-            "this version does not do; run asynchronously on one host, or set train.async.enabled=false."
-        )
     if not 1 <= r < n:
         side = "update" if r >= n else "rollout"
         raise ConfigError(
             f"train.async.rollout_devices={r} leaves the {side} mesh without devices: this run has {n} devices, "
             f"and the rollout takes the first rollout_devices of them, the update the rest (give 1 to {n - 1}).",
         )
+    if len({d.process_index for d in devices}) > 1:
+        raise ConfigError(_multiprocess_refusal(devices, r))
     return devices[:r], devices[r:]
 
 

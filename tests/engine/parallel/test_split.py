@@ -58,3 +58,37 @@ def test_a_split_that_does_not_fit_the_rollout_style():
                         "train.async": {"enabled": True, "rollout_devices": 4}})
     with pytest.raises(ConfigError, match=r"train.async.rollout_devices=4 .* rollout mesh"):
         async_meshes(config)
+
+
+class _Device:
+    """A stand-in for a device of a multi-process run (what the split reads of one)."""
+
+    def __init__(self, process_index: int, id: int):
+        self.process_index, self.id = process_index, id
+
+    def __repr__(self):
+        return f"dev{self.id}@{self.process_index}"
+
+
+_TWO_BY_FOUR = [_Device(p, 4 * p + i) for p in (1, 0) for i in range(4)]  # 2 processes x 4, unordered
+
+
+@pytest.mark.parametrize("rollout_devices, whole", [(4, True), (None, True), (2, False), (6, False)])
+def test_several_processes_are_refused_naming_the_field(rollout_devices, whole):
+    """2 processes x 4 devices: a split by whole processes (4 of 8, the default half) and
+    one that is not (2, 6: a process on both sides) are each refused with exit status 2,
+    the message naming ``train.async.rollout_devices`` and saying which case it is."""
+    with pytest.raises(ConfigError) as err:
+        split_devices(_TWO_BY_FOUR, rollout_devices=rollout_devices)
+    msg, r = str(err.value), rollout_devices or 4
+    assert err.value.exit_code == 2 and f"train.async.rollout_devices={r} " in msg
+    if whole:
+        assert "by whole processes (rollout: processes [0], update: processes [1])" in msg
+    else:
+        assert "does not split this run's 8 devices (of 2 processes) by whole processes" in msg
+    assert "train.async.enabled=false" in msg
+
+
+def test_a_side_without_devices_is_reported_before_the_processes():
+    with pytest.raises(ConfigError, match="leaves the update mesh without devices"):
+        split_devices(_TWO_BY_FOUR, rollout_devices=8)
