@@ -70,11 +70,18 @@ def unpack(data: np.ndarray, layout: Sequence[Sequence[Any]]) -> dict[str, np.nd
     return out
 
 
+def _plain(x: Any) -> Any:
+    """numpy scalars (a metrics row's) as the Python numbers JSON writes."""
+    if isinstance(x, np.generic):
+        return x.item()
+    raise TypeError(f"{type(x).__name__} is not JSON")
+
+
 def header_bytes(header: Mapping[str, Any], *, size: int = HEADER_BYTES) -> np.ndarray:
     """``header`` as JSON in a ``[size]`` uint8 buffer (length-prefixed, 4 bytes little
     endian); a header too long becomes a failure header, so the other side still learns
     why the exchange stopped."""
-    text = json.dumps(header, sort_keys=True).encode()
+    text = json.dumps(header, sort_keys=True, default=_plain).encode()
     if len(text) + 4 > size:
         text = json.dumps({"error": f"the exchange header is {len(text)} bytes, over its {size - 4}"}).encode()
     out = np.zeros(size, np.uint8)
