@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import json
 import time
 from typing import Any
 
@@ -98,7 +99,6 @@ class ProcessPipeline:
         self.stored: collections.deque[tuple[Any, dict[str, np.ndarray]]] = collections.deque()
         self.buffer: collections.deque[Buffered] = collections.deque()
         self.started = False
-        self.groups: dict[int, Any] = {}  # the rollout side's logged sample groups, by step
         self.partial = None
         self.sync_s = 0.0
 
@@ -134,6 +134,33 @@ class ProcessPipeline:
             step = e["record"][1]["step"]
             self._store(e, {leaf["name"]: np.asarray(arrays[_key(e, leaf['name'])]) for leaf in _leaf_specs(e)})
 
+    def host_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """The trainer's state (params, optimizer) for a checkpoint, as host arrays both
+        processes hold alike: the update side sends it over in one exchange. (Orbax
+        refuses to save, in a multi-process run, an array whose devices are one
+        process's: "Cannot serialize host local jax.Array"; host arrays it writes from
+        process 0, which now has them.) Both processes call it at the same point."""
+        leaves, treedef = jax.tree.flatten(state)
+        if self.role == "update":
+            host = [np.asarray(x) for x in leaves]
+            self.exchange.exchange({f"c{i:05d}": x for i, x in enumerate(host)}, None)
+        else:
+            got, _, _ = self.exchange.exchange({}, None)
+            host = [got[f"c{i:05d}"] for i in range(len(leaves))]
+        return jax.tree.unflatten(treedef, host)
+
+    @staticmethod
+    def host_like(state: dict[str, Any]) -> dict[str, Any]:
+        """What Orbax restores :meth:`host_state`'s checkpoint into: host arrays."""
+        return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+    def placed(self, restored: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """The restored host state on the update side's devices, in ``state``'s
+        shardings (the rollout side keeps its placeholders: it never reads them)."""
+        if self.role == "rollout":
+            return state
+        return jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), restored, state)
+
     def _store(self, spec: Any, arrays: dict[str, np.ndarray]) -> None:
         self.stored.append((spec, arrays))
         if self.role == "update":
@@ -151,7 +178,9 @@ class ProcessPipeline:
                 batched = x.ndim > 0 and leaf["spec"] and leaf["spec"][0] is not None and x.shape[0] % shards == 0
                 x = jax.device_put(x, up.train_sharding if batched else up.replicated)
             placed[leaf["name"]] = x
-        return decode(spec, placed)
+        entry = decode(spec, placed)
+        entry.rollout = dataclasses.replace(entry.rollout, group=None)  # process 0 writes it
+        return entry
 
     # ------------------------------------------------------------------ the exchange
 
@@ -166,14 +195,17 @@ class ProcessPipeline:
         tr, t = self.trainer, time.perf_counter()
         if self.role == "update":
             payload = {f"w{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(tr.params))} if weights else {}
-            got, meta, _ = self.exchange.exchange(payload, self._state(row))
+            got, _, _ = self.exchange.exchange(payload, self._state(row))
+            meta = json.loads(got.pop("specs").tobytes()) if "specs" in got else []
             if weights:  # the weights' move: this side's seconds in the exchange (host copies and all)
                 self.sync_s = time.perf_counter() - t
             for spec, arrays in (meta or []):
                 self._store(spec, {k: got[_key(spec, k)] for k in arrays})
             return None
         payload = {_key(e, k): v for e, arrays in entries for k, v in arrays.items()}
-        got, state, _ = self.exchange.exchange(payload, [[e, sorted(a)] for e, a in entries])
+        if entries:  # their structure (with the logged group's texts) as JSON bytes: no header limit
+            payload["specs"] = np.frombuffer(json.dumps([[e, sorted(a)] for e, a in entries]).encode(), np.uint8)
+        got, state, _ = self.exchange.exchange(payload, None)
         if got:  # the weights, on the rollout mesh
             leaves = [jax.device_put(got[f"w{i:05d}"], s) for i, s in enumerate(self.param_shardings)]
             self.params, self.version = jax.tree.unflatten(self.treedef, leaves), int(state["step"])
@@ -199,9 +231,6 @@ class ProcessPipeline:
             raise RolloutFailed(
                 f"async GRPO: the rollout of step {step + 1} (data position {position}, policy version "
                 f"{self.version}) failed on the rollout process: {type(err).__name__}: {err}") from err
-        if rollout.group is not None:  # not sent: written here when its step trains (:meth:`trained`)
-            self.groups[step] = rollout.group
-        rollout = dataclasses.replace(rollout, group=None)
         versions = np.full(rollout.rewards.shape[0], self.version, np.int64)
         arrays: dict[str, Any] = {}
         spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
@@ -213,11 +242,10 @@ class ProcessPipeline:
     def trained(self) -> None:
         """The rollout side: the buffer's first step is the one training now (its sample
         group written, as a one-process run writes it when it trains)."""
-        spec, _ = self.stored.popleft()
-        step = spec["record"][1]["step"]
-        group = self.groups.pop(step, None)
-        if group is not None:
-            self.trainer._write_samples(group, step=step)
+        spec, arrays = self.stored.popleft()
+        entry = decode(spec, arrays)  # the logged group rode in the buffer (so a checkpoint keeps it)
+        if entry.rollout.group is not None:
+            self.trainer._write_samples(entry.rollout.group, step=entry.step)
 
     def sampler_params(self) -> Any:
         return self.programs.sampler_state(self.params, None)

@@ -396,6 +396,8 @@ class Trainer:
         # Logs first: after a preemption, every row up to the checkpoint's step is stored.
         self._flush_logs()
         state, meta = self._state(), self._meta()
+        if isinstance(self.pipeline, ProcessPipeline):  # on the host of both processes
+            state = self.pipeline.host_state(state)
         if self.pipeline is not None:  # async: the rollouts drawn and not yet trained
             buffer, meta["async"] = self.pipeline.saved()
             if buffer:
@@ -410,7 +412,11 @@ class Trainer:
             if self.is_main:
                 print(f"Starting fresh: no checkpoint in {self.checkpointer.directory}", flush=True)
             return False
-        state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
+        if isinstance(self.pipeline, ProcessPipeline):  # saved as host arrays (ProcessPipeline.host_state)
+            state, meta = self.checkpointer.restore(self.pipeline.host_like(self._state()), latest)
+            state = self.pipeline.placed(state, self._state())
+        else:
+            state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step = int(meta["step"])
         self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
