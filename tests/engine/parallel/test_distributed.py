@@ -330,14 +330,3 @@ def test_gather_int64_is_64_bit_safe():
     big = [2**40 + 7, -1, 2**33]
     np.testing.assert_array_equal(gather_int64(big), np.array([big], np.int64))
 
-
-def test_asynchronous_grpo_over_two_processes_is_refused_naming_the_field(tmp_path):
-    """`grpo run` on 2 processes x 4 devices with `train.async.enabled` (the default split:
-    process 0's devices roll out, process 1's update) stops on both processes with exit
-    status 2 and one message naming `train.async.rollout_devices`, no traceback."""
-    config = _write_config(tmp_path, train={"async": {"enabled": True}})
-    results = _wait(_launch(config, tmp_path / "run"), timeout=240)
-    for code, out, err in results:
-        assert code == 2, err[-3000:]
-        assert "train.async.rollout_devices=4 splits this run's 8 devices by whole processes" in err
-        assert "Traceback" not in err
