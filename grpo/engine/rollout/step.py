@@ -277,8 +277,7 @@ class StepCollector:
                                          lambda: self._trained_rows(r.output)))
         return rounds, picker
 
-    @staticmethod
-    def _trained_rows(out: RolloutOutput) -> np.ndarray:
+    def _trained_rows(self, out: RolloutOutput) -> np.ndarray:
         """The model's own tokens [B, N] of every process's rows of ``out``, on the host
         (turn credit's informativeness needs the turns)."""
         return self._all(local_rows(out.mask if out.loss_mask is None else out.loss_mask))
