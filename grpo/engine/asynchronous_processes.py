@@ -15,8 +15,8 @@ at once and in the same order (``m = max_staleness``, ``s`` the step):
   (step, data position, counters); the rollout side draws the steps not yet buffered,
   ``s .. s + m - 1``, and sends them (an exchange only when there are some);
 - step ``s`` with ``m = 0``: the rollout side draws step ``s`` at version ``s`` and sends
-  it; the update side trains it meanwhile nothing (synchronous: the run equals the
-  single-process one);
+  it, then waits while the update side trains it (nothing overlaps: the run equals the
+  one-process one);
 - step ``s`` with ``m >= 1``: the update side trains step ``s`` while the rollout side
   draws step ``s + m`` at version ``s`` (on its own process: the two overlap);
 - then one exchange: the new weights (version ``s + 1``), the step's metrics row and the
