@@ -21,8 +21,9 @@ applied to them):
   mesh).
 
 The two sides overlap through one worker thread that draws the next rollout while the
-main thread runs the update. That is safe here because the run is one process (the
-split refuses several, :mod:`grpo.engine.parallel.split`): the two sides' programs run
+main thread runs the update. That is safe here because the run is one process (two
+processes, one a side, run :mod:`grpo.engine.asynchronous_processes` instead, with no
+thread): the two sides' programs run
 on disjoint devices and share no collective, so no cross-process ordering exists to
 break. Only the main thread touches the trainer's state, the logs and the weights.
 

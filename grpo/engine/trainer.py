@@ -25,6 +25,8 @@ from flax import nnx
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
 from grpo.engine.asynchronous import Pipeline
 from grpo.engine.asynchronous import train_step as pipeline_step
+from grpo.engine.asynchronous_processes import ProcessPipeline
+from grpo.engine.asynchronous_processes import train_step as process_pipeline_step
 from grpo.engine.evaluation import Evaluator
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
@@ -161,7 +163,10 @@ class Trainer:
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
-        self.pipeline = None if self.meshes is None else Pipeline(self, rollout_programs)
+        self.pipeline = None
+        if self.meshes is not None:  # one process, or one a side (grpo.engine.asynchronous_processes)
+            two = _processes(self.meshes) > 1
+            self.pipeline = (ProcessPipeline if two else Pipeline)(self, rollout_programs)
 
     def _renderer(self):
         """An example's prompt text: a multi-turn task's opening messages through the chat
@@ -325,12 +330,12 @@ class Trainer:
         row.update(device_memory_metrics(jax.local_devices()))
         return row
 
-    def _write_samples(self, group: SampleGroup) -> None:
+    def _write_samples(self, group: SampleGroup, step: int | None = None) -> None:
         """The first prompt's group of completions, for reading what the policy does; in a
         multi-turn rollout each completion's ``turns`` ``[{role, text, trained}]`` too
         (environment replies: ``trained: false``)."""
         row: dict[str, Any] = {
-            "step": self.step + 1,
+            "step": (self.step if step is None else step) + 1,
             "prompt": self.render(group.example),
             "completions": group.texts,
             "rewards": [round(float(r), 4) for r in group.rewards],
@@ -391,6 +396,8 @@ class Trainer:
         # Logs first: after a preemption, every row up to the checkpoint's step is stored.
         self._flush_logs()
         state, meta = self._state(), self._meta()
+        if isinstance(self.pipeline, ProcessPipeline):  # on the host of both processes
+            state = self.pipeline.host_state(state)
         if self.pipeline is not None:  # async: the rollouts drawn and not yet trained
             buffer, meta["async"] = self.pipeline.saved()
             if buffer:
@@ -405,7 +412,11 @@ class Trainer:
             if self.is_main:
                 print(f"Starting fresh: no checkpoint in {self.checkpointer.directory}", flush=True)
             return False
-        state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
+        if isinstance(self.pipeline, ProcessPipeline):  # saved as host arrays (ProcessPipeline.host_state)
+            state, meta = self.checkpointer.restore(self.pipeline.host_like(self._state()), latest)
+            state = self.pipeline.placed(state, self._state())
+        else:
+            state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step = int(meta["step"])
         self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
@@ -424,6 +435,8 @@ class Trainer:
         """One GRPO step, as the data flows: collect (roll out and score) -> advantages ->
         update batch -> optimizer steps -> metrics row (asynchronous GRPO: the
         :mod:`~grpo.engine.asynchronous`'s step, the rollout on its own mesh)."""
+        if isinstance(self.pipeline, ProcessPipeline):
+            return process_pipeline_step(self.pipeline)
         if self.pipeline is not None:
             return pipeline_step(self.pipeline)
         t0 = time.perf_counter()
@@ -517,6 +530,11 @@ class Trainer:
                 plot_run(self.run_dir)
         self.checkpointer.close()
         return summary
+
+
+def _processes(meshes) -> int:
+    """The processes holding an asynchronous run's devices (2: one a side)."""
+    return len({d.process_index for side in (meshes.rollout, meshes.update) for d in side.mesh.devices.flat})
 
 
 def default_run_dir(config: RunConfig, config_path: str | None) -> Path:

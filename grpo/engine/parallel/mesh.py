@@ -28,6 +28,17 @@ def current_topology(devices: Sequence[jax.Device] | None = None) -> Topology:
     )
 
 
+def mesh_processes(mesh: Mesh) -> tuple[int, int]:
+    """``(rank, count)``: this process's place among the processes holding ``mesh``'s
+    devices, and how many they are. The run's processes when the mesh spans them all
+    (``jax.process_index()``, ``jax.process_count()``); ``(0, 1)`` for a mesh on this
+    process's devices alone (the rollout mesh of a multi-process asynchronous run, whose
+    host side runs as if it were the only process)."""
+    owners = sorted({d.process_index for d in mesh.devices.flat})
+    me = jax.process_index()
+    return (owners.index(me) if me in owners else 0), len(owners)
+
+
 def ordered_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
     """Host-major, then device id: reshaping to (dp, fsdp, tp) keeps the trailing axes
     inside a host whenever they fit there."""

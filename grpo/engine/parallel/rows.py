@@ -15,14 +15,19 @@ from jax.sharding import NamedSharding
 
 
 def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
-    """The global array whose rows are every process's ``local`` rows, in process order.
+    """The global array whose rows are every process's ``local`` rows, in process order
+    (every process of ``sharding``'s mesh).
 
     When ``sharding`` does not split the rows by process (replicated rows, or rows over
     mesh axes inside a host only: e.g. 12 prompts of two processes prefilled over a
     divisor of the batch axes), each process needs rows it does not own; they are
     gathered from every process first (host arrays: prompts, rewards)."""
-    if jax.process_count() > 1:
-        rows = local.shape[0] * jax.process_count()
+    from grpo.engine.parallel.mesh import mesh_processes
+
+    # The processes holding the mesh (in a two-process async run, the rollout side's own).
+    processes = mesh_processes(sharding.mesh)[1] if jax.process_count() > 1 else 1
+    if processes > 1:
+        rows = local.shape[0] * processes
         index = sharding.addressable_devices_indices_map((rows,) + tuple(local.shape[1:]))
         blocks = {(i[0].indices(rows)[:2] if i else (0, rows)) for i in index.values()}
         if sum(b - a for a, b in blocks) != local.shape[0]:

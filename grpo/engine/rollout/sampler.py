@@ -413,7 +413,10 @@ class BaseSampler:
                              "rows' texts")
         out = self.generate(params, prompt_tokens, prompt_mask, rng)
         b = len(examples)
-        mine = slice(jax.process_index() * b, (jax.process_index() + 1) * b)  # this process's rows
+        from grpo.engine.parallel.mesh import mesh_processes
+
+        rank, _ = mesh_processes(self.mesh)  # among the processes of the mesh it samples on
+        mine = slice(rank * b, (rank + 1) * b)  # this process's rows
         texts = Texts(self.detokenize, row_range(out.tokens, mine), row_range(out.mask, mine))
         return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples])
 

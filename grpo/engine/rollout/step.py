@@ -44,6 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo.core.errors import UserError
+from grpo.engine.parallel.mesh import mesh_processes
 from grpo.engine.parallel.rows import local_rows, to_global
 from grpo.engine.rollout.continuous import StreamFeeder
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down_sample, selection_scores
@@ -220,13 +221,18 @@ class StepCollector:
             tools = ToolTotals(counts, out.tokens.shape[0], ep.tools_s, ep.append_s)
         return _Round(out, totals, by_fn, errors, seconds, tools, group)
 
+    def _all(self, local: np.ndarray) -> np.ndarray:
+        """Every rollout process's rows of a host array (:func:`_all_rows`)."""
+        return _all_rows(local, processes=self.programs.process_count)
+
     def _prompt_batch(self, position: int):
         """The prompts at ``position .. position + prompts_per_step`` of the data order
         (this process's slice of them)."""
         cfg = self.config
         indices = position_indices(len(self.prompts), start=position, count=cfg.train.prompts_per_step,
                                    seed=cfg.train.seed)
-        local = process_slice(cfg.train.prompts_per_step, jax.process_index(), jax.process_count())
+        # The rollout mesh's processes: every process, or (multi-process async) its own alone.
+        local = process_slice(cfg.train.prompts_per_step, *mesh_processes(self.programs.mesh))
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.pad_id)
 
     def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray):
@@ -267,15 +273,14 @@ class StepCollector:
         while not picker.done:
             r = self._round(step, position + p * len(rounds), picker.rounds, params, sample_group)
             rounds.append(r)
-            picker.add(self._informative(_all_rows(r.totals), {n: _all_rows(v) for n, v in r.by_fn.items()},
+            picker.add(self._informative(self._all(r.totals), {n: self._all(v) for n, v in r.by_fn.items()},
                                          lambda: self._trained_rows(r.output)))
         return rounds, picker
 
-    @staticmethod
-    def _trained_rows(out: RolloutOutput) -> np.ndarray:
+    def _trained_rows(self, out: RolloutOutput) -> np.ndarray:
         """The model's own tokens [B, N] of every process's rows of ``out``, on the host
         (turn credit's informativeness needs the turns)."""
-        return _all_rows(local_rows(out.mask if out.loss_mask is None else out.loss_mask))
+        return self._all(local_rows(out.mask if out.loss_mask is None else out.loss_mask))
 
     def _informative(self, totals: np.ndarray, by_fn: dict[str, np.ndarray],
                      trained: Callable[[], np.ndarray]) -> np.ndarray:
@@ -312,7 +317,7 @@ class StepCollector:
         :meth:`~grpo.engine.rollout.continuous.ContinuousSampler.stream`, one process)
         instead of rolling out rounds."""
         return (self.config.train.dynamic_sampling.enabled and hasattr(self.sampler, "stream")
-                and not self.sampler.loss_mask and jax.process_count() == 1)
+                and not self.sampler.loss_mask and self.programs.process_count == 1)
 
     def _picked_rounds(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
         """The batch's groups from rounds (:class:`GroupFilter`), or without dynamic
@@ -323,8 +328,8 @@ class StepCollector:
             rounds, picker = self._dynamic_rounds(step, position, params, sample_group)
         else:
             rounds, picker = [self._round(step, position, 0, params, sample_group)], None
-        totals = [_all_rows(r.totals) for r in rounds]
-        by_fn = [{n: _all_rows(v) for n, v in r.by_fn.items()} for r in rounds]
+        totals = [self._all(r.totals) for r in rounds]
+        by_fn = [{n: self._all(v) for n, v in r.by_fn.items()} for r in rounds]
         informative, filled = None, 0
         if picker is not None:
             groups, filled = picker.picks()
@@ -494,9 +499,10 @@ class _Stream(StreamFeeder):
         return self.filter.done
 
 
-def _all_rows(local: np.ndarray) -> np.ndarray:
-    """Every process's rows of a host array, in global row order (tiny: rewards)."""
-    if jax.process_count() == 1:
+def _all_rows(local: np.ndarray, *, processes: int) -> np.ndarray:
+    """Every process's rows of a host array, in global row order (tiny: rewards), over the
+    rollout mesh's ``processes`` (1: this process's rows are all of them)."""
+    if processes == 1:
         return local
     from jax.experimental import multihost_utils
 

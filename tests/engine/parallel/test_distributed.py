@@ -329,3 +329,4 @@ def test_gather_int64_is_64_bit_safe():
 
     big = [2**40 + 7, -1, 2**33]
     np.testing.assert_array_equal(gather_int64(big), np.array([big], np.int64))
+

@@ -8,7 +8,7 @@ import pytest
 from _runs import _config
 
 from grpo.core.errors import ConfigError, UserError
-from grpo.engine.parallel.split import async_meshes, split_devices
+from grpo.engine.parallel.split import async_meshes, multiprocess_problems, split_devices
 
 
 def test_split_takes_the_first_devices_for_the_rollout():
@@ -58,3 +58,58 @@ def test_a_split_that_does_not_fit_the_rollout_style():
                         "train.async": {"enabled": True, "rollout_devices": 4}})
     with pytest.raises(ConfigError, match=r"train.async.rollout_devices=4 .* rollout mesh"):
         async_meshes(config)
+
+
+class _Device:
+    """A stand-in for a device of a multi-process run (what the split reads of one)."""
+
+    def __init__(self, process_index: int, id: int):
+        self.process_index, self.id = process_index, id
+
+    def __repr__(self):
+        return f"dev{self.id}@{self.process_index}"
+
+
+_TWO_BY_FOUR = [_Device(p, 4 * p + i) for p in (1, 0) for i in range(4)]  # 2 processes x 4, unordered
+
+
+def test_two_processes_split_one_a_side():
+    """2 processes x 4 devices, the default half or 4: process 0's devices roll out,
+    process 1's update (grpo/engine/asynchronous_processes.py)."""
+    for r in (None, 4):
+        rollout, update = split_devices(_TWO_BY_FOUR, rollout_devices=r)
+        assert [(d.process_index, d.id) for d in rollout] == [(0, i) for i in range(4)]
+        assert [(d.process_index, d.id) for d in update] == [(1, 4 + i) for i in range(4)]
+
+
+@pytest.mark.parametrize("devices, rollout_devices, why", [
+    (_TWO_BY_FOUR, 2, "does not split this run's 8 devices (of 2 processes) by whole processes"),
+    (_TWO_BY_FOUR, 6, "does not split this run's 8 devices (of 2 processes) by whole processes"),
+    ([_Device(p, 2 * p + i) for p in range(3) for i in range(2)], 2,
+     "by whole processes (rollout: processes [0], update: processes [1, 2]), but asynchronous GRPO over "
+     "several processes runs one process a side"),
+])
+def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout_devices, why):
+    """A process on both sides (2 or 6 of 2 x 4), or a side of several processes (3 x 2):
+    exit status 2, the message naming ``train.async.rollout_devices`` and the case."""
+    with pytest.raises(ConfigError) as err:
+        split_devices(devices, rollout_devices=rollout_devices)
+    msg = str(err.value)
+    assert err.value.exit_code == 2 and f"train.async.rollout_devices={rollout_devices} " in msg
+    assert why in msg and "train.async.enabled=false" in msg
+
+
+def test_what_the_two_process_loop_does_not_carry_is_listed_by_field():
+    assert multiprocess_problems(_config(**{"train.async": {"enabled": True}})) == []
+    problems = multiprocess_problems(_config(**{
+        "train.async": {"enabled": True, "max_staleness": 2, "partial_rollouts": True}, "rollout.engine": "continuous",
+        "model.lora": {"rank": 4}, "eval.every_n_steps": 2}))
+    fields = [p.split("=")[0].split(" ")[0] for p in problems]
+    assert fields == ["model.lora", "train.async.partial_rollouts", "rollout.engine", "eval.every_n_steps"]
+    assert [p.split("=")[0] for p in multiprocess_problems(_config(**{
+        "train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True}))] == ["train.dynamic_sampling.enabled"]
+
+
+def test_a_side_without_devices_is_reported_before_the_processes():
+    with pytest.raises(ConfigError, match="leaves the update mesh without devices"):
+        split_devices(_TWO_BY_FOUR, rollout_devices=8)

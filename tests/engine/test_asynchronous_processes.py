@@ -1,0 +1,128 @@
+"""Asynchronous GRPO over two processes (grpo/engine/asynchronous_processes.py): 2 real
+`grpo run` processes x 4 CPU devices (gloo), process 0 rolling out and process 1
+updating, preempted by SIGTERM and rerun, against the one-process async run with the same
+split (8 devices, 4 + 4) in this process."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from _xla import CPU_FAST_COMPILE
+
+from grpo.core.config import load_config
+from grpo.engine.runs.checkpoint import Checkpointer
+from grpo.engine.runs.metrics import read_metrics
+from grpo.engine.trainer import Trainer
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+STEPS, PROMPTS = 5, 8
+CONFIG = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
+    # Shaping rewards give the random policy non-zero advantages, so the weights move.
+    "task": {"name": "arithmetic", "options": {"max_operand": 4, "num_examples": 64,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    # max_staleness 2: the buffer holds two steps, drawn at two versions, at any checkpoint.
+    "train": {"steps": STEPS, "prompts_per_step": PROMPTS, "optimizer": {"learning_rate": 1e-2},
+              "async": {"enabled": True, "max_staleness": 2, "rollout_devices": 4}},
+    "checkpoint": {"every_n_steps": 0, "at_end": True},
+    "logging": {"progress_bar": False, "plot": False},
+    "distributed": {"heartbeat_timeout_s": 10, "initialization_timeout_s": 120},
+}
+
+
+def _launch(config: Path, run_dir: Path) -> list[subprocess.Popen]:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
+               JAX_PLATFORMS="cpu")
+    return [subprocess.Popen(
+        [sys.executable, "-m", "grpo.core.cli", "run", str(config), "--run-dir", str(run_dir),
+         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+
+
+def _wait(procs) -> list[tuple[int, str, str]]:
+    out = []
+    for p in procs:
+        try:
+            o, e = p.communicate(timeout=400)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        out.append((p.returncode, o, e))
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The two-process run, SIGTERM'd (process 1, the update side) once step 1 is logged,
+    then rerun to the end; and the one-process run of the same config."""
+    tmp = tmp_path_factory.mktemp("two_processes")
+    config = tmp / "config.yaml"
+    config.write_text(yaml.safe_dump(CONFIG))
+    run_dir = tmp / "run"
+    procs = _launch(config, run_dir)
+    deadline = time.time() + 400
+    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the run ended before step 1"
+        time.sleep(0.05)
+    procs[1].send_signal(signal.SIGTERM)
+    first = _wait(procs)
+    second = _wait(_launch(config, run_dir))
+    single = Trainer(load_config(str(config)), tmp / "single")
+    single.run()
+    return first, second, run_dir, single
+
+
+def test_a_preempted_two_process_run_resumes_and_equals_the_one_process_run(runs):
+    """Both processes stop on the update side's SIGTERM (exit 143) with a checkpoint
+    after some step k < 5, and the rerun resumes there. The two-process run then equals
+    the one-process async run with the same split: every step once, at the same data
+    position and staleness (nothing lost or trained twice), the same rewards and
+    samples (the same completions, prompts and rewards in samples.jsonl), losses within
+    1e-5, and the final parameters the update process checkpointed are the one-process
+    run's."""
+    first, second, run_dir, single = runs
+    for code, _, err in first:
+        assert code == 128 + signal.SIGTERM, err[-3000:]
+    assert "Interrupted after step" in first[0][1] + first[0][2]
+    for code, _, err in second:
+        assert code == 0, err[-3000:]
+    resumed = [line for line in second[0][1].splitlines() if line.startswith("Resuming from the checkpoint at step")]
+    assert resumed and 1 <= int(resumed[0].split("at step ")[1].split()[0]) < STEPS, second[0][1]
+    assert f"Done: {STEPS} steps" in second[0][1] and "Done" not in second[1][1]
+
+    rows, want = read_metrics(run_dir), read_metrics(single.run_dir)
+    assert [(r["step"], r["async/data_position"]) for r in rows] == [(s + 1, s * PROMPTS) for s in range(STEPS)]
+    assert [r["async/staleness_max"] for r in rows] == [r["async/staleness_max"] for r in want] == [0, 1, 2, 2, 2]
+    assert any(r["grad_norm"] > 0 for r in want)  # the weights move: the versions matter
+    for got, ref in zip(rows, want, strict=True):
+        assert got["reward/mean"] == ref["reward/mean"] and got["async/refused_groups"] == ref["async/refused_groups"]
+        for key in ("loss", "grad_norm", "kl", "completion/length_mean"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+    assert (run_dir / "samples.jsonl").read_text() == (single.run_dir / "samples.jsonl").read_text()
+
+    # The final checkpoint holds the update side's parameters as host arrays.
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=10)
+    like = {"params": jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), single.params)}
+    (state, meta) = ckpt.restore(like, STEPS)
+    ckpt.close()
+    assert meta["step"] == STEPS and meta["data_position"] == STEPS * PROMPTS
+    for got, ref in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(single.params), strict=True):
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-5, atol=1e-6)
