@@ -240,23 +240,51 @@ def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_
     micro-batch ``b // (devices x per)``. ``rows``: the most sequences a step has (the
     layout's capacity; default B). Each micro-batch's bins split evenly over the devices
     (a device's block of the bin axis), so taking micro-batch ``i`` moves no data.
-    ``completions`` [B] (each row's completion tokens): the plan's ``head`` width."""
+
+    ``completions`` [B] (each row's completion tokens): the bins are dealt to the step's
+    loss rows (a device's ``per`` bins of a micro-batch) evenly by completion tokens
+    (:func:`balance_bins`) rather than in first-fit order, and the plan's ``head`` is the
+    head width of the fullest row (:func:`head_count`)."""
     flat = plan_packing(lengths, bin_length=bin_length)
     m, per = micro_schedule(flat.used, devices=devices, max_per=max_per)
     cap = micro_capacity(rows=rows or len(lengths), devices=devices, per=per)
     width = devices * per
+    where = np.arange(flat.used)
+    if completions is not None:
+        starts = (flat.segment_ids > 0) & (flat.index == 0)
+        per_bin = np.zeros(flat.used, np.int64)
+        np.add.at(per_bin, np.nonzero(starts)[0], np.asarray(completions, np.int64)[flat.row[starts]])
+        where = balance_bins(per_bin, groups=m * devices, per=per)
 
     def lay(x: np.ndarray) -> np.ndarray:
         out = np.zeros((cap * width, bin_length), np.int32)
-        out[: x.shape[0]] = x
+        out[where] = x
         return out.reshape(cap, width, bin_length)  # m_cap (devices per) L
 
     plan = flat._replace(row=lay(flat.row), index=lay(flat.index), segment_ids=lay(flat.segment_ids),
                          micro_batches=m, per=per)
     if completions is None:
         return plan
-    count = head_count(plan, completions)
-    return plan._replace(head=head_width(count, slots=per * bin_length))
+    return plan._replace(head=head_width(head_count(plan, completions), slots=per * bin_length))
+
+
+def balance_bins(counts: np.ndarray, *, groups: int, per: int) -> np.ndarray:
+    """Each bin's slot in a layout of ``groups`` groups of ``per`` bins (group ``g`` at slots
+    ``g x per ..``): largest ``counts`` first, each into the group with the least so far
+    that has room (ties: the lower group), a group's bins in first-fit order. The head
+    width is the fullest group's count, so this keeps it near the mean rather than the
+    first micro-batches holding the longest completions (first-fit order). Deterministic."""
+    load = np.zeros(groups, np.int64)
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for b in sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i)):
+        g = min((g for g in range(groups) if len(members[g]) < per), key=lambda g: (load[g], g))
+        members[g].append(b)
+        load[g] += int(counts[b])
+    where = np.zeros(len(counts), np.int64)
+    for g, bins in enumerate(members):
+        for k, b in enumerate(sorted(bins)):
+            where[b] = g * per + k
+    return where
 
 
 # --------------------------------------------------------------------------- device: the arrays
@@ -429,6 +457,7 @@ __all__ = [
     "PackPlan",
     "PackedBatch",
     "Placement",
+    "balance_bins",
     "bin_count_sizes",
     "first_fit_decreasing",
     "from_head",
