@@ -41,7 +41,8 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
 - ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated). Packed, the step's own micro-batch
-  schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width.
+  schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width and
+  head width (at most 8 of those per width: :func:`~grpo.engine.training.packing.head_widths`).
 
 Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
 on the training layout (``legacy``, ``maxtext``), or in the style's own layout

@@ -16,8 +16,8 @@ Two halves, so the plan is deterministic and cheap and the data never leaves the
   (:func:`max_bins_per_device`), ties to fewer micro-batches. :func:`schedule_packing`
   lays the bins out micro-batch major, ``[m_cap, devices x per, L]``, ``m_cap`` the most
   micro-batches a step of ``per`` can need; the update loops over the first ``m`` only (a
-  loop with a traced trip count), so each pass compiles once per ``per``:
-  :func:`schedule_shapes` is the compile bound.
+  loop with a traced trip count), so each pass compiles once per ``per`` and head width:
+  :func:`schedule_shapes` and :func:`head_widths` are the compile bound.
 * The head (:func:`head_width`, :func:`head_layout`): only the slots that predict a
   completion token reach the vocabulary head and the loss. Each device's bins of a
   micro-batch (``per`` bins, ``per x L`` slots) give one row of the loss's layout, their
@@ -128,8 +128,8 @@ def micro_capacity(*, rows: int, devices: int, per: int) -> int:
 
 def schedule_shapes(*, rows: int, devices: int, max_per: int) -> dict[int, list[tuple[int, int]]]:
     """The schedule space: for every ``per`` a step of at most ``rows`` sequences can be
-    scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled shape
-    of each packed pass (its length is the compile bound)."""
+    scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled bin
+    layout of each packed pass, and each of its :func:`head_widths` one compile of it."""
     out: dict[int, list[tuple[int, int]]] = {}
     for bins in range(1, rows + 1):
         m, per = micro_schedule(bins, devices=devices, max_per=max_per)

@@ -6,7 +6,9 @@ Micro-batch ``m`` takes rows ``m, m + M, m + 2M, ...`` of the batch (a reshape
 over the data-parallel devices. A packed batch in the scheduled layout
 (:func:`~grpo.engine.training.packing.schedule_packing`, [m_cap, W, L]) brings its own
 micro-batches: the step's ``micro_batches`` of them run, in a loop whose trip count is
-traced, so one compiled program serves every micro-batch count at a width ``W``. Each micro-batch loss is divided by the *global*
+traced, so one compiled program serves every micro-batch count at a width ``W`` (and a
+head width ``K``: the loss runs on the head layout, only the slots predicting a
+completion token, its per-token log-probs scattered back to the bins). Each micro-batch loss is divided by the *global*
 normaliser (valid tokens, sequences, or sequences x max length of the whole batch), so
 summing the micro-batch losses and gradients gives the full-batch ones exactly (up to
 float summation order).
