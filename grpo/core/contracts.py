@@ -377,7 +377,11 @@ class LossPlugin(_PluginBase):
     its valid tokens, sequences, sequences * max length), so a packed loss equals the
     padded one; per-token terms (the ratio, KL, entropy) need nothing new. A plugin
     without ``supports_packing`` is never given ``segment_ids``: the engine runs it on
-    the unpacked layout.
+    the unpacked layout. The update and the log-prob passes call it on the *head layout*,
+    a narrower packed layout of the same contract: each row holds, in order, only the
+    slots that predict a completion token of a device's bins in a micro-batch (so no
+    logits are computed for prompts), its sequences renumbered 1, 2, ..., 0 (and mask 0)
+    past the row's count; a sequence's slots stay contiguous and never span two rows.
     """
 
     supports_packing: ClassVar[bool] = False

@@ -41,7 +41,8 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
 - ``update``: :class:`~grpo.engine.training.update.UpdateStep` — the loss plugin over
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated). Packed, the step's own micro-batch
-  schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width.
+  schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width and
+  head width (at most 8 of those per width: :func:`~grpo.engine.training.packing.head_widths`).
 
 Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
 on the training layout (``legacy``, ``maxtext``), or in the style's own layout
@@ -57,6 +58,7 @@ The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateS
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, Callable, Sequence
 
@@ -458,9 +460,10 @@ class RunPrograms:
 
         # Replicated: every process reads all rows from its own shards (no device spans
         # processes in a host read-back; row_range says so if the sharding ever changes).
-        lengths = row_range(self._lengths_jit()(batch.prompt_mask, batch.mask), slice(None))
-        return schedule_packing(lengths, bin_length=self.config.bin_length, devices=self.update_devices,
-                                max_per=self.max_bins_per_device, rows=self.config.sequences_per_step)
+        lengths = row_range(self._lengths_jit()(batch.prompt_mask, batch.mask), slice(None))  # B 2
+        return schedule_packing(lengths[:, 0], bin_length=self.config.bin_length, devices=self.update_devices,
+                                max_per=self.max_bins_per_device, rows=self.config.sequences_per_step,
+                                completions=lengths[:, 1])
 
     @property
     def bins_sharding(self) -> NamedSharding:
@@ -469,16 +472,21 @@ class RunPrograms:
         return NamedSharding(self.mesh, P(None, ("dp", "fsdp")))
 
     def _lengths_jit(self) -> Any:
+        """[B, 2] int32: each row's real tokens and its completion tokens (the plan's bins
+        and head width)."""
         from grpo.engine.training.packing import sequence_lengths
 
-        return self._program("sequence_lengths", lambda: jax.jit(sequence_lengths, out_shardings=self.replicated))
+        def lengths(prompt_mask, mask):
+            return jnp.stack([sequence_lengths(prompt_mask, mask), jnp.sum(mask.astype(jnp.int32), axis=1)], axis=1)
+
+        return self._program("sequence_lengths", lambda: jax.jit(lengths, out_shardings=self.replicated))
 
     def pack(self, batch: Any, plan: Any) -> tuple[Any, Any]:
         """``(PackedBatch, Placement)`` of the padded ``batch`` (an UpdateBatch) laid out
         by ``plan``: bins over the update's row axes, the normaliser of the padded batch."""
         idx = [jax.make_array_from_callback(a.shape, self.replicated, lambda i, a=a: a[i])
                for a in (plan.row, plan.index, plan.segment_ids)]
-        packed, place = self._pack_jit()(batch, *idx)
+        packed, place = self._pack_jit()(batch, *idx, head=plan.head)
         if plan.scheduled:
             m = jax.make_array_from_callback((), self.replicated, lambda i: np.asarray(plan.micro_batches, np.int32))
             packed = packed._replace(micro_batches=m)
@@ -489,20 +497,21 @@ class RunPrograms:
 
         step = self.update_step
 
-        def pack(b, row, index, seg):
+        def pack(b, row, index, seg, head=None):
             rows = self.bins_sharding if row.ndim == 3 else self.train_sharding
             packed, place = pack_batch(
                 prompt_tokens=b.prompt_tokens, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
                 row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
                 advantages=b.advantages, old_logprobs=b.old_logprobs, ref_logprobs=b.ref_logprobs,
                 sampler_logprobs=b.sampler_logprobs, dropout_keys=b.dropout_keys,
+                head_rows=self.update_devices, head=head,
             )
             on_rows = lambda x: None if x is None else jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
             packed = jax.tree.map(on_rows, packed._replace(normalizer=None))
             norm = jax.lax.with_sharding_constraint(step.settings.normalizer(step.loss_tokens(b)), self.replicated)
             return packed._replace(normalizer=norm), jax.tree.map(on_rows, place)
 
-        return self._program("pack", lambda: jax.jit(pack))
+        return self._program("pack", lambda: jax.jit(pack, static_argnames=("head",)))
 
     def unpack(self, values: jax.Array, place: Any, *, rows: int, length: int) -> jax.Array:
         """Packed per-token values [bins, L] back to the row layout [rows, length]."""
@@ -606,8 +615,9 @@ class RunPrograms:
             shape = self.scheduled_shape()  # the widest micro-batch a step can schedule
             idx = [arr(shape, jnp.int32, self.replicated)] * 3
             out["sequence_lengths"] = lambda: self._lengths_jit().lower(padded.prompt_mask, padded.mask)
-            out["pack"] = lambda: self._pack_jit().lower(padded, *idx)
-            packed, place = jax.eval_shape(self._pack_jit(), padded, *idx)
+            head = shape[1] // self.update_devices * shape[2]  # the widest head a step can compile
+            out["pack"] = lambda: self._pack_jit().lower(padded, *idx, head=head)
+            packed, place = jax.eval_shape(functools.partial(self._pack_jit(), head=head), padded, *idx)
             values = arr(shape, jnp.float32, self.bins_sharding)
             place = jax.tree.map(lambda x: arr(x.shape, x.dtype, self.bins_sharding), place)
             out["unpack"] = lambda: self._unpack_jit().lower(values, place, b, n)
@@ -715,6 +725,9 @@ class RunPrograms:
         shape = self.scheduled_shape(per)
         sh = self.bins_sharding
         i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
+        # The widest head layout (every slot of a device's bins): the most memory a step needs.
+        d = self.update_devices
+        head = jax.ShapeDtypeStruct((shape[0], d, shape[1] // d * shape[2]), jnp.int32, sharding=sh)
         f32 = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
         return PackedBatch(
             tokens=i32, positions=i32, segment_ids=i32, targets=i32, mask=i32, trained=i32, advantages=f32,
@@ -724,6 +737,7 @@ class RunPrograms:
             dropout_keys=jax.ShapeDtypeStruct(shape + (2,), jnp.uint32, sharding=sh) if self.lora_dropout else None,
             normalizer=jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated),
             micro_batches=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
+            head_index=head, head_segments=head,
         )
 
 

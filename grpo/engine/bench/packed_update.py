@@ -17,7 +17,8 @@ and gathering the batch into them), ``ratio`` = ``(pack_s + packed_s) / padded_s
 (``update_ratio`` without the packing), the process's CPU seconds of both timed updates
 (``cpu_s``, ``cpu_ratio``: on a machine shared with other jobs, wall time includes waiting
 for a core), valid (trained) tokens per second each way, the bins, the micro-batch
-schedule, their efficiency (real tokens / bin tokens), and both updates' losses (equal up
+schedule, the loss's head width (``head_width``: the slots predicting a completion
+token, per device and micro-batch), their efficiency (real tokens / bin tokens), and both updates' losses (equal up
 to float rounding: the same rows). Times mean something only relative to each other on CPU.
 """
 
@@ -168,6 +169,7 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         "bin_length": plan.bin_length,
         "micro_batches_packed": plan.micro_batches,
         "bins_per_device": plan.per,
+        "head_width": plan.head,  # the loss's head slots per device per micro-batch (of per x bin_length)
         "max_bins_per_device": programs.max_bins_per_device,
         "efficiency": plan.efficiency,
         "padded_s": padded_s,

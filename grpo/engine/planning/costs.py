@@ -391,14 +391,15 @@ def padded_work(*, rows: float, prompt_length: int, max_new_tokens: int) -> Trai
 
 
 def packed_work(*, bins: float, bin_length: int, square_sum: float, segment_attention: bool,
-                micro_batches: float | None = None) -> TrainingWork:
+                micro_batches: float | None = None, head_tokens: float | None = None) -> TrainingWork:
     """``bins`` per device of ``bin_length`` slots in ``micro_batches`` micro-batches (None:
     the config's); ``square_sum``: the sum over the device's sequences of (prompt +
     completion tokens)^2 (what a kernel that skips the blocks between segments computes;
-    without one, XLA computes each bin's full square)."""
+    without one, XLA computes each bin's full square); ``head_tokens``: the slots the loss's
+    head runs on per device (the head layout's micro-batches x ``K``; None: every slot)."""
     pairs = square_sum if segment_attention else bins * bin_length * bin_length
-    return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=bins * bin_length,
-                        micro_batches=micro_batches)
+    head = bins * bin_length if head_tokens is None else head_tokens
+    return TrainingWork(tokens=bins * bin_length, attn_pairs=pairs, head_tokens=head, micro_batches=micro_batches)
 
 
 def rollout_figures(programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None) -> dict[str, Any]:

@@ -10,12 +10,14 @@ within the configured micro-batch's memory. A step's rows are drawn from the pro
 (:func:`~grpo.engine.planning.profiles.draw`, seeded) :data:`DRAWS` times; the plan
 compiles the update at the widest ``per`` of the draws (what the run must fit: memory
 depends on ``per``, not ``m``) and counts the costs of each draw's own schedule (their
-mean is the roofline). Each ``per`` of the schedule space is one compiled shape of each
+mean is the roofline). Each ``per`` of the schedule space and each head width ``K`` of
+it (:func:`~grpo.engine.training.packing.head_widths`) is one compiled shape of each
 packed pass: the compile bound.
 
 Costs are :func:`~grpo.engine.planning.costs.training_costs` on
 :func:`~grpo.engine.planning.costs.packed_work`: a packed bin runs all its slots through
-the layers and the loss's head, and a segment-aware attention kernel (``splash``,
+the layers, the loss's head runs on the draw's head layout (``m x K`` slots a device: the
+slots that predict a completion token, rounded up), and a segment-aware attention kernel (``splash``,
 ``pallas_gpu``) computes each sequence's own square only. Weight reads (and the FSDP
 gathers in the compiled update's micro-batch loop) are one pass per micro-batch of the
 draw's schedule. Valid tokens are the completion tokens the loss trains on.
@@ -53,9 +55,17 @@ class BinPlan:
     micro_batches: int  # the config's (the padded update's)
 
     @property
-    def compile_bound(self) -> int:
-        """How many shapes of each packed pass a run can compile: one per ``per``."""
+    def bin_shapes(self) -> int:
+        """How many bin layouts a run can compile: one per ``per``."""
         return len(self.schedules)
+
+    @property
+    def compile_bound(self) -> int:
+        """How many shapes of each packed pass a run can compile: one per ``per`` and head
+        width ``K`` of it (at most ``HEAD_BUCKETS`` per ``per``)."""
+        from grpo.engine.training.packing import head_widths
+
+        return sum(len(head_widths(slots=per * self.bin_length)) for per in self.schedules)
 
     @property
     def per(self) -> int:
@@ -81,7 +91,7 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
               seed: int = 0) -> BinPlan:
     """Pack ``draws`` steps of the profile and schedule their micro-batches as the trainer
     does (:meth:`~grpo.engine.programs.RunPrograms.pack_plan`)."""
-    from grpo.engine.training.packing import first_fit_decreasing, max_bins_per_device, micro_schedule, schedule_shapes
+    from grpo.engine.training.packing import max_bins_per_device, schedule_packing, schedule_shapes
 
     cfg, layout = programs.config, programs.layout
     rows, cap = cfg.sequences_per_step, cfg.rollout.max_new_tokens
@@ -98,11 +108,12 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
     for i in range(draws):
         prompts, completions = draw(profile, rows=rows, cap=cap, prompt_length=prompt_length, seed=seed + i)
         seq = prompts + completions
-        used = len(first_fit_decreasing(seq, bin_length=length))
-        m, per = micro_schedule(used, devices=devices, max_per=max_per)
-        bins = m * devices * per
+        plan = schedule_packing(seq, bin_length=length, devices=devices, max_per=max_per, rows=rows,
+                                completions=completions)
+        m, per, bins = plan.micro_batches, plan.per, plan.bins
         out.append({
-            "bins_used": used, "bins": bins, "micro_batches": m, "per": per, "real_tokens": int(seq.sum()),
+            "bins_used": plan.used, "bins": bins, "micro_batches": m, "per": per, "head": plan.head,
+            "head_tokens": m * devices * plan.head, "real_tokens": int(seq.sum()),
             "valid_tokens": int(completions.sum()), "square_sum": float(np.sum(seq.astype(np.float64) ** 2)),
             "efficiency": float(seq.sum() / (bins * length)),
         })
@@ -120,7 +131,7 @@ def packed_costs(programs: Any, arch: Any, chip: Any, bp: BinPlan, attention: st
     for d in bp.draws:
         work = packed_work(bins=d["bins"] / bp.devices, bin_length=bp.bin_length,
                            square_sum=d["square_sum"] / bp.devices, segment_attention=attention in SEGMENT_KERNELS,
-                           micro_batches=d["micro_batches"])
+                           micro_batches=d["micro_batches"], head_tokens=d["head_tokens"] / bp.devices)
         per_draw.append(training_costs(programs, arch, chip, work))
     return {
         name: Cost(*(float(np.mean([getattr(c[name], f) for c in per_draw])) for f in ("flops", "bytes", "roofline_s")))
@@ -190,8 +201,10 @@ def packed_report(bp: BinPlan, *, padded: dict[str, Any], packed: dict[str, Cost
         "bin_length": bp.bin_length,
         "max_bins_per_device": bp.max_per,
         "compile_bound": bp.compile_bound,
+        "bin_shapes": bp.bin_shapes,
         "schedules": {str(per): [list(s) for s in pairs] for per, pairs in bp.schedules.items()},
-        "draws": [{k: d[k] for k in ("bins_used", "bins", "micro_batches", "per", "efficiency", "valid_tokens")}
+        "draws": [{k: d[k] for k in ("bins_used", "bins", "micro_batches", "per", "head", "efficiency",
+                                     "valid_tokens")}
                   for d in bp.draws],
         "bins": bp.bins,
         "bins_per_device": bins_chip,

@@ -204,7 +204,8 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
         f"{len(pk['draws'])} drawn steps used {min(d['bins_used'] for d in pk['draws'])}-"
         f"{max(d['bins_used'] for d in pk['draws'])} bins, scheduled as micro-batches x bins per device: "
         f"{', '.join(f'{m}x{p}' for m, p in scheds)}; at most {pk['max_bins_per_device']} per device), "
-        f"efficiency {100 * pk['efficiency']:.1f}%; at most {pk['compile_bound']} shapes compiled per pass",
+        f"efficiency {100 * pk['efficiency']:.1f}%; at most {pk['compile_bound']} shapes compiled per pass "
+        f"({pk['bin_shapes']} bin layouts x their head widths)",
         f"{'PASS':<16} {'PADDED':>9} {'PACKED':>9} {'RATIO':>6}",
     ]
     for name, p in pk["passes"].items():

@@ -16,8 +16,16 @@ Two halves, so the plan is deterministic and cheap and the data never leaves the
   (:func:`max_bins_per_device`), ties to fewer micro-batches. :func:`schedule_packing`
   lays the bins out micro-batch major, ``[m_cap, devices x per, L]``, ``m_cap`` the most
   micro-batches a step of ``per`` can need; the update loops over the first ``m`` only (a
-  loop with a traced trip count), so each pass compiles once per ``per``:
-  :func:`schedule_shapes` is the compile bound.
+  loop with a traced trip count), so each pass compiles once per ``per`` and head width:
+  :func:`schedule_shapes` and :func:`head_widths` are the compile bound.
+* The head (:func:`head_width`, :func:`head_layout`): only the slots that predict a
+  completion token reach the vocabulary head and the loss. Each device's bins of a
+  micro-batch (``per`` bins, ``per x L`` slots) give one row of the loss's layout, their
+  predicting slots in order, ``K`` wide: ``K`` is the step's most predicting slots of a
+  device's micro-batch, rounded up to one of :data:`HEAD_BUCKETS` sizes (multiples of an
+  eighth of ``per x L``), so each pass compiles at most :data:`HEAD_BUCKETS` times per
+  ``per``. A padded row runs the head on its completion slots only; without this a bin
+  would run it on its prompts too (a third to a half of its slots at the built-in profile).
 * :func:`pack_batch` / :func:`unpack_logprobs` (jittable, jnp): the padded update batch ->
   the packed one by a gather with the plan's indices, and the packed per-token log-probs
   back to the row layout [B, N] by the inverse scatter (either layout: the token axis is
@@ -28,7 +36,11 @@ Layout (the packing contract shared with the losses): ``segment_ids`` [bins, L] 
 at 0 at each sequence's first token (RoPE sees exactly what the padded row gave it);
 ``hidden[:, t]`` predicts ``targets[:, t]`` (the next token of the same sequence), and
 every per-token array (mask, advantages, old/ref/sampler log-probs) sits at the
-predicting slot, as in the padded layout.
+predicting slot, as in the padded layout. The head layout (``head_index``,
+``head_segments`` [.., R, K]) is a narrower packed layout of the same contract: row ``r``
+holds the predicting slots of bins ``r x per .. (r + 1) x per - 1`` in order, its
+sequences renumbered 1, 2, ... (so every per-sequence reduction of a loss is unchanged),
+0 past its count.
 """
 
 from __future__ import annotations
@@ -116,14 +128,44 @@ def micro_capacity(*, rows: int, devices: int, per: int) -> int:
 
 def schedule_shapes(*, rows: int, devices: int, max_per: int) -> dict[int, list[tuple[int, int]]]:
     """The schedule space: for every ``per`` a step of at most ``rows`` sequences can be
-    scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled shape
-    of each packed pass (its length is the compile bound)."""
+    scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled bin
+    layout of each packed pass, and each of its :func:`head_widths` one compile of it."""
     out: dict[int, list[tuple[int, int]]] = {}
     for bins in range(1, rows + 1):
         m, per = micro_schedule(bins, devices=devices, max_per=max_per)
         if (m, per) not in out.setdefault(per, []):
             out[per].append((m, per))
     return out
+
+
+HEAD_BUCKETS = 8
+"""The head widths a ``per`` can compile to: ``K`` is a multiple of an eighth of ``per x L``
+(rounded up to 8 slots, the TPU sublane tile), at most ``per x L``."""
+
+
+def head_width(count: int, *, slots: int) -> int:
+    """The compiled head width ``K`` for a step whose fullest loss row (a device's bins of
+    one micro-batch, ``slots`` = ``per x L``) has ``count`` predicting slots: ``count``
+    rounded up to a multiple of ``slots / HEAD_BUCKETS`` (in 8s), capped at ``slots``."""
+    unit = 8 * math.ceil(math.ceil(slots / HEAD_BUCKETS) / 8)
+    return min(slots, unit * max(1, math.ceil(count / unit)))
+
+
+def head_widths(*, slots: int) -> tuple[int, ...]:
+    """Every :func:`head_width` of ``slots`` (its length: the compiles per ``per``)."""
+    return tuple(sorted({head_width(c, slots=slots) for c in range(slots + 1)}))
+
+
+def head_count(plan: "PackPlan", completions: np.ndarray) -> int:
+    """The most predicting slots (completion tokens) one loss row of a scheduled ``plan``
+    holds: the sum of ``completions`` [B] over the sequences of a device's bins of one
+    micro-batch. A sequence predicts each of its completion tokens from the slot before
+    it (its prompt is never empty), so its count is its completion length."""
+    row, index, seg = (x.reshape(-1, x.shape[-1]) for x in (plan.row, plan.index, plan.segment_ids))
+    starts = (seg > 0) & (index == 0)  # bins L: each sequence's first slot
+    per_bin = np.zeros(row.shape[0], np.int64)
+    np.add.at(per_bin, np.nonzero(starts)[0], np.asarray(completions, np.int64)[row[starts]])
+    return int(per_bin.reshape(-1, plan.per).sum(axis=1).max()) if per_bin.size else 0
 
 
 class PackPlan(NamedTuple):
@@ -134,7 +176,8 @@ class PackPlan(NamedTuple):
     real tokens (its RoPE position; 0 on padding); ``segment_ids``: 1, 2, ... per bin, 0 on
     padding. ``used`` bins hold sequences, the rest (up to the rounded count) are padding.
     Scheduled: ``micro_batches`` (``m``) of ``per`` bins a device run; the micro-batches
-    after the ``m``-th are layout only (never computed)."""
+    after the ``m``-th are layout only (never computed); ``head``: the head width ``K``
+    (:func:`head_width`; None: the head runs on every slot)."""
 
     row: np.ndarray
     index: np.ndarray
@@ -143,6 +186,7 @@ class PackPlan(NamedTuple):
     real_tokens: int
     micro_batches: int | None = None
     per: int | None = None
+    head: int | None = None
 
     @property
     def scheduled(self) -> bool:
@@ -190,24 +234,57 @@ def plan_packing(lengths: np.ndarray, *, bin_length: int, unit: int = 1) -> Pack
 
 
 def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_per: int,
-                     rows: int | None = None) -> PackPlan:
+                     rows: int | None = None, completions: np.ndarray | None = None) -> PackPlan:
     """The packing of ``lengths`` [B] laid out for the step's micro-batch schedule
     (:func:`micro_schedule`): arrays [m_cap, devices x per, L], bin ``b`` of first-fit in
     micro-batch ``b // (devices x per)``. ``rows``: the most sequences a step has (the
     layout's capacity; default B). Each micro-batch's bins split evenly over the devices
-    (a device's block of the bin axis), so taking micro-batch ``i`` moves no data."""
+    (a device's block of the bin axis), so taking micro-batch ``i`` moves no data.
+
+    ``completions`` [B] (each row's completion tokens): the bins are dealt to the step's
+    loss rows (a device's ``per`` bins of a micro-batch) evenly by completion tokens
+    (:func:`balance_bins`) rather than in first-fit order, and the plan's ``head`` is the
+    head width of the fullest row (:func:`head_count`)."""
     flat = plan_packing(lengths, bin_length=bin_length)
     m, per = micro_schedule(flat.used, devices=devices, max_per=max_per)
     cap = micro_capacity(rows=rows or len(lengths), devices=devices, per=per)
     width = devices * per
+    where = np.arange(flat.used)
+    if completions is not None:
+        starts = (flat.segment_ids > 0) & (flat.index == 0)
+        per_bin = np.zeros(flat.used, np.int64)
+        np.add.at(per_bin, np.nonzero(starts)[0], np.asarray(completions, np.int64)[flat.row[starts]])
+        where = balance_bins(per_bin, groups=m * devices, per=per)
 
     def lay(x: np.ndarray) -> np.ndarray:
         out = np.zeros((cap * width, bin_length), np.int32)
-        out[: x.shape[0]] = x
+        out[where] = x
         return out.reshape(cap, width, bin_length)  # m_cap (devices per) L
 
-    return flat._replace(row=lay(flat.row), index=lay(flat.index), segment_ids=lay(flat.segment_ids),
+    plan = flat._replace(row=lay(flat.row), index=lay(flat.index), segment_ids=lay(flat.segment_ids),
                          micro_batches=m, per=per)
+    if completions is None:
+        return plan
+    return plan._replace(head=head_width(head_count(plan, completions), slots=per * bin_length))
+
+
+def balance_bins(counts: np.ndarray, *, groups: int, per: int) -> np.ndarray:
+    """Each bin's slot in a layout of ``groups`` groups of ``per`` bins (group ``g`` at slots
+    ``g x per ..``): largest ``counts`` first, each into the group with the least so far
+    that has room (ties: the lower group), a group's bins in first-fit order. The head
+    width is the fullest group's count, so this keeps it near the mean rather than the
+    first micro-batches holding the longest completions (first-fit order). Deterministic."""
+    load = np.zeros(groups, np.int64)
+    members: list[list[int]] = [[] for _ in range(groups)]
+    for b in sorted(range(len(counts)), key=lambda i: (-int(counts[i]), i)):
+        g = min((g for g in range(groups) if len(members[g]) < per), key=lambda g: (load[g], g))
+        members[g].append(b)
+        load[g] += int(counts[b])
+    where = np.zeros(len(counts), np.int64)
+    for g, bins in enumerate(members):
+        for k, b in enumerate(sorted(bins)):
+            where[b] = g * per + k
+    return where
 
 
 # --------------------------------------------------------------------------- device: the arrays
@@ -237,6 +314,11 @@ class PackedBatch(NamedTuple):
     # Scheduled layout (every array [m_cap, devices x per, L]): the micro-batches this step
     # runs, an int32 scalar (replicated; traced, so one compile serves every m at a per).
     micro_batches: jax.Array | None = None
+    # The head layout (:func:`head_layout`, [.., R, K]): each loss row's predicting slots
+    # (index into its ``per x L`` slots; ``per x L`` past its count) and their sequences
+    # renumbered 1.. (0 past the count). None: the head runs on every slot.
+    head_index: jax.Array | None = None
+    head_segments: jax.Array | None = None
 
 
 class Placement(NamedTuple):
@@ -256,12 +338,14 @@ def real_order(kv_mask: jax.Array) -> jax.Array:
 def pack_batch(
     *, prompt_tokens, prompt_mask, tokens, mask, row, index, segment_ids,
     loss_mask=None, trained=None, advantages=None, old_logprobs=None, ref_logprobs=None,
-    sampler_logprobs=None, dropout_keys=None,
+    sampler_logprobs=None, dropout_keys=None, head_rows: int | None = None, head: int | None = None,
 ) -> tuple[PackedBatch, Placement]:
     """The padded batch (``prompt_*`` [B, Lp], ``tokens``/``mask`` [B, N], per-token arrays
     [B, N], ``advantages`` [B] or [B, N], ``dropout_keys`` [B, 2]) gathered into bins by
     a plan's ``row``/``index``/``segment_ids`` [bins, L]. ``loss_mask``: the tokens the loss
-    trains on [B, N] (default ``trained``, default ``mask``)."""
+    trains on [B, N] (default ``trained``, default ``mask``). ``head`` (static, with
+    ``head_rows`` loss rows per micro-batch, the devices): the head layout of width ``head``
+    (:func:`head_layout`; the plan's ``head``)."""
     lp, n = prompt_tokens.shape[1], tokens.shape[1]
     full = jnp.concatenate([prompt_tokens, tokens], axis=1)  # B S
     kv = jnp.concatenate([prompt_mask, mask], axis=1)  # B S
@@ -299,7 +383,51 @@ def pack_batch(
         sampler_logprobs=at_target(sampler_logprobs),
         dropout_keys=None if dropout_keys is None else dropout_keys[row],
     )
+    if head is not None:
+        index, segments = head_layout(predicts, segment_ids, rows=head_rows, width=head)
+        packed = packed._replace(head_index=index, head_segments=segments)
     return packed, place
+
+
+def head_layout(predicts: jax.Array, segment_ids: jax.Array, *, rows: int, width: int) -> tuple[jax.Array, jax.Array]:
+    """The head layout of bins [.., W, L] (``predicts``: the slots that predict a completion
+    token): ``W`` bins -> ``rows`` loss rows of ``W / rows`` consecutive bins (a device's
+    block), each row's predicting slots in order (``index`` [.., rows, width] into the row's
+    ``W / rows x L`` slots, that count past the row's slots: gathers fill, scatters drop)
+    and their sequences renumbered 1, 2, ... in order (``segments``, 0 past the count).
+    A row with more predicting slots than ``width`` loses the rest: ``width`` comes from
+    the plan (:func:`head_count`), which counts them."""
+    *lead, w, length = predicts.shape
+    slots = (w // rows) * length
+    p = predicts.reshape(*lead, rows, slots)
+    # Each slot's sequence, unique in the row: bin-in-row x (L + 1) + segment id.
+    key = (segment_ids.astype(jnp.int32) + (length + 1) * (jnp.arange(w, dtype=jnp.int32) % (w // rows))[:, None])
+    key = key.reshape(*lead, rows, slots)
+    order = jnp.argsort(jnp.logical_not(p), axis=-1, stable=True)[..., :width].astype(jnp.int32)  # .. R K
+    valid = jnp.arange(width) < jnp.sum(p, axis=-1, keepdims=True)
+    k = jnp.take_along_axis(key, order, axis=-1)
+    first = jnp.concatenate([jnp.ones_like(k[..., :1], bool), k[..., 1:] != k[..., :-1]], axis=-1)
+    segments = jnp.where(valid, jnp.cumsum(first & valid, axis=-1), 0).astype(jnp.int32)
+    return jnp.where(valid, order, slots), segments
+
+
+def to_head(x: jax.Array | None, index: jax.Array) -> jax.Array | None:
+    """A bins array [W, L, ...] at the head layout's slots ``index`` [R, K]: [R, K, ...]
+    (0 past each row's count)."""
+    if x is None:
+        return None
+    r = index.shape[0]
+    flat = x.reshape((r, -1) + x.shape[2:])  # R (W/R L) ...
+    ix = index.reshape(index.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(flat, ix, axis=1, mode="fill", fill_value=0)
+
+
+def from_head(values: jax.Array, index: jax.Array, *, bins: int, length: int) -> jax.Array:
+    """Head-layout values [R, K] back to the bins [bins, length] (0 at the other slots)."""
+    r = index.shape[0]
+    out = jnp.zeros((r, (bins // r) * length), values.dtype)
+    out = out.at[jnp.arange(r)[:, None], index].set(values, mode="drop")
+    return out.reshape(bins, length)
 
 
 def unpack_logprobs(values: jax.Array, place: Placement, *, rows: int, length: int) -> jax.Array:
@@ -325,11 +453,18 @@ def packing_stats(plan: PackPlan) -> dict[str, float]:
 
 
 __all__ = [
+    "HEAD_BUCKETS",
     "PackPlan",
     "PackedBatch",
     "Placement",
+    "balance_bins",
     "bin_count_sizes",
     "first_fit_decreasing",
+    "from_head",
+    "head_count",
+    "head_layout",
+    "head_width",
+    "head_widths",
     "max_bins_per_device",
     "micro_capacity",
     "micro_schedule",
@@ -341,5 +476,6 @@ __all__ = [
     "schedule_packing",
     "schedule_shapes",
     "sequence_lengths",
+    "to_head",
     "unpack_logprobs",
 ]

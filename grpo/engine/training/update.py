@@ -6,7 +6,9 @@ Micro-batch ``m`` takes rows ``m, m + M, m + 2M, ...`` of the batch (a reshape
 over the data-parallel devices. A packed batch in the scheduled layout
 (:func:`~grpo.engine.training.packing.schedule_packing`, [m_cap, W, L]) brings its own
 micro-batches: the step's ``micro_batches`` of them run, in a loop whose trip count is
-traced, so one compiled program serves every micro-batch count at a width ``W``. Each micro-batch loss is divided by the *global*
+traced, so one compiled program serves every micro-batch count at a width ``W`` (and a
+head width ``K``: the loss runs on the head layout, only the slots predicting a
+completion token, its per-token log-probs scattered back to the bins). Each micro-batch loss is divided by the *global*
 normaliser (valid tokens, sequences, or sequences x max length of the whole batch), so
 summing the micro-batch losses and gradients gives the full-batch ones exactly (up to
 float summation order).
@@ -40,7 +42,7 @@ from pydantic import BaseModel
 
 from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
 from grpo.engine.training.optim import is_schedule_state
-from grpo.engine.training.packing import PackedBatch
+from grpo.engine.training.packing import PackedBatch, from_head, to_head
 
 
 class UpdateBatch(NamedTuple):
@@ -180,6 +182,22 @@ def _micro(batch: PackedBatch, i: jax.Array) -> PackedBatch:
     return batch._replace(micro_batches=None, normalizer=None, **{
         f: jax.lax.dynamic_index_in_dim(x, i, 0, keepdims=False)
         for f, x in zip(batch._fields, batch) if x is not None and f not in ("micro_batches", "normalizer")})
+
+
+def _head_of(mb: UpdateBatch | PackedBatch):
+    """``x`` [W, L] -> the loss's layout: the head layout of a batch that has one (only the
+    slots predicting a completion token, [R, K]), else ``x`` itself."""
+    index = getattr(mb, "head_index", None)
+    return (lambda x: x) if index is None else (lambda x: to_head(x, index))
+
+
+def _bins_of(mb: UpdateBatch | PackedBatch, values: jax.Array) -> jax.Array:
+    """The loss's per-token ``values`` back in the batch's layout ([R, K] -> [W, L], 0 at the
+    slots the head skipped)."""
+    index = getattr(mb, "head_index", None)
+    if index is None:
+        return values
+    return from_head(values, index, bins=mb.tokens.shape[0], length=mb.tokens.shape[1])
 
 
 def _first(batch: PackedBatch) -> PackedBatch:
@@ -396,6 +414,10 @@ class UpdateStep:
         keys = mb.dropout_keys if adapters else None
         if isinstance(mb, PackedBatch):  # bins: attention within a segment, hidden[:, t] predicts targets[:, t]
             hidden, _ = model(mb.tokens, mb.positions, dropout_keys=keys, segment_ids=mb.segment_ids)
+            if mb.head_index is not None:  # only the slots predicting a completion token reach the head
+                hidden = to_head(hidden, mb.head_index)  # R K D
+                return dict(hidden=hidden, head_weight=head_for(model, hidden),
+                            targets=to_head(mb.targets, mb.head_index), segment_ids=mb.head_segments)
             return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.targets,
                         segment_ids=mb.segment_ids)
         hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys)
@@ -414,16 +436,18 @@ class UpdateStep:
 
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer, frozen=None):
         args = self._loss_args(params, mb, frozen)
+        tok = _head_of(mb)
         args.update(
-            mask=self.loss_tokens(mb),
-            advantages=mb.advantages,
-            old_logprobs=mb.old_logprobs,
-            ref_logprobs=mb.ref_logprobs if self.settings.beta > 0 else None,
+            mask=tok(self.loss_tokens(mb)),
+            advantages=tok(mb.advantages),
+            old_logprobs=tok(mb.old_logprobs),
+            ref_logprobs=tok(mb.ref_logprobs) if self.settings.beta > 0 else None,
         )
         if self.settings.mismatch is not None:
             # Passed only when used, so losses written before the correction existed keep working.
-            args["sampler_logprobs"] = mb.sampler_logprobs
-        return self.loss_call(args, normalizer)
+            args["sampler_logprobs"] = tok(mb.sampler_logprobs)
+        loss, metrics = self.loss_call(args, normalizer)
+        return loss, dict(metrics, logprobs=_bins_of(mb, metrics["logprobs"]))
 
     # ------------------------------------------------------------------ forward-only passes
 
@@ -448,7 +472,7 @@ class UpdateStep:
 
     def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
         def one(mb: UpdateBatch) -> jax.Array:
-            logp = self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters))
+            logp = _bins_of(mb, self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters)))
             return jnp.where(mb.trained > 0, logp.astype(jnp.float32), 0.0)
 
         if isinstance(batch, PackedBatch) and batch.micro_batches is not None:
@@ -493,6 +517,8 @@ class UpdateStep:
             (loss, metrics), grads = grad_fn(params, batch, normalizer)
             logprobs = metrics.pop("logprobs")
             return loss, f32(grads), _finish(metrics, weighted=False), logprobs
+        if isinstance(batch, PackedBatch):  # the head layout's rows span micro-batches: full width
+            batch = batch._replace(head_index=None, head_segments=None)
         micro = type(batch)(*(_split_micro(x, m) for x in batch))
         # f32 accumulation: bf16 sums of many micro-batch gradients lose their small terms.
         zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)

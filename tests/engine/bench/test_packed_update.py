@@ -51,4 +51,6 @@ def test_bench_update_json(tmp_path):
     assert out["ratio"] == pytest.approx((out["pack_s"] + out["packed_s"]) / out["padded_s"])
     # The trainer's schedule: m micro-batches of per bins on each device, no more bins than that.
     assert out["bins"] == out["micro_batches_packed"] * out["bins_per_device"] * out["devices"]
+    # The head runs on the completion slots (at most 12 of a sequence's 20 real tokens), rounded up.
+    assert out["head_width"] < out["bins_per_device"] * 32
     assert out["cpu_ratio"] == pytest.approx(out["cpu_s"]["packed"] / out["cpu_s"]["padded"])

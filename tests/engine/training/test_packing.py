@@ -5,12 +5,18 @@ from __future__ import annotations
 
 import itertools
 
+import jax
 import numpy as np
 import pytest
 
 from grpo.engine.training.packing import (
+    HEAD_BUCKETS,
+    balance_bins,
     bin_count_sizes,
     first_fit_decreasing,
+    from_head,
+    head_width,
+    head_widths,
     max_bins_per_device,
     micro_capacity,
     micro_schedule,
@@ -19,6 +25,7 @@ from grpo.engine.training.packing import (
     round_bins,
     schedule_packing,
     schedule_shapes,
+    to_head,
     unpack_logprobs,
 )
 
@@ -179,3 +186,69 @@ def test_pack_batch_against_a_row_loop():
     # Unpacking the packed old log-probs gives the row layout back (0 off the completion).
     back = unpack_logprobs(packed.old_logprobs, place, rows=b, length=n)
     np.testing.assert_allclose(np.asarray(back), np.where(cm > 0, old, 0.0))
+
+
+def test_head_layout_against_a_loop_over_the_bins():
+    """The head layout: each device's bins of a micro-batch one row, holding exactly the
+    slots that predict a completion token (in order; the plan's width covers the fullest
+    row), their sequences renumbered 1.. per row; gathering and scattering back is exact."""
+    rng = np.random.default_rng(5)
+    pt, pm, ct, cm = _padded_batch(rng, b=10, lp=4, n=6)
+    comp = cm.sum(1)
+    lengths = pm.sum(1) + comp
+    L = int(lengths.max()) + 2
+    plan = schedule_packing(lengths, bin_length=L, devices=2, max_per=2, rows=12, completions=comp)
+    old = rng.normal(size=cm.shape).astype(np.float32)
+    pack = jax.jit(pack_batch, static_argnames=("head_rows", "head"))  # one compile, not an op at a time
+    packed, _ = pack(prompt_tokens=pt, prompt_mask=pm, tokens=ct, mask=cm, row=plan.row, index=plan.index,
+                     segment_ids=plan.segment_ids, old_logprobs=old, head_rows=2, head=plan.head)
+    cap, w, _ = plan.row.shape
+    per = w // 2
+    index, segments = np.asarray(packed.head_index), np.asarray(packed.head_segments)
+    assert index.shape == segments.shape == (cap, 2, plan.head)
+    fullest = 0
+    for i, d in itertools.product(range(cap), range(2)):
+        want_index, want_seg = [], []
+        for k in range(per):
+            bn = d * per + k
+            for s in range(1, plan.segment_ids[i, bn].max() + 1):
+                start = int(np.nonzero(plan.segment_ids[i, bn] == s)[0][0])
+                r = int(plan.row[i, bn, start])
+                p, c = int(pm[r].sum()), int(comp[r])
+                want_index += [k * L + start + p - 1 + j for j in range(c)]
+                want_seg += [len(set(want_seg)) + 1] * c
+        fullest = max(fullest, len(want_index))
+        n = len(want_index)
+        np.testing.assert_array_equal(index[i, d, :n], want_index)
+        assert (index[i, d, n:] == per * L).all()  # past the count: out of range
+        np.testing.assert_array_equal(segments[i, d], want_seg + [0] * (plan.head - n))
+    assert fullest <= plan.head == head_width(fullest, slots=per * L) < per * L
+    # Gathered and scattered back: the per-token array itself (it is 0 off the predicting slots).
+    back = jax.jit(lambda x, i: from_head(to_head(x, i), i, bins=w, length=L))(packed.old_logprobs[0],
+                                                                               packed.head_index[0])
+    np.testing.assert_array_equal(np.asarray(back), np.asarray(packed.old_logprobs[0]))
+    assert np.asarray(back).any()
+
+
+def test_head_widths_bound_the_compiles():
+    for slots in (8, 22, 1280, 16 * 1280, 1000):
+        widths = head_widths(slots=slots)
+        assert len(widths) <= HEAD_BUCKETS and max(widths) == slots
+        for count in (0, 1, slots // 3, slots - 1, slots):
+            k = head_width(count, slots=slots)
+            assert k in widths and count <= k <= slots and (k % 8 == 0 or k == slots)
+            assert k - count < -(-slots // HEAD_BUCKETS) + 8  # at most an eighth of the slots (in 8s) wasted
+
+
+def test_balance_bins_deals_the_completions_evenly():
+    """Every bin one slot, at most ``per`` a group, and the fullest group within the
+    greedy bound (the mean + the largest bin), against first-fit order's (the long bins
+    first: here all in group 0)."""
+    counts = np.array([900, 800, 700, 600, 100, 90, 80, 70, 60])
+    where = balance_bins(counts, groups=3, per=4)
+    assert sorted(where) == sorted(set(where)) and where.max() < 12
+    load = np.bincount(where // 4, weights=counts, minlength=3)
+    assert np.bincount(where // 4, minlength=3).max() <= 4
+    assert load.max() <= counts.sum() / 3 + counts.max()
+    assert load.max() == 1300  # the optimum: two of the four long bins share a group, 600 + 700 the least
+    assert np.bincount(np.arange(9) // 4, weights=counts).max() == 3000  # first-fit order

@@ -407,7 +407,7 @@ def _packing_loss():
     return TokenLevel()
 
 
-@pytest.mark.parametrize("micro, aggregation", [(2, "token_mean")])
+@pytest.mark.parametrize("micro, aggregation", [(2, "sequence_mean")])  # per segment: the head layout renumbers them
 def test_packed_update_equals_padded(tiny, micro, aggregation):
     """Same rows packed into bins, in two micro-batch schedules (every bin its own
     micro-batch; one micro-batch of every bin; each in a layout with spare micro-batches
@@ -427,15 +427,21 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
     lengths = np.asarray(sequence_lengths(batch.prompt_mask, batch.mask))
     loss_r, g_r, m_r, lp_r = jax.jit(step.grads)(params, batch)
     trained = np.asarray(batch.trained) > 0
+    completions = np.asarray(batch.mask).sum(axis=1)
     for max_per in (8, 1):
-        plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=12)  # rows are 11 wide
+        plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=12,  # rows are 11 wide
+                                completions=completions)
         assert plan.used < 8  # really packed
         assert plan.micro_batches == (1 if max_per == 8 else plan.used) and plan.row.shape[0] > plan.micro_batches
+        # The head sees only the predicting slots, fewer than a micro-batch's (one loss row a micro-batch).
+        assert plan.head < plan.per * 22
         packed, place = pack_batch(
             prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
             row=plan.row, index=plan.index, segment_ids=plan.segment_ids, loss_mask=step.loss_tokens(batch),
             trained=batch.trained, advantages=batch.advantages, old_logprobs=batch.old_logprobs,
+            head_rows=1, head=plan.head,
         )
+        assert packed.head_index.shape == (plan.row.shape[0], 1, plan.head)
         packed = packed._replace(normalizer=step.settings.normalizer(step.loss_tokens(batch)),
                                  micro_batches=jnp.int32(plan.micro_batches))
         loss_p, g_p, m_p, lp_p = jax.jit(step.grads)(params, packed)
