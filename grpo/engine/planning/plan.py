@@ -213,7 +213,7 @@ def rollout_headline(report: dict[str, Any], *, engine: str) -> dict[str, Any]:
            "roofline_step_no_comm_s": report["roofline_step_no_comm_s"] + delta_nc}
     out["step_rollout"] = {
         "engine": engine, "costed_as": "schedule",
-        "description": f"the {engine} engine's schedule simulated at the length profile (decode + prefill)",
+        "description": "its schedule simulated at the length profile (decode + prefill)",
         "decode_s": en["decode_roofline_s"], "prefill_s": en["prefill_roofline_s"],
         "programs_decode_s": p["decode"]["roofline_s"], "programs_prefill_s": p["prefill"]["roofline_s"],
         "programs_step_s": report["roofline_step_s"],

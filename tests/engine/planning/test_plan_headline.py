@@ -43,7 +43,7 @@ def test_the_continuous_schedule_replaces_the_programs_decode_and_prefill():
     # The async plan's synchronous step is the headline (packed), not substituted twice.
     assert synchronous_step(rep) == pytest.approx(1.59)
     text = step_rollout_text(sr)
-    assert text.startswith("continuous engine: the continuous engine's schedule simulated")
+    assert text.startswith("continuous engine: its schedule simulated at the length profile (decode + prefill), ")
     assert "1.100 + 0.030 s in place of the programs' 1.600 + 0.040 s (step 2.50 s at the cap)" in text
     step = next(ln for ln in format_packing(_packing_for_text(pk), 1 << 30, rollout=sr) if ln.startswith("step"))
     assert "packed 1.59 s" in step and step.endswith("rollout: the continuous engine's simulated schedule")
