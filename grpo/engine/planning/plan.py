@@ -594,12 +594,13 @@ class Planner:
                               append_length=rollout_append_length(s.config) if s.programs.multi_turn else None)
         return results, costs
 
-    def side(self, config: RunConfig, names: tuple[str, ...]) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
-        """The programs ``names`` of ``config`` compiled on this planner's devices alone:
-        ``(subject, entries, costs, slice_of)``. A side holds only its own state: the
-        rollout mesh its weights (the programs' arguments), the update mesh the training
-        state."""
-        s = self.subject(config)
+    def side(self, config: RunConfig, names: tuple[str, ...],
+             s: Subject | None = None) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
+        """The programs ``names`` of ``config`` (its subject ``s`` on these devices, built
+        if None) compiled on this planner's devices alone: ``(subject, entries, costs,
+        slice_of)``. A side holds only its own state: the rollout mesh its weights (the
+        programs' arguments), the update mesh the training state."""
+        s = s or self.subject(config)
         results, costs = self._compiled(s, names)
         slice_of = [getattr(d, "slice_index", 0) or 0 for d in s.programs.mesh.devices.flat]
         training = s.state["parameters"] + s.state["optimizer_state"] + s.state["reference_parameters"]
@@ -618,15 +619,19 @@ class Planner:
 
         k, u = split_devices(devices=len(self.devices), per_process=self.topo.local_device_count,
                              processes=self.topo.process_count, rollout_devices=rollout_devices)
-        sides = {}
+        # Both sides laid out before either compiles: a split one side cannot run is
+        # refused without compiling the other (and a search skips it at no compile cost).
+        built = {}
         for side, devices, names in (("rollout", self.devices[:k], ROLLOUT_SIDE),
                                      ("update", self.devices[k:], TRAINING_SIDE)):
+            planner = self.sub(devices)
             try:
-                sides[side] = self.sub(devices).side(config, names)
+                built[side] = (planner, planner.subject(config), names)
             except ConfigError as err:
                 problems = "; ".join(getattr(err, "problems", None) or [str(err)])
                 raise UserError(f"train.async.rollout_devices={k}: the {side} side ({len(devices)} of "
                                 f"{len(self.devices)} devices) cannot run this config: {problems}") from None
+        sides = {side: planner.side(config, names, s) for side, (planner, s, names) in built.items()}
         s_ro, e_ro, _, _ = sides["rollout"]
         s_up, e_up, c_up, slice_up = sides["update"]
         # The rollout side as the headline costs it (rollout_headline): the programs, or
