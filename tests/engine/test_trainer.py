@@ -755,6 +755,7 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     assert (en["chunks"], en["decode_steps"], en["slot_steps"], en["prefills"], en["evictions"]) == (12, 24, 96, 4, 0)
     assert (en["static_decode_steps"], en["static_slot_steps"], en["valid_tokens"]) == (5, 80, 96)
     assert "24 decode steps" in "\n".join(format_engine(en))
+    assert en["decode_roofline_no_comm_s"] == en["decode_roofline_s"]  # no compiled decode here: no ICI
     for name in ("start", "prefill"):
         assert listed[name]() is not None, name
     # auto: the plain-JAX reference on CPU, the Pallas TPU kernel in the plan's decode for

@@ -200,15 +200,18 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     dec, pre = decode_roof(s.arch, ici_s=ici, **common), prefill_roof(s.arch, prompt_length=Lp, **common)
     prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
 
-    def run(smp: Any) -> dict[str, Any]:
+    def run(smp: Any, no_comm: bool = False) -> dict[str, Any]:
         trace: list[dict[str, Any]] = []
         sim = smp.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace)
-        secs = schedule_seconds(trace=trace, decode=dec, prefill=pre, chunk=sim["chunk"], page_size=smp.page_size,
-                                shards=smp.shards(sim["slots"]), slots=sim["slots"])
+        kw = dict(trace=trace, prefill=pre, chunk=sim["chunk"], page_size=smp.page_size,
+                  shards=smp.shards(sim["slots"]), slots=sim["slots"])
+        secs = schedule_seconds(decode=dec, **kw)
+        if no_comm:  # the same schedule without the decode's ICI (the plan's figure without communication)
+            secs["decode_no_comm_s"] = schedule_seconds(decode=dataclasses.replace(dec, ici_s=0.0), **kw)["decode_s"]
         batches = [e["prefill"] for e in trace if "prefill" in e]
         return {**sim, **secs, "mean_prefill_rows": float(np.mean(batches)) if batches else 0.0}
 
-    sim = run(sampler)
+    sim = run(sampler, no_comm=True)
     C = effective_chunk(N, config.rollout.early_stop_chunk)
     static_steps = -(-(int(completions.max()) - 1) // C) * C if C else N - 1
     static_s = static_decode_seconds(segments=sampler.plan(), steps=static_steps, rows_per_chip=rows / f["shards"],
@@ -222,6 +225,7 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
         "peak_pool_bytes_per_device": s.state["kv_cache"] * sim["peak_pages"] // max(sim["pool_pages"], 1),
         "static_decode_steps": static_steps, "static_slot_steps": static_steps * rows,
         "decode_roofline_s": sim["decode_s"], "prefill_roofline_s": sim["prefill_s"],
+        "decode_roofline_no_comm_s": sim["decode_no_comm_s"],
         "static_decode_roofline_s": static_s, "static_prefill_roofline_s": static_prefill,
         "decode_ratio": sim["decode_s"] / static_s if static_s else None,
         "rollout_ratio": (sim["decode_s"] + sim["prefill_s"]) / (static_s + static_prefill)

@@ -63,13 +63,17 @@ def async_section(*, split: tuple[int, int], synchronous_s: float, rollout: dict
                   rollout_fits: bool) -> dict[str, Any]:
     """The ``async`` section of a plan: the pipelined step beside the synchronous one,
     whole-batch and (where there is one) with partial rollouts (``rollout``: ``whole_s``
-    and optionally ``steady_s``)."""
+    and optionally ``steady_s``; ``engine`` and ``costed_as`` say how ``whole_s`` was
+    costed)."""
     whole = pipelined(rollout_s=rollout["whole_s"], update_s=update_s, sync_s=sync["seconds"])
     out: dict[str, Any] = {
         "rollout_devices": split[0], "update_devices": split[1],
         "synchronous_step_s": synchronous_s, "rollout_s": rollout["whole_s"], "update_s": update_s,
         "weight_sync": sync, "pipelined_step_s": whole, "ratio": whole / synchronous_s if synchronous_s else None,
         "rollout_fits": rollout_fits, "update_fits": update_fits, "fits": rollout_fits and update_fits,
+        # How the rollout side was costed (as the synchronous headline: the programs at the
+        # cap, or the config's engine's simulated schedule).
+        "rollout_engine": rollout.get("engine"), "rollout_costed_as": rollout.get("costed_as"),
     }
     if rollout.get("steady_s") is not None:
         part = pipelined(rollout_s=rollout["steady_s"], update_s=update_s, sync_s=sync["seconds"])

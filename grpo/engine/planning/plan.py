@@ -183,14 +183,49 @@ def synchronous(config: RunConfig) -> RunConfig:
 
 
 def synchronous_step(report: dict[str, Any]) -> float:
-    """One synchronous step's roofline: packed under a length profile, with the continuous
-    engine's simulated prefill and decode in place of the cap's."""
-    step = report["packing"]["roofline_step_packed_s"] if report.get("packing") else report["roofline_step_s"]
+    """One synchronous step's roofline, as the plan's headline costs it
+    (:func:`rollout_headline`): packed under a length profile, the rollout at the config's
+    engine."""
+    return report["packing"]["roofline_step_packed_s"] if report.get("packing") else report["roofline_step_s"]
+
+
+def rollout_headline(report: dict[str, Any], *, engine: str) -> dict[str, Any]:
+    """``report`` with its step roofline (``roofline_step_s``, and under a length profile
+    the padded and packed steps and their valid tokens/s) costing the rollout with the
+    config's ``engine``, and ``step_rollout`` saying how.
+
+    The programs' costs model every row to the cap. The continuous engine's rows do not
+    run to the cap: under a length profile its section (``rollout_engine``) costs the
+    schedule its own host scheduler runs, so that schedule's decode and prefill replace
+    the ``decode`` and ``prefill`` programs' figures in every step total (the figure
+    without communication takes the schedule without the decode's ICI). Without a
+    schedule (the static engine, or no ``--lengths``) the programs' figures stay."""
     en = report.get("rollout_engine") or {}
-    if "decode_roofline_s" in en:
-        p = report["programs"]
-        step += en["decode_roofline_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_s"] - p["prefill"]["roofline_s"]
-    return step
+    if "decode_roofline_s" not in en:
+        why = "the programs, every row to the cap" + (" (no --lengths: no schedule to simulate)"
+                                                      if engine != "static" else "")
+        return {**report, "step_rollout": {"engine": engine, "costed_as": "programs", "description": why}}
+    p = report["programs"]
+    delta = en["decode_roofline_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_s"] - p["prefill"]["roofline_s"]
+    delta_nc = (en["decode_roofline_no_comm_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_no_comm_s"]
+                - p["prefill"]["roofline_no_comm_s"])
+    out = {**report, "roofline_step_s": report["roofline_step_s"] + delta,
+           "roofline_step_no_comm_s": report["roofline_step_no_comm_s"] + delta_nc}
+    out["step_rollout"] = {
+        "engine": engine, "costed_as": "schedule",
+        "description": "its schedule simulated at the length profile (decode + prefill)",
+        "decode_s": en["decode_roofline_s"], "prefill_s": en["prefill_roofline_s"],
+        "programs_decode_s": p["decode"]["roofline_s"], "programs_prefill_s": p["prefill"]["roofline_s"],
+        "programs_step_s": report["roofline_step_s"],
+    }
+    pk = report.get("packing")
+    if pk:
+        valid = pk["valid_tokens_per_step"]
+        padded, packed = pk["roofline_step_padded_s"] + delta, pk["roofline_step_packed_s"] + delta
+        out["packing"] = {**pk, "roofline_step_padded_s": padded, "roofline_step_packed_s": packed,
+                          "valid_tokens_per_s_padded": valid / padded, "valid_tokens_per_s_packed": valid / packed}
+        out["step_rollout"]["programs_step_packed_s"] = pk["roofline_step_packed_s"]
+    return out
 
 
 def engine_report(s: Any, lengths: LengthProfile | None, *, chip: Any = None, hbm: int | None = None,
@@ -529,7 +564,7 @@ class Planner:
         if hasattr(s.sampler, "simulate"):
             report["rollout_engine"] = engine_report(s, lengths, chip=self.topology.chip, hbm=self.hbm_bytes,
                                                      entries=entries)
-        return report
+        return rollout_headline(report, engine=config.rollout.engine)
 
     def sub(self, devices: list[Any]) -> "Planner":
         """This planner on ``devices`` alone (one side of an asynchronous split)."""
@@ -559,12 +594,13 @@ class Planner:
                               append_length=rollout_append_length(s.config) if s.programs.multi_turn else None)
         return results, costs
 
-    def side(self, config: RunConfig, names: tuple[str, ...]) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
-        """The programs ``names`` of ``config`` compiled on this planner's devices alone:
-        ``(subject, entries, costs, slice_of)``. A side holds only its own state: the
-        rollout mesh its weights (the programs' arguments), the update mesh the training
-        state."""
-        s = self.subject(config)
+    def side(self, config: RunConfig, names: tuple[str, ...],
+             s: Subject | None = None) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
+        """The programs ``names`` of ``config`` (its subject ``s`` on these devices, built
+        if None) compiled on this planner's devices alone: ``(subject, entries, costs,
+        slice_of)``. A side holds only its own state: the rollout mesh its weights (the
+        programs' arguments), the update mesh the training state."""
+        s = s or self.subject(config)
         results, costs = self._compiled(s, names)
         slice_of = [getattr(d, "slice_index", 0) or 0 for d in s.programs.mesh.devices.flat]
         training = s.state["parameters"] + s.state["optimizer_state"] + s.state["reference_parameters"]
@@ -583,22 +619,30 @@ class Planner:
 
         k, u = split_devices(devices=len(self.devices), per_process=self.topo.local_device_count,
                              processes=self.topo.process_count, rollout_devices=rollout_devices)
-        sides = {}
+        # Both sides laid out before either compiles: a split one side cannot run is
+        # refused without compiling the other (and a search skips it at no compile cost).
+        built = {}
         for side, devices, names in (("rollout", self.devices[:k], ROLLOUT_SIDE),
                                      ("update", self.devices[k:], TRAINING_SIDE)):
+            planner = self.sub(devices)
             try:
-                sides[side] = self.sub(devices).side(config, names)
+                built[side] = (planner, planner.subject(config), names)
             except ConfigError as err:
                 problems = "; ".join(getattr(err, "problems", None) or [str(err)])
                 raise UserError(f"train.async.rollout_devices={k}: the {side} side ({len(devices)} of "
                                 f"{len(self.devices)} devices) cannot run this config: {problems}") from None
+        sides = {side: planner.side(config, names, s) for side, (planner, s, names) in built.items()}
         s_ro, e_ro, _, _ = sides["rollout"]
         s_up, e_up, c_up, slice_up = sides["update"]
-        rollout = {"whole_s": sum(e["roofline_s"] for e in e_ro.values())}
+        # The rollout side as the headline costs it (rollout_headline): the programs, or
+        # the config's engine's simulated schedule.
+        rollout = {"whole_s": sum(e["roofline_s"] for e in e_ro.values()), "engine": config.rollout.engine,
+                   "costed_as": "programs"}
         if hasattr(s_ro.sampler, "simulate") and lengths is not None:
             en = engine_report(s_ro, lengths, chip=self.topology.chip, hbm=self.hbm_bytes, entries=e_ro)
             best = en["steady_state_best"]
             rollout = {"whole_s": en["decode_roofline_s"] + en["prefill_roofline_s"] + e_ro["start"]["roofline_s"],
+                       "engine": config.rollout.engine, "costed_as": "schedule",
                        "steady_s": best["s_per_valid_token"] * en["valid_tokens"] if best else None,
                        "slots": best["slots"] if best else None}
         if lengths is not None:
@@ -860,4 +904,4 @@ class Planner:
         return ProgramResult(name, memory, xla, None, takes, hlo_text, source, ops)
 
 
-__all__ = ["EVAL_PROGRAMS", "Planner", "ProgramResult", "rollout_append_length"]
+__all__ = ["EVAL_PROGRAMS", "Planner", "ProgramResult", "rollout_append_length", "rollout_headline", "synchronous_step"]

@@ -103,6 +103,8 @@ def format_report(rep: dict[str, Any]) -> str:
     lines.append(f"roofline lower bound of one step: {rep['roofline_step_s']:.2f} s"
                  + (f" ({rep['roofline_step_no_comm_s']:.2f} s without communication)"
                     if "roofline_step_no_comm_s" in rep else ""))
+    if rep.get("step_rollout"):
+        lines.append("  rollout costed as " + step_rollout_text(rep["step_rollout"]))
     ev = rep.get("eval")
     if ev:
         whole = (f", of one evaluation ({ev['batches']} batches): {rep['roofline_eval_s']:.2f} s"
@@ -113,7 +115,7 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{_gib(ev['kv_cache_bytes'])} GiB per device; roofline of one batch {ev['roofline_batch_s']:.2f} s{whole}"
         )
     if rep.get("packing"):
-        lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"])
+        lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"], rollout=rep.get("step_rollout"))
     if rep.get("rollout_engine"):
         lines += format_engine(rep["rollout_engine"])
     if rep.get("async"):
@@ -123,6 +125,16 @@ def format_report(rep: dict[str, Any]) -> str:
     for w in rep.get("mesh_warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def step_rollout_text(sr: dict[str, Any]) -> str:
+    """How the step roofline costed the rollout (the plan's ``step_rollout``)."""
+    text = f"{sr['engine']} engine: {sr['description']}"
+    if sr["costed_as"] == "schedule":
+        text += (f", {sr['decode_s']:.3f} + {sr['prefill_s']:.3f} s in place of the programs' "
+                 f"{sr['programs_decode_s']:.3f} + {sr['programs_prefill_s']:.3f} s "
+                 f"(step {sr['programs_step_s']:.2f} s at the cap)")
+    return text
 
 
 def format_engine(en: dict[str, Any]) -> list[str]:
@@ -175,6 +187,8 @@ def format_async(a: dict[str, Any]) -> list[str]:
         + ("fit" if a["fits"] else "DO NOT FIT"),
         f"  weight sync {ws['received_bytes_per_chip'] / 1e9:.2f} GB in / {ws['sent_bytes_per_chip'] / 1e9:.2f} GB out "
         f"per chip, {ws['seconds'] * 1e3:.1f} ms",
+        f"  rollout side costed as the {a.get('rollout_engine')} engine's "
+        + ("simulated schedule" if a.get("rollout_costed_as") == "schedule" else "programs (every row to the cap)"),
         f"  step roofline: synchronous {a['synchronous_step_s']:.3f} s; pipelined max(rollout {a['rollout_s']:.3f}, "
         f"update {a['update_s']:.3f} + sync) = {a['pipelined_step_s']:.3f} s ({a['ratio']:.2f}x)",
     ]
@@ -190,8 +204,9 @@ def format_async(a: dict[str, Any]) -> list[str]:
     return lines
 
 
-def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
-    """The ``packing`` section of a plan under a length profile, as text."""
+def format_packing(pk: dict[str, Any], hbm: int, rollout: dict[str, Any] | None = None) -> list[str]:
+    """The ``packing`` section of a plan under a length profile, as text (``rollout``: the
+    plan's ``step_rollout``, how the step rooflines cost the rollout)."""
     prof = pk["profile"]
     q = prof["quantiles"]
     scheds = sorted({(d["micro_batches"], d["per"]) for d in pk["draws"]})
@@ -213,7 +228,10 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
     lines += [
         f"step roofline: padded {pk['roofline_step_padded_s']:.2f} s, packed {pk['roofline_step_packed_s']:.2f} s; "
         f"valid tokens/s: padded {pk['valid_tokens_per_s_padded']:,.0f}, packed {pk['valid_tokens_per_s_packed']:,.0f} "
-        f"({pk['valid_tokens_per_step']:,.0f} valid tokens per step)",
+        f"({pk['valid_tokens_per_step']:,.0f} valid tokens per step)"
+        + (f"; rollout: the {rollout['engine']} engine's "
+           + ("simulated schedule" if rollout["costed_as"] == "schedule" else "programs at the cap")
+           if rollout else ""),
         f"update micro-batch: {mb['bins_per_device']} bins x {mb['bin_length']} per device = "
         f"{mb['sequences_per_device']:.1f} sequences at {mb['sequences_per_bin']:.2f} per bin; "
         f"update peak {_gib(pk['update_peak_bytes'])} GiB ({pk['update_program']}); packed plan peak "
@@ -224,4 +242,5 @@ def format_packing(pk: dict[str, Any], hbm: int) -> list[str]:
     return lines
 
 
-__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_async", "format_engine", "format_packing", "format_report"]
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_async", "format_engine", "format_packing", "format_report",
+           "step_rollout_text"]

@@ -40,3 +40,22 @@ def test_pipelined_step_and_section():
     assert a["pipelined_step_s"] == pytest.approx(1.2) and a["ratio"] == pytest.approx(0.6)
     assert a["pipelined_partial_step_s"] == pytest.approx(0.7) and a["partial_ratio"] == pytest.approx(0.35)
     assert a["valid_tokens_per_s_partial"] == pytest.approx(1000 / 0.7) and a["fits"]
+    assert (a["rollout_engine"], a["rollout_costed_as"]) == (None, None)  # not said: not claimed
+
+
+def test_the_section_says_how_the_rollout_side_was_costed():
+    """The rollout side is costed as the synchronous headline costs the rollout: the
+    config's engine, its simulated schedule or the programs at the cap."""
+    from grpo.engine.planning.report import format_async
+
+    sync = {"seconds": 0.004, "received_bytes_per_chip": 1.5e9, "sent_bytes_per_chip": 1.5e9}
+    for engine, how, text in (("continuous", "schedule", "the continuous engine's simulated schedule"),
+                              ("static", "programs", "the static engine's programs (every row to the cap)")):
+        a = async_section(split=(8, 8), synchronous_s=1.2, rollout={"whole_s": 1.1, "engine": engine,
+                                                                     "costed_as": how},
+                          update_s=0.1, sync=sync, valid_tokens=None, update_fits=True, rollout_fits=True)
+        assert (a["rollout_engine"], a["rollout_costed_as"]) == (engine, how)
+        assert a["pipelined_step_s"] == 1.1 and a["ratio"] == pytest.approx(1.1 / 1.2)
+        lines = format_async({**a, "rollout_mesh": {"tp": 4}, "update_mesh": {"fsdp": 8}, "rollout_peak_bytes": 1,
+                              "update_peak_bytes": 1})
+        assert f"  rollout side costed as {text}" in lines

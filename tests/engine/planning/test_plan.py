@@ -441,6 +441,10 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
 
     text = format_report(rep)
     assert "packed: at most 8 bins of 80 tokens" in text and "valid tokens/s: padded" in text
+    # The static engine: the headline costs the rollout as its programs (every row to the cap).
+    assert rep["step_rollout"] == {"engine": "static", "costed_as": "programs",
+                                   "description": "the programs, every row to the cap"}
+    assert "rollout costed as static engine: the programs, every row to the cap" in text
     assert pk["draws"][0]["micro_batches"] == 1 and pk["draws"][0]["per"] == 2
 
 
