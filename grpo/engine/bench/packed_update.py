@@ -12,7 +12,8 @@ into and the micro-batch schedule the trainer runs them in
 :meth:`~grpo.engine.programs.RunPrograms.pack`, whose time is reported as ``pack_s``).
 
 Prints one JSON object: ``padded_s`` and ``packed_s`` (the fastest of ``--iters`` timed
-updates, after compiling and ``--warmup`` untimed ones), ``pack_s`` (planning the bins
+updates each way, after compiling and ``--warmup`` untimed ones; the two ways' timed
+updates alternate, so a drift in the machine's load falls on both), ``pack_s`` (planning the bins
 and gathering the batch into them), ``ratio`` = ``(pack_s + packed_s) / padded_s``
 (``update_ratio`` without the packing), the process's CPU seconds of both timed updates
 (``cpu_s``, ``cpu_ratio``: on a machine shared with other jobs, wall time includes waiting
@@ -76,24 +77,34 @@ def synthetic_rows(*, prompts: np.ndarray, completions: np.ndarray, prompt_len: 
     }
 
 
-def _timed(prepare: Any, call: Any, *, warmup: int, iters: int) -> tuple[float, float, float, Any]:
-    """``(compile + first call s, fastest of iters s, the process's CPU s of that call,
-    first call's metrics)``; each call gets fresh ``prepare()``d arguments, made outside
-    the timed region. CPU seconds (every thread of the process) are what a shared
-    machine's other jobs disturb least: wall time there includes waiting for a core."""
+def _timed(prepare: Any, calls: dict[str, Any], *, warmup: int, iters: int) -> dict[str, tuple[float, float, float, Any]]:
+    """Per call name: ``(compile + first call s, fastest of iters s, the process's CPU s
+    of that call, first call's metrics)``. Each call gets fresh ``prepare()``d arguments,
+    made outside the timed region. The calls' timed runs alternate (padded, packed,
+    padded, ...), so a shared machine's load, which drifts over minutes, falls on both
+    alike; CPU seconds (every thread of the process) are what its other jobs disturb
+    least: wall time there includes waiting for a core."""
     import jax
 
-    def once() -> tuple[float, float, Any]:
+    def once(call: Any) -> tuple[float, float, Any]:
         args = jax.block_until_ready(prepare())
         t0, c0 = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(call(*args))
         return time.perf_counter() - t0, time.process_time() - c0, out
 
-    first, _, metrics = once()
+    first = {name: once(call) for name, call in calls.items()}
     for _ in range(warmup):
-        once()
-    best = min((once()[:2] for _ in range(iters)), key=lambda t: t[0])
-    return first, best[0], best[1], metrics
+        for call in calls.values():
+            once(call)
+    runs: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
+    for _ in range(iters):
+        for name, call in calls.items():
+            runs[name].append(once(call)[:2])
+    out = {}
+    for name in calls:
+        best = min(runs[name], key=lambda t: t[0])
+        out[name] = (first[name][0], best[0], best[1], first[name][2])
+    return out
 
 
 def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) -> dict[str, Any]:
@@ -149,8 +160,9 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         t0 = time.perf_counter()
         jax.block_until_ready(programs.pack(ub, programs.pack_plan(ub))[0])
         pack_s = min(pack_s, time.perf_counter() - t0)
-    padded_first, padded_s, padded_cpu, m_pad = _timed(prepare, runner(ub), warmup=warmup, iters=iters)
-    packed_first, packed_s, packed_cpu, m_pack = _timed(prepare, runner(packed), warmup=warmup, iters=iters)
+    timed = _timed(prepare, {"padded": runner(ub), "packed": runner(packed)}, warmup=warmup, iters=iters)
+    padded_first, padded_s, padded_cpu, m_pad = timed["padded"]
+    packed_first, packed_s, packed_cpu, m_pack = timed["packed"]
     valid = int(completions.sum())
     device = jax.devices()[0]
     return {

@@ -56,7 +56,7 @@ def _packing_for_text(pk: dict) -> dict:
     """The fields format_packing reads beyond the step's."""
     return {**pk, "profile": {"name": "p", "mean_completion": 4, "cap": 16, "quantiles": {"p50": 4, "p90": 4},
                               "at_cap": 0.0, "prompts": "x"},
-            "bins": 8, "bin_length": 80, "bins_per_device": 2, "max_bins_per_device": 8, "compile_bound": 8,
+            "bins": 8, "bin_length": 80, "bins_per_device": 2, "max_bins_per_device": 8, "compile_bound": 8, "bin_shapes": 1,
             "draws": [{"bins_used": 8, "micro_batches": 1, "per": 2}], "efficiency": 1.0, "passes": {},
             "micro_batch": {"bins_per_device": 2, "bin_length": 80, "sequences_per_device": 8, "sequences_per_bin": 4},
             "update_peak_bytes": 1, "update_program": "u", "peak_bytes_per_device": 1, "fits": True}
