@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import time
 
 import jax
 import numpy as np
@@ -72,3 +74,19 @@ def assert_same_run(a: Trainer, b: Trainer) -> None:
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows]  # noqa: E731
     assert strip(read_metrics(b.run_dir)) == strip(read_metrics(a.run_dir))
     assert strip(read_eval(b.run_dir)) == strip(read_eval(a.run_dir))
+
+
+def wait_all(procs, timeout=600):
+    """Each subprocess's (return code, stdout, stderr), all within ``timeout`` seconds;
+    on a timeout every one of them is killed (a hung process must not hang the suite)."""
+    outs = []
+    deadline = time.time() + timeout
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=max(1, deadline - time.time()))
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out, err))
+    return outs

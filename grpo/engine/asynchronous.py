@@ -150,24 +150,24 @@ def encode(value: Any, arrays: dict[str, Any], memo: dict[int, str]) -> Any:
     raise TypeError(f"async GRPO: cannot checkpoint a buffered {type(value).__name__}")
 
 
-def _leaves(spec: Any):
+def leaves(spec: Any):
     """The array leaves of an :func:`encode` spec."""
     if isinstance(spec, dict):
         if "array" in spec:
             yield spec["array"]
             return
         for v in spec.values():
-            yield from _leaves(v)
+            yield from leaves(v)
     elif isinstance(spec, list):
         for v in spec:
-            yield from _leaves(v)
+            yield from leaves(v)
 
 
 def like(spec: Any, mesh: Any) -> dict[str, Any]:
     """What Orbax restores an :func:`encode`'s arrays into: device arrays as
     ``ShapeDtypeStruct``s in their saved sharding on ``mesh``, host arrays as numpy."""
     out = {}
-    for leaf in _leaves(spec):
+    for leaf in leaves(spec):
         shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
         if "spec" in leaf:
             sharding = NamedSharding(mesh, P(*[tuple(a) if isinstance(a, list) else a for a in leaf["spec"]]))

@@ -43,22 +43,9 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo.engine.asynchronous import Buffered, RolloutFailed, accepted_groups, decode, encode, refuse, staleness
+from grpo.engine.asynchronous import Buffered, RolloutFailed, accepted_groups, decode, encode, leaves, refuse, staleness
 from grpo.core.errors import ConfigError
 from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
-
-
-def _leaf_specs(spec: Any):
-    """The array leaves of an :func:`~grpo.engine.asynchronous.encode` spec."""
-    if isinstance(spec, dict):
-        if "array" in spec:
-            yield spec["array"]
-            return
-        for v in spec.values():
-            yield from _leaf_specs(v)
-    elif isinstance(spec, list):
-        for v in spec:
-            yield from _leaf_specs(v)
 
 
 def _key(spec: Any, name: str) -> str:
@@ -127,12 +114,12 @@ class ProcessPipeline:
         like = {}
         for e in saved["entries"]:
             step = e["record"][1]["step"]
-            for leaf in _leaf_specs(e):
+            for leaf in leaves(e):
                 like[_key(e, leaf['name'])] = np.zeros(tuple(leaf["shape"]), jax.numpy.dtype(leaf["dtype"]))
         arrays = read(like)
         for e in saved["entries"]:
             step = e["record"][1]["step"]
-            self._store(e, {leaf["name"]: np.asarray(arrays[_key(e, leaf['name'])]) for leaf in _leaf_specs(e)})
+            self._store(e, {leaf["name"]: np.asarray(arrays[_key(e, leaf['name'])]) for leaf in leaves(e)})
 
     def host_state(self, state: dict[str, Any]) -> dict[str, Any]:
         """The trainer's state (params, optimizer) for a checkpoint, as host arrays both
@@ -172,7 +159,7 @@ class ProcessPipeline:
         up = self.trainer.programs
         shards = int(np.prod([up.train_sharding.mesh.shape[a] for a in up.train_sharding.spec[0]]))
         placed = {}
-        for leaf in _leaf_specs(spec):
+        for leaf in leaves(spec):
             x = arrays[leaf["name"]]
             if "spec" in leaf:
                 batched = x.ndim > 0 and leaf["spec"] and leaf["spec"][0] is not None and x.shape[0] % shards == 0

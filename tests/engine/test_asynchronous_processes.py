@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from _runs import wait_all
 from _xla import CPU_FAST_COMPILE
 
 from grpo.core.config import load_config
@@ -56,19 +57,6 @@ def _launch(config: Path, run_dir: Path) -> list[subprocess.Popen]:
         env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
-def _wait(procs) -> list[tuple[int, str, str]]:
-    out = []
-    for p in procs:
-        try:
-            o, e = p.communicate(timeout=400)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        out.append((p.returncode, o, e))
-    return out
-
-
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The two-process run, SIGTERM'd (process 1, the update side) once step 1 is logged,
@@ -83,8 +71,8 @@ def runs(tmp_path_factory):
         assert time.time() < deadline and all(p.poll() is None for p in procs), "the run ended before step 1"
         time.sleep(0.05)
     procs[1].send_signal(signal.SIGTERM)
-    first = _wait(procs)
-    second = _wait(_launch(config, run_dir))
+    first = wait_all(procs)
+    second = wait_all(_launch(config, run_dir))
     single = Trainer(load_config(str(config)), tmp / "single")
     single.run()
     return first, second, run_dir, single

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 import yaml
 
+from _runs import wait_all
 from _xla import CPU_FAST_COMPILE
 from grpo.engine.runs.metrics import read_eval, read_metrics
 
@@ -66,20 +67,6 @@ def _launch(config: Path, run_dir: Path, *, processes: int = 2, extra=(), path: 
         )
         for i in range(processes)
     ]
-
-
-def _wait(procs, timeout=600):
-    outs = []
-    deadline = time.time() + timeout
-    for p in procs:
-        try:
-            out, err = p.communicate(timeout=max(1, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        outs.append((p.returncode, out, err))
-    return outs
 
 
 # Shaping rewards give the random policy non-zero advantages, so the adapters train.
@@ -188,7 +175,7 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
     config = _write_config(tmp_path, mesh={"policy": mesh},
                            **{**extra, "rollout": {**extra.get("rollout", {}), "style": style}})
     run_dir = tmp_path / "run"
-    results = _wait(_launch(config, run_dir, path=example_plugin))
+    results = wait_all(_launch(config, run_dir, path=example_plugin))
     for code, out, err in results:
         assert code == 0, err[-3000:]
     assert "Done: 2 steps" in results[0][1]
@@ -246,7 +233,7 @@ def test_two_processes_match_single_process(tmp_path, example_plugin, single_pro
 def test_require_process_count_fails_fast_on_every_process(tmp_path):
     config = _write_config(tmp_path, distributed={"require_process_count": 3})
     start = time.time()
-    results = _wait(_launch(config, tmp_path / "run"), timeout=120)
+    results = wait_all(_launch(config, tmp_path / "run"), timeout=120)
     assert time.time() - start < 120
     for code, _out, err in results:
         assert code == 2
@@ -310,7 +297,7 @@ def test_bench_memory_two_processes(mode):
         )
         for i in range(2)
     ]
-    (code0, out0, err0), (code1, out1, err1) = _wait(procs, timeout=180)
+    (code0, out0, err0), (code1, out1, err1) = wait_all(procs, timeout=180)
     assert code0 == 0 and code1 == 0, err0 + err1
     # Gloo writes "[Gloo] Rank ..." to the same stdout from C++, whose buffer is flushed on
     # its own schedule and can land in front of the JSON on its line: find the object.
