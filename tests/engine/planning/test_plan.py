@@ -47,7 +47,10 @@ PROGRAM_KEYS = {"argument_bytes", "output_bytes", "temp_bytes", "flops", "bytes_
 def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tmp_path):
     # 528-token sequences: the attention scores dominate the update's temps (at a few
     # dozen tokens XLA's buffers are all about the same size).
-    wide = ["--set", "rollout.max_new_tokens=512", "--set", "model.remat=none", "--set", "model.attention=xla"]
+    # Padded (train.packing off): the update's micro-batch is rows of the cap, and the plan
+    # skips packing's glue programs (the packed update's plan: test_plan_under_a_length_profile...).
+    wide = ["--set", "rollout.max_new_tokens=512", "--set", "model.remat=none", "--set", "train.packing.enabled=false",
+            "--set", "model.attention=xla"]
     code, small = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "train.micro_batch_size=8", *wide)
     assert code == 0, small
     code, big = plan(tiny_config, "--topology", "v6e:2x2", "--json", "--set", "train.micro_batch_size=32", *wide)
@@ -61,9 +64,7 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
     mosaic = {f.name.split(".")[0]: 'custom_call_target="tpu_custom_call"' in f.read_text()
               for f in (tmp_path / "hlo").glob("*.hlo.txt")}
     # The step's glue programs (row_sums, to_train) move arrays: no kernel of any kind.
-    # Packing's glue (on by default) too: sequence_lengths, pack and unpack.
-    assert mosaic == {"prefill": True, "decode": False, "row_sums": False, "to_train": False, "update": True,
-                      "sequence_lengths": False, "pack": False, "unpack": False}, mosaic
+    assert mosaic == {"prefill": True, "decode": False, "row_sums": False, "to_train": False, "update": True}, mosaic
     assert splash["attention"]["name"] == "splash" and big["attention"]["name"] == "xla"
     assert splash["attention"]["programs"] == {"prefill": "splash", "decode": "xla", "update": "splash"}
     assert splash["fits"] is True and splash["compiler_error"] is None
@@ -74,7 +75,7 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
         assert rep["mesh"] == {"dp": 1, "fsdp": 4, "tp": 1}
         assert rep["fits"] is True and rep["compiler_error"] is None
         assert rep["margin_bytes"] == rep["hbm_bytes_per_device"] - rep["peak_bytes_per_device"] > 0
-        assert set(rep["programs"]) - {"sequence_lengths", "pack", "unpack"} == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
+        assert set(rep["programs"]) == {"prefill", "decode", "row_sums", "to_train", "update"}  # beta = 0: no reference
         for name, p in rep["programs"].items():
             assert PROGRAM_KEYS <= set(p)
             # row_sums, to_train and packing's glue move arrays (their cost is bytes alone).
@@ -255,7 +256,8 @@ def test_search_returns_the_boundary(tiny_config):
     # compile in seconds; with the chip's 31 GiB it would take shapes that compile slowly.
     args = [tiny_config, "--topology", "v6e:2x2", "--json", "--search", "train.micro_batch_size",
             "--hbm-limit", str(12 / 1024), "--set", "model.remat=none", "--set", "rollout.max_new_tokens=256",
-            "--set", "train.prompts_per_step=24", "--set", "train.micro_batch_size=8", "--set", "model.attention=xla"]
+            "--set", "train.prompts_per_step=24", "--set", "train.micro_batch_size=8", "--set", "model.attention=xla",
+            "--set", "train.packing.enabled=false"]  # padded rows: no packing glue to compile per candidate
     code, rep = plan(*args)
     assert code == 0, rep
     assert rep["hbm_bytes_per_device"] == 12 << 20
