@@ -367,6 +367,38 @@ class Pipeline:
             self._waiter = None
 
 
+def train_entry(tr: Any, entry: Buffered, *, max_staleness: int, group_size: int) -> tuple:
+    """Train the buffered ``entry`` (the step due) as both loops do (one process or two):
+    groups staler than ``max_staleness`` refused (zero advantage), then the optimizer
+    step. Returns ``(accepted [G], selection scalars, epochs' metrics, the trainer's
+    log-probs per row, the update's seconds)``."""
+    rollout, k = entry.rollout, group_size
+    accepted = accepted_groups(step=tr.step, versions=entry.versions, max_staleness=max_staleness, group_size=k)
+    advantages = refuse(tr.advantages(rollout), accepted, group_size=k)
+    selection = tr.selection_scalars(rollout, advantages)
+    t1 = time.perf_counter()
+    epochs, trainer_logprobs = tr.optimize(tr.update_batch(rollout, advantages))
+    trainer_logprobs = tr.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
+    return accepted, selection, epochs, trainer_logprobs, time.perf_counter() - t1
+
+
+def step_row(tr: Any, rollout: Any, epochs: Any, trainer_logprobs: Any, times: dict[str, float], selection: Any, *,
+             entry: Buffered, accepted: np.ndarray, buffered: int) -> dict[str, Any]:
+    """A trained step's metrics row with the async figures both loops log (one process or
+    two): the staleness of the entry's rows against the step just trained, the refused
+    groups, the steps still buffered and the entry's data position."""
+    stale = staleness(step=tr.step - 1, versions=entry.versions)
+    row = tr.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
+    row.update({
+        "async/staleness_mean": float(stale.mean()),
+        "async/staleness_max": int(stale.max()),
+        "async/refused_groups": int((~accepted).sum()),
+        "async/buffered_steps": buffered,
+        "async/data_position": entry.position,
+    })
+    return row
+
+
 def train_step(pipeline: Pipeline) -> dict[str, Any]:
     """One asynchronous GRPO step (see the module docstring); the trainer's
     :meth:`~grpo.engine.trainer.Trainer.train_step` under ``train.async.enabled``."""
@@ -382,13 +414,7 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
     try:
         if rollout.group is not None:
             tr._write_samples(rollout.group)
-        accepted = accepted_groups(step=tr.step, versions=entry.versions, max_staleness=m, group_size=k)
-        advantages = refuse(tr.advantages(rollout), accepted, group_size=k)
-        selection = tr.selection_scalars(rollout, advantages)
-        t1 = time.perf_counter()
-        epochs, trainer_logprobs = tr.optimize(tr.update_batch(rollout, advantages))
-        trainer_logprobs = tr.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
-        t_update = time.perf_counter() - t1
+        accepted, selection, epochs, trainer_logprobs, t_update = train_entry(tr, entry, max_staleness=m, group_size=k)
     finally:
         ahead = None if future is None else future.result()  # re-raises the rollout's failure
     if ahead is not None:
@@ -402,22 +428,14 @@ def train_step(pipeline: Pipeline) -> dict[str, Any]:
     # update, or before the first draw): arrived, since that rollout is complete.
     sync_s = pipeline.sync_s()
     pipeline.sync()
-    stale = staleness(step=tr.step - 1, versions=entry.versions)
     times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
-    row = tr.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
-    row.update({
-        "async/staleness_mean": float(stale.mean()),
-        "async/staleness_max": int(stale.max()),
-        "async/refused_groups": int((~accepted).sum()),
-        "async/buffered_steps": len(pipeline.buffer),
-        "async/data_position": entry.position,
-        "time/train/weight_sync_s": sync_s,
-        "time/train/weight_sync_dispatch_s": pipeline.dispatch_s,
-    })
+    row = step_row(tr, rollout, epochs, trainer_logprobs, times, selection, entry=entry, accepted=accepted,
+                   buffered=len(pipeline.buffer))
+    row.update({"time/train/weight_sync_s": sync_s, "time/train/weight_sync_dispatch_s": pipeline.dispatch_s})
     if entry.token_versions is not None:
         row.update(token_staleness(step=tr.step - 1, versions=entry.token_versions))
     return row
 
 
-__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "decode", "encode", "like", "refuse", "staleness",
-           "train_step"]
+__all__ = ["Buffered", "Pipeline", "RolloutFailed", "accepted_groups", "decode", "encode", "leaves", "like", "refuse",
+           "staleness", "step_row", "train_entry", "train_step"]

@@ -43,7 +43,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from grpo.engine.asynchronous import Buffered, RolloutFailed, accepted_groups, decode, encode, leaves, refuse, staleness
+from grpo.engine.asynchronous import Buffered, RolloutFailed, decode, encode, leaves, step_row, train_entry
 from grpo.core.errors import ConfigError
 from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
 
@@ -271,27 +271,13 @@ def _train(pipeline: ProcessPipeline, entry: Buffered) -> dict[str, Any]:
         raise RuntimeError(f"async GRPO: the buffer holds step {entry.step + 1} at data position {entry.position} "
                            f"where step {tr.step + 1} at {tr.data_position} is due")
     rollout = entry.rollout
-    accepted = accepted_groups(step=tr.step, versions=entry.versions, max_staleness=m, group_size=k)
-    advantages = refuse(tr.advantages(rollout), accepted, group_size=k)
-    selection = tr.selection_scalars(rollout, advantages)
-    t1 = time.perf_counter()
-    epochs, trainer_logprobs = tr.optimize(tr.update_batch(rollout, advantages))
-    trainer_logprobs = tr.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
-    t_update = time.perf_counter() - t1
+    accepted, selection, epochs, trainer_logprobs, t_update = train_entry(tr, entry, max_staleness=m, group_size=k)
     tr.data_position = entry.position + rollout.prompts_drawn
     tr.step += 1
-    stale = staleness(step=tr.step - 1, versions=entry.versions)
     times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
-    row = tr.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
-    row.update({
-        "async/staleness_mean": float(stale.mean()),
-        "async/staleness_max": int(stale.max()),
-        "async/refused_groups": int((~accepted).sum()),
-        "async/buffered_steps": len(pipeline.buffer),
-        "async/data_position": entry.position,
-        # The previous weights' exchange, seen from the update side.
-        "time/train/weight_sync_s": pipeline.sync_s,
-    })
+    row = step_row(tr, rollout, epochs, trainer_logprobs, times, selection, entry=entry, accepted=accepted,
+                   buffered=len(pipeline.buffer))
+    row["time/train/weight_sync_s"] = pipeline.sync_s  # the previous weights' exchange, seen from the update side
     return row
 
 
