@@ -33,6 +33,7 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
     flags = run_flags(overrides, coordinator_address, num_processes, process_id)
     api.load_config(config_path, flags)  # a bad config fails before logging and JAX start
     api.configure_logging()
+    from grpo.engine.parallel import distributed
     from grpo.engine.trainer import Interrupted
 
     try:
@@ -44,7 +45,7 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
                 f"grpo run {config_path} --run-dir {stop.run_dir}",
                 err=True,
             )
-        sys.exit(stop.exit_code)
+        distributed.leave(stop.exit_code)
     import jax
 
     if jax.process_index() == 0:
@@ -52,6 +53,7 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
             f"Done: {result.summary['steps']} steps in {result.run_dir} "
             f"(last reward/mean {result.metrics.get('reward/mean', float('nan')):.4f})"
         )
+    distributed.leave(0)
 
 
 def run_flags(overrides, coordinator_address=None, num_processes=None, process_id=None) -> list[str]:

@@ -13,6 +13,9 @@ classic mistake is launching on worker 0 only.
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import time
 
 import jax
 
@@ -71,3 +74,45 @@ def initialize(cfg: DistributedConfig) -> None:
 
 def is_main() -> bool:
     return jax.process_index() == 0
+
+
+LEAVE_GRACE_S = 2.0
+"""How long process 0 keeps the coordination service up after the last shutdown barrier:
+the other processes' disconnect replies are still on their way when its own returns."""
+
+
+def leave(exit_code: int = 0) -> None:
+    """End a multi-process ``grpo run`` with ``exit_code`` once its work is saved.
+
+    JAX's exit hook shuts the distributed runtime down client first, then (on process 0)
+    the coordination service. Destroying that service's gRPC server while another
+    process's last requests are in flight aborts process 0 now and then
+    (``server.cc: Check failed: queue.Pop() == nullptr`` in
+    ``DistributedRuntimeService::Shutdown``) after a run that finished and saved. So here
+    every process shuts its client down (a barrier: every process has finished); the
+    others then exit as usual, and process 0, :data:`LEAVE_GRACE_S` later (a process whose
+    disconnect reply finds the service gone aborts too), exits without destroying the
+    service: the service ends with its process. A one-process run returns (0) or exits as
+    usual.
+    """
+    if not jax.distributed.is_initialized() or jax.process_count() == 1:
+        if exit_code:
+            sys.exit(exit_code)
+        return
+    from jax._src import distributed as _state  # the client and service handles
+
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    if jax.process_index() != 0:
+        jax.distributed.shutdown()  # the client alone: this process holds no service
+        sys.exit(exit_code)
+    state = _state.global_state
+    if state.preemption_sync_manager is not None:
+        state.preemption_sync_manager.shutdown()
+        state.preemption_sync_manager = None
+    if state.client is not None:
+        state.client.shutdown()  # returns once every process has called it
+        state.client = None
+    time.sleep(LEAVE_GRACE_S)
+    os._exit(exit_code)
