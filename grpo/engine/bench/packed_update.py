@@ -17,7 +17,9 @@ updates alternate, so a drift in the machine's load falls on both), ``pack_s`` (
 and gathering the batch into them), ``ratio`` = ``(pack_s + packed_s) / padded_s``
 (``update_ratio`` without the packing), the process's CPU seconds of both timed updates
 (``cpu_s``, ``cpu_ratio``: on a machine shared with other jobs, wall time includes waiting
-for a core), valid (trained) tokens per second each way, the bins, the micro-batch
+for a core), XLA's exact count of each compiled update's work (``compiled``: flops, bytes
+accessed, transcendentals; ``flops_ratio``, ``bytes_ratio``: packed / padded, no timer in
+them), valid (trained) tokens per second each way, the bins, the micro-batch
 schedule, the loss's head width (``head_width``: the slots predicting a completion
 token, per device and micro-batch), their efficiency (real tokens / bin tokens), and both updates' losses (equal up
 to float rounding: the same rows). Times mean something only relative to each other on CPU.
@@ -107,6 +109,31 @@ def _timed(prepare: Any, calls: dict[str, Any], *, warmup: int, iters: int) -> d
     return out
 
 
+def compiled_cost(jitted: Any, args: tuple, micro_batches: int) -> dict[str, float] | None:
+    """XLA's cost analysis of the compiled update: ``flops``, ``bytes_accessed`` and
+    ``transcendentals`` of one update of ``micro_batches`` micro-batches. XLA counts a
+    loop's body once, and every pass of the update but the optimizer step is in its
+    micro-batch loop, so the counts are scaled by the loop's trip count (the optimizer
+    step, outside the loop, is scaled with them: an over-count of ``micro_batches - 1``
+    optimizer steps, about 1e-4 of the tiny preset's update at the defaults). Exact (no
+    timer); None where the backend gives no analysis."""
+    try:
+        analysis = jitted.lower(*args).compile().cost_analysis()
+    except Exception:  # noqa: BLE001 - a backend without cost analysis: the times stand alone
+        return None
+    analysis = analysis[0] if isinstance(analysis, (list, tuple)) else analysis
+    if not analysis:
+        return None
+    keys = {"flops": "flops", "bytes_accessed": "bytes accessed", "transcendentals": "transcendentals"}
+    return {k: float(analysis.get(v, 0.0)) * micro_batches for k, v in keys.items()}
+
+
+def _ratio(cost: dict[str, Any], key: str) -> float | None:
+    if cost["padded"] is None or cost["packed"] is None or not cost["padded"][key]:
+        return None
+    return cost["packed"][key] / cost["padded"][key]
+
+
 def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) -> dict[str, Any]:
     import jax
     import jax.numpy as jnp
@@ -161,6 +188,9 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         jax.block_until_ready(programs.pack(ub, programs.pack_plan(ub))[0])
         pack_s = min(pack_s, time.perf_counter() - t0)
     timed = _timed(prepare, {"padded": runner(ub), "packed": runner(packed)}, warmup=warmup, iters=iters)
+    micro = {"padded": config.sequences_per_step // config.micro_batch_size, "packed": plan.micro_batches}
+    cost = {name: compiled_cost(update, (params, programs.init_opt_state(params), batch, frozen), micro[name])
+            for name, batch in (("padded", ub), ("packed", packed))}
     padded_first, padded_s, padded_cpu, m_pad = timed["padded"]
     packed_first, packed_s, packed_cpu, m_pack = timed["packed"]
     valid = int(completions.sum())
@@ -191,6 +221,9 @@ def run_update_bench(*, lengths: str, iters: int, warmup: int, **settings: Any) 
         "update_ratio": packed_s / padded_s,
         "cpu_s": {"padded": padded_cpu, "packed": packed_cpu},
         "cpu_ratio": packed_cpu / padded_cpu,
+        "compiled": cost,
+        "flops_ratio": _ratio(cost, "flops"),
+        "bytes_ratio": _ratio(cost, "bytes_accessed"),
         "valid_tokens_per_s_padded": valid / padded_s,
         "valid_tokens_per_s_packed": valid / (pack_s + packed_s),
         "first_call_s": {"padded": padded_first, "packed": packed_first, "pack": pack_first},

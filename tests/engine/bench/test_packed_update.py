@@ -54,3 +54,7 @@ def test_bench_update_json(tmp_path):
     # The head runs on the completion slots (at most 12 of a sequence's 20 real tokens), rounded up.
     assert out["head_width"] < out["bins_per_device"] * 32
     assert out["cpu_ratio"] == pytest.approx(out["cpu_s"]["packed"] / out["cpu_s"]["padded"])
+    # XLA's count of the compiled work: fewer flops and bytes packed (32-slot bins for 32-slot rows).
+    assert set(out["compiled"]["padded"]) == {"flops", "bytes_accessed", "transcendentals"}
+    assert out["flops_ratio"] == pytest.approx(out["compiled"]["packed"]["flops"] / out["compiled"]["padded"]["flops"])
+    assert 0 < out["flops_ratio"] < 1 and 0 < out["bytes_ratio"] < 1
