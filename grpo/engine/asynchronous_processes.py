@@ -302,7 +302,7 @@ def train_step(pipeline: ProcessPipeline) -> dict[str, Any]:
         return row
     except RemoteFailure:
         raise
-    except Exception as err:
+    except BaseException as err:  # a KeyboardInterrupt or a library's sys.exit too: the other side must hear
         pipeline.exchange.fail(f"{type(err).__name__}: {err}")
         raise
 

@@ -34,10 +34,14 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
     api.load_config(config_path, flags)  # a bad config fails before logging and JAX start
     api.configure_logging()
     from grpo.engine.parallel import distributed
+    from grpo.engine.parallel.exchange import RemoteFailure
     from grpo.engine.trainer import Interrupted
 
     try:
         result = api.train(config_path, overrides=flags, run_dir=run_dir, resume=resume)
+    except RemoteFailure as err:  # the other process of a two-process async run failed: its output has the traceback
+        click.echo(f"Error: {err}. The other process's output says where.", err=True)
+        sys.exit(1)
     except Interrupted as stop:
         if stop.is_main:
             click.echo(

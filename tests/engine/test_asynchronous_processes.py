@@ -45,16 +45,16 @@ CONFIG = {
 }
 
 
-def _launch(config: Path, run_dir: Path) -> list[subprocess.Popen]:
+def _launch(config: Path, run_dir: Path, *, env: dict | None = None, cwd: Path | None = None) -> list[subprocess.Popen]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
-               JAX_PLATFORMS="cpu")
+               JAX_PLATFORMS="cpu", **(env or {}))
     return [subprocess.Popen(
         [sys.executable, "-m", "grpo.core.cli", "run", str(config), "--run-dir", str(run_dir),
          "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
 
 
 @pytest.fixture(scope="module")
@@ -114,3 +114,44 @@ def test_a_preempted_two_process_run_resumes_and_equals_the_one_process_run(runs
     assert meta["step"] == STEPS and meta["data_position"] == STEPS * PROMPTS
     for got, ref in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(single.params), strict=True):
         np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-5, atol=1e-6)
+
+
+BOOM = '''
+import os
+
+calls = 0
+
+
+def close(completions, prompts=None, **columns):
+    """Scores like a task, then, past BOOM_AFTER completions, exits as a library that
+    gives up does (SystemExit: not an Exception, so scoring does not count it as a reward
+    error and score 0, as it does an exception)."""
+    global calls
+    calls += len(completions)
+    if calls > int(os.environ["BOOM_AFTER"]):
+        raise SystemExit("the reward server went away")
+    return [float(len(c) % 3) for c in completions]
+'''
+
+
+def test_a_rollout_failure_stops_both_processes_with_its_message(tmp_path):
+    """A reward function that exits in step 3's rollout (process 0, the rollout side)
+    ends the two-process run on both processes, with a non-zero exit and its message on
+    the update side too (sent in place of the next exchange), instead of a hang."""
+    (tmp_path / "boom.py").write_text(BOOM)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a} ="}) + "\n" for a in range(32)))
+    config = dict(CONFIG, task={"name": "custom", "options": {"rewards": ["boom:close"],
+                                                              "data_files": {"train": str(tmp_path / "d.jsonl")}}},
+                  train={**CONFIG["train"], "async": {**CONFIG["train"]["async"], "max_staleness": 1}})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    # Each step's rollout scores PROMPTS x 2 completions; the third one's fails.
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "BOOM_AFTER": str(2 * PROMPTS * 2)}
+    results = wait_all(_launch(path, tmp_path / "run", env=env, cwd=tmp_path), timeout=400)
+    for pid, (code, out, err) in enumerate(results):
+        assert code not in (0, None), f"process {pid} exited {code}"
+        assert "the reward server went away" in out + err, f"process {pid}:\n{(out + err)[-3000:]}"
+    assert "Done:" not in results[0][1]
+    # The update side says what failed on the other process, without a traceback of its own.
+    assert "Error: the rollout side failed: SystemExit: the reward server went away" in results[1][2]
+    assert "Traceback" not in results[1][2], results[1][2][-3000:]

@@ -19,7 +19,7 @@ def main(pid: int, port: int, code: int) -> None:
     distributed.initialize(DistributedConfig(mode="explicit", coordinator_address=f"127.0.0.1:{port}",
                                              num_processes=2, process_id=pid, heartbeat_timeout_s=10))
     total = np.asarray(multihost_utils.process_allgather(np.array([pid + 1]))).sum()
-    sys.stdout.write(f"sum {int(total)}")
+    sys.stdout.write(f"sum {int(total)}")  # no newline: held in the buffer until leave flushes it
     distributed.leave(code)
     sys.stdout.write(" after leave")  # a one-process leave(0) returns; here it never does
 
