@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 
@@ -74,6 +75,13 @@ def assert_same_run(a: Trainer, b: Trainer) -> None:
     strip = lambda rows: [{k: v for k, v in r.items() if not k.startswith(timing)} for r in rows]  # noqa: E731
     assert strip(read_metrics(b.run_dir)) == strip(read_metrics(a.run_dir))
     assert strip(read_eval(b.run_dir)) == strip(read_eval(a.run_dir))
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a coordinator's or an emulator's)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def wait_all(procs, timeout=600):

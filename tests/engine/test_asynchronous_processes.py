@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from _runs import wait_all
+from _runs import free_port, wait_all
 from _xla import CPU_FAST_COMPILE
 
 from grpo.core.config import load_config
@@ -46,9 +45,7 @@ CONFIG = {
 
 
 def _launch(config: Path, run_dir: Path, *, env: dict | None = None, cwd: Path | None = None) -> list[subprocess.Popen]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
                JAX_PLATFORMS="cpu", **(env or {}))
     return [subprocess.Popen(

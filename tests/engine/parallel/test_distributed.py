@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import yaml
 
-from _runs import wait_all
+from _runs import free_port, wait_all
 from _xla import CPU_FAST_COMPILE
 from grpo.engine.runs.metrics import read_eval, read_metrics
 
@@ -36,12 +35,6 @@ CONFIG = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _write_config(tmp_path: Path, **sections) -> Path:
     data = json.loads(json.dumps(CONFIG))
     for key, value in sections.items():
@@ -53,7 +46,7 @@ def _write_config(tmp_path: Path, **sections) -> Path:
 
 def _launch(config: Path, run_dir: Path, *, processes: int = 2, extra=(), path: Path | None = None) -> list[subprocess.Popen]:
     """``path``: a directory put first on the processes' PYTHONPATH (a plugin's site)."""
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
                JAX_PLATFORMS="cpu")
     if path is not None:
@@ -286,7 +279,7 @@ def test_bench_memory_single_process(mode):
 
 @pytest.mark.parametrize("mode", ["sharded", "gather"])
 def test_bench_memory_two_processes(mode):
-    port = _free_port()
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
                JAX_PLATFORMS="cpu")
     procs = [

@@ -15,6 +15,7 @@ import ml_dtypes
 import numpy as np
 import pytest
 
+from _runs import free_port
 from grpo.engine.parallel.exchange import HEADER_BYTES, header_bytes, pack, read_header, unpack
 
 WORKER = Path(__file__).with_name("_exchange_worker.py")
@@ -59,11 +60,7 @@ def test_two_processes_swap_payloads_stop_and_failures(tmp_path):
     other, sizes that do not divide the 4 devices) and metadata; a stop asked by one side
     reaches both in the same exchange; a failure on the rollout side raises on the
     update side with its message instead of leaving it waiting."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(tmp_path)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]

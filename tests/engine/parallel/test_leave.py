@@ -7,14 +7,13 @@ not return, and what the process wrote to a block-buffered stdout reaches the pi
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from _runs import wait_all
+from _runs import free_port, wait_all
 
 pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
@@ -22,9 +21,7 @@ WORKER = Path(__file__).with_name("_leave_worker.py")
 
 
 def _run(code: int) -> list[tuple[int, str, str]]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1", JAX_PLATFORMS="cpu")
     env.pop("PYTHONUNBUFFERED", None)  # stdout to a pipe is then block-buffered: leave must flush it
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(code)], env=env,

