@@ -37,9 +37,8 @@ axes as in the static sampler); the plan's costs of this engine are the static o
 
 from __future__ import annotations
 
-import collections
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +47,10 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.engine.rollout._sampling import step_keys
-from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
+from grpo.core.rollout_engine import FinishedRows, Progress, Rows
+from grpo.engine.rollout.paged.core import DeviceRunner, EngineCore, SimulatedRunner, on_host
+from grpo.engine.rollout.paged.pages import PageAllocator
+from grpo.engine.rollout.paged.scheduler import Scheduler
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, draw
 from grpo.models.decoder import positions_from_mask
 from grpo.models.paged_attention import BACKENDS, PagedKVCache, PagedSpec
@@ -76,6 +78,8 @@ class SlotState(NamedTuple):
 
 
 class ContinuousSampler(BaseSampler):
+    streams = True  # rows submitted and stepped (:class:`~grpo.core.rollout_engine.RolloutEngine`)
+
     """Continuous batching over a paged cache; :meth:`sample` as the static sampler's.
 
     Args (beside :class:`BaseSampler`'s): ``slots`` decode slots (0: every row of the
@@ -104,8 +108,112 @@ class ContinuousSampler(BaseSampler):
         self.prefill_jit = jax.jit(self._prefill_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.decode_jit = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
+        self._core: EngineCore | None = None
 
-    # ------------------------------------------------------------------ the interface
+    # ------------------------------------------------------------------ the contract
+
+    def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
+              slots: int | None = None, stop_at: Any = None) -> None:
+        """A new session of ``rows`` row ids [0, rows) with prompts of at most
+        ``prompt_length`` tokens (whatever the last one held is dropped). ``key``: the
+        rollout key (row ``r`` draws from ``fold_in(key, r)``), each row's key [rows]
+        (typed keys), or None (every :class:`~grpo.core.rollout_engine.Rows` brings its
+        own). ``versions``: stamp each token with its policy version. ``slots``: decode
+        slots (None: :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only):
+        each row stops once it has that many tokens."""
+        S = self.slots_for(rows) if slots is None else slots
+        alloc = self._allocator(prompt_length, S)
+        sched = Scheduler(alloc, prompt_len=np.zeros(rows, np.int64), cap=self.sampling.max_new_tokens,
+                          chunk=self.chunk_steps)
+        sched.queue.clear()  # rows enter by submit()
+        keys, impl = self.place_key(key) if key is not None else (None, None)
+        runner = DeviceRunner(self, alloc, tokens=np.zeros((rows, prompt_length), np.int32),
+                              mask=np.zeros((rows, prompt_length), np.int32), keys=keys, impl=impl,
+                              params=getattr(self, "_weights", None), stop_at=stop_at)
+        self._core = EngineCore(sched, runner, rows=rows, versions=versions)
+        self._core.version = self.version
+        self._key_data: np.ndarray | None = None
+
+    def update_weights(self, params: Any, version: int = 0) -> None:
+        super().update_weights(params, version)
+        core = getattr(self, "_core", None)
+        if core is not None:  # the next chunk reads them (rows in flight go on under them)
+            core.runner.params, core.version = params, int(version)
+
+    def submit(self, rows: Rows) -> None:
+        core = self._session()
+        runner = core.runner
+        ids = np.asarray(rows.ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= len(runner.tokens)):
+            raise ValueError(f"row ids must lie in [0, {len(runner.tokens)}) (this session's rows); got "
+                             f"{ids.min()}..{ids.max()}")
+        t, m = _left_aligned(np.asarray(rows.prompt_tokens), np.asarray(rows.prompt_mask))
+        w = t.shape[1]
+        runner.tokens[ids, -w:], runner.mask[ids, -w:] = t, m
+        if rows.widths is not None:
+            runner.widths[ids] = rows.widths
+        if rows.keys is not None:  # each row's own key, on the mesh (replicated)
+            runner.impl = jax.random.key_impl(rows.keys)
+            data = np.asarray(jax.random.key_data(rows.keys))
+            if self._key_data is None:
+                self._key_data = np.zeros((len(runner.tokens),) + data.shape[1:], data.dtype)
+            self._key_data[ids] = data
+            runner.keys, _ = self.place_key(self._key_data)
+        core.submit(ids, m.sum(axis=1))
+
+    def step(self) -> Progress:
+        return self._session().step()
+
+    def read(self, ids: Sequence[int]) -> FinishedRows:
+        core = self._session()
+        ids = list(ids)
+        tokens, mask, logprobs, out_len, truncated, behaviour = core.runner.read(ids)
+        versions = None if core.versions is None else core.versions[ids].copy()
+        return FinishedRows(ids=np.asarray(ids, np.int64), tokens=tokens, mask=mask, logprobs=logprobs,
+                            behaviour_logprobs=behaviour, lengths=out_len, truncated=truncated, versions=versions)
+
+    def abort(self, ids: Sequence[int]) -> None:
+        sched = self._session().sched
+        for r in ids:
+            if r in sched.queue:
+                sched.queue.remove(r)
+            if r in sched.slot_row:
+                sched._release(sched.slot_row.index(r))
+
+    def in_flight(self) -> int:
+        """Rows of the session decoding or queued."""
+        return self._session().in_flight()
+
+    def outputs(self) -> RolloutOutput:
+        """Every row of the session as the rollout's global arrays (row ``r`` at index
+        ``r``; rows never submitted are blank)."""
+        runner = self._session().runner
+        st, place = runner.state, self._place
+        return RolloutOutput(
+            prompt_tokens=place(runner.tokens, ("batch", "length")), prompt_mask=place(runner.mask, ("batch", "length")),
+            tokens=st.tokens, mask=st.mask, lengths=st.out_len, truncated=st.truncated,
+            logprobs=st.logprobs, behaviour_logprobs=st.behaviour,
+        )
+
+    def stats(self) -> dict[str, Any]:
+        """The session's schedule figures (chunks, slot steps, peak pages, evictions, ...)."""
+        return self._session().stats()
+
+    def end(self) -> None:
+        self._core, self._weights = None, None
+
+    def _session(self) -> EngineCore:
+        core = getattr(self, "_core", None)
+        if core is None:
+            raise RuntimeError(f"{type(self).__name__}: begin() a session before submitting rows")
+        return core
+
+    def _allocator(self, prompt_length: int, slots: int) -> PageAllocator:
+        shards = self.shards(slots)
+        return PageAllocator(pages=shards * self.pool_size(prompt_length, slots // shards), page_size=self.page_size,
+                             slots=slots, max_pages=self.max_pages(prompt_length), shards=shards)
+
+    # ------------------------------------------------------------------ feeders
 
     def generate(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: jax.Array,
                  stop_at: Any = None) -> RolloutOutput:
@@ -113,167 +221,41 @@ class ContinuousSampler(BaseSampler):
         sampler's). Per-call figures land in :attr:`last_stats`. ``stop_at`` [P*K]
         (benchmarks only): each row stops once it has that many tokens. Under several
         processes every one runs the same host schedule on gathered prompts and chunk
-        boundaries (:func:`_on_host`), so each launches the same programs."""
-        tokens, mask = _left_aligned(*_on_host(prompt_tokens, prompt_mask))
-        K, N = self.sampling.num_generations, self.sampling.max_new_tokens
+        boundaries (:func:`~grpo.engine.rollout.paged.core.on_host`), so each launches
+        the same programs."""
+        tokens, mask = _left_aligned(*on_host(prompt_tokens, prompt_mask))
+        K = self.sampling.num_generations
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
-        max_pages, S = self.max_pages(Lp), self.slots_for(B)
-        shards = self.shards(S)
-        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
-                              max_pages=max_pages, shards=shards)
-        raw, impl = self.place_key(rng)
         if stop_at is not None:
-            stop_at = self._place(_on_host(stop_at)[0].astype(np.int32), (None,))
-        state = self.start_jit(params, rows=B, pages=alloc.pages)
-        sched = _Schedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        chunks = slot_steps = 0
-        while True:
-            if sched.live():
-                sched.sync(*_on_host(state.done, state.lengths))  # the chunk boundary's one sync
-            admitted = sched.admit()
-            if admitted:
-                state = self._prefill(params, state, admitted, tokens, mask, raw, impl, alloc, stop_at)
-            if not sched.live():
-                break
-            idx, table = sched.selection()
-            slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
-            place = self._place
-            state = self.decode_jit(params, state, place(table, ("batch", None)), place(idx, ("batch",)),
-                                    place(slot_rows, ("batch",)), raw, stop_at, key_impl=impl)
-            chunks += 1
-            slot_steps += len(idx) * self.chunk_steps
-        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
-                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
-                           "prefills": sched.prefills, "slot_steps": slot_steps}
-        return RolloutOutput(
-            prompt_tokens=self._place(tokens, ("batch", "length")), prompt_mask=self._place(mask, ("batch", "length")),
-            tokens=state.tokens, mask=state.mask, lengths=state.out_len, truncated=state.truncated,
-            logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
-        )
-
-    def stream(self, params: Any, feeder: "StreamFeeder", rng: jax.Array, *, rows: int, prompt_length: int,
-               round_rows: int) -> RolloutOutput:
-        """Rows fed while the rollout runs: dynamic sampling's stream (issue 39).
-
-        At every chunk boundary the engine hands ``feeder`` the rows that finished since
-        the last one (:meth:`StreamFeeder.finished`, ascending: tokens and masks read to
-        the host) and stops as soon as it answers True; it then asks
-        :meth:`StreamFeeder.feed` for more prompts ([n, ``prompt_length``] left-padded),
-        queued after the rows already fed, K rows each, and ends when nothing runs, is
-        queued or is fed. Rows still queued or decoding when the feeder stops are dropped
-        (their tokens so far stay in the output: what was rolled out).
-
-        ``rows``: the most rows a step may feed (the output's row count); row ``r`` is
-        sample ``r % K`` of the ``r // K``-th prompt fed. Its key is row ``r % round_rows``
-        of round ``q = r // round_rows``: ``fold_in(rng_q, r % round_rows)`` with ``rng_0 =
-        rng`` and ``rng_q = fold_in(rng, q)``, the keys of the rounds the static step makes,
-        so a prompt draws the same tokens whether streamed or rolled out in its round.
-        Figures land in :attr:`last_stats` (``fed_rows``, ``finished_rows``,
-        ``dropped_rows``: fed and not finished)."""
-        K, N = self.sampling.num_generations, self.sampling.max_new_tokens
-        B, Lp = rows, prompt_length
-        tokens, mask = np.zeros((B, Lp), np.int32), np.zeros((B, Lp), np.int32)
-        S = self.slots_for(B)
-        shards = self.shards(S)
-        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
-                              max_pages=self.max_pages(Lp), shards=shards)
-        keys, impl = self.place_key(_round_keys(rng, rows=B, round_rows=round_rows))
-        state = self.start_jit(params, rows=B, pages=alloc.pages)
-        sched = _Schedule(alloc, prompt_len=np.zeros(B, np.int64), cap=N, chunk=self.chunk_steps)
-        sched.queue.clear()
-        fed = finished = chunks = slot_steps = 0
-        while True:
-            if sched.live():
-                done, lengths = (np.asarray(x) for x in jax.device_get((state.done, state.lengths)))
-                ended = np.sort([r for s, r in enumerate(sched.slot_row) if r >= 0 and done[s]]).astype(np.int64)
-                sched.sync(done, lengths)
-                if ended.size:
-                    finished += ended.size
-                    out_tokens, out_mask = jax.device_get((state.tokens, state.mask))
-                    if feeder.finished(ended, np.asarray(out_tokens)[ended], np.asarray(out_mask)[ended]):
-                        break
-            more = feeder.feed()
-            if more is not None and len(more[0]):
-                t, m = _left_aligned(np.asarray(more[0]), np.asarray(more[1]))
-                new = np.arange(fed, fed + len(t) * K)
-                if new.size and new[-1] >= B:
-                    raise ValueError(f"the feeder fed more than rows={B} rows")
-                tokens[new], mask[new] = np.repeat(t, K, axis=0), np.repeat(m, K, axis=0)
-                sched.prompt_len[new] = mask[new].sum(axis=1)
-                sched.queue.extend(int(r) for r in new)
-                fed += new.size
-            admitted = sched.admit()
-            if admitted:
-                state = self._prefill(params, state, admitted, tokens, mask, keys, impl, alloc)
-            if not sched.live():
-                break
-            idx, table = sched.selection()
-            slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
-            state = self.decode_jit(params, state, self._place(table, ("batch", None)), self._place(idx, ("batch",)),
-                                    self._place(slot_rows, ("batch",)), keys, None, key_impl=impl)
-            chunks += 1
-            slot_steps += len(idx) * self.chunk_steps
-        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
-                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
-                           "prefills": sched.prefills, "slot_steps": slot_steps, "fed_rows": fed,
-                           "finished_rows": finished, "dropped_rows": fed - finished}
-        return RolloutOutput(
-            prompt_tokens=self._place(tokens, ("batch", "length")), prompt_mask=self._place(mask, ("batch", "length")),
-            tokens=state.tokens, mask=state.mask, lengths=state.out_len, truncated=state.truncated,
-            logprobs=state.logprobs, behaviour_logprobs=state.behaviour,
-        )
+            stop_at = self._place(on_host(stop_at)[0].astype(np.int32), (None,))
+        self.update_weights(params, self.version)
+        self.begin(rows=B, prompt_length=Lp, key=rng, stop_at=stop_at)
+        self.submit(Rows(ids=np.arange(B), prompt_tokens=tokens, prompt_mask=mask, keys=None))
+        self._core.run()
+        self.last_stats = self._core.stats()
+        out = self.outputs()
+        self.end()
+        return out
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
                  trace: list | None = None) -> dict[str, int]:
         """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
-        ``completions`` [rows], each at most the cap), without a model: the same host
-        scheduler (:class:`_Schedule`) and allocator, each live slot advancing up to a
-        chunk of steps a chunk, a row done once it holds its completion. Returns the
-        figures of :attr:`last_stats` (chunks, slot_steps, peak_pages, evictions, ...);
-        ``grpo plan --lengths`` reports them. A stop token ends a row exactly as a known
-        length does, so on the rows a rollout produced it reproduces that rollout's.
-
-        ``trace`` (a list; ``grpo plan`` costs the schedule from it) receives one entry per
-        prefill batch, ``{"prefill": rows admitted}``, and per decode chunk, ``{"idx"`` [n]
-        the slots decoded (part by part of the pool), ``"width"`` their page-table width,
-        ``"lengths"`` [n] their cached tokens at the chunk's start, ``"advance"`` [n] the
-        steps each is live in the chunk``}``."""
+        ``completions`` [rows], each at most the cap), without a model: the same engine
+        core (:class:`~grpo.engine.rollout.paged.core.EngineCore`: scheduler and
+        allocator) over a :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`.
+        Returns the figures of :attr:`last_stats` (chunks, slot_steps, peak_pages,
+        evictions, ...); ``grpo plan --lengths`` reports them. A stop token ends a row
+        exactly as a known length does, so on the rows a rollout produced it reproduces
+        that rollout's. ``trace``: see :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
         plen = np.asarray(prompt_lengths, np.int64)
         comp = np.asarray(completions, np.int64)
-        B, C = len(comp), self.chunk_steps
-        S = self.slots_for(B)
-        shards = self.shards(S)
-        alloc = PageAllocator(pages=shards * self.pool_size(prompt_length, S // shards), page_size=self.page_size,
-                              slots=S, max_pages=self.max_pages(prompt_length), shards=shards)
-        sched = _Schedule(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=C)
-        drawn = np.zeros(S, np.int64)  # tokens the slot's row has drawn (its step count)
-        lengths = np.zeros(S, np.int64)  # tokens of the row in its pages
-        chunks = slot_steps = 0
-        while True:
-            if sched.live():
-                rows = np.asarray(sched.slot_row)
-                sched.sync((rows >= 0) & (drawn >= comp[np.maximum(rows, 0)]), lengths)
-            admitted = sched.admit()
-            for slot, row in admitted:  # the prefill draws step 0
-                drawn[slot], lengths[slot] = 1, plen[row]
-            if admitted and trace is not None:
-                trace.append({"prefill": len(admitted)})
-            if not sched.live():
-                break
-            idx, table = sched.selection()
-            rows = np.asarray(sched.slot_row)
-            live = rows >= 0
-            steps = np.where(live, np.clip(comp[np.maximum(rows, 0)] - drawn, 0, C), 0)
-            if trace is not None:
-                trace.append({"idx": idx, "width": table.shape[1], "lengths": lengths[idx].copy(),
-                              "advance": steps[idx].copy()})
-            drawn, lengths = drawn + steps, lengths + steps
-            chunks += 1
-            slot_steps += len(idx) * C
-        return {"slots": S, "chunk": C, "page_size": self.page_size, "chunks": chunks, "peak_pages": alloc.peak,
-                "pool_pages": alloc.pages, "evictions": sched.evictions, "prefills": sched.prefills,
-                "slot_steps": slot_steps}
+        alloc = self._allocator(prompt_length, self.slots_for(len(comp)))
+        sched = Scheduler(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=self.chunk_steps)
+        core = EngineCore(sched, SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace),
+                          rows=len(comp))
+        core.run()
+        return core.stats()
 
     def max_pages(self, prompt_length: int) -> int:
         """Pages of a row at the cap (prompt + every token fed back)."""
@@ -342,7 +324,7 @@ class ContinuousSampler(BaseSampler):
 
     # ------------------------------------------------------------------ host pieces
 
-    def _prefill(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
+    def prefill_rows(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
         two (padding rows write nowhere: row -1, slot ``slots``)."""
         S = alloc.slots
@@ -462,7 +444,7 @@ class ContinuousSampler(BaseSampler):
                      raw_key: jax.Array, stop_at: jax.Array | None = None, turns: jax.Array | None = None,
                      caps: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
         """``chunk`` decode steps of the n slots ``idx`` [n] (the host's
-        :meth:`_Schedule.selection`: the live ones, padded with free ones of the same part
+        :meth:`~grpo.engine.rollout.paged.scheduler.Scheduler.selection`: the live ones, padded with free ones of the same part
         of the pool; ``slot_rows`` [n] their rows, -1 free or evicted) over their page
         tables [n, W] (the W pages that cover them). Compiled per (n, W): a step costs
         what the live rows and their live pages cost, not every slot at the cap.
@@ -523,161 +505,6 @@ class ContinuousSampler(BaseSampler):
         return jax.lax.fori_loop(0, self.chunk_steps, step, state)
 
 
-class _Schedule:
-    """The host's view of the slots at chunk boundaries: the queue, which row each slot
-    holds, and the pages each needs (through the allocator)."""
-
-    def __init__(self, alloc: PageAllocator, *, prompt_len: np.ndarray, cap: int, chunk: int):
-        self.alloc, self.prompt_len, self.cap, self.chunk = alloc, prompt_len.astype(int), cap, chunk
-        self.queue = collections.deque(range(len(prompt_len)))
-        self.slot_row = [-1] * alloc.slots
-        self.admitted_at: dict[int, int] = {}  # slot -> admission counter (eviction picks the latest)
-        self.counter = self.evictions = self.prefills = 0
-
-    def live(self) -> bool:
-        return any(r >= 0 for r in self.slot_row)
-
-    def _need(self, slot: int, length: int) -> int:
-        """Tokens ``slot`` may hold by the end of the next chunk (never past the cap)."""
-        row = self.slot_row[slot]
-        return min(length + self.chunk, self.prompt_len[row] + self.cap - 1)
-
-    def sync(self, done: np.ndarray, lengths: np.ndarray) -> None:
-        """Free finished rows; grow live ones by the next chunk, evicting the latest
-        admitted row of the same part of the pool while it is short."""
-        self.release_done(done, lengths)
-        self.grow_live(lengths)
-
-    def release_done(self, done: np.ndarray, lengths: np.ndarray) -> list[int]:
-        """The rows of the slots that are ``done`` leave them (:meth:`_finish`); returns them."""
-        finished = []
-        for s, row in enumerate(self.slot_row):
-            if row >= 0 and done[s]:
-                finished.append(row)
-                self._finish(s, int(lengths[s]))
-        return finished
-
-    def grow_live(self, lengths: np.ndarray) -> None:
-        """Every live slot given the pages of its next chunk, oldest first, evicting while
-        its part of the pool is short (:meth:`_evict_one`)."""
-        for s in sorted((s for s, r in enumerate(self.slot_row) if r >= 0), key=self.admitted_at.get):
-            while self.slot_row[s] >= 0:
-                try:
-                    self.alloc.grow(s, self._need(s, int(lengths[s])))
-                    break
-                except PoolExhausted:
-                    self._evict_one(self.alloc.shard(s))
-
-    def _finish(self, slot: int, length: int) -> None:
-        """A finished row leaves ``slot`` (holding ``length`` tokens): its pages are freed."""
-        self._release(slot)
-
-    def _evict_one(self, shard: int) -> None:
-        """Evict the latest admitted row of the ``shard``'s part of the pool back to the
-        head of the queue (the oldest row there always goes on: the part holds a row at
-        the cap)."""
-        victim = max((v for v, r in enumerate(self.slot_row) if r >= 0 and self.alloc.shard(v) == shard),
-                     key=self.admitted_at.get)
-        self.queue.appendleft(self.slot_row[victim])
-        self._release(victim)
-        self.evictions += 1
-
-    def _admit_length(self, row: int) -> int:
-        """Tokens ``row`` holds once prefilled (its prompt)."""
-        return int(self.prompt_len[row])
-
-    def selection(self) -> tuple[np.ndarray, np.ndarray]:
-        """The slots the next chunk decodes and their page tables: ``idx`` [n] (each part
-        of the pool's live slots padded with its free ones to the same power of two, part
-        by part, so a device's rows stay its own) and ``table`` [n, W] (W: a power of two
-        of pages covering every selected slot's pages, at most ``max_pages``). Powers of
-        two bound the decode's compilations to about log2(slots) x log2(max_pages)."""
-        a = self.alloc
-        parts = [range(d * a.shard_slots, (d + 1) * a.shard_slots) for d in range(a.shards)]
-        live = [[s for s in part if self.slot_row[s] >= 0] for part in parts]
-        n = min(_pow2(max(len(x) for x in live)), a.shard_slots)
-        idx = np.asarray([s for part, lv in zip(parts, live)
-                          for s in lv + [s for s in part if self.slot_row[s] < 0][: n - len(lv)]], np.int32)
-        held = max(len(a.held(int(s))) for s in idx)
-        width = min(_pow2(held), a.max_pages)
-        return idx, a.table()[idx, :width]
-
-    def admit(self) -> list[tuple[int, int]]:
-        """Queued rows, in queue order, into free slots whose part of the pool fits their
-        prompt and first chunk."""
-        admitted = []
-        for s in range(self.alloc.slots):
-            if not self.queue:
-                break
-            if self.slot_row[s] >= 0:
-                continue
-            row = self.queue[0]
-            self.slot_row[s] = row
-            try:
-                self.alloc.grow(s, self._need(s, self._admit_length(row)))
-            except PoolExhausted:  # another shard's slot may still fit it
-                self.slot_row[s] = -1
-                continue
-            self.queue.popleft()
-            self.admitted_at[s] = self.counter
-            self.counter += 1
-            admitted.append((s, row))
-        if admitted:
-            self.prefills += 1
-        return admitted
-
-    def _release(self, slot: int) -> None:
-        self.alloc.free(slot)
-        self.slot_row[slot] = -1
-        self.admitted_at.pop(slot, None)
-
-
-class StreamFeeder:
-    """What :meth:`ContinuousSampler.stream` consults at chunk boundaries (the step's
-    collector implements it; see :mod:`grpo.engine.rollout.step`)."""
-
-    def feed(self) -> tuple[np.ndarray, np.ndarray] | None:
-        """Prompts to queue now ([n, prompt_length] tokens and mask, left-padded), or None."""
-        raise NotImplementedError
-
-    def finished(self, rows: np.ndarray, tokens: np.ndarray, mask: np.ndarray) -> bool:
-        """Rows [m] that finished since the last call (ascending) with their completions
-        [m, N]; True ends the stream (what is still in flight is dropped)."""
-        raise NotImplementedError
-
-
-def _round_keys(rng: jax.Array, *, rows: int, round_rows: int) -> jax.Array:
-    """Row r's key [rows]: ``fold_in(rng_q, r % round_rows)`` for round ``q = r //
-    round_rows`` (``rng_0 = rng``, ``rng_q = fold_in(rng, q)``: the static step's rounds)."""
-    within = jnp.arange(round_rows, dtype=jnp.uint32)
-    keys = []
-    for q in range(-(-rows // round_rows)):
-        base = rng if q == 0 else jax.random.fold_in(rng, q)
-        keys.append(jax.vmap(lambda i, b=base: jax.random.fold_in(b, i))(within))
-    return jnp.concatenate(keys)[:rows]
-
-
-def _on_host(*arrays: Any) -> list[np.ndarray]:
-    """Each of ``arrays`` whole, as numpy, on every process: the host scheduler reads the
-    prompts and each chunk's done/lengths, and every process must run the very same
-    schedule (the programs it launches are collectives over every process's devices).
-    A global array whose shards span several processes is gathered from all of them
-    (``process_allgather``: a collective, so every process calls this at the same
-    point); numpy inputs are already every process's whole copy (evaluation's batches)."""
-    spans = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in arrays]
-    gathered = iter([])
-    if any(spans):
-        from jax.experimental import multihost_utils
-
-        gathered = iter(multihost_utils.process_allgather([x for x, s in zip(arrays, spans) if s], tiled=True))
-    return [np.asarray(next(gathered) if s else jax.device_get(x)) for x, s in zip(arrays, spans)]
-
-
-def _pow2(n: int) -> int:
-    """The least power of two >= n (1 for n <= 1)."""
-    return 1 << max(n - 1, 0).bit_length()
-
-
 def _per_row(stop_at: jax.Array | None, rows: jax.Array) -> jax.Array | None:
     """The forced stop lengths [B] (None: none) of ``rows`` [n] (-1: any)."""
     return None if stop_at is None else stop_at[jnp.maximum(rows, 0)]
@@ -697,4 +524,4 @@ def _left_aligned(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.
         np.take_along_axis(mask, order, axis=1) != 0).astype(np.int32)
 
 
-__all__ = ["ContinuousSampler", "SlotState", "StreamFeeder"]
+__all__ = ["ContinuousSampler", "SlotState"]

@@ -52,7 +52,6 @@ budgets bind. Environments step synchronously at the boundary where their rows f
 
 from __future__ import annotations
 
-import collections
 import concurrent.futures
 import time
 from typing import Any, Sequence
@@ -63,9 +62,10 @@ import numpy as np
 
 from grpo.core.contracts import Environment
 from grpo.engine.rollout._sampling import step_keys
-from grpo.engine.rollout.continuous import ContinuousSampler, SlotState, _left_aligned, _pow2, _Schedule
+from grpo.engine.rollout.continuous import ContinuousSampler, SlotState, _left_aligned
 from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
-from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
+from grpo.engine.rollout.paged.core import EngineCore
+from grpo.engine.rollout.paged.scheduler import TurnScheduler, pow2
 from grpo.engine.rollout.sampler import RolloutOutput, draw
 from grpo.models.decoder import KVCache
 
@@ -150,41 +150,22 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         B, Lp = tokens.shape
         if len(envs) != B:
             raise ValueError(f"{len(envs)} environments for {B} rows")
-        S = self.slots_for(B)
-        shards = self.shards(S)
-        alloc = PageAllocator(pages=shards * self.pool_size(Lp, S // shards), page_size=self.page_size, slots=S,
-                              max_pages=self.max_pages(Lp), shards=shards)
-        raw, impl = self.place_key(rng)
-        state = self.start_jit(params, rows=B, pages=alloc.pages)
+        self.update_weights(params, self.version)
+        alloc = self._allocator(Lp, self.slots_for(B))
         talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
-        prompts = [tokens[r][mask[r] == 1] for r in range(B)]
-        sched = _TurnSchedule(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        chunks = slot_steps = 0
+        sched = TurnScheduler(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
+        runner = _TurnRunner(self, sched, talk, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng, rows=B)
+        core = EngineCore(sched, runner, rows=B)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, B)))
         try:
-            while True:
-                if sched.live():
-                    done, lengths = (np.asarray(x) for x in jax.device_get((state.done, state.lengths)))
-                    finished = sched.release_done(done, lengths)
-                    if finished:
-                        self._end_turns(state, finished, talk, sched, pool)
-                    sched.grow_live(lengths)
-                admitted = sched.admit()
-                if admitted:
-                    t0 = time.perf_counter()
-                    state = self._extend(params, state, admitted, sched, talk, prompts, raw, impl)
-                    talk.episodes.append_s += time.perf_counter() - t0
-                if not sched.live():
-                    break
-                state, n = self._decode_turns(params, state, sched, talk, raw, impl)
-                chunks += 1
-                slot_steps += n * self.chunk_steps
+            while not (progress := core.step()).idle:
+                if progress.finished:  # in slot order, as they left their slots
+                    self._end_turns(runner.state, list(progress.finished), talk, sched, pool)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
+            self.end()
         assert not sched.queue and not sched.returning and alloc.held_pages == 0, "a row was left behind"
-        self.last_stats = {"slots": S, "chunk": self.chunk_steps, "page_size": self.page_size, "chunks": chunks,
-                           "peak_pages": alloc.peak, "pool_pages": alloc.pages, "evictions": sched.evictions,
-                           "prefills": sched.prefills, "slot_steps": slot_steps}
+        self.last_stats = core.stats()
         c, place = compact(talk.pieces, sampling=self.sampling), self._put
 
         def rows(x):
@@ -211,7 +192,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             caps = np.minimum(caps, self.max_turn_tokens)
         return caps.astype(np.int32)
 
-    def _end_turns(self, state: SlotState, finished: list[int], talk: _Talk, sched: "_TurnSchedule",
+    def _end_turns(self, state: SlotState, finished: list[int], talk: _Talk, sched: TurnScheduler,
                    pool: concurrent.futures.Executor) -> None:
         """The ``finished`` rows' turns read and recorded, their environments stepped and
         their replies added; each continuing row goes back to the queue with its pages,
@@ -237,7 +218,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             else:
                 sched.close(r)
 
-    def _extend(self, params: Any, state: SlotState, admitted: list[tuple[int, int]], sched: "_TurnSchedule",
+    def _extend(self, params: Any, state: SlotState, admitted: list[tuple[int, int]], sched: TurnScheduler,
                 talk: _Talk, prompts: list[np.ndarray], raw: jax.Array, impl: str | None) -> SlotState:
         """The admitted ``(slot, row)`` pairs' chunks (what the row's pages lack of its
         conversation so far) written in one append program, padded to a power of two of
@@ -253,7 +234,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             conversation = np.concatenate([prompts[row]] + [p[0] for p in talk.pieces[row]]).astype(np.int32)
             assert len(conversation) == sched.hist_len[row], (row, len(conversation), sched.hist_len[row])
             chunks.append(conversation[int(sched.base[row]):])
-        k, n = len(admitted), min(_pow2(max(len(admitted), S // 4)), S)
+        k, n = len(admitted), min(pow2(max(len(admitted), S // 4)), S)
         L = append_bucket(max(map(len, chunks)))
         tok = np.full((n, L), self.sampling.pad_id, np.int32)
         real = np.zeros((n, L), np.int32)
@@ -273,19 +254,6 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         return self.extend_jit(params, state, place(tok, ("batch", "length")), place(real, ("batch", "length")),
                                *vec, place(table, ("batch", None)), place(turns, ("batch",)),
                                place(caps, ("batch",)), raw, key_impl=impl)
-
-    def _decode_turns(self, params: Any, state: SlotState, sched: "_TurnSchedule", talk: _Talk, raw: jax.Array,
-                      impl: str | None) -> tuple[SlotState, int]:
-        """One chunk of the live slots' turns; the state and the slots decoded."""
-        idx, table = sched.selection()
-        slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
-        r = np.maximum(slot_rows, 0)
-        turns, caps = talk.episodes.num_turns[r].astype(np.int32), self._turn_caps(talk, r)
-        place = self._place
-        state = self.decode_jit(params, state, place(table, ("batch", None)), place(idx, ("batch",)),
-                                place(slot_rows, ("batch",)), raw, None, place(turns, ("batch",)),
-                                place(caps, ("batch",)), key_impl=impl)
-        return state, len(idx)
 
     # ------------------------------------------------------------------ programs
 
@@ -340,90 +308,35 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         return self._seat(st, slots=slots, rows=rows, lengths=base + m, drawn=drawn, done=drawn[3] | (caps <= 1))
 
 
-class _TurnSchedule(_Schedule):
-    """:class:`_Schedule` for multi-turn rows: a row that finishes a turn parks its pages
-    (:meth:`_finish`); if its episode goes on (:meth:`resume`) it waits in ``returning``,
-    admitted before the queue into a free slot of its pages' part of the pool; eviction
-    takes the latest admitted row of the part, parked or in a slot, and frees its pages
-    (it is then re-prefilled from its conversation)."""
+class _TurnRunner:
+    """The multi-turn rows' runner for :class:`~grpo.engine.rollout.paged.core.EngineCore`:
+    an admitted row's conversation so far is appended into its pages (a first turn's
+    prompt, or what a returning row's pages lack), and each slot decodes its current
+    turn (its turn's keys, at most what is left of its budget)."""
 
-    def __init__(self, alloc: PageAllocator, *, prompt_len: np.ndarray, cap: int, chunk: int):
-        super().__init__(alloc, prompt_len=prompt_len, cap=cap, chunk=chunk)
-        self.hist_len = self.prompt_len.copy()  # [B] tokens of each row's conversation so far
-        self.base = np.zeros(len(self.prompt_len), np.int64)  # [B] of them already in its pages
-        self.returning: collections.deque[int] = collections.deque()
-        self.age: dict[int, int] = {}  # a parked row -> its admission counter
+    def __init__(self, engine: ContinuousMultiTurnSampler, sched: TurnScheduler, talk: _Talk, *,
+                 prompts: list[np.ndarray], key: jax.Array, rows: int):
+        self.engine, self.sched, self.talk, self.prompts = engine, sched, talk, prompts
+        self.raw, self.impl = engine.place_key(key)
+        self.state = engine.start_jit(engine.weights, rows=rows, pages=sched.alloc.pages)
 
-    def _admit_length(self, row: int) -> int:
-        return int(self.hist_len[row])
+    def admit(self, admitted: list[tuple[int, int]]) -> None:
+        t0 = time.perf_counter()
+        e = self.engine
+        self.state = e._extend(e.weights, self.state, admitted, self.sched, self.talk, self.prompts, self.raw,
+                               self.impl)
+        self.talk.episodes.append_s += time.perf_counter() - t0
 
-    def _finish(self, slot: int, length: int) -> None:
-        row = self.slot_row[slot]
-        self.age[row] = self.admitted_at.pop(slot)
-        self.alloc.park(slot, row)
-        self.base[row] = length
-        self.slot_row[slot] = -1
+    def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
+        e, place = self.engine, self.engine._place
+        r = np.maximum(slot_rows, 0)
+        turns, caps = self.talk.episodes.num_turns[r].astype(np.int32), e._turn_caps(self.talk, r)
+        self.state = e.decode_jit(e.weights, self.state, place(table, ("batch", None)), place(idx, ("batch",)),
+                                  place(slot_rows, ("batch",)), self.raw, None, place(turns, ("batch",)),
+                                  place(caps, ("batch",)), key_impl=self.impl)
 
-    def close(self, row: int) -> None:
-        """``row``'s episode ended: its pages go back."""
-        self.alloc.drop(row)
-        self.age.pop(row, None)
-
-    def resume(self, row: int, length: int) -> None:
-        """``row`` goes on to its next turn, its conversation now ``length`` tokens."""
-        self.hist_len[row] = length
-        self.returning.append(row)
-
-    def _evict_one(self, shard: int) -> None:
-        parked = self.alloc.parked()
-        held = [(self.admitted_at[s], s, r) for s, r in enumerate(self.slot_row)
-                if r >= 0 and self.alloc.shard(s) == shard]
-        held += [(self.age[r], -1, r) for r in self.returning if parked.get(r) == shard]
-        _, slot, row = max(held)
-        if slot >= 0:
-            self._release(slot)
-        else:
-            self.returning.remove(row)
-            self.alloc.drop(row)
-            self.age.pop(row)
-        self.base[row] = 0
-        self.queue.appendleft(row)
-        self.evictions += 1
-
-    def admit(self) -> list[tuple[int, int]]:
-        """Returning rows first (each into a free slot of its part, given its chunk's and
-        next chunk's pages), then the queue's (:meth:`_Schedule.admit`)."""
-        admitted = []
-        for row in list(self.returning):
-            if row in self.returning:
-                slot = self._seat_returning(row)
-                if slot is not None:
-                    admitted.append((slot, row))
-        prefills = self.prefills
-        admitted += super().admit()
-        self.prefills = prefills + bool(admitted)
-        return admitted
-
-    def _seat_returning(self, row: int) -> int | None:
-        """A free slot of ``row``'s part of the pool with its parked pages grown for the
-        next chunk (evicting while short); None: no free slot there yet, or it was
-        evicted itself (it then waits in the queue, its pages freed)."""
-        a = self.alloc
-        shard = a.parked()[row]
-        free = [s for s in range(shard * a.shard_slots, (shard + 1) * a.shard_slots) if self.slot_row[s] < 0]
-        if not free:
-            return None
-        slot = free[0]
-        self.returning.remove(row)
-        a.unpark(row, slot)
-        self.slot_row[slot], self.admitted_at[slot] = row, self.age.pop(row)
-        while self.slot_row[slot] == row:
-            try:
-                a.grow(slot, self._need(slot, int(self.hist_len[row])))
-                return slot
-            except PoolExhausted:
-                self._evict_one(shard)
-        return None
+    def boundary(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(np.asarray(x) for x in jax.device_get((self.state.done, self.state.lengths)))
 
 
 __all__ = ["ContinuousMultiTurnSampler"]

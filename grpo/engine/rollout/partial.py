@@ -55,12 +55,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.core.errors import UserError
 from grpo.engine.parallel.rows import to_global
-from grpo.engine.rollout.continuous import _left_aligned, _Schedule
-from grpo.engine.rollout.paged import PageAllocator
+from grpo.core.rollout_engine import Rows
+from grpo.engine.rollout._sampling import row_keys
 from grpo.engine.rollout.prompts import bucket_for, position_indices
 from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.engine.rollout.step import SampleGroup, StepRollout
@@ -97,16 +96,6 @@ class Ledger:
             if p not in ahead:
                 yield p
             p += 1
-
-
-def mark_versions(versions: np.ndarray, marks: np.ndarray, *, rows: np.ndarray, drawn: np.ndarray,
-                  version: int) -> None:
-    """Record that ``rows`` [n] have drawn ``drawn`` [n] tokens by now, those past their
-    ``marks`` (tokens already versioned) under ``version`` (in place: ``versions`` [R, N],
-    ``marks`` [R])."""
-    for r, d in zip(rows, drawn):
-        versions[r, marks[r]:d] = version
-        marks[r] = max(marks[r], d)
 
 
 def token_staleness(*, step: int, versions: np.ndarray) -> dict[str, float]:
@@ -149,26 +138,16 @@ class PartialStream:
 
     def __init__(self, collector: Any, *, max_staleness: int, ledger: Ledger, version: int):
         cfg = collector.config
-        self.c, self.sampler = collector, collector.sampler
+        self.c, self.engine = collector, collector.sampler
         self.P, self.K, self.N = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout.max_new_tokens
         self.seed, self.m = cfg.train.seed, max_staleness
         self.rows = (max_staleness + 1) * self.P * self.K  # outstanding rows never exceed it
         self.width = bucket_for(max(len(t) for t in collector.prompts.token_ids), collector.buckets)
-        S = self.sampler.slots or self.P * self.K
-        shards = self.sampler.shards(S)
-        self.alloc = PageAllocator(pages=shards * self.sampler.pool_size(self.width, S // shards),
-                                   page_size=self.sampler.page_size, slots=S, max_pages=self.sampler.max_pages(self.width),
-                                   shards=shards)
-        self.sched = _Schedule(self.alloc, prompt_len=np.zeros(self.rows, np.int64), cap=self.N,
-                               chunk=self.sampler.chunk_steps)
-        self.sched.queue.clear()
-        self.tokens = np.zeros((self.rows, self.width), np.int32)
-        self.mask = np.zeros((self.rows, self.width), np.int32)
-        self.versions = np.full((self.rows, self.N), -1, np.int64)
-        self.marks = np.zeros(self.rows, np.int64)
-        self.key_data: np.ndarray | None = None
-        self.keys, self.impl = None, None
-        self.state = None
+        # The step's rows' slots (P*K, or the engine's count): the rows fed ahead wait in its queue.
+        self.engine.begin(rows=self.rows, prompt_length=self.width, versions=True,
+                          slots=self.engine.slots_for(self.P * self.K))
+        self.prompts = np.zeros((self.rows, self.width), np.int32)  # each buffer row's prompt (left-padded)
+        self.prompt_masks = np.zeros((self.rows, self.width), np.int32)
         self.free = collections.deque(range(self.rows))
         self.todo = ledger.untrained()
         self.fed = version * self.P  # groups counted against the staleness budget
@@ -189,85 +168,50 @@ class PartialStream:
         return self.widths[s]
 
     def _feed(self, version: int) -> None:
-        """Queue the next groups of the data order while the staleness budget allows."""
-        new = []
+        """Queue the next groups of the data order while the staleness budget allows, each
+        group's rows with the keys the synchronous run's step gives them: the prompt at
+        data position ``p`` draws its row ``j`` from ``fold_in(fold_in(key(seed), p // P),
+        (p % P) * K + j)``."""
+        base = jax.random.key(self.seed)
         while self.fed < (version + self.m + 1) * self.P:
             p = next(self.todo)
             rows = [self.free.popleft() for _ in range(self.K)]
             ids = self.c.prompts.token_ids[position_indices(len(self.c.prompts), start=p, count=1, seed=self.seed)[0]]
+            tokens = np.full((self.K, self.width), self.c.pad_id, np.int32)
+            mask = np.zeros((self.K, self.width), np.int32)
+            tokens[:, self.width - len(ids):], mask[:, self.width - len(ids):] = ids, 1
             for r in rows:
-                self.tokens[r], self.mask[r] = self.c.pad_id, 0
-                self.tokens[r, self.width - len(ids):], self.mask[r, self.width - len(ids):] = ids, 1
-                self.sched.prompt_len[r] = len(ids)
                 self.row_group[r] = p
+            self.prompts[rows], self.prompt_masks[rows] = tokens, mask
             self.groups[p] = {"rows": rows, "width": self._row_width(p), "done": {}}
-            self.sched.queue.extend(rows)
+            keys = row_keys(jax.random.fold_in(base, p // self.P), self.P * self.K)[
+                (p % self.P) * self.K:(p % self.P + 1) * self.K]
+            self.engine.submit(Rows(ids=np.asarray(rows), prompt_tokens=tokens, prompt_mask=mask, keys=keys,
+                                    widths=np.full(self.K, self.groups[p]["width"])))
             self.fed += 1
             self.fed_log.append(p)
-            new.append(p)
-        if new:
-            self._rekey(new)
-
-    def _rekey(self, positions: list[int]) -> None:
-        """The new groups' row keys (:func:`row_key` of their data positions) on the mesh."""
-        base = jax.random.key(self.seed)
-        for p in positions:
-            step_key = jax.random.fold_in(base, p // self.P)
-            within = jnp.arange((p % self.P) * self.K, (p % self.P + 1) * self.K, dtype=jnp.uint32)
-            keys = jax.vmap(lambda i, k=step_key: jax.random.fold_in(k, i))(within)
-            if self.key_data is None:
-                self.impl = jax.random.key_impl(keys)
-                data = np.asarray(jax.random.key_data(keys))
-                self.key_data = np.zeros((self.rows,) + data.shape[1:], data.dtype)
-            self.key_data[self.groups[p]["rows"]] = np.asarray(jax.random.key_data(keys))
-        replicated = NamedSharding(self.sampler.mesh, PartitionSpec())
-        data = self.key_data
-        self.keys = jax.make_array_from_callback(data.shape, replicated, lambda idx: data[idx])
 
     # ------------------------------------------------------------------ the engine
 
     def _run_chunk(self, params: Any, version: int) -> None:
-        """Admit and prefill queued rows, decode one chunk, and read the boundary."""
-        s, sched = self.sampler, self.sched
-        if self.state is None:
-            self.state = s.start_jit(params, rows=self.rows, pages=self.alloc.pages)
-        admitted = sched.admit()
-        if admitted:
-            for _, r in admitted:  # a row (re)starts from its first token
-                self.versions[r], self.marks[r] = -1, 0
-            w = max(self.groups[self.row_group[r]]["width"] for _, r in admitted)
-            self.state = s._prefill(params, self.state, admitted, self.tokens[:, -w:], self.mask[:, -w:], self.keys,
-                                    self.impl, self.alloc)
-        if not sched.live():
+        """One chunk of the engine under ``params`` (policy ``version``), its finished
+        rows handed to their groups (host copies)."""
+        self.engine.update_weights(params, version)
+        progress = self.engine.step()
+        if progress.idle:
             raise RuntimeError("partial rollouts: nothing is queued or decoding, yet the batch is short")
-        idx, table = sched.selection()
-        slot_rows = np.asarray(sched.slot_row, np.int32)[idx]
-        self.state = s.decode_jit(params, self.state, s._place(table, ("batch", None)), s._place(idx, ("batch",)),
-                                  s._place(slot_rows, ("batch",)), self.keys, None, key_impl=self.impl)
-        self._boundary(version)
-
-    def _boundary(self, version: int) -> None:
-        """The chunk boundary: version the tokens drawn since the last one, hand finished
-        rows to their groups (host copies), free their slots and grow the live ones."""
-        st = self.state
-        done, lengths = (np.asarray(x) for x in jax.device_get((st.done, st.lengths)))
-        slots = [s for s, r in enumerate(self.sched.slot_row) if r >= 0]
-        rows = np.asarray([self.sched.slot_row[s] for s in slots], np.int64)
-        drawn = np.asarray([lengths[s] for s in slots], np.int64) - self.sched.prompt_len[rows] + 1
-        mark_versions(self.versions, self.marks, rows=rows, drawn=drawn, version=version)
-        ended = sorted(int(self.sched.slot_row[s]) for s in slots if done[s])
-        if ended:
-            got = jax.device_get((st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour))
-            got = [None if a is None else np.asarray(a) for a in got]
+        if progress.finished:
+            ended = sorted(progress.finished)
+            got = self.engine.read(ended)
             finished = set()
-            for r in ended:
+            for i, r in enumerate(ended):
                 g = self.row_group[r]
-                self.groups[g]["done"][r] = tuple(None if a is None else a[r].copy() for a in got) + (
-                    self.versions[r].copy(),)
+                self.groups[g]["done"][r] = tuple(None if a is None else a[i].copy() for a in (
+                    got.tokens, got.mask, got.logprobs, got.lengths, got.truncated, got.behaviour_logprobs)) + (
+                    got.versions[i].copy(),)
                 if len(self.groups[g]["done"]) == self.K:
                     finished.add(g)
             self.ready.extend(sorted(finished))  # one boundary's groups: in data order
-        self.sched.sync(done, lengths)
 
     # ------------------------------------------------------------------ a batch
 
@@ -286,14 +230,14 @@ class PartialStream:
             for r in self.groups.pop(g)["rows"]:
                 self.free.append(r)
                 del self.row_group[r]
-        in_flight = sum(1 for r in self.sched.slot_row if r >= 0) + len(self.sched.queue)
+        in_flight = self.engine.in_flight()
         rollout.metrics.update({"partial/in_flight_rows": in_flight, "partial/ready_groups": len(self.ready)})
         rollout.rollout_s = time.perf_counter() - t0
         return rollout, versions, picked
 
     def _rollout(self, picked: list[int], sample_group: bool) -> tuple[StepRollout, np.ndarray]:
         """The picked groups' rows as a step's record (scored with the task's rewards)."""
-        c, s, K = self.c, self.sampler, self.K
+        c, s, K = self.c, self.engine, self.K
         rows = [r for g in picked for r in self.groups[g]["rows"]]  # b*K + j: sample j of group b
         done = [self.groups[self.row_group[r]]["done"][r] for r in rows]
         tokens, mask, logprobs, out_len, truncated, behaviour, versions = (
@@ -306,8 +250,8 @@ class PartialStream:
             return jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx])
 
         out = RolloutOutput(
-            prompt_tokens=put(self.tokens[rows, -w:], ("batch", "length"), np.int32),
-            prompt_mask=put(self.mask[rows, -w:], ("batch", "length"), np.int32),
+            prompt_tokens=put(self.prompts[rows, -w:], ("batch", "length"), np.int32),
+            prompt_mask=put(self.prompt_masks[rows, -w:], ("batch", "length"), np.int32),
             tokens=put(tokens, ("batch", "length"), np.int32), mask=put(mask, ("batch", "length"), np.int32),
             lengths=put(out_len, ("batch",), np.int32), truncated=put(truncated, ("batch",), bool),
             logprobs=put(logprobs, ("batch", "length"), np.float32),
@@ -324,7 +268,7 @@ class PartialStream:
         if sample_group:
             g = picked[0]
             group = SampleGroup(c.prompts.examples[self._example(g)], texts[:K], totals[:K], None,
-                                [int(n) for n in mask.sum(axis=1)[:K]], int(self.mask[rows[0]].sum()))
+                                [int(n) for n in mask.sum(axis=1)[:K]], int(self.prompt_masks[rows[0]].sum()))
         rollout = StepRollout(
             output=out, rewards=rewards, rewards_by_fn=by_fn_g, logged_rewards=rewards, logged_by_fn=by_fn_g,
             reward_names=list(by_fn), reward_errors=c.programs.row_sums(to_global(failed, sharding)),
@@ -344,7 +288,7 @@ class PartialRollouts:
 
     def __init__(self, collector: Any, *, max_staleness: int):
         sampler = collector.sampler
-        if getattr(sampler, "loss_mask", False) or not hasattr(sampler, "stream"):
+        if sampler.loss_mask or not sampler.streams:
             raise UserError(
                 "train.async.partial_rollouts=true needs the single-turn continuous engine (rollout.engine: "
                 f"continuous); this run's sampler is {type(sampler).__name__} (a task with tools rolls out "
@@ -377,4 +321,4 @@ class PartialRollouts:
         return {"partial_trained_ahead": sorted(self.ledger.ahead)}
 
 
-__all__ = ["Ledger", "PartialRollouts", "PartialStream", "mark_versions", "oldest_versions", "token_staleness"]
+__all__ = ["Ledger", "PartialRollouts", "PartialStream", "oldest_versions", "token_staleness"]

@@ -86,6 +86,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from grpo.core.rollout_engine import RolloutEngine, RolloutOutput, Sampled
 from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
 from grpo.models.decoder import CACHE_AXES, KVCache, positions_from_mask
@@ -153,40 +154,6 @@ class SamplingParams:
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
-class RolloutOutput(NamedTuple):
-    """A rollout; every array is global, batch B = P*K, row ``b*K + j`` is sample j of
-    prompt b."""
-
-    prompt_tokens: jax.Array  # [B, Lp] int32, prompts repeated K times, left-aligned
-    prompt_mask: jax.Array  # [B, Lp] int32
-    tokens: jax.Array  # [B, N] int32 completion tokens (pad_id after the stop)
-    mask: jax.Array  # [B, N] int32: 1 on generated tokens up to and including the stop token
-    lengths: jax.Array  # [B] int32 = mask.sum(1)
-    truncated: jax.Array  # [B] bool: hit max_new_tokens without a stop token
-    # [B, N] float32 log_softmax(logits / T)[token] over the full vocabulary (what the
-    # trainer computes: the sampler/trainer gap metrics); 0 where mask is 0.
-    logprobs: jax.Array
-    # [B, N] int32, multi-turn only: 1 on the model's own tokens (``mask`` also covers the
-    # inserted environment tokens, which are attended to but never trained on); None: = mask.
-    loss_mask: jax.Array | None = None
-    # [B, N] float32, with top-k/top-p only: the behaviour log-probs, under the truncated
-    # distribution renormalised over its kept tokens (0 where mask or loss_mask is 0);
-    # None: no filter, the behaviour log-probs are ``logprobs`` (see :attr:`behaviour`).
-    behaviour_logprobs: jax.Array | None = None
-    # [B, N] int32, partial rollouts only (``train.async.partial_rollouts``): the policy
-    # version (optimizer steps applied) that drew each token, -1 where mask is 0; a row
-    # that went on across a weight change holds several. None: one version per rollout.
-    versions: jax.Array | None = None
-
-    @property
-    def behaviour(self) -> jax.Array:
-        """The behaviour policy's log-probs [B, N] of the sampled tokens: under the
-        distribution that drew them (top-k/top-p truncated and renormalised), what
-        importance weights against the sampler use (``loss.mismatch``). Without a filter
-        it is ``logprobs`` itself, the same array."""
-        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
-
-
 class Prefilled(NamedTuple):
     """What prefill hands to decode (batch already B = P*K)."""
 
@@ -215,23 +182,6 @@ class Texts(collections.abc.Sequence):
 
     def __iter__(self):
         return iter(self[:])
-
-
-@dataclasses.dataclass
-class Sampled:
-    """What one rollout gives, whatever the sampler: the rows as global device arrays and
-    what the host knows of this process's rows (lists in global row order).
-
-    ``texts`` are what reward functions score (a multi-turn row's last model turn;
-    single-turn rows are detokenized when read, :class:`Texts`);
-    ``examples`` are the rows' examples (a multi-turn row's carries its trajectory in
-    ``messages``); ``episodes`` is the multi-turn host record (turns, tool counters, host
-    seconds: :class:`~grpo.engine.rollout.multiturn.Episodes`), None for single-turn."""
-
-    output: RolloutOutput
-    texts: Sequence[str]
-    examples: list[dict[str, Any]]
-    episodes: Any = None
 
 
 # --------------------------------------------------------------------------- plan
@@ -334,7 +284,7 @@ def run_chunks(step: Any, state: Any, *, first: int, n_chunks: int, chunk: int, 
 # --------------------------------------------------------------------------- samplers
 
 
-class BaseSampler:
+class BaseSampler(RolloutEngine):
     """What every sampler shares: prefill, placement and sharding of rows, keys and the KV
     cache. Subclasses implement :meth:`sample` (the one rollout interface) and
     :meth:`lowerings` (their programs, for ``grpo plan``).

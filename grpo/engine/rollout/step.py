@@ -17,7 +17,7 @@ The collector owns everything between the data order and the update batch:
    the host with the update's own advantage functions). A short step's filler groups are
    marked (``StepRollout.filler``): the trainer gives them exactly zero advantage. On
    the continuous engine the groups stream instead (:class:`_Stream`, through
-   :meth:`~grpo.engine.rollout.continuous.ContinuousSampler.stream`): prompts fed at
+   :func:`~grpo.engine.rollout.feeders.stream`): prompts fed at
    chunk boundaries, groups scored as they finish, the first informative ones in finish
    order kept (:class:`~grpo.engine.rollout.dynamic_sampling.StreamFilter`).
 3. **Down-sampling** (PODS, ``train.down_sampling``): ``keep`` rows of each group the
@@ -46,7 +46,7 @@ import numpy as np
 from grpo.core.errors import UserError
 from grpo.engine.parallel.mesh import mesh_processes
 from grpo.engine.parallel.rows import local_rows, to_global
-from grpo.engine.rollout.continuous import StreamFeeder
+from grpo.engine.rollout.feeders import StreamFeeder, stream
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down_sample, selection_scores
 from grpo.engine.rollout.prompts import PromptSet, bucket_for, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
@@ -313,10 +313,10 @@ class StepCollector:
             ds.keep is not None and (ds.rule == "random" or train.advantage.credit == "turn"))
 
     def _streams(self) -> bool:
-        """Whether dynamic sampling streams groups (a single-turn sampler with
-        :meth:`~grpo.engine.rollout.continuous.ContinuousSampler.stream`, one process)
-        instead of rolling out rounds."""
-        return (self.config.train.dynamic_sampling.enabled and hasattr(self.sampler, "stream")
+        """Whether dynamic sampling streams groups (a single-turn engine that streams
+        rows, :func:`~grpo.engine.rollout.feeders.stream`, one process) instead of rolling
+        out rounds."""
+        return (self.config.train.dynamic_sampling.enabled and self.sampler.streams
                 and not self.sampler.loss_mask and self.programs.process_count == 1)
 
     def _picked_rounds(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
@@ -362,8 +362,8 @@ class StepCollector:
         t0 = time.perf_counter()
         feeder = _Stream(self, step, position)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-        out = self.sampler.stream(params(), feeder, rng, rows=feeder.filter.limit * k, prompt_length=feeder.width,
-                                  round_rows=p * k)
+        out = stream(self.sampler, params(), feeder, rng, rows=feeder.filter.limit * k, prompt_length=feeder.width,
+                     round_rows=p * k)
         groups, filled = feeder.filter.picks()
         rows = np.asarray([g * k + j for g in groups for j in range(k)])
         full = np.concatenate([feeder.scores[g][0] for g in groups])

@@ -10,7 +10,8 @@ import pytest
 
 from _runs import _config, preempted_and_resumed
 
-from grpo.engine.rollout.partial import Ledger, mark_versions, oldest_versions, token_staleness
+from grpo.engine.rollout.paged.core import mark_versions
+from grpo.engine.rollout.partial import Ledger, oldest_versions, token_staleness
 from grpo.engine.runs.metrics import read_metrics
 from grpo.engine.trainer import Trainer
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from grpo.engine.rollout.paged import PageAllocator, PoolExhausted
+from grpo.engine.rollout.paged.pages import PageAllocator, PoolExhausted
 
 
 def test_random_grow_and_free_never_leaks_or_shares_pages():

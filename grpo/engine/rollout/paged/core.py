@@ -1,0 +1,221 @@
+"""The continuous engine's one loop: schedule -> run -> read the boundary.
+
+:class:`EngineCore` drives a :class:`~grpo.engine.rollout.paged.scheduler.Scheduler` (the
+queue, the slots, refill and eviction over the page allocator) and a runner:
+
+- :class:`DeviceRunner`: the engine's jitted programs (prefill, decode) over the device
+  state, reading three [slots] arrays at each chunk boundary;
+- the multi-turn rows' runner (:mod:`grpo.engine.rollout.continuous_multiturn`): the
+  same, appending a returning row's next turn into its pages instead of prefilling it;
+- :class:`SimulatedRunner`: no model, rows of known lengths (what ``grpo plan
+  --lengths`` costs).
+
+One :meth:`EngineCore.step` is one chunk: the live rows are given the pages of the chunk
+(evicting while the pool is short), queued rows are admitted into free slots and
+prefilled, every live slot decodes ``chunk`` steps, and the boundary is read: the rows
+that finished leave their slots (:class:`~grpo.core.rollout_engine.Progress`). Between two
+steps a caller may submit rows, read finished ones, continue a multi-turn row or hand the
+engine new weights: whatever runs next reads them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import jax
+import numpy as np
+
+from grpo.core.rollout_engine import Progress
+from grpo.engine.rollout.paged.scheduler import Scheduler
+
+
+class Runner(Protocol):
+    """What executes a schedule (the device programs or a cost model)."""
+
+    def admit(self, admitted: list[tuple[int, int]]) -> None:
+        """Prefill the admitted ``(slot, row)`` pairs."""
+
+    def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
+        """One chunk of the slots ``idx`` over their page tables."""
+
+    def boundary(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each slot's ``done`` and ``lengths`` [slots] on the host."""
+
+
+def mark_versions(versions: np.ndarray, marks: np.ndarray, *, rows: np.ndarray, drawn: np.ndarray,
+                  version: int) -> None:
+    """Record that ``rows`` [n] have drawn ``drawn`` [n] tokens by now, those past their
+    ``marks`` (tokens already versioned) under ``version`` (in place: ``versions`` [R, N],
+    ``marks`` [R])."""
+    for r, d in zip(rows, drawn):
+        versions[r, marks[r]:d] = version
+        marks[r] = max(marks[r], d)
+
+
+class EngineCore:
+    """The one continuous-batching loop over ``scheduler`` and ``runner``.
+
+    ``versions``: keep every token's policy version (``[rows, cap]`` on the host, -1
+    undrawn), stamped at each boundary with :attr:`version` (what
+    :meth:`~grpo.core.rollout_engine.RolloutEngine.update_weights` set)."""
+
+    def __init__(self, scheduler: Scheduler, runner: Runner, *, rows: int, versions: bool = False):
+        self.sched, self.runner = scheduler, runner
+        self.version = 0
+        self.versions = np.full((rows, scheduler.cap), -1, np.int64) if versions else None
+        self.marks = np.zeros(rows, np.int64)
+        self.chunks = self.slot_steps = 0
+        self._grow: np.ndarray | None = None  # the last boundary's lengths: live rows grow at the next step
+
+    # ------------------------------------------------------------------ rows
+
+    def submit(self, ids: np.ndarray, prompt_len: np.ndarray) -> None:
+        """Queue rows ``ids`` (after those already queued) whose prompts hold ``prompt_len`` tokens."""
+        self.sched.prompt_len[ids] = prompt_len
+        self.sched.queue.extend(int(r) for r in ids)
+
+    def in_flight(self) -> int:
+        """Rows decoding or queued."""
+        return sum(1 for r in self.sched.slot_row if r >= 0) + len(self.sched.queue)
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> Progress:
+        """One chunk (see the module docstring); ``idle`` when nothing was left to run."""
+        sched = self.sched
+        if self._grow is not None:
+            sched.grow_live(self._grow)
+            self._grow = None
+        admitted = sched.admit()
+        if admitted:
+            if self.versions is not None:  # a row (re)starts from its first token
+                for _, r in admitted:
+                    self.versions[r], self.marks[r] = -1, 0
+            self.runner.admit(admitted)
+        if not sched.live():
+            return Progress(idle=True)
+        idx, table = sched.selection()
+        self.runner.decode(idx, table, np.asarray(sched.slot_row, np.int32)[idx])
+        self.chunks += 1
+        self.slot_steps += len(idx) * sched.chunk
+        done, lengths = self.runner.boundary()
+        if self.versions is not None:
+            slots = [s for s, r in enumerate(sched.slot_row) if r >= 0]
+            rows = np.asarray([sched.slot_row[s] for s in slots], np.int64)
+            drawn = np.asarray([lengths[s] for s in slots], np.int64) - sched.prompt_len[rows] + 1
+            mark_versions(self.versions, self.marks, rows=rows, drawn=drawn, version=self.version)
+        finished = sched.release_done(done, lengths)
+        self._grow = lengths
+        return Progress(finished=tuple(finished))
+
+    def run(self) -> None:
+        """Step until nothing is queued or running."""
+        while not self.step().idle:
+            pass
+
+    def stats(self) -> dict[str, Any]:
+        """The schedule's figures so far (``last_stats``)."""
+        s, a = self.sched, self.sched.alloc
+        return {"slots": a.slots, "chunk": s.chunk, "page_size": a.page_size, "chunks": self.chunks,
+                "peak_pages": a.peak, "pool_pages": a.pages, "evictions": s.evictions, "prefills": s.prefills,
+                "slot_steps": self.slot_steps}
+
+
+class DeviceRunner:
+    """The engine's programs over its device state (:class:`~grpo.engine.rollout.continuous.SlotState`).
+
+    ``tokens``/``mask`` [rows, Lp] hold every row's prompt (left-aligned), ``widths``
+    [rows] the prompt width each row's prefill pads to (rows admitted together pad to
+    the widest: the static step's bucket), ``keys`` the rollout key (row ``r`` draws from
+    ``fold_in(key, r)``) or each row's key [rows, ...] and ``impl`` its PRNG impl,
+    ``stop_at`` [rows] (benchmarks) forced stop lengths. ``params`` is read at every
+    program: a caller that swaps it between steps (partial rollouts) decodes the next
+    chunk under the new weights."""
+
+    def __init__(self, engine: Any, alloc: Any, *, tokens: np.ndarray, mask: np.ndarray, keys: Any, impl: str | None,
+                 params: Any = None, widths: np.ndarray | None = None, stop_at: Any = None):
+        self.engine, self.alloc = engine, alloc
+        self.tokens, self.mask = tokens, mask
+        self.widths = np.full(len(tokens), tokens.shape[1], np.int64) if widths is None else widths
+        self.keys, self.impl, self.stop_at, self.params = keys, impl, stop_at, params
+        self.state = None
+
+    def start(self) -> None:
+        if self.state is None:
+            self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages)
+
+    def admit(self, admitted: list[tuple[int, int]]) -> None:
+        self.start()
+        w = int(max(self.widths[r] for _, r in admitted))
+        self.state = self.engine.prefill_rows(self.params, self.state, admitted, self.tokens[:, -w:],
+                                              self.mask[:, -w:], self.keys, self.impl, self.alloc, self.stop_at)
+
+    def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
+        place = self.engine._place
+        self.state = self.engine.decode_jit(self.params, self.state, place(table, ("batch", None)),
+                                            place(idx, ("batch",)), place(slot_rows, ("batch",)), self.keys,
+                                            self.stop_at, key_impl=self.impl)
+
+    def boundary(self) -> tuple[np.ndarray, np.ndarray]:
+        return tuple(on_host(self.state.done, self.state.lengths))
+
+    def read(self, ids: list[int]) -> tuple[np.ndarray | None, ...]:
+        """Rows ``ids``' outputs on the host: tokens, mask, logprobs, out_len, truncated,
+        behaviour (None without a filter)."""
+        st = self.state
+        got = jax.device_get((st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour))
+        return tuple(None if a is None else np.asarray(a)[ids] for a in got)
+
+
+class SimulatedRunner:
+    """Rows of known lengths (``completions`` [rows], ``prompt_len`` [rows]) and no model:
+    each live slot advances up to a chunk of steps a chunk, and a row is done once it
+    holds its completion. ``trace`` (a list) receives one entry per prefill batch
+    (``{"prefill": rows}``) and per chunk (``{"idx", "width", "lengths", "advance"}``:
+    the slots decoded, their page-table width, cached tokens at the chunk's start and
+    the steps each is live)."""
+
+    def __init__(self, sched: Scheduler, *, prompt_len: np.ndarray, completions: np.ndarray,
+                 trace: list | None = None):
+        self.sched, self.plen, self.comp, self.trace = sched, prompt_len, completions, trace
+        S = sched.alloc.slots
+        self.drawn = np.zeros(S, np.int64)  # tokens the slot's row has drawn (its step count)
+        self.lengths = np.zeros(S, np.int64)  # tokens of the row in its pages
+
+    def admit(self, admitted: list[tuple[int, int]]) -> None:
+        for slot, row in admitted:  # the prefill draws step 0
+            self.drawn[slot], self.lengths[slot] = 1, self.plen[row]
+        if self.trace is not None:
+            self.trace.append({"prefill": len(admitted)})
+
+    def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
+        rows = np.asarray(self.sched.slot_row)
+        live = rows >= 0
+        steps = np.where(live, np.clip(self.comp[np.maximum(rows, 0)] - self.drawn, 0, self.sched.chunk), 0)
+        if self.trace is not None:
+            self.trace.append({"idx": idx, "width": table.shape[1], "lengths": self.lengths[idx].copy(),
+                               "advance": steps[idx].copy()})
+        self.drawn, self.lengths = self.drawn + steps, self.lengths + steps
+
+    def boundary(self) -> tuple[np.ndarray, np.ndarray]:
+        rows = np.asarray(self.sched.slot_row)
+        return (rows >= 0) & (self.drawn >= self.comp[np.maximum(rows, 0)]), self.lengths
+
+
+def on_host(*arrays: Any) -> list[np.ndarray]:
+    """Each of ``arrays`` whole, as numpy, on every process: the host scheduler reads the
+    prompts and each chunk's done/lengths, and every process must run the very same
+    schedule (the programs it launches are collectives over every process's devices).
+    A global array whose shards span several processes is gathered from all of them
+    (``process_allgather``: a collective, so every process calls this at the same
+    point); numpy inputs are already every process's whole copy (evaluation's batches)."""
+    spans = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in arrays]
+    gathered = iter([])
+    if any(spans):
+        from jax.experimental import multihost_utils
+
+        gathered = iter(multihost_utils.process_allgather([x for x, s in zip(arrays, spans) if s], tiled=True))
+    return [np.asarray(next(gathered) if s else jax.device_get(x)) for x, s in zip(arrays, spans)]
+
+
+__all__ = ["DeviceRunner", "EngineCore", "Runner", "SimulatedRunner", "mark_versions", "on_host"]
