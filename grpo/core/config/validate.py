@@ -1,0 +1,271 @@
+"""Checks across the config: pydantic errors as one problem each, the chosen plugins and
+their options, checks across sections, and (given a topology) the mesh layout.
+
+Every problem names the dotted field path and the value received; all are reported at
+once in a :class:`~grpo.core.errors.ConfigError`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from pydantic import BaseModel, ValidationError
+
+from grpo.core.config.schema import ModelConfig, RunConfig
+from grpo.core.contracts.attention import auto_attention
+from grpo.core.contracts.mesh import MeshLayout, Topology
+from grpo.core.errors import ConfigError, PluginError, UserError
+
+# Where each plugin kind is chosen in the config: kind -> (section, name field).
+PLUGIN_FIELDS: dict[str, tuple[str, str]] = {
+    "mesh": ("mesh", "policy"),
+    "rollout": ("rollout", "style"),
+    "loss": ("loss", "impl"),
+    "objective": ("loss", "objective"),
+    "task": ("task", "name"),
+    "engine": ("rollout", "engine"),
+}
+# Where a kind's options live when not in ``<section>.options``.
+OPTION_FIELDS: dict[str, str] = {"objective": "objective_options", "engine": "engine_options"}
+
+
+def _fmt_loc(loc: tuple[Any, ...], prefix: str = "") -> str:
+    out = prefix
+    for part in loc:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            out += ("." if out else "") + str(part)
+    return out or "(top level)"
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
+    problems = []
+    for e in err.errors():
+        loc = tuple(p for p in e["loc"] if p not in ("function-after",))
+        where = _fmt_loc(loc, prefix)
+        msg = e["msg"]
+        if msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field (check the spelling; `grpo config schema` lists the fields)"
+        if e["type"] == "missing":
+            problems.append(f"{where}: required field is missing")
+        elif e["type"] == "value_error" and (not loc or where in msg):
+            # Cross-field checks name their own fields and values (within ``prefix``).
+            problems.append(f"{prefix}: {msg}" if prefix and not loc else msg)
+        else:
+            problems.append(f"{where}: {msg} (got {_short(e.get('input'))})")
+    return problems
+
+
+@dataclasses.dataclass(frozen=True)
+class Selected:
+    """A chosen plugin and its validated options."""
+
+    kind: str
+    plugin: Any
+    options: BaseModel
+    provider: str
+
+
+def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected]:
+    """Look up each chosen plugin and validate its options (raises ConfigError)."""
+    from grpo.core.plugins import get_plugins
+
+    plugins = plugins or get_plugins()
+    problems: list[str] = []
+    selected: dict[str, Selected] = {}
+    for kind, (section, field) in PLUGIN_FIELDS.items():
+        sec = getattr(config, section)
+        name = getattr(sec, field)
+        try:
+            plugin = plugins.get(kind, name)
+            provider = plugins.registry(kind).entry(name).provider
+        except PluginError as err:
+            problems.append(f"{section}.{field}: {err}")
+            continue
+        options_field = OPTION_FIELDS.get(kind, "options")
+        try:
+            options = plugin.parse_options(getattr(sec, options_field))
+        except ValidationError as err:
+            problems.extend(validation_problems(err, prefix=f"{section}.{options_field}"))
+            continue
+        selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
+    problems += _model_problems(config, plugins)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    return selected
+
+
+def _attention_selection(
+    model: "ModelConfig", platform: str, plugins: Any = None
+) -> tuple[tuple[str, Any, BaseModel] | None, list[str]]:
+    """``((name, plugin, options), [])`` of ``model.attention`` on ``platform`` (``auto``
+    resolved), or ``(None, problems)`` naming the field."""
+    from grpo.core.plugins import get_plugins
+
+    plugins = plugins or get_plugins()
+    name = auto_attention(platform) if model.attention == "auto" else model.attention
+    try:
+        plugin = plugins.get("attention", name)
+    except PluginError as err:
+        return None, [f"model.attention: {err}"]
+    try:
+        options = plugin.parse_options(model.attention_options)
+    except ValidationError as err:
+        return None, validation_problems(err, prefix="model.attention_options")
+    problems = [f"model.attention={model.attention!r}: {p}" for p in plugin.check(platform=platform, options=options)]
+    return (None, problems) if problems else ((name, plugin, options), [])
+
+
+def attention_plugin(model: "ModelConfig", platform: str, plugins: Any = None) -> tuple[str, Any, BaseModel]:
+    """``(name, plugin, options)`` of ``model.attention`` on ``platform`` (``auto``
+    resolved); raises ConfigError naming the field for an unknown name, bad options or a
+    platform the kernel cannot run on."""
+    selection, problems = _attention_selection(model, platform, plugins)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    return selection
+
+
+def _model_problems(config: RunConfig, plugins: Any) -> list[str]:
+    """``model.architecture`` names an installed model plugin, and a random preset's
+    family when the model is random (a checkpoint's is checked when it is read)."""
+    # ``auto`` is checked once the platform is known (resolve_layout, build_model).
+    problems = [] if config.model.attention == "auto" else _attention_selection(config.model, "unknown", plugins)[1]
+    return problems + _architecture_problems(config, plugins)
+
+
+def _architecture_problems(config: RunConfig, plugins: Any) -> list[str]:
+    name = config.model.architecture
+    if name == "auto":
+        return []
+    try:
+        plugins.get("model", name)
+    except PluginError as err:
+        return [f"model.architecture: {err}"]
+    if config.model.source == "random":
+        from grpo.models.presets import preset_family
+
+        family = preset_family(config.model.random.preset)
+        if family != name:
+            return [
+                f"model.architecture={name!r} but model.random.preset={config.model.random.preset!r} is a "
+                f"{family} model; set model.architecture to {family!r} or 'auto'"
+            ]
+    return []
+
+
+def cross_field_problems(config: RunConfig) -> list[str]:
+    """Checks across sections that need no devices."""
+    problems = []
+    seqs = config.sequences_per_step
+    mb = config.train.micro_batch_size
+    group = "train.down_sampling.keep" if config.train.down_sampling.keep else "rollout.num_generations"
+    if mb is not None and seqs % mb:
+        problems.append(
+            f"train.micro_batch_size={mb} must divide the sequences per step, train.prompts_per_step "
+            f"({config.train.prompts_per_step}) x {group} ({config.group_size}) = {seqs}"
+        )
+    keep = config.train.down_sampling.keep
+    if keep is not None and keep > config.rollout.num_generations:
+        problems.append(
+            f"train.down_sampling.keep={keep} must be at most rollout.num_generations={config.rollout.num_generations} "
+            "(it keeps that many of each group's samples)"
+        )
+    mismatch = config.loss.mismatch
+    if config.loss.objective == "gspo" and mismatch is not None and mismatch.level == "token":
+        problems.append(
+            "loss.mismatch.level=token with loss.objective=gspo: GSPO weighs whole sequences (one ratio per "
+            "sequence), so a per-token weight would reweigh tokens inside a sequence; use loss.mismatch.level=sequence"
+        )
+    overlong = config.task.overlong
+    if overlong.buffer and overlong.buffer >= config.rollout.max_new_tokens:
+        problems.append(
+            f"task.overlong.buffer={overlong.buffer} must be < rollout.max_new_tokens={config.rollout.max_new_tokens} "
+            "(the penalty starts buffer tokens before the length cap)"
+        )
+    longest = config.longest_sequence
+    bin_length = config.train.packing.bin_length
+    if config.train.packing.enabled and bin_length is not None and bin_length < longest:
+        problems.append(
+            f"train.packing.bin_length={bin_length} is shorter than the longest possible sequence, {longest} tokens "
+            f"(rollout.max_prompt_length={config.rollout.max_prompt_length} + rollout.max_new_tokens={config.rollout.max_new_tokens}); a sequence is "
+            f"never split, so set it to at least {longest} or leave it unset"
+        )
+    if config.loss.epsilon_low >= 1.0:
+        problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
+    return problems
+
+
+def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
+    """``train.advantage.reward_turns`` names rewards of the task (or task.overlong's)."""
+    named = config.train.advantage.reward_turns
+    if not named:
+        return []
+    known = list(task.plugin.reward_functions(options=task.options)) + ["overlong"]
+    stray = sorted(set(named) - set(known))
+    if not stray:
+        return []
+    return [
+        f"train.advantage.reward_turns: task {config.task.name!r} has no reward named {', '.join(map(repr, stray))}; "
+        f"its rewards are {', '.join(known)}"
+    ]
+
+def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None) -> MeshLayout:
+    """The mesh layout for this topology, after every topology-dependent check."""
+    selected = select_plugins(config, plugins)
+    mesh = selected["mesh"]
+    try:
+        layout = mesh.plugin.resolve(topology, mesh.options)
+    except UserError as err:
+        raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
+    problems: list[str] = []
+    problems += _attention_selection(config.model, topology.platform, plugins)[1]
+    style = selected["rollout"]
+    problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
+    loss = selected["loss"]
+    problems += loss.plugin.check(layout=layout, options=loss.options)
+    shards = style.plugin.rollout_shards(layout=layout, topology=topology, options=style.options)
+    seqs = config.rollout_sequences_per_step
+    if seqs % shards:
+        problems.append(
+            f"the rollout batch of {seqs} sequences (train.prompts_per_step={config.train.prompts_per_step} x "
+            f"rollout.num_generations={config.rollout.num_generations}) must divide evenly over the {shards} "
+            f"rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape}"
+        )
+    keep = config.train.down_sampling.keep
+    if keep is not None and config.sequences_per_step % shards:
+        problems.append(
+            f"the down-sampled batch of {config.sequences_per_step} sequences (train.prompts_per_step="
+            f"{config.train.prompts_per_step} x train.down_sampling.keep={keep}) must divide evenly over the "
+            f"{shards} rollout shards of rollout.style={config.rollout.style} on mesh {layout.shape} (it is "
+            "gathered in the rollout's layout)"
+        )
+    # The prompts themselves need not divide over the rollout shards: prefill shards them
+    # over the largest part of the batch axes they divide (replicated at worst), and the
+    # decode batch of prompts x generations is what is split. Each process feeds its own
+    # prompts, though.
+    prompts = config.train.prompts_per_step
+    if prompts % topology.process_count:
+        problems.append(
+            f"train.prompts_per_step={prompts} must divide evenly over the {topology.process_count} processes: "
+            "each process reads and scores its own prompts"
+        )
+    train_shards = layout.dp * layout.fsdp
+    mb = config.micro_batch_size
+    if mb % train_shards:
+        problems.append(
+            f"the micro-batch of {mb} sequences (train.micro_batch_size, or the whole batch when unset) must "
+            f"divide evenly over dp x fsdp = {train_shards} devices on mesh {layout.shape}"
+        )
+    if problems:
+        raise ConfigError("Invalid config for this topology:", problems=problems)
+    return layout
