@@ -167,7 +167,7 @@ class RunPrograms:
         :class:`~grpo.engine.rollout.sampler.Sampler`; ``continuous`` the
         :class:`~grpo.engine.rollout.continuous.ContinuousSampler`. All are called the
         same way (``sample``) and lower their own programs for the plan (``lowerings``)."""
-        from grpo.core.contracts import EngineContext
+        from grpo.core.contracts import EngineContext, as_engine
         from grpo.engine.rollout.sampler import SamplingParams
 
         r = self.config.rollout
@@ -198,7 +198,7 @@ class RunPrograms:
             context = EngineContext(graphdef=self.graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
                                     detokenize=self.detokenize, conversations=self.conversations,
                                     multi_turn=self.multi_turn)
-            self._samplers[key] = plugin.build(context, options)
+            self._samplers[key] = as_engine(plugin.build(context, options), name=plugin.name)
         return self._samplers[key]
 
     def _engine(self) -> tuple[Any, Any]:

@@ -24,7 +24,18 @@ from __future__ import annotations
 
 from grpo.core.contracts.attention import ATTENTION_PLATFORMS, AUTO_ATTENTION, AttentionPlugin, auto_attention
 from grpo.core.contracts.base import NoOptions, PluginOptions, _PluginBase
-from grpo.core.contracts.engine import EngineContext, RolloutEnginePlugin
+from grpo.core.contracts.engine import (
+    EngineContext,
+    FinishedRows,
+    NotPlanned,
+    Progress,
+    RolloutEngine,
+    RolloutEnginePlugin,
+    RolloutOutput,
+    Rows,
+    Sampled,
+    as_engine,
+)
 from grpo.core.contracts.loss import (
     Aggregation,
     LossPlugin,
@@ -79,7 +90,15 @@ __all__ = [
     "ParsedTurn",
     "PluginOptions",
     "RewardFn",
+    "FinishedRows",
+    "NotPlanned",
+    "Progress",
+    "RolloutEngine",
     "RolloutEnginePlugin",
+    "RolloutOutput",
+    "Rows",
+    "Sampled",
+    "as_engine",
     "RolloutLayout",
     "RolloutStyle",
     "Rules",

@@ -1,14 +1,277 @@
-"""The rollout engine contract: what turns a step's prompts and the current weights into rows."""
+"""The rollout engine contract: what turns a step's prompts and the current weights into rows.
+The rollout-engine contract: how weights and rows enter an engine and how finished
+rows leave it (after the engine cores of serving engines: vLLM v1's
+``add_request``/``step``, Tunix's ``BaseRollout``).
+
+An engine is what a :class:`~grpo.core.contracts.RolloutEnginePlugin` builds. Every
+caller in grpo talks to it through these methods and nothing else:
+
+- :meth:`RolloutEngine.update_weights` ``(params, version)``: the one place weights enter
+  (a JAX engine keeps a reference; an external server is pushed the new weights; later,
+  quantization at sync happens here). ``version`` is the policy version (optimizer steps
+  applied) that every token drawn from then on is stamped with.
+- :meth:`RolloutEngine.submit` ``(rows)``: :class:`Rows` to roll out, each with its id and
+  its own PRNG key (so a row's samples never depend on batching or slots).
+- :meth:`RolloutEngine.step`: advance one unit of work (a chunk of decode steps) and say
+  which rows finished (:class:`Progress`); :meth:`RolloutEngine.read` hands their
+  tokens, masks, both log-probs, per-token policy versions and finish reason
+  (:class:`FinishedRows`).
+- :meth:`RolloutEngine.abort` ``(ids)``: drop rows (queued or decoding);
+  :meth:`RolloutEngine.pause`: hold everything at the current boundary (a weight change
+  mid-flight: the rows in flight go on under the next weights).
+
+Feeders built on these alone: one batch (:meth:`RolloutEngine.sample`, what the trainer
+and the evaluator call), streaming dynamic sampling, partial rollouts, multi-turn turns
+and the plan's simulation. An engine without a streaming core (the static engine, or an
+external one) only needs :meth:`RolloutEngine.sample`: the default
+:meth:`submit`/:meth:`step` run the submitted rows as one batch.
+
+Planning methods (:meth:`RolloutEngine.lowerings`, :meth:`RolloutEngine.cache_bytes`,
+:meth:`RolloutEngine.simulate`, ...) are optional: their defaults raise
+:class:`NotPlanned`, and ``grpo plan`` then reports the engine as "not planned" instead
+of failing.
+
+This module imports neither JAX nor NumPy (``grpo.core`` stays light): arrays are
+annotated by name.
+"""
 
 from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Mapping
+from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
 
 from pydantic import BaseModel
 
 from grpo.core.contracts.base import _PluginBase
+
+
+class NotPlanned(NotImplementedError):
+    """An engine does not implement a planning method: ``grpo plan`` says "not planned"."""
+
+
+class RolloutOutput(NamedTuple):
+    """A rollout; every array is global, batch B = P*K, row ``b*K + j`` is sample j of
+    prompt b."""
+
+    prompt_tokens: Any  # [B, Lp] int32, prompts repeated K times, left-aligned
+    prompt_mask: Any  # [B, Lp] int32
+    tokens: Any  # [B, N] int32 completion tokens (pad_id after the stop)
+    mask: Any  # [B, N] int32: 1 on generated tokens up to and including the stop token
+    lengths: Any  # [B] int32 = mask.sum(1)
+    truncated: Any  # [B] bool: hit max_new_tokens without a stop token
+    # [B, N] float32 log_softmax(logits / T)[token] over the full vocabulary (what the
+    # trainer computes: the sampler/trainer gap metrics); 0 where mask is 0.
+    logprobs: Any
+    # [B, N] int32, multi-turn only: 1 on the model's own tokens (``mask`` also covers the
+    # inserted environment tokens, which are attended to but never trained on); None: = mask.
+    loss_mask: Any = None
+    # [B, N] float32, with top-k/top-p only: the behaviour log-probs, under the truncated
+    # distribution renormalised over its kept tokens (0 where mask or loss_mask is 0);
+    # None: no filter, the behaviour log-probs are ``logprobs`` (see :attr:`behaviour`).
+    behaviour_logprobs: Any = None
+    # [B, N] int32, partial rollouts only (``train.async.partial_rollouts``): the policy
+    # version (optimizer steps applied) that drew each token, -1 where mask is 0; a row
+    # that went on across a weight change holds several. None: one version per rollout.
+    versions: Any = None
+
+    @property
+    def behaviour(self) -> Any:
+        """The behaviour policy's log-probs [B, N] of the sampled tokens: under the
+        distribution that drew them (top-k/top-p truncated and renormalised), what
+        importance weights against the sampler use (``loss.mismatch``). Without a filter
+        it is ``logprobs`` itself, the same array."""
+        return self.logprobs if self.behaviour_logprobs is None else self.behaviour_logprobs
+
+
+@dataclasses.dataclass
+class Sampled:
+    """What one rollout gives, whatever the engine: the rows as global device arrays and
+    what the host knows of this process's rows (lists in global row order).
+
+    ``texts`` are what reward functions score (a multi-turn row's last model turn;
+    single-turn rows may be detokenized when read); ``examples`` are the rows' examples
+    (a multi-turn row's carries its trajectory in ``messages``); ``episodes`` is the
+    multi-turn host record (turns, tool counters, host seconds), None for single-turn."""
+
+    output: RolloutOutput
+    texts: Sequence[str]
+    examples: list[dict[str, Any]]
+    episodes: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Rows:
+    """Rows to roll out (:meth:`RolloutEngine.submit`).
+
+    - ``ids`` [n] int: the rows' ids, unique among the rows an engine holds;
+    - ``prompt_tokens``, ``prompt_mask`` [n, Lp] int32 (padded either side; every row
+      has at least one real token);
+    - ``keys`` [n, ...]: each row's PRNG key data (``jax.random.key_data``); the row
+      draws its step ``t`` from ``fold_in(key, t)``;
+    - ``widths`` [n] int or None: the prompt width each row's prefill pads to (rows
+      prefilled together pad to the widest), None: ``Lp``.
+    """
+
+    ids: Any
+    prompt_tokens: Any
+    prompt_mask: Any
+    keys: Any
+    widths: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Progress:
+    """What one :meth:`RolloutEngine.step` did: ``finished`` the ids of the rows that
+    finished in it (in the engine's order: the continuous engine's is slot order), ``idle`` True when nothing was queued or running (the
+    step did nothing)."""
+
+    finished: tuple[int, ...] = ()
+    idle: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class FinishedRows:
+    """Finished rows on the host (:meth:`RolloutEngine.read`), in the order asked:
+    ``tokens``, ``mask``, ``logprobs`` [n, N]; ``behaviour_logprobs`` [n, N] or None (no
+    top-k/top-p filter); ``lengths`` [n]; ``truncated`` [n] (finish reason: True = the
+    cap, False = a stop token); ``versions`` [n, N] the policy version of each token
+    (-1 off the mask)."""
+
+    ids: Any
+    tokens: Any
+    mask: Any
+    logprobs: Any
+    behaviour_logprobs: Any
+    lengths: Any
+    truncated: Any
+    versions: Any
+
+
+class RolloutEngine(abc.ABC):
+    """A rollout engine: weights in once per sync, rows in with their keys, finished
+    rows out (see the module docstring). ``sampling`` is the engine's
+    ``SamplingParams`` (cap, K, temperature, filters, stop and pad ids)."""
+
+    sampling: Any
+    #: The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
+    loss_mask: bool = False
+    #: The engine streams (:meth:`submit`/:meth:`step` run row by row, so streaming
+    #: dynamic sampling and partial rollouts can feed it while it runs).
+    streams: bool = False
+    #: The engine models its own schedule (:meth:`simulate`: a paged engine whose decode
+    #: ``grpo plan --lengths`` costs chunk by chunk, and whose cache is a page pool).
+    simulates: bool = False
+
+    # ------------------------------------------------------------------ weights
+
+    def update_weights(self, params: Any, version: int = 0) -> None:
+        """The weights every row drawn from now on reads (``RunPrograms.sampler_state``:
+        the rollout layout's parameters, LoRA merged or not), as policy ``version``."""
+        self._weights, self._version = params, int(version)
+
+    @property
+    def weights(self) -> Any:
+        """The weights last handed to :meth:`update_weights`."""
+        weights = getattr(self, "_weights", None)
+        if weights is None:
+            raise RuntimeError(f"{type(self).__name__}: update_weights() was never called")
+        return weights
+
+    @property
+    def version(self) -> int:
+        return getattr(self, "_version", 0)
+
+    # ------------------------------------------------------------------ one batch
+
+    @abc.abstractmethod
+    def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: Any,
+               examples: Sequence[Mapping[str, Any]]) -> Sampled:
+        """Roll out ``num_generations`` samples of each of the P prompts [P, Lp] with the
+        weights ``params`` (handed to :meth:`update_weights` first); row ``b*K + j``
+        draws from ``fold_in(rng, b*K + j)``. ``examples``: this process's rows'
+        examples."""
+
+    # ------------------------------------------------------------------ rows (streaming)
+
+    def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
+              slots: int | None = None) -> None:
+        """A session of row ids [0, ``rows``) with prompts of at most ``prompt_length``
+        tokens (what the last session held is dropped). ``key``: the rollout key (row
+        ``r`` draws from ``fold_in(key, r)``), each row's key [rows], or None (each
+        :class:`Rows` brings its own). ``versions``: stamp each token with the policy
+        version of the weights that drew it (:class:`FinishedRows`). ``slots``: run at most
+        that many rows at once (None: the engine's choice)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def submit(self, rows: Rows) -> None:
+        """Queue ``rows`` after those already queued."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def step(self) -> Progress:
+        """Advance one unit of work; the rows that finished."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def read(self, ids: Sequence[int]) -> FinishedRows:
+        """The finished rows ``ids`` on the host."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def abort(self, ids: Sequence[int]) -> None:
+        """Drop rows ``ids``, queued or running (their slots and cache are freed)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def outputs(self) -> RolloutOutput:
+        """Every row of the session as the rollout's global device arrays (row ``r`` at
+        index ``r``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def in_flight(self) -> int:
+        """Rows of the session queued or running."""
+        raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
+
+    def stats(self) -> dict[str, Any]:
+        """The session's figures so far (for the logs and benchmarks)."""
+        return {}
+
+    def pause(self) -> None:
+        """Hold every row at the current boundary: nothing runs until the next
+        :meth:`step`, which reads the weights of the latest :meth:`update_weights`. A
+        chunked engine is always at a boundary between steps, so the default does
+        nothing."""
+
+    def end(self) -> None:
+        """The rows are done with: release what the engine holds for them (its cache, the
+        weights of the last :meth:`update_weights`)."""
+        self._weights = None
+
+    # ------------------------------------------------------------------ planning (optional)
+
+    def jitted(self) -> dict[str, list[Any]]:
+        """The engine's jitted programs by name (what a run executes; ``grpo plan`` lists them)."""
+        return {}
+
+    def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: Any) -> dict[str, Any]:
+        """Each program of a rollout of ``prompts`` prompts, by name, as a zero-argument
+        lowering (``grpo plan`` compiles them)."""
+        raise NotPlanned(f"{type(self).__name__} lists no programs")
+
+    def cache_slots(self, prompt_length: int) -> int:
+        """Slots of a row's KV cache at the cap."""
+        raise NotPlanned(f"{type(self).__name__} has no cache model")
+
+    def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
+        """Per-device bytes of the rollout's KV cache."""
+        raise NotPlanned(f"{type(self).__name__} has no cache model")
+
+    def abstract_output(self, *, prompts: int, prompt_length: int) -> RolloutOutput:
+        """The :class:`RolloutOutput` of ``prompts`` prompts as abstract arrays."""
+        raise NotPlanned(f"{type(self).__name__} has no abstract output")
+
+    def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
+                 trace: list | None = None) -> dict[str, int]:
+        """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``)."""
+        raise NotPlanned(f"{type(self).__name__} has no schedule model")
+
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,38 +304,31 @@ class RolloutEnginePlugin(_PluginBase):
     """A rollout engine (``rollout.engine``; options in ``rollout.engine_options``): what
     turns a step's prompts and the current weights into rows.
 
-    :meth:`build` returns the run's sampler: an object with the one rollout interface the
-    trainer and the evaluator call::
+    :meth:`build` returns a :class:`RolloutEngine` (the contract above: weights in
+    through ``update_weights``, one batch through ``sample``, rows streamed through
+    ``begin``/``submit``/``step``/``read`` where ``streams``). Its one-batch rollout:
 
-        sampled = sampler.sample(params, prompt_tokens, prompt_mask, rng, examples)
-
-    - **New weights**: ``params`` is the policy's sampler state of this step
-      (``RunPrograms.sampler_state``: the rollout layout's parameters, LoRA merged or
-      not); an engine with its own copy (an external server) pushes them when they
-      change, i.e. once per step, before its first row.
     - **Rows with per-row keys**: ``prompt_tokens``/``prompt_mask`` [P, Lp] int32 (padded
       either side), K = ``sampling.num_generations`` rows per prompt, row ``b*K + j``.
-      Row ``r`` must draw step ``t`` from ``fold_in(fold_in(rng, r), t)``
-      (:func:`grpo.engine.rollout._sampling.row_keys` / ``step_keys``) or, for an external
-      engine, from a seed derived from ``fold_in(rng, r)``: samples then depend on the
-      row alone, never on batching or slots, and a resumed run redraws them.
-    - **Tokens and both log-probs**: a :class:`grpo.engine.rollout.sampler.Sampled`
-      whose ``output`` is a ``RolloutOutput`` of global arrays, rows sharded over the
-      rollout's batch axes: ``tokens``/``mask`` [B, N] (the stop token included, mask 1;
-      ``pad_id`` and mask 0 after it), ``lengths`` [B], ``truncated`` [B] (no stop token
-      by the cap), ``logprobs`` [B, N] float32 ``log_softmax(logits / temperature)`` over
-      the full vocabulary (what the trainer's loss computes, so the mismatch metrics
-      measure numerics) and ``behaviour_logprobs`` [B, N] under the distribution that drew
-      the token (top-k/top-p truncated and renormalised; None without a filter); ``texts``
+      Row ``r`` must draw step ``t`` from ``fold_in(fold_in(rng, r), t)`` or, for an
+      external engine, from a seed derived from ``fold_in(rng, r)``: samples then depend
+      on the row alone, never on batching or slots, and a resumed run redraws them.
+    - **Tokens and both log-probs**: a :class:`Sampled` whose ``output`` is a
+      :class:`RolloutOutput` of global arrays, rows sharded over the rollout's batch
+      axes: ``tokens``/``mask`` [B, N] (the stop token included, mask 1; ``pad_id`` and
+      mask 0 after it), ``lengths`` [B], ``truncated`` [B] (no stop token by the cap),
+      ``logprobs`` [B, N] float32 ``log_softmax(logits / temperature)`` over the full
+      vocabulary (what the trainer's loss computes, so the mismatch metrics measure
+      numerics) and ``behaviour_logprobs`` [B, N] under the distribution that drew the
+      token (top-k/top-p truncated and renormalised; None without a filter); ``texts``
       of this process's rows and its ``examples``.
 
-    ``grpo plan`` also asks the sampler for its programs: ``jitted()`` (name -> jitted
-    functions a run executes), ``lowerings(params, *, prompts, prompt_length, key)``
-    (name -> a zero-argument lowering), ``cache_slots(prompt_length)``,
-    ``cache_bytes(params, *, rows, prompt_length)`` and ``abstract_output(*, prompts,
-    prompt_length)``; :class:`grpo.engine.rollout.sampler.BaseSampler` implements them
-    for a JAX engine, and an engine outside JAX returns empty programs and 0 bytes.
-    ``build`` imports the engine's code itself (plugins stay importable without JAX).
+    ``grpo plan`` asks the engine for its programs (:meth:`RolloutEngine.jitted`,
+    :meth:`RolloutEngine.lowerings`, ...); an engine without them is reported "not
+    planned". An object that is not a :class:`RolloutEngine` (an engine written before
+    the contract, with ``sample`` alone) is wrapped by :func:`as_engine` with a
+    ``DeprecationWarning``. ``build`` imports the engine's code itself (plugins stay
+    importable without JAX).
     """
 
     multi_turn: ClassVar[bool] = False  # samples multi-turn tasks (tools, environments)
@@ -87,3 +343,40 @@ class RolloutEnginePlugin(_PluginBase):
 
     @abc.abstractmethod
     def build(self, context: EngineContext, options: BaseModel) -> Any: ...
+
+
+class _Wrapped(RolloutEngine):
+    """An engine object written before the contract (``sample`` and maybe planning
+    methods): each call forwards to it."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.sampling = getattr(inner, "sampling", None)
+        self.loss_mask = bool(getattr(inner, "loss_mask", False))
+
+    def sample(self, params, prompt_tokens, prompt_mask, rng, examples):
+        self.update_weights(params, self.version)
+        try:
+            return self.inner.sample(params, prompt_tokens, prompt_mask, rng, examples)
+        finally:
+            self.end()
+
+    def __getattr__(self, name: str) -> Any:  # planning methods and anything else it has
+        return getattr(self.__dict__["inner"], name)
+
+
+def as_engine(built: Any, *, name: str = "") -> RolloutEngine:
+    """``built`` (what :meth:`RolloutEnginePlugin.build` returned) as a
+    :class:`RolloutEngine`: itself, or an engine written before the contract wrapped so
+    that every caller can rely on the contract's methods."""
+    if isinstance(built, RolloutEngine):
+        return built
+    if not callable(getattr(built, "sample", None)):
+        raise TypeError(f"rollout engine {name!r}: build() returned {type(built).__name__}, which is neither a "
+                        "grpo.RolloutEngine nor has a sample() method")
+    import warnings
+
+    warnings.warn(f"rollout engine {name!r}: build() returned a {type(built).__name__}, not a grpo.RolloutEngine; "
+                  "it is wrapped for now. Subclass grpo.RolloutEngine (update_weights, sample; submit/step/read "
+                  "to stream): the wrapper goes in grpo 0.3.", DeprecationWarning, stacklevel=2)
+    return _Wrapped(built)

@@ -288,7 +288,7 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     out: dict[str, Cost] = {}
     # The multi-turn sampler's and the continuous engine's ``start``: the cache (the page
     # pool: its slots at the cap) written once.
-    paged = hasattr(programs.sampler(), "slots_for")
+    paged = programs.sampler().simulates  # a page pool (the continuous engine)
     if programs.multi_turn or paged:
         kv_tok = kv_bytes_per_slot(d, itemsize=m.w, kv_split=split.kv_split)
         for name, prompts, k, sampler in (("start", P, K, programs.sampler()),
@@ -297,7 +297,7 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
             if sampler is not None:
                 rows = sampler.slots_for(prompts * k) if paged else prompts * k
                 out[name] = moved(rows / split.shards * (Lp + sampler.cache_slots(Lp)) * kv_tok)
-                if hasattr(sampler, "read_jit"):  # the continuous engine's multi-turn turn reads
+                if "read" in sampler.jitted():  # the continuous engine's multi-turn turn reads
                     read = name.replace("start", "read")
                     out[read] = moved(sampler.slots_for(prompts * k) / split.shards * N * 4 * 3)
     if programs.merged_sampling and cfg.model.lora is not None and not programs.rollout.resharded:

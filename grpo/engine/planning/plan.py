@@ -561,7 +561,7 @@ class Planner:
         report = self._report(s, results, entries, costs, peaks, errors)
         if lengths is not None:
             report["packing"] = self.packing(s, entries, lengths, slice_of)
-        if hasattr(s.sampler, "simulate"):
+        if s.sampler.simulates:
             report["rollout_engine"] = engine_report(s, lengths, chip=self.topology.chip, hbm=self.hbm_bytes,
                                                      entries=entries)
         return rollout_headline(report, engine=config.rollout.engine)
@@ -638,7 +638,7 @@ class Planner:
         # the config's engine's simulated schedule.
         rollout = {"whole_s": sum(e["roofline_s"] for e in e_ro.values()), "engine": config.rollout.engine,
                    "costed_as": "programs"}
-        if hasattr(s_ro.sampler, "simulate") and lengths is not None:
+        if s_ro.sampler.simulates and lengths is not None:
             en = engine_report(s_ro, lengths, chip=self.topology.chip, hbm=self.hbm_bytes, entries=e_ro)
             best = en["steady_state_best"]
             rollout = {"whole_s": en["decode_roofline_s"] + en["prefill_roofline_s"] + e_ro["start"]["roofline_s"],

@@ -47,7 +47,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.engine.rollout._sampling import step_keys
-from grpo.core.rollout_engine import FinishedRows, Progress, Rows
+from grpo.core.contracts.engine import FinishedRows, Progress, Rows
 from grpo.engine.rollout.paged.core import DeviceRunner, EngineCore, SimulatedRunner, on_host
 from grpo.engine.rollout.paged.pages import PageAllocator
 from grpo.engine.rollout.paged.scheduler import Scheduler
@@ -78,7 +78,8 @@ class SlotState(NamedTuple):
 
 
 class ContinuousSampler(BaseSampler):
-    streams = True  # rows submitted and stepped (:class:`~grpo.core.rollout_engine.RolloutEngine`)
+    streams = True  # rows submitted and stepped (:class:`~grpo.core.contracts.engine.RolloutEngine`)
+    simulates = True  # its schedule replayed without a model (:meth:`simulate`)
 
     """Continuous batching over a paged cache; :meth:`sample` as the static sampler's.
 
@@ -117,7 +118,7 @@ class ContinuousSampler(BaseSampler):
         """A new session of ``rows`` row ids [0, rows) with prompts of at most
         ``prompt_length`` tokens (whatever the last one held is dropped). ``key``: the
         rollout key (row ``r`` draws from ``fold_in(key, r)``), each row's key [rows]
-        (typed keys), or None (every :class:`~grpo.core.rollout_engine.Rows` brings its
+        (typed keys), or None (every :class:`~grpo.core.contracts.engine.Rows` brings its
         own). ``versions``: stamp each token with its policy version. ``slots``: decode
         slots (None: :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only):
         each row stops once it has that many tokens."""

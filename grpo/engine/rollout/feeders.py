@@ -1,4 +1,4 @@
-"""Feeders over the rollout-engine contract (:class:`grpo.core.rollout_engine.RolloutEngine`):
+"""Feeders over the rollout-engine contract (:class:`grpo.core.contracts.engine.RolloutEngine`):
 what streams rows into an engine that streams (``engine.streams``), using nothing but
 ``update_weights``, ``begin``, ``submit``, ``step``, ``read`` and ``outputs``.
 
@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from grpo.core.rollout_engine import RolloutEngine, RolloutOutput, Rows
+from grpo.core.contracts.engine import RolloutEngine, RolloutOutput, Rows
 from grpo.engine.rollout._sampling import row_keys
 
 

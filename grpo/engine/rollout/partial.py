@@ -58,7 +58,7 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.engine.parallel.rows import to_global
-from grpo.core.rollout_engine import Rows
+from grpo.core.contracts.engine import Rows
 from grpo.engine.rollout._sampling import row_keys
 from grpo.engine.rollout.prompts import bucket_for, position_indices
 from grpo.engine.rollout.sampler import RolloutOutput

@@ -86,7 +86,7 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo.core.rollout_engine import RolloutEngine, RolloutOutput, Sampled
+from grpo.core.contracts.engine import RolloutEngine, RolloutOutput, Sampled
 from grpo.engine.parallel.rows import row_range
 from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
 from grpo.models.decoder import CACHE_AXES, KVCache, positions_from_mask

@@ -12,7 +12,7 @@ scheduler, KV-cache manager and engine core):
 
 Only the engine's own room imports these (``grpo.engine.rollout.continuous`` and its
 multi-turn rows); every feeder talks to the engine through the contract
-(:class:`grpo.core.rollout_engine.RolloutEngine`).
+(:class:`grpo.core.contracts.engine.RolloutEngine`).
 """
 
 from grpo.engine.rollout.paged.pages import PageAllocator, PoolExhausted

@@ -13,7 +13,7 @@ queue, the slots, refill and eviction over the page allocator) and a runner:
 One :meth:`EngineCore.step` is one chunk: the live rows are given the pages of the chunk
 (evicting while the pool is short), queued rows are admitted into free slots and
 prefilled, every live slot decodes ``chunk`` steps, and the boundary is read: the rows
-that finished leave their slots (:class:`~grpo.core.rollout_engine.Progress`). Between two
+that finished leave their slots (:class:`~grpo.core.contracts.engine.Progress`). Between two
 steps a caller may submit rows, read finished ones, continue a multi-turn row or hand the
 engine new weights: whatever runs next reads them.
 """
@@ -25,7 +25,7 @@ from typing import Any, Protocol
 import jax
 import numpy as np
 
-from grpo.core.rollout_engine import Progress
+from grpo.core.contracts.engine import Progress
 from grpo.engine.rollout.paged.scheduler import Scheduler
 
 
@@ -57,7 +57,7 @@ class EngineCore:
 
     ``versions``: keep every token's policy version (``[rows, cap]`` on the host, -1
     undrawn), stamped at each boundary with :attr:`version` (what
-    :meth:`~grpo.core.rollout_engine.RolloutEngine.update_weights` set)."""
+    :meth:`~grpo.core.contracts.engine.RolloutEngine.update_weights` set)."""
 
     def __init__(self, scheduler: Scheduler, runner: Runner, *, rows: int, versions: bool = False):
         self.sched, self.runner = scheduler, runner
