@@ -20,6 +20,7 @@ from grpo.core.config.schema import RunConfig
 from grpo.core.config.validate import (
     OPTION_FIELDS,
     PLUGIN_FIELDS,
+    _engine_problems,
     _reward_turn_problems,
     cross_field_problems,
     select_plugins,
@@ -181,7 +182,8 @@ def load_config(
     except ValidationError as err:
         raise ConfigError("Invalid config:", problems=validation_problems(err)) from None
     selected = select_plugins(config, plugins)
-    problems = cross_field_problems(config) + _reward_turn_problems(config, selected["task"])
+    problems = (cross_field_problems(config) + _reward_turn_problems(config, selected["task"])
+                + _engine_problems(config, selected.get("engine")))
     if problems:
         raise ConfigError("Invalid config:", problems=problems)
     updates: dict[str, Any] = {}

@@ -301,7 +301,7 @@ class RolloutConfig(Section):
         c = self.continuous
         prompt = self.prompt_buckets[-1] if self.prompt_buckets else self.max_prompt_length
         need = -(-(prompt + self.max_new_tokens) // c.page_size)
-        if self.engine == "continuous" and 0 < c.pool_pages < need:
+        if self.engine == "continuous" and 0 < c.pool_pages < need:  # the built-in engine's own section
             raise ValueError(
                 f"rollout.continuous.pool_pages={c.pool_pages} cannot hold one row: the longest prompt bucket ({prompt}) "
                 f"+ rollout.max_new_tokens ({self.max_new_tokens}) take {need} pages of {c.page_size} tokens; "
@@ -608,8 +608,6 @@ class RunConfig(Section):
         why = None
         if not a.enabled:
             why = "needs train.async.enabled=true"
-        elif self.rollout.engine != "continuous":
-            why = f"needs rollout.engine: continuous (got {self.rollout.engine!r})"
         elif self.train.dynamic_sampling.enabled or self.train.down_sampling.keep is not None:
             why = "does not combine with train.dynamic_sampling or train.down_sampling (a batch is the first groups to finish)"
         if why:

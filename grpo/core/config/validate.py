@@ -205,6 +205,17 @@ def cross_field_problems(config: RunConfig) -> list[str]:
     return problems
 
 
+def _engine_problems(config: RunConfig, engine: Selected | None) -> list[str]:
+    """What the run asks of its rollout engine that the engine's plugin does not offer
+    (:attr:`~grpo.core.contracts.RolloutEnginePlugin.streams`)."""
+    if engine is None or not (config.train.async_.enabled and config.train.async_.partial_rollouts):
+        return []
+    if not engine.plugin.streams:
+        return [f"train.async.partial_rollouts=true needs rollout.engine: continuous, or another engine that streams "
+                f"rows (rollout.engine={config.rollout.engine!r} rolls out whole batches)"]
+    return []
+
+
 def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
     """``train.advantage.reward_turns`` names rewards of the task (or task.overlong's)."""
     named = config.train.advantage.reward_turns

@@ -1,5 +1,4 @@
-"""The rollout engine contract: what turns a step's prompts and the current weights into rows.
-The rollout-engine contract: how weights and rows enter an engine and how finished
+"""The rollout-engine contract: how weights and rows enter an engine and how finished
 rows leave it (after the engine cores of serving engines: vLLM v1's
 ``add_request``/``step``, Tunix's ``BaseRollout``).
 
@@ -23,8 +22,9 @@ caller in grpo talks to it through these methods and nothing else:
 Feeders built on these alone: one batch (:meth:`RolloutEngine.sample`, what the trainer
 and the evaluator call), streaming dynamic sampling, partial rollouts, multi-turn turns
 and the plan's simulation. An engine without a streaming core (the static engine, or an
-external one) only needs :meth:`RolloutEngine.sample`: the default
-:meth:`submit`/:meth:`step` run the submitted rows as one batch.
+external one) implements :meth:`RolloutEngine.sample` alone and leaves ``streams``
+False: dynamic sampling then rolls out whole rounds, and ``grpo config validate`` refuses
+what needs streaming (partial rollouts) before start-up.
 
 Planning methods (:meth:`RolloutEngine.lowerings`, :meth:`RolloutEngine.cache_bytes`,
 :meth:`RolloutEngine.simulate`, ...) are optional: their defaults raise
@@ -332,6 +332,9 @@ class RolloutEnginePlugin(_PluginBase):
     """
 
     multi_turn: ClassVar[bool] = False  # samples multi-turn tasks (tools, environments)
+    #: The engine it builds streams rows (:attr:`RolloutEngine.streams`): partial rollouts
+    #: and streaming dynamic sampling need it (``grpo config validate`` checks).
+    streams: ClassVar[bool] = False
 
     def check(self, *, multi_turn: bool, options: BaseModel) -> list[str]:
         """Problems running this engine on a task (one sentence each); the default

@@ -3,16 +3,22 @@
 - ``prompts``: a task's examples rendered into prompt text (through the chat template),
   tokenized prompts, prompt-length buckets, the prompts of each step and each process's
   slice of them (the rollout's inputs).
-- ``sampler``: the one rollout interface (``sample`` -> :class:`Sampled`, ``lowerings``
-  for the plan), the shared chunked decode loop, and the single-turn jitted prefill +
-  KV-cache decode (:class:`Sampler`).
+- ``sampler``: the JAX engines' shared base (:class:`BaseSampler`, a
+  :class:`grpo.RolloutEngine`: ``sample`` -> :class:`Sampled`, ``lowerings`` for the
+  plan), the shared chunked decode loop, and the static engine's single-turn jitted
+  prefill + KV-cache decode (:class:`Sampler`).
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).
-- ``paged``: the paged KV cache's host side: which pool pages each decode slot holds
-  (:class:`PageAllocator`).
-- ``continuous``: the continuous-batching sampler over a paged KV cache
-  (``rollout.engine: continuous``, :class:`ContinuousSampler`).
+- ``paged``: the continuous engine's core: the page allocator (which pool pages each
+  decode slot holds), the scheduler (queue, slots, refill, eviction) and the one loop
+  over a runner (:class:`EngineCore`); only the engine's own modules import it.
+- ``continuous``: the continuous-batching engine over a paged KV cache
+  (``rollout.engine: continuous``, :class:`ContinuousSampler`): the rollout-engine
+  contract (:class:`grpo.RolloutEngine`: ``update_weights``, ``begin``, ``submit``,
+  ``step``, ``read``) and its jitted programs.
+- ``feeders``: what streams rows into an engine through the contract alone: streaming
+  dynamic sampling (:func:`stream`) and the row keys of a step's rounds.
 - ``continuous_multiturn``: its multi-turn rows: a row leaves its slot at a tool call,
   parks its pages, and its next turn is appended into them
   (:class:`ContinuousMultiTurnSampler`).

@@ -116,12 +116,21 @@ class ContinuousSampler(BaseSampler):
     def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
               slots: int | None = None, stop_at: Any = None) -> None:
         """A new session of ``rows`` row ids [0, rows) with prompts of at most
-        ``prompt_length`` tokens (whatever the last one held is dropped). ``key``: the
-        rollout key (row ``r`` draws from ``fold_in(key, r)``), each row's key [rows]
-        (typed keys), or None (every :class:`~grpo.core.contracts.engine.Rows` brings its
-        own). ``versions``: stamp each token with its policy version. ``slots``: decode
-        slots (None: :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only):
-        each row stops once it has that many tokens."""
+        ``prompt_length`` tokens (whatever the last one held is dropped), read by the
+        weights of :meth:`update_weights`. ``key``: the rollout key (row ``r`` draws from
+        ``fold_in(key, r)``), each row's key [rows] (typed keys), or None (every
+        :class:`~grpo.core.contracts.engine.Rows` brings its own). ``versions``: stamp
+        each token with its policy version. ``slots``: decode slots (None:
+        :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only): each row stops
+        once it has that many tokens. A session is the engine's own state: :meth:`sample`
+        runs beside it without touching it."""
+        self._core = self._new_core(rows=rows, prompt_length=prompt_length, key=key, versions=versions, slots=slots,
+                                    stop_at=stop_at, params=getattr(self, "_weights", None))
+        self._core.version = self.version
+
+    def _new_core(self, *, rows: int, prompt_length: int, key: Any, versions: bool, slots: int | None, stop_at: Any,
+                  params: Any) -> EngineCore:
+        """An engine core of ``rows`` rows over the device programs (see :meth:`begin`)."""
         S = self.slots_for(rows) if slots is None else slots
         alloc = self._allocator(prompt_length, S)
         sched = Scheduler(alloc, prompt_len=np.zeros(rows, np.int64), cap=self.sampling.max_new_tokens,
@@ -129,11 +138,9 @@ class ContinuousSampler(BaseSampler):
         sched.queue.clear()  # rows enter by submit()
         keys, impl = self.place_key(key) if key is not None else (None, None)
         runner = DeviceRunner(self, alloc, tokens=np.zeros((rows, prompt_length), np.int32),
-                              mask=np.zeros((rows, prompt_length), np.int32), keys=keys, impl=impl,
-                              params=getattr(self, "_weights", None), stop_at=stop_at)
-        self._core = EngineCore(sched, runner, rows=rows, versions=versions)
-        self._core.version = self.version
-        self._key_data: np.ndarray | None = None
+                              mask=np.zeros((rows, prompt_length), np.int32), keys=keys, impl=impl, params=params,
+                              stop_at=stop_at)
+        return EngineCore(sched, runner, rows=rows, versions=versions)
 
     def update_weights(self, params: Any, version: int = 0) -> None:
         super().update_weights(params, version)
@@ -142,7 +149,9 @@ class ContinuousSampler(BaseSampler):
             core.runner.params, core.version = params, int(version)
 
     def submit(self, rows: Rows) -> None:
-        core = self._session()
+        self._submit(self._session(), rows)
+
+    def _submit(self, core: EngineCore, rows: Rows) -> None:
         runner = core.runner
         ids = np.asarray(rows.ids, np.int64)
         if ids.size and (ids.min() < 0 or ids.max() >= len(runner.tokens)):
@@ -156,10 +165,10 @@ class ContinuousSampler(BaseSampler):
         if rows.keys is not None:  # each row's own key, on the mesh (replicated)
             runner.impl = jax.random.key_impl(rows.keys)
             data = np.asarray(jax.random.key_data(rows.keys))
-            if self._key_data is None:
-                self._key_data = np.zeros((len(runner.tokens),) + data.shape[1:], data.dtype)
-            self._key_data[ids] = data
-            runner.keys, _ = self.place_key(self._key_data)
+            if runner.key_data is None:
+                runner.key_data = np.zeros((len(runner.tokens),) + data.shape[1:], data.dtype)
+            runner.key_data[ids] = data
+            runner.keys, _ = self.place_key(runner.key_data)
         core.submit(ids, m.sum(axis=1))
 
     def step(self) -> Progress:
@@ -188,7 +197,10 @@ class ContinuousSampler(BaseSampler):
     def outputs(self) -> RolloutOutput:
         """Every row of the session as the rollout's global arrays (row ``r`` at index
         ``r``; rows never submitted are blank)."""
-        runner = self._session().runner
+        return self._outputs(self._session())
+
+    def _outputs(self, core: EngineCore) -> RolloutOutput:
+        runner = core.runner
         st, place = runner.state, self._place
         return RolloutOutput(
             prompt_tokens=place(runner.tokens, ("batch", "length")), prompt_mask=place(runner.mask, ("batch", "length")),
@@ -230,14 +242,14 @@ class ContinuousSampler(BaseSampler):
         B, Lp = tokens.shape
         if stop_at is not None:
             stop_at = self._place(on_host(stop_at)[0].astype(np.int32), (None,))
-        self.update_weights(params, self.version)
-        self.begin(rows=B, prompt_length=Lp, key=rng, stop_at=stop_at)
-        self.submit(Rows(ids=np.arange(B), prompt_tokens=tokens, prompt_mask=mask, keys=None))
-        self._core.run()
-        self.last_stats = self._core.stats()
-        out = self.outputs()
-        self.end()
-        return out
+        # One batch on a core of its own, with its own weights: a session (partial
+        # rollouts) on this engine is left as it is.
+        core = self._new_core(rows=B, prompt_length=Lp, key=rng, versions=False, slots=None, stop_at=stop_at,
+                              params=params)
+        self._submit(core, Rows(ids=np.arange(B), prompt_tokens=tokens, prompt_mask=mask, keys=None))
+        core.run()
+        self.last_stats = core.stats()
+        return self._outputs(core)
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
                  trace: list | None = None) -> dict[str, int]:

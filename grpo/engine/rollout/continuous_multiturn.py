@@ -150,11 +150,11 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         B, Lp = tokens.shape
         if len(envs) != B:
             raise ValueError(f"{len(envs)} environments for {B} rows")
-        self.update_weights(params, self.version)
         alloc = self._allocator(Lp, self.slots_for(B))
         talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
         sched = TurnScheduler(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        runner = _TurnRunner(self, sched, talk, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng, rows=B)
+        runner = _TurnRunner(self, sched, talk, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng, rows=B,
+                             params=params)
         core = EngineCore(sched, runner, rows=B)
         pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, B)))
         try:
@@ -163,7 +163,6 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
                     self._end_turns(runner.state, list(progress.finished), talk, sched, pool)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-            self.end()
         assert not sched.queue and not sched.returning and alloc.held_pages == 0, "a row was left behind"
         self.last_stats = core.stats()
         c, place = compact(talk.pieces, sampling=self.sampling), self._put
@@ -315,15 +314,15 @@ class _TurnRunner:
     turn (its turn's keys, at most what is left of its budget)."""
 
     def __init__(self, engine: ContinuousMultiTurnSampler, sched: TurnScheduler, talk: _Talk, *,
-                 prompts: list[np.ndarray], key: jax.Array, rows: int):
-        self.engine, self.sched, self.talk, self.prompts = engine, sched, talk, prompts
+                 prompts: list[np.ndarray], key: jax.Array, rows: int, params: Any):
+        self.engine, self.sched, self.talk, self.prompts, self.params = engine, sched, talk, prompts, params
         self.raw, self.impl = engine.place_key(key)
-        self.state = engine.start_jit(engine.weights, rows=rows, pages=sched.alloc.pages)
+        self.state = engine.start_jit(params, rows=rows, pages=sched.alloc.pages)
 
     def admit(self, admitted: list[tuple[int, int]]) -> None:
         t0 = time.perf_counter()
         e = self.engine
-        self.state = e._extend(e.weights, self.state, admitted, self.sched, self.talk, self.prompts, self.raw,
+        self.state = e._extend(self.params, self.state, admitted, self.sched, self.talk, self.prompts, self.raw,
                                self.impl)
         self.talk.episodes.append_s += time.perf_counter() - t0
 
@@ -331,7 +330,7 @@ class _TurnRunner:
         e, place = self.engine, self.engine._place
         r = np.maximum(slot_rows, 0)
         turns, caps = self.talk.episodes.num_turns[r].astype(np.int32), e._turn_caps(self.talk, r)
-        self.state = e.decode_jit(e.weights, self.state, place(table, ("batch", None)), place(idx, ("batch",)),
+        self.state = e.decode_jit(self.params, self.state, place(table, ("batch", None)), place(idx, ("batch",)),
                                   place(slot_rows, ("batch",)), self.raw, None, place(turns, ("batch",)),
                                   place(caps, ("batch",)), key_impl=self.impl)
 

@@ -37,6 +37,7 @@ class ContinuousEngine(RolloutEnginePlugin):
                    "boundaries; the static engine's samples; multi-turn tasks too (a row leaves its slot at a tool "
                    "call and its next turn is appended into its own pages).")
     multi_turn = True
+    streams = True
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.continuous import ContinuousSampler

@@ -14,9 +14,10 @@ from flax import nnx
 
 from grpo.core.contracts import Environment, EnvStep, MeshLayout, NoOptions
 from grpo.engine.parallel.mesh import build_mesh
-from grpo.engine.rollout.continuous_multiturn import ContinuousMultiTurnSampler, _TurnSchedule
+from grpo.engine.rollout.continuous_multiturn import ContinuousMultiTurnSampler
 from grpo.engine.rollout.multiturn import MultiTurnSampler
-from grpo.engine.rollout.paged import PageAllocator
+from grpo.engine.rollout.paged.pages import PageAllocator
+from grpo.engine.rollout.paged.scheduler import TurnScheduler
 from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
@@ -136,7 +137,7 @@ def test_turn_schedule_parks_returns_and_evicts():
     grown; a short part evicts its latest admitted row, parked or seated, freeing its
     pages for a re-prefill; nothing leaks."""
     alloc = PageAllocator(pages=8, page_size=4, slots=2, max_pages=6)
-    sched = _TurnSchedule(alloc, prompt_len=np.array([4, 4, 4]), cap=16, chunk=4)
+    sched = TurnScheduler(alloc, prompt_len=np.array([4, 4, 4]), cap=16, chunk=4)
     assert sched.admit() == [(0, 0), (1, 1)] and list(sched.queue) == [2]  # 2 pages each
     assert sched.release_done(np.array([True, False]), np.array([6, 6])) == [0]
     assert alloc.parked() == {0: 0} and sched.base[0] == 6 and sched.slot_row == [-1, 1]

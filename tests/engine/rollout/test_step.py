@@ -44,9 +44,11 @@ def run(streamed, tmp_path_factory):
     c = trainer.collector
     rounds = [jax.device_get(c._round(0, r * P, r, trainer.policy_params, False).output) for r in range(MAX_ROUNDS)]
     steps = []  # per step: {"fed", "boundaries": [(rows, tokens, mask)], "scores": [totals], "out", "ub"}
-    score, stream, row_batch = c._score, c.sampler.stream, trainer.row_batch
+    import grpo.engine.rollout.step as step_module
 
-    def recording_stream(params, feeder, rng, **kw):
+    score, stream, row_batch = c._score, step_module.stream, trainer.row_batch
+
+    def recording_stream(engine, params, feeder, rng, **kw):
         rec = {"fed": [], "boundaries": [], "scores": []}
         steps.append(rec)
         feed, finished = feeder.feed, feeder.finished
@@ -61,7 +63,7 @@ def run(streamed, tmp_path_factory):
             return finished(rows, tokens, mask)
 
         feeder.feed, feeder.finished = rec_feed, rec_finished
-        out = stream(params, feeder, rng, **kw)
+        out = stream(engine, params, feeder, rng, **kw)
         rec["out"] = jax.device_get(out)
         return out
 
@@ -75,8 +77,11 @@ def run(streamed, tmp_path_factory):
         steps[-1]["ub"] = jax.device_get(ub)
         return ub
 
-    c._score, c.sampler.stream, trainer.row_batch = recording_score, recording_stream, recording_rows
-    trainer.run()
+    c._score, step_module.stream, trainer.row_batch = recording_score, recording_stream, recording_rows
+    try:
+        trainer.run()
+    finally:
+        step_module.stream = stream
     return trainer, cfg, rounds, steps
 
 

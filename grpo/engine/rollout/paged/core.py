@@ -138,6 +138,7 @@ class DeviceRunner:
         self.tokens, self.mask = tokens, mask
         self.widths = np.full(len(tokens), tokens.shape[1], np.int64) if widths is None else widths
         self.keys, self.impl, self.stop_at, self.params = keys, impl, stop_at, params
+        self.key_data: np.ndarray | None = None  # rows' own keys on the host (submitted with their rows)
         self.state = None
 
     def start(self) -> None:
