@@ -352,6 +352,7 @@ def test_cli_sigterm_leaves_loadable_checkpoint_and_export(tmp_path):
     ck.close()
 
 
+@pytest.mark.slow
 def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     """The real data path: a local HF checkpoint (config + safetensors + tokenizer with a
     chat template) and GSM8K-format jsonl files loaded through `datasets`."""
@@ -384,6 +385,7 @@ def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     assert summary["eval"]["eval/num_prompts"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, loss", [("qwen3_untied", "pallas"), ("llama_tied_rope3", "jax")])
 def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, loss):
     """A Qwen3 and a Llama 3 checkpoint written by transformers: sampler, update (each
@@ -667,6 +669,7 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
     return dict(p=p, k=k, keep=keep, scored=scored, steps=steps, rows=read_metrics(run_dir), config=cfg)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_turn_credit_and_random_down_sampling_trains_every_kept_group(
         tools_dynamic_turn_random_top_p):
     """The one definition of informative across dynamic sampling, turn credit and PODS
@@ -701,6 +704,7 @@ def test_dynamic_sampling_with_turn_credit_and_random_down_sampling_trains_every
     assert seen == len(run["scored"]) and filled_any  # a short step happened
 
 
+@pytest.mark.slow
 def test_top_p_behaviour_logprobs_reach_the_mismatch_weights(tools_dynamic_turn_random_top_p):
     """top-p 0.5: the update's ``sampler_logprobs`` are the sampler's behaviour log-probs
     (the truncated nucleus renormalised, above the full-vocabulary ones by minus the log of
