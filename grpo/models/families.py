@@ -5,11 +5,15 @@
   :class:`grpo.UserError` that says what the checkpoint is and which plugins are
   installed.
 - :func:`family_of` — the plugin that owns a family config (by its ``family``).
+- :class:`DecoderFamily` — the :class:`grpo.ModelPlugin` of any family that is the shared
+  decoder (:mod:`grpo.models.decoder`) with a config of its own; exported as
+  ``grpo.DecoderFamily``. JAX is imported inside its methods.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import importlib
+from typing import Any, ClassVar, Mapping, Sequence
 
 from grpo.core.contracts import ModelPlugin
 from grpo.core.errors import PluginError, UserError
@@ -103,4 +107,54 @@ def family_of(config: Any, plugins: Any = None) -> ModelPlugin:
     return _plugins(plugins).get("model", name)
 
 
-__all__ = ["AUTO", "family_of", "installed", "resolve_family"]
+class DecoderFamily(ModelPlugin):
+    """A :class:`grpo.ModelPlugin` for the shared decoder (:class:`grpo.models.decoder.Decoder`).
+
+    Subclasses set ``name``, ``model_types``, ``architectures`` and ``config_class``
+    (``"module:Class"`` of a :class:`~grpo.models.decoder.DecoderConfig` subclass whose
+    ``family`` is ``name``).
+    """
+
+    config_class: ClassVar[str] = ""
+
+    def config_type(self) -> Any:
+        module, _, attr = self.config_class.partition(":")
+        return getattr(importlib.import_module(module), attr)
+
+    def config_from_hf(self, hf_config: Any) -> Any:
+        return self.config_type().from_hf(hf_config)
+
+    def hf_config(self, config: Any) -> dict[str, Any]:
+        from grpo.models.hf import hf_config_dict
+
+        return hf_config_dict(config)
+
+    def param_specs(self, config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        return config.param_specs()
+
+    def tensor_maps(self, config: Any) -> Sequence[Any]:
+        from grpo.models.hf import tensor_maps
+
+        return tensor_maps(config)
+
+    def build(
+        self,
+        config: Any,
+        *,
+        rngs: Any,
+        param_dtype: Any = "float32",
+        compute_dtype: Any = "float32",
+        remat: str = "none",
+        attention_impl: Any = "xla",
+        mesh: Any = None,
+        activation_rules: Mapping[str, Any] | None = None,
+    ) -> Any:
+        from grpo.models.decoder import Decoder
+
+        return Decoder(
+            config, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
+            attention_impl=attention_impl, mesh=mesh, activation_rules=activation_rules,
+        )
+
+
+__all__ = ["AUTO", "DecoderFamily", "family_of", "installed", "resolve_family"]

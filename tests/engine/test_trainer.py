@@ -58,6 +58,7 @@ def test_one_step_every_style_and_loss(tmp_path, example_plugin, style, loss):
 BF16 = {"model.param_dtype": "bfloat16", "model.compute_dtype": "bfloat16"}
 
 
+@pytest.mark.slow
 def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_path, example_plugin):
     """The recipes' settings: bf16 parameters and compute with f32 master weights, beta > 0,
     two PPO epochs, sequence-level truncated IS, evaluation. A large step makes the second epoch clip: the
@@ -203,6 +204,7 @@ def quickstart_350():
     return _short_quickstart(350, metrics=True)
 
 
+@pytest.mark.slow
 def test_packed_quickstart_equals_unpacked_for_20_steps(quickstart_350):
     """Issue 38's goal: the quickstart packed (its 6-token sequences three to a bin of 18
     tokens) and padded (``train.packing.enabled=false``, one row each) give the same
@@ -221,6 +223,7 @@ def test_packed_quickstart_equals_unpacked_for_20_steps(quickstart_350):
     assert packed[-1]["reward/mean"] > packed[0]["reward/mean"]  # it learns meanwhile
 
 
+@pytest.mark.slow
 def test_quickstart_learns_held_out_sums(quickstart_350):
     """A shortened quickstart answers sums it never trained on: greedy pass@1 on the
     held-out test prompts goes from 0 to well above what the best constant answer scores
@@ -284,6 +287,7 @@ def test_quickstart_curve_command_runs_under_the_suites_xla_setup(tmp_path):
     assert script.check_run(tmp_path, readme) == ["step 250: the README's table says 0.45, the run 0.64"]
 
 
+@pytest.mark.slow
 def test_copy_task_rules_out_a_conditioning_bug():
     """The answer depends only on the prompt and is trivially routed (``"7="`` -> ``"7"``):
     GRPO from a random init must reach near-perfect greedy accuracy on its prompts. If
@@ -303,6 +307,7 @@ def _cli(*args, env=None, **kw):
     )
 
 
+@pytest.mark.slow
 def test_cli_sigterm_leaves_loadable_checkpoint_and_export(tmp_path):
     cfg_path = tmp_path / "tiny.yaml"
     cfg_path.write_text(yaml.safe_dump(dict(TINY, train=dict(TINY["train"], steps=500))))
@@ -347,6 +352,7 @@ def test_cli_sigterm_leaves_loadable_checkpoint_and_export(tmp_path):
     ck.close()
 
 
+@pytest.mark.slow
 def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     """The real data path: a local HF checkpoint (config + safetensors + tokenizer with a
     chat template) and GSM8K-format jsonl files loaded through `datasets`."""
@@ -379,6 +385,7 @@ def test_gsm8k_on_an_hf_checkpoint_one_step_and_eval(tmp_path):
     assert summary["eval"]["eval/num_prompts"] == 8
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("family, loss", [("qwen3_untied", "pallas"), ("llama_tied_rope3", "jax")])
 def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, loss):
     """A Qwen3 and a Llama 3 checkpoint written by transformers: sampler, update (each
@@ -662,6 +669,7 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
     return dict(p=p, k=k, keep=keep, scored=scored, steps=steps, rows=read_metrics(run_dir), config=cfg)
 
 
+@pytest.mark.slow
 def test_dynamic_sampling_with_turn_credit_and_random_down_sampling_trains_every_kept_group(
         tools_dynamic_turn_random_top_p):
     """The one definition of informative across dynamic sampling, turn credit and PODS
@@ -696,6 +704,7 @@ def test_dynamic_sampling_with_turn_credit_and_random_down_sampling_trains_every
     assert seen == len(run["scored"]) and filled_any  # a short step happened
 
 
+@pytest.mark.slow
 def test_top_p_behaviour_logprobs_reach_the_mismatch_weights(tools_dynamic_turn_random_top_p):
     """top-p 0.5: the update's ``sampler_logprobs`` are the sampler's behaviour log-probs
     (the truncated nucleus renormalised, above the full-vocabulary ones by minus the log of
@@ -717,6 +726,7 @@ def test_top_p_behaviour_logprobs_reach_the_mismatch_weights(tools_dynamic_turn_
         assert row["logprob_gap/sampler_trainer"] < 1e-4
 
 
+@pytest.mark.slow
 def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     """``rollout.engine: continuous``: a step samples through the paged, continuously
     batched sampler (4 slots for 16 rows, so rows queue and refill), the trainer's

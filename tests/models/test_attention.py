@@ -63,6 +63,7 @@ def _check(got, ref, real, tol):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), atol=tol)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(KERNELS))
 def test_kernel_matches_reference_values_and_gradients_f32(name):
     q, k, v, seg, real, w = _inputs()
@@ -70,6 +71,7 @@ def test_kernel_matches_reference_values_and_gradients_f32(name):
     _check(_value_and_grads(KERNELS[name], q, k, v, seg, real, w), ref, real, 1e-5)
 
 
+@pytest.mark.slow
 def test_splash_bf16_is_close_to_the_f32_reference():
     q, k, v, seg, real, w = _inputs(jnp.bfloat16)
     ref = _value_and_grads(reference_attention, *(x.astype(jnp.float32) for x in (q, k, v)), seg, real, w)
@@ -87,6 +89,7 @@ def _serving_rules():
     return dict(SERVING_ACTIVATION_RULES, batch=("dp",))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "shape, rules, H, K",
     [
@@ -117,6 +120,7 @@ def _model(name, kernel, shape=None, **kwargs):
     return load_hf(checkpoint(name), mesh(*shape) if shape else None, attention_impl=impl, **kwargs)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "name, kernel, shape",
     [("qwen3_untied", "splash", None), ("llama_untied", "splash", (2, 2, 2)), ("llama_untied", "pallas_gpu", None)],
@@ -130,6 +134,7 @@ def test_model_with_kernel_matches_transformers(name, kernel, shape):
     assert np.abs(ref[mask]).max() > 1.0
 
 
+@pytest.mark.slow
 def test_prefill_with_splash_then_xla_decode_equals_the_full_forward():
     tokens, mask = padded_batch()
     model = _model("llama_untied", "splash")
@@ -168,6 +173,7 @@ def _forward_kernels(jaxpr) -> int:
     return n
 
 
+@pytest.mark.slow
 def test_remat_dots_keeps_the_kernels_residuals_and_gradients():
     tokens, mask = padded_batch()
     positions = positions_from_mask(jnp.asarray(mask))
@@ -232,6 +238,7 @@ def test_a_kernel_the_platform_cannot_run_is_refused(name, platform):
 # --------------------------------------------------------------------------- trainer
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("attention", ["splash", "pallas_gpu"])
 def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
     from _runs import _config
@@ -255,6 +262,7 @@ def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
 # --------------------------------------------------------------------------- start-up self-check
 
 
+@pytest.mark.slow
 def test_self_check_passes_the_kernels_and_names_what_is_wrong():
     """The check itself, against the reference (f32 and bf16) and broken kernels (the
     built-in kernels pass it in every trainer step below: build_model checks them)."""
@@ -320,6 +328,7 @@ def test_a_third_party_kernel_that_fails_its_check(kernel, reason, example_plugi
     assert len(calls) == 1  # checked once: the explicit build, the auto builds read the cache
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kernel, shape", [("splash", (2, 2, 2)), ("pallas_gpu", None)])
 def test_model_with_kernel_on_packed_sequences_equals_each_alone(kernel, shape):
     # The kernels read the packed segment ids (splash under shard_map on a 2x2x2 mesh).

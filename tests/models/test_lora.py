@@ -366,6 +366,7 @@ TINY = {
 PACKED_TWO = ["train.packing.bin_length=70"]
 
 
+@pytest.mark.slow
 def test_lora_run_resumes_bitwise_and_checkpoints_only_adapters(tmp_path):
     """A LoRA run with dropout, beta > 0, truncated IS, sequence_mean, two micro-batches and
     two PPO epochs (packed: ``train.packing`` is on by default), preempted by SIGTERM after
@@ -444,6 +445,7 @@ def test_merged_sampling_equals_sampling_through_the_adapters(lora_tiny):
     assert not np.allclose(np.asarray(b.logprobs), np.asarray(a.logprobs), atol=1e-3)
 
 
+@pytest.mark.slow
 def test_lora_dropout_masks_are_shared_by_the_epochs_and_tis_sees_numerics_only(tmp_path):
     """LoRA with dropout 0.1, two PPO epochs and a vanishing learning rate, so every epoch
     runs at the parameters its old log-probs were taken at (the reference, beta > 0, is

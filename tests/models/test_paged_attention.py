@@ -61,6 +61,7 @@ def test_reference_matches_dense_attention(case):
     np.testing.assert_array_equal(np.asarray(via), np.asarray(got))
 
 
+@pytest.mark.slow
 def test_gpu_kernel_interpreted_matches_dense(case):
     q, kp, vp, lengths, table, dk, dv = case
     scale = 1 / math.sqrt(E)
@@ -82,6 +83,7 @@ def test_write_token_writes_live_rows_only():
     np.testing.assert_array_equal(out, expect)
 
 
+@pytest.mark.slow
 def test_tpu_kernel_compiles_for_tpu():
     """The Pallas TPU kernel as the decoder calls it, lowered and compiled for a v6e
     topology through libtpu (no TPU needed)."""
@@ -102,6 +104,7 @@ def test_tpu_kernel_compiles_for_tpu():
     assert lowered.compile() is not None
 
 
+@pytest.mark.slow
 def test_tpu_kernel_interpreted_matches_dense(case):
     """The Pallas TPU kernel run by Pallas' TPU interpreter on CPU. The kernel reads
     keys and values as bfloat16 (whatever the pool's dtype), so the dense reference gets

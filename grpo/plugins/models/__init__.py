@@ -3,74 +3,24 @@
 
 All three are the shared decoder of :mod:`grpo.models.decoder` with a family config
 (:class:`~grpo.models.qwen2.Qwen2Config`, :class:`~grpo.models.qwen3.Qwen3Config`,
-:class:`~grpo.models.llama.LlamaConfig`) that sets its switches and reads its HF config.
-:class:`DecoderFamily` is the :class:`grpo.ModelPlugin` for any such family; a third
-party whose architecture is the same decoder subclasses it and names its config class
-(a dotted path, so importing the plugin does not import JAX).
+:class:`~grpo.models.llama.LlamaConfig`) that sets its switches and reads its HF config,
+registered as a :class:`grpo.DecoderFamily` (the :class:`grpo.ModelPlugin` for any such
+family; it lives in :mod:`grpo.models.families`). ``grpo.plugins.models.DecoderFamily``
+still resolves, with a :class:`DeprecationWarning`, until 0.3: use ``from grpo import
+DecoderFamily``.
 
 Import-light: JAX and Flax are imported inside the methods.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import Any, ClassVar, Mapping, Sequence
+import warnings
 
-from grpo.core.contracts import ModelPlugin
 from grpo.core.hookspecs import hookimpl
+from grpo.models.families import DecoderFamily as _DecoderFamily
 
 
-class DecoderFamily(ModelPlugin):
-    """A :class:`grpo.ModelPlugin` for the shared decoder (:class:`grpo.models.decoder.Decoder`).
-
-    Subclasses set ``name``, ``model_types``, ``architectures`` and ``config_class``
-    (``"module:Class"`` of a :class:`~grpo.models.decoder.DecoderConfig` subclass whose
-    ``family`` is ``name``).
-    """
-
-    config_class: ClassVar[str] = ""
-
-    def config_type(self) -> Any:
-        module, _, attr = self.config_class.partition(":")
-        return getattr(importlib.import_module(module), attr)
-
-    def config_from_hf(self, hf_config: Any) -> Any:
-        return self.config_type().from_hf(hf_config)
-
-    def hf_config(self, config: Any) -> dict[str, Any]:
-        from grpo.models.hf import hf_config_dict
-
-        return hf_config_dict(config)
-
-    def param_specs(self, config: Any) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        return config.param_specs()
-
-    def tensor_maps(self, config: Any) -> Sequence[Any]:
-        from grpo.models.hf import tensor_maps
-
-        return tensor_maps(config)
-
-    def build(
-        self,
-        config: Any,
-        *,
-        rngs: Any,
-        param_dtype: Any = "float32",
-        compute_dtype: Any = "float32",
-        remat: str = "none",
-        attention_impl: Any = "xla",
-        mesh: Any = None,
-        activation_rules: Mapping[str, Any] | None = None,
-    ) -> Any:
-        from grpo.models.decoder import Decoder
-
-        return Decoder(
-            config, rngs=rngs, param_dtype=param_dtype, compute_dtype=compute_dtype, remat=remat,
-            attention_impl=attention_impl, mesh=mesh, activation_rules=activation_rules,
-        )
-
-
-class Qwen2Family(DecoderFamily):
+class Qwen2Family(_DecoderFamily):
     name = "qwen2"
     description = "Qwen2 / Qwen2.5 (model_type qwen2): biases on q/k/v, GQA, tied or untied head."
     model_types = ("qwen2",)
@@ -81,7 +31,7 @@ class Qwen2Family(DecoderFamily):
     }
 
 
-class Qwen3Family(DecoderFamily):
+class Qwen3Family(_DecoderFamily):
     name = "qwen3"
     description = "Qwen3 dense (model_type qwen3): RMSNorm on q/k heads, no qkv bias, free head_dim."
     model_types = ("qwen3",)
@@ -93,7 +43,7 @@ class Qwen3Family(DecoderFamily):
     }
 
 
-class LlamaFamily(DecoderFamily):
+class LlamaFamily(_DecoderFamily):
     name = "llama"
     description = "Llama 3.x (model_type llama): no biases, GQA, llama3 rope scaling, tied head for 3.2 1B/3B."
     model_types = ("llama",)
@@ -112,4 +62,14 @@ def register_models(register):
     register(LlamaFamily())
 
 
-__all__ = ["DecoderFamily", "LlamaFamily", "Qwen2Family", "Qwen3Family"]
+def __getattr__(name: str):
+    # Moved in 0.2 (grpo.models.families, exported as grpo.DecoderFamily): the old path
+    # warns and forwards for one minor version.
+    if name == "DecoderFamily":
+        warnings.warn("grpo.plugins.models.DecoderFamily is deprecated and goes in grpo 0.3: use "
+                      "`from grpo import DecoderFamily`.", DeprecationWarning, stacklevel=2)
+        return _DecoderFamily
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = ["LlamaFamily", "Qwen2Family", "Qwen3Family"]

@@ -22,7 +22,7 @@ from _runs import free_port, wait_all
 from _xla import CPU_FAST_COMPILE
 from grpo.engine.runs.metrics import read_eval, read_metrics
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 CONFIG = {
     "model": {"source": "random", "random": {"preset": "tiny"}},

@@ -51,6 +51,7 @@ def test_header_round_trips_and_an_overlong_one_becomes_a_failure():
     assert set(long) == {"error"} and "over its 60" in long["error"]
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_processes_swap_payloads_stop_and_failures(tmp_path):

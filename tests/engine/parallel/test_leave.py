@@ -15,7 +15,7 @@ import pytest
 
 from _runs import free_port, wait_all
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(300)]
 
 WORKER = Path(__file__).with_name("_leave_worker.py")
 

@@ -179,6 +179,7 @@ TINY = {
 }
 
 
+@pytest.mark.slow
 def test_fsdp_decode_gathers_every_weight_per_token(tmp_path):
     """The legacy rollout on v6e:2x4 (fsdp=8) all-gathers, per generated token, every
     FSDP-sharded weight: each projection of each layer and the (tied) embedding, 7/8 of

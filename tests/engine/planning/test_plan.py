@@ -15,6 +15,8 @@ pytest.importorskip("libtpu")
 from conftest import ROOT  # noqa: E402
 from grpo.core.cli import cli  # noqa: E402
 
+pytestmark = pytest.mark.slow
+
 TINY = {
     "model": {"source": "random", "random": {"preset": "tiny"}, "param_dtype": "bfloat16",
               "compute_dtype": "bfloat16", "remat": "full"},

@@ -11,6 +11,8 @@ pytest.importorskip("libtpu")
 
 from grpo.core.config import load_config
 
+pytestmark = pytest.mark.slow
+
 TINY = {
     "model": {"source": "random", "random": {"preset": "tiny"}, "param_dtype": "bfloat16",
               "compute_dtype": "bfloat16", "remat": "full",

@@ -221,6 +221,7 @@ def test_trainer_step_in_the_serving_layout(tmp_path):
         assert r["logprob_gap/sampler_trainer"] < 1e-5
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp", ["auto", 4])
 def test_multi_host_plan_keeps_tensor_parallel_inside_a_host(tmp_path, tp):
     """On v6e:4x4 (4 hosts x 4 chips) every tensor-parallel group of the rollout mesh is
@@ -281,6 +282,7 @@ def test_merged_lora_is_merged_on_the_way_into_the_serving_layout(setup, tmp_pat
     assert not np.allclose(np.asarray(q), np.asarray(state["layers"]["q_proj"].get_value()))
 
 
+@pytest.mark.slow
 def test_plan_counts_only_activations_per_serving_decode_step(tmp_path):
     """`grpo plan` on v6e:2x4, serving at tp=2 (dp=4 batch shards): per generated token the
     decode loop moves, into each chip, the all-reduces of the embedding lookup and of each

@@ -229,6 +229,7 @@ def _assert_packed_as_rows(plan, ub, packed) -> None:
     np.testing.assert_array_equal(flat(packed.advantages), want_adv)
 
 
+@pytest.mark.slow
 def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     """``train.advantage.credit: turn`` in a real step: the update gets advantages [B, N]
     that are, token by token, the sum of each scope's own group advantage of the step's
@@ -290,6 +291,7 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     assert err.value.exit_code == 2
 
 
+@pytest.mark.slow
 def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, monkeypatch):
     """One short step whose every row makes four tool calls (scripted: a random model never
     writes a call): one raises, one hangs past ``rollout.tool_timeout_s``, one floods, one

@@ -65,6 +65,7 @@ CONTINUOUS = {"rollout.engine": "continuous", "rollout.continuous": {"chunk": 2,
               "rollout.max_new_tokens": 6}
 
 
+@pytest.mark.slow
 def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     """Each batch of a max_staleness 0 run equals the synchronous continuous step's rollout
     (StepCollector.collect: the same sampler, weights, step and data position): the same
@@ -94,6 +95,7 @@ def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     assert [r["async/data_position"] for r in rows] == [0, 8] and trainer.data_position == 16
 
 
+@pytest.mark.slow
 def test_a_preempted_partial_run_crosses_updates_and_resumes_without_loss(tmp_path):
     """max_staleness 2 with a 2-step chunk and 6-token rows: rows go on across weight
     changes. SIGTERM after step 4 of 5: every group trained once, and the trained ones

@@ -241,6 +241,7 @@ def test_missing_gcsfs_is_a_user_error_with_the_install_command():
 # ------------------------------------------------------------------ preemption and resume from a bucket
 
 
+@pytest.mark.slow
 def test_bucket_run_preempted_and_resumed_equals_a_local_run_bit_for_bit(gcs, tmp_path):
     cfg = load_config(TINY)
     straight = Trainer(cfg, tmp_path / "straight")
@@ -290,6 +291,7 @@ def _cli(*args):
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+@pytest.mark.slow
 def test_cli_on_a_bucket_says_where_it_starts_saves_and_resumes(gcs, tmp_path):
     cfg = _tiny_yaml(tmp_path, steps=400)
     run_dir = f"gs://{BUCKET}/runs/cli-{time.time_ns()}"

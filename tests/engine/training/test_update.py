@@ -170,6 +170,7 @@ def test_nonfinite_step_is_skipped(tiny):
                for a, b in zip(jax.tree.leaves(new_params), jax.tree.leaves(params)))
 
 
+@pytest.mark.slow
 def test_per_shard_pallas_loss_equals_global_jax_loss(tiny):
     """The Pallas loss runs per device under shard_map; loss, metrics and gradients equal
     the plain JAX loss computed on the global batch."""
@@ -243,6 +244,7 @@ def _changed_fraction(new, old) -> float:
     return changed / sum(np.asarray(a).size for a in jax.tree.leaves(old))
 
 
+@pytest.mark.slow
 def test_master_weights_train_bf16_at_recipe_lr_exactly_like_f32(tiny_bf16):
     """AdamW at lr 1e-6 on bf16 parameters: the f32 master moves exactly as an f32 run of
     the same model does; the bf16 parameters are the master rounded. Without the master,

@@ -30,6 +30,8 @@ from grpo.core.contracts import LossSettings
 from grpo.plugins.losses import JaxLoss, PallasLoss
 from grpo.plugins.losses import _jax, _pallas
 
+pytestmark = pytest.mark.slow
+
 METRICS = ("clip_frac/low", "clip_frac/high", "ratio/mean", "kl", "approx_kl", "entropy", "num_tokens")
 
 

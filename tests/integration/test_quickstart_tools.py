@@ -7,12 +7,15 @@ import tempfile
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from grpo.core.config import load_config
 from grpo.engine.runs.metrics import read_metrics
 from grpo.engine.trainer import Trainer
 
-ROOT = Path(__file__).parent.parent
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_quickstart_tools_starts_calling_the_tool():

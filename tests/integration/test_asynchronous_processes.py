@@ -26,7 +26,7 @@ from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import read_metrics
 from grpo.engine.trainer import Trainer
 
-pytestmark = [pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
 
 STEPS, PROMPTS = 5, 8
 CONFIG = {
