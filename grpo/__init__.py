@@ -21,7 +21,9 @@ engine or loss a plugin wraps).
     from grpo import tool_schema, tool_schemas                                   # tools' JSON schemas
     from grpo import ModelPlugin, DecoderFamily, DecoderConfig                   # model families
     from grpo import AttentionPlugin, auto_attention, reference_attention        # attention kernels
-    from grpo import RolloutEnginePlugin, EngineContext                          # rollout engines
+    from grpo import RolloutEnginePlugin, EngineContext, RolloutEngine           # rollout engines
+    from grpo import Rows, Progress, FinishedRows, RolloutOutput, Sampled        # the engine's records
+    from grpo import NotPlanned                                                  # an engine grpo plan cannot cost
     from grpo import target_platform                                             # the platform compiled for
 
 **The Python API** (:mod:`grpo.api`), for notebooks and scripts::
@@ -44,6 +46,7 @@ from grpo.core.contracts import (
     AttentionPlugin,
     EngineContext,
     Environment,
+    FinishedRows,
     EnvStep,
     LossPlugin,
     LossSettings,
@@ -54,13 +57,19 @@ from grpo.core.contracts import (
     ModelDims,
     ModelPlugin,
     NoOptions,
+    NotPlanned,
     ObjectivePlugin,
     ParsedTurn,
     PluginOptions,
+    Progress,
     RewardFn,
+    RolloutEngine,
     RolloutEnginePlugin,
     RolloutLayout,
+    RolloutOutput,
     RolloutStyle,
+    Rows,
+    Sampled,
     TaskPlugin,
     ToolCall,
     ToolCallFormat,
@@ -132,6 +141,7 @@ __all__ = [
     "EngineContext",
     "EnvStep",
     "Environment",
+    "FinishedRows",
     "LossPlugin",
     "LossSettings",
     "MeshLayout",
@@ -145,7 +155,13 @@ __all__ = [
     "ParsedTurn",
     "PluginOptions",
     "RewardFn",
+    "NotPlanned",
+    "Progress",
+    "RolloutEngine",
     "RolloutEnginePlugin",
+    "RolloutOutput",
+    "Rows",
+    "Sampled",
     "RolloutLayout",
     "RolloutStyle",
     "RunResult",

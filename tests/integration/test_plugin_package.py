@@ -73,6 +73,7 @@ def test_grpo_run_and_plan_with_the_package_s_task_loss_and_engine(site, tmp_pat
     proc = _grpo(site, "run", str(config), "--run-dir", str(run_dir))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
+    assert "wrapped engine: the first weights arrived through update_weights" in proc.stdout
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 2 and all("loss" in r or "train/loss" in r for r in rows), rows[-1].keys()
     resolved = yaml.safe_load((run_dir / "config.yaml").read_text())
