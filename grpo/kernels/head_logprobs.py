@@ -613,5 +613,4 @@ def fused_token_logprobs(
     return logp.reshape(b, t), ent.reshape(b, t)
 
 
-
 __all__ = ["KernelConfig", "MASK_VALUE", "fused_token_logprobs"]

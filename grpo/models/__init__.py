@@ -6,7 +6,7 @@ Face checkpoints in and out.
   :mod:`grpo.models.config` — :class:`DecoderConfig`, the architecture.
 - :mod:`grpo.models.layers` — one decoder layer, room by room: projection (QLoRA, LoRA),
   attention (dense, a blocked kernel per device, paged), MLP, norms and RoPE. The Pallas
-  kernels they run are :mod:`grpo.kernels`'.
+  kernels they run are :mod:`grpo.kernels`.
 - :mod:`grpo.models.qwen2`, :mod:`grpo.models.qwen3`, :mod:`grpo.models.llama` — each
   family's config (its switches and HF config translation). The model plugins that
   wrap them are in :mod:`grpo.plugins.models`; :mod:`grpo.models.families` picks one

@@ -172,7 +172,6 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, _param(value, names))
 
 
-
 # --------------------------------------------------------------------------- the layer stack
 # One decoder layer composed of the functions of grpo.models.layers (pure in a
 # LayerContext, what is fixed for one call of the model, and the layer's parameters p:

@@ -95,5 +95,4 @@ def self_check(fn: AttentionFn, *, dtype: Any = jnp.float32, head_dim: int = 64,
     return None
 
 
-
 __all__ = ["AttentionFn", "CHECK_TOLERANCE", "pad_time", "reference_attention", "round_up", "self_check"]

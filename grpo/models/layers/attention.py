@@ -31,6 +31,7 @@ from grpo.models.layers.paged import paged_decode
 from grpo.models.layers.projection import project
 from grpo.models.layers.rope import apply_rope
 
+
 class KVCache(NamedTuple):
     """Keys and values of every layer, ``[layers, batch, max_length, kv_heads, head_dim]``.
 

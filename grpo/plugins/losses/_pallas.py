@@ -120,5 +120,4 @@ def default_block_sizes(backend: str) -> tuple[int, int, int]:
     return DEFAULTS["gpu" if backend in GPU_BACKENDS else backend]
 
 
-
 __all__ = ["default_block_sizes", "fused_token_logprobs", "opaque_kernels", "resolve_config"]
