@@ -127,7 +127,7 @@ def __getattr__(name: str) -> Any:
 
         return DecoderConfig
     if name == "reference_attention":
-        from grpo.models.attention import reference_attention
+        from grpo.kernels.attention import reference_attention
 
         return reference_attention
     raise AttributeError(f"module 'grpo' has no attribute {name!r}")

@@ -131,7 +131,7 @@ def test_no_import_cycles():
     assert _cycles(GRAPH) == []
 
 
-@pytest.mark.parametrize("below", ["grpo.models", "grpo.sharding", "grpo.core"])
+@pytest.mark.parametrize("below", ["grpo.models", "grpo.sharding", "grpo.core", "grpo.kernels"])
 def test_nothing_below_the_engine_imports_it(below):
     # grpo.core.cli dispatches `grpo <command>` to the engine's commands: the one way up.
     offenders = {
@@ -142,7 +142,7 @@ def test_nothing_below_the_engine_imports_it(below):
     assert {m: d for m, d in offenders.items() if d} == {}
 
 
-@pytest.mark.parametrize("layer", ["grpo.core", "grpo.engine", "grpo.models", "grpo.sharding"])
+@pytest.mark.parametrize("layer", ["grpo.core", "grpo.engine", "grpo.models", "grpo.sharding", "grpo.kernels"])
 def test_plugins_are_leaves(layer):
     # Built-in plugins use the engine as third-party plugins would; nothing under them
     # imports a plugin module (grpo.core.plugins names the built-ins by string).
@@ -182,6 +182,24 @@ def test_engine_has_rooms_and_few_loose_modules():
         for path in MODULES[room].parent.glob("*.py"):
             if path.name != "__init__.py":
                 assert f"``{path.stem}``" in doc, f"{room}'s docstring does not mention {path.stem}"
+
+
+# --------------------------------------------------------------------------- kernels and layers
+# grpo.kernels (every Pallas kernel) sits below the models, and grpo.models.layers below
+# the decoder: each imports only what its __init__ docstring's "May import:" lists.
+
+
+@pytest.mark.parametrize("package", ["grpo.kernels", "grpo.models.layers"])
+def test_kernels_and_layers_import_only_what_they_declare(package):
+    doc = ast.get_docstring(ast.parse(MODULES[package].read_text(encoding="utf-8"))) or ""
+    assert "May import:" in doc, f"{package}'s docstring does not say what it may import"
+    allowed = set(re.findall(r"``(grpo[\w.]*)``", doc.split("May import:", 1)[1])) | {package}
+    bad = {
+        m: sorted(d for d in deps if not any(_within(d, a) for a in allowed))
+        for m, deps in GRAPH.items()
+        if _within(m, package)
+    }
+    assert {m: d for m, d in bad.items() if d} == {}, f"{package} may import only {sorted(allowed)}"
 
 
 TESTS = Path(__file__).parent

@@ -1,8 +1,12 @@
 """The built-in model families (Qwen2/Qwen2.5, Qwen3, Llama 3.x) in Flax NNX, and Hugging
 Face checkpoints in and out.
 
-- :mod:`grpo.models.decoder` — the shared :class:`Decoder` module, :class:`DecoderConfig`,
-  :class:`KVCache` and the padding/position helpers.
+- :mod:`grpo.models.decoder` — the shared :class:`Decoder` module (embed -> the scanned
+  stack of layers -> norm), :class:`KVCache` and the padding/position helpers;
+  :mod:`grpo.models.config` — :class:`DecoderConfig`, the architecture.
+- :mod:`grpo.models.layers` — one decoder layer, room by room: projection (QLoRA, LoRA),
+  attention (dense, a blocked kernel per device, paged), MLP, norms and RoPE. The Pallas
+  kernels they run are :mod:`grpo.kernels`.
 - :mod:`grpo.models.qwen2`, :mod:`grpo.models.qwen3`, :mod:`grpo.models.llama` — each
   family's config (its switches and HF config translation). The model plugins that
   wrap them are in :mod:`grpo.plugins.models`; :mod:`grpo.models.families` picks one

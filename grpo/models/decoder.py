@@ -5,12 +5,14 @@ projections (Qwen2), a per-head RMSNorm on q and k before RoPE (Qwen3), a ``head
 independent of ``hidden_size / heads`` (Qwen3, and allowed for all), and the ``llama3``
 RoPE frequency scaling (Llama 3.1/3.2). A family is a :class:`DecoderConfig` subclass
 that sets the switches (class variables) and translates its Hugging Face config; the
-attention, KV cache, scan over layers and sharding code below exist once.
+layers (:mod:`grpo.models.layers`), the KV cache, the scan over layers and the sharding
+code exist once.
 
 What the rest of the framework uses
 -----------------------------------
 
-- :class:`DecoderConfig` — the architecture (HF field names); each family subclass
+- :class:`DecoderConfig` (:mod:`grpo.models.config`) — the architecture (HF field
+  names); each family subclass
   (:class:`grpo.models.qwen2.Qwen2Config`, :class:`grpo.models.qwen3.Qwen3Config`,
   :class:`grpo.models.llama.LlamaConfig`) builds it from a transformers config with
   ``from_hf`` (which refuses what is not implemented: sliding-window attention, rope
@@ -45,7 +47,7 @@ What the rest of the framework uses
 
 - ``hidden, paged = model(tokens [B, 1], positions [B, 1], cache=PagedKVCache(...),
   paged=PagedSpec(...))`` — one decode step over a paged KV cache
-  (:mod:`grpo.models.paged_attention`: a pool of pages and a page table per row; the
+  (:mod:`grpo.models.layers.paged`: a pool of pages and a page table per row; the
   continuous-batching sampler's decode): each live row's key/value is written at token
   ``lengths`` of its pages and its query attends over its own ``lengths + 1`` tokens only.
 - :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
@@ -61,13 +63,17 @@ Layers
 ------
 
 ``Decoder.__call__`` reads as embed -> layers -> norm. One layer is module-level pure
-functions of a frozen :class:`LayerContext` (what is fixed for the call: config, compute
-dtype, mesh and rules, quantization, adapters and dropout keys, RoPE tables, the
-attention form and its mask) and the layer's parameters: :func:`project` (a projection,
-with QLoRA dequantization and the LoRA term), :func:`qkv` (norm, q/k/v, RoPE),
-:func:`attend` (cache write and attention), :func:`out_and_mlp` (output projection and
-:func:`mlp_block`); :func:`layer_function` composes them under the remat policy and
-:func:`run_layers` scans it.
+functions (:mod:`grpo.models.layers`) of a frozen
+:class:`~grpo.models.layers.context.LayerContext` (what is fixed for the call: config,
+compute dtype, mesh and rules, quantization, adapters and dropout keys, RoPE tables, the
+attention form and its mask) and the layer's parameters:
+:func:`~grpo.models.layers.projection.project` (a projection, with QLoRA dequantization
+and the LoRA term), :func:`~grpo.models.layers.attention.qkv` (norm, q/k/v, RoPE),
+:func:`~grpo.models.layers.attention.attend` (cache write and attention),
+:func:`out_and_mlp` (output projection and :func:`~grpo.models.layers.mlp.mlp_block`);
+:func:`layer_function` composes them under the remat policy and :func:`run_layers` scans
+it. The feed-forward block is :func:`~grpo.models.layers.mlp.mlp_block` alone, so a
+mixture-of-experts block can take its place.
 
 Layout and numerics
 -------------------
@@ -81,272 +87,36 @@ them to mesh axes. Attention keeps K/V at ``num_key_value_heads`` and goes throu
 ``compute_dtype``; RMSNorm statistics, RoPE and the attention softmax run in float32.
 The residual stream is kept in ``compute_dtype`` (as transformers does). RoPE inverse
 frequencies are computed on the host in float32 in transformers' operation order
-(:func:`rope_inv_freq`), so the ``llama3`` scaling's band edges fall where transformers'
-do.
+(:func:`grpo.models.layers.rope.rope_inv_freq`), so the ``llama3`` scaling's band edges
+fall where transformers' do.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import Any, Callable, ClassVar, Literal, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, Literal, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 from jax.sharding import Mesh
 
 from grpo.core.errors import UserError
-from grpo.models.attention import sharded
-from grpo.models.hf import LLAMA3_ROPE_KEYS, config_from_hf, hf_fields
-from grpo.models.paged_attention import PagedKVCache, PagedSpec, paged_decode
-from grpo.models.quant import dequantize
-from grpo.sharding import ACTIVATION_RULES, fit_sharding
+from grpo.models.config import DecoderConfig
+from grpo.models.layers.attention import CACHE_AXES, KVCache, attend, attention_mask, qkv
+from grpo.models.layers.context import LayerContext, constrain
+from grpo.models.layers.mlp import mlp_block
+from grpo.models.layers.norms import rms_norm
+from grpo.models.layers.paged import PagedKVCache, PagedSpec
+from grpo.models.layers.projection import project
+from grpo.models.layers.rope import apply_rope, rope_inv_freq, rope_tables
+from grpo.sharding import ACTIVATION_RULES
 
 Remat = Literal["none", "full", "dots"]
 REMAT_POLICIES: tuple[str, ...] = ("none", "full", "dots")
 DTYPES: dict[str, Any] = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
-# --------------------------------------------------------------------------- config
-
-
-@dataclasses.dataclass(frozen=True)
-class DecoderConfig:
-    """The shared decoder's architecture. Field names follow transformers' configs.
-
-    A family subclass sets the class variables (the switches and its HF names), adds its
-    refusals of an HF config in :meth:`_family_problems` and its own HF fields in
-    :meth:`to_hf_dict`. ``head_dim`` 0 means ``hidden_size // num_attention_heads``.
-    ``rope_scaling`` is ``()`` (plain RoPE) or the sorted ``(key, value)`` pairs of a
-    ``llama3`` scaling (:data:`LLAMA3_ROPE_KEYS`). Hashable, so it can be a static jit
-    argument.
-    """
-
-    family: ClassVar[str] = "decoder"
-    """The model plugin that owns this config (``grpo plugins list``, ``model.architecture``)."""
-    model_type: ClassVar[str] = ""
-    """transformers' ``model_type`` written to an exported ``config.json``."""
-    hf_architecture: ClassVar[str] = ""
-    """transformers' causal-LM class name written to ``architectures``."""
-    qkv_bias: ClassVar[bool] = False
-    """Biases on the q, k and v projections (Qwen2)."""
-    qk_norm: ClassVar[bool] = False
-    """RMSNorm over ``head_dim`` of every query and key head, before RoPE (Qwen3)."""
-    rope_types: ClassVar[tuple[str, ...]] = ("default",)
-    """RoPE variants this family implements (``default``; ``llama3`` for Llama)."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int = 0
-    rope_theta: float = 1_000_000.0
-    rms_norm_eps: float = 1e-6
-    tie_word_embeddings: bool = False
-    max_position_embeddings: int = 32768
-    initializer_range: float = 0.02
-    bos_token_id: int | None = None
-    eos_token_id: int | tuple[int, ...] | None = None
-    pad_token_id: int | None = None
-    rope_scaling: tuple[tuple[str, Any], ...] = ()
-
-    @property
-    def label(self) -> str:
-        return self.hf_architecture or self.family
-
-    def __post_init__(self) -> None:
-        problems = []
-        for f in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads", "num_key_value_heads"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                problems.append(f"{f} must be a positive integer (got {v!r})")
-        if problems:
-            raise UserError(f"Invalid {self.label} config:", problems=problems)
-        if isinstance(self.eos_token_id, list):
-            object.__setattr__(self, "eos_token_id", tuple(self.eos_token_id))
-        if isinstance(self.rope_scaling, Mapping):
-            object.__setattr__(self, "rope_scaling", tuple(sorted(self.rope_scaling.items())))
-        if self.head_dim == 0:
-            if self.hidden_size % self.num_attention_heads:
-                problems.append(
-                    f"hidden_size={self.hidden_size} is not divisible by num_attention_heads="
-                    f"{self.num_attention_heads} and no head_dim is given"
-                )
-            else:
-                object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
-        if self.num_attention_heads % self.num_key_value_heads:
-            problems.append(
-                f"num_attention_heads={self.num_attention_heads} must be a multiple of "
-                f"num_key_value_heads={self.num_key_value_heads}"
-            )
-        if self.head_dim % 2:
-            problems.append(f"head_dim={self.head_dim} must be even for rotary embeddings")
-        if not self.rope_theta > 0:
-            problems.append(f"rope_theta must be > 0 (got {self.rope_theta!r})")
-        if not self.rms_norm_eps > 0:
-            problems.append(f"rms_norm_eps must be > 0 (got {self.rms_norm_eps!r})")
-        if self.rope_scaling:
-            scaling = dict(self.rope_scaling)
-            missing = [k for k in LLAMA3_ROPE_KEYS if k not in scaling]
-            if "llama3" not in self.rope_types:
-                problems.append(f"{self.label} does not implement rope scaling (got {scaling})")
-            elif missing or set(scaling) - set(LLAMA3_ROPE_KEYS):
-                problems.append(f"a llama3 rope scaling needs exactly {', '.join(LLAMA3_ROPE_KEYS)} (got {scaling})")
-            elif not scaling["high_freq_factor"] > scaling["low_freq_factor"] > 0 or not scaling["factor"] > 0:
-                problems.append(f"llama3 rope scaling needs factor > 0 and high_freq_factor > low_freq_factor > 0 (got {scaling})")
-        if problems:
-            raise UserError(f"Invalid {self.label} config:", problems=problems)
-
-    # ------------------------------------------------------------------ HF round trip
-
-    model_types: ClassVar[tuple[str, ...]] = ()
-    """``model_type`` values :meth:`from_hf` accepts (default: ``(model_type,)``)."""
-
-    @classmethod
-    def from_hf(cls, hf: Any) -> "DecoderConfig":
-        """From a transformers config object of this family (or its ``to_dict()``);
-        refuses what this implementation would get wrong
-        (:func:`grpo.models.hf.config_from_hf`)."""
-        return config_from_hf(cls, hf)
-
-    @classmethod
-    def label_of(cls) -> str:
-        return cls.hf_architecture or cls.family
-
-    @classmethod
-    def _family_problems(cls, get: Any) -> list[str]:
-        """Family-specific refusals, one sentence each (``get(key, default)`` reads the
-        HF config)."""
-        return []
-
-    def to_hf_dict(self) -> dict[str, Any]:
-        """Keyword arguments for the family's transformers config class (no ``model_type``;
-        :func:`grpo.models.hf.hf_config_dict` writes the ``config.json``). A family adds
-        its own fields to ``super().to_hf_dict()``."""
-        return hf_fields(self)
-
-    # ------------------------------------------------------------------ shapes
-
-    def layer_params(self) -> tuple[str, ...]:
-        """Names of the stacked per-layer parameters this family has, in a fixed order."""
-        out = ["attn_norm", "q_proj"]
-        if self.qkv_bias:
-            out.append("q_bias")
-        out.append("k_proj")
-        if self.qkv_bias:
-            out.append("k_bias")
-        out.append("v_proj")
-        if self.qkv_bias:
-            out.append("v_bias")
-        if self.qk_norm:
-            out += ["q_norm", "k_norm"]
-        out += ["o_proj", "mlp_norm", "gate_proj", "up_proj", "down_proj"]
-        return tuple(out)
-
-    def param_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
-        """``path -> (shape, logical axis names)`` of every parameter of :class:`Decoder`.
-
-        Paths are dotted attribute paths (``layers.q_proj``); layer parameters have a
-        leading ``layers`` axis of size ``num_hidden_layers``.
-        """
-        L, D, F, V = self.num_hidden_layers, self.hidden_size, self.intermediate_size, self.vocab_size
-        H, K, E = self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        every: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
-            "layers.attn_norm": ((L, D), ("layers", "norm")),
-            "layers.q_proj": ((L, D, H, E), ("layers", "embed", "heads", "head_dim")),
-            "layers.q_bias": ((L, H, E), ("layers", "heads", "head_dim")),
-            "layers.k_proj": ((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim")),
-            "layers.k_bias": ((L, K, E), ("layers", "kv_heads", "head_dim")),
-            "layers.v_proj": ((L, D, K, E), ("layers", "embed", "kv_heads", "head_dim")),
-            "layers.v_bias": ((L, K, E), ("layers", "kv_heads", "head_dim")),
-            # one weight per head_dim entry, shared by every head (as transformers does)
-            "layers.q_norm": ((L, E), ("layers", "head_dim")),
-            "layers.k_norm": ((L, E), ("layers", "head_dim")),
-            "layers.o_proj": ((L, H, E, D), ("layers", "heads", "head_dim", "embed")),
-            "layers.mlp_norm": ((L, D), ("layers", "norm")),
-            "layers.gate_proj": ((L, D, F), ("layers", "embed", "mlp")),
-            "layers.up_proj": ((L, D, F), ("layers", "embed", "mlp")),
-            "layers.down_proj": ((L, F, D), ("layers", "mlp", "embed")),
-        }
-        specs = {"embed": ((V, D), ("vocab", "embed"))}
-        specs.update({f"layers.{n}": every[f"layers.{n}"] for n in self.layer_params()})
-        specs["final_norm"] = ((D,), ("norm",))
-        if not self.tie_word_embeddings:
-            specs["lm_head"] = ((D, V), ("embed", "vocab"))
-        return specs
-
-    def num_params(self) -> int:
-        return sum(math.prod(shape) for shape, _ in self.param_specs().values())
-
-    def kv_bytes_per_token(self, dtype: Any = jnp.bfloat16) -> int:
-        """KV-cache bytes one token occupies over all layers."""
-        return 2 * self.num_hidden_layers * self.num_key_value_heads * self.head_dim * jnp.dtype(dtype).itemsize
-
-    def inv_freq(self) -> np.ndarray:
-        """RoPE inverse frequencies [head_dim / 2], float32 (see :func:`rope_inv_freq`)."""
-        return rope_inv_freq(self.head_dim, self.rope_theta, dict(self.rope_scaling) or None)
-
-
-def rope_inv_freq(head_dim: int, theta: float, llama3: Mapping[str, Any] | None = None) -> np.ndarray:
-    """RoPE inverse frequencies [head_dim / 2] in float32, as transformers computes them.
-
-    ``theta ** (-2i / head_dim)``; with ``llama3`` scaling (Llama 3.1/3.2), wavelengths
-    longer than ``original_max_position_embeddings / low_freq_factor`` are divided by
-    ``factor``, shorter than ``... / high_freq_factor`` kept, and the band between
-    interpolated smoothly — transformers' ``_compute_llama3_parameters``, step by step in
-    float32 so the band edges fall on the same frequencies.
-    """
-    f32 = np.float32
-    exponent = np.arange(0, head_dim, 2, dtype=np.int64).astype(f32) / f32(head_dim)
-    inv_freq = (f32(1.0) / (f32(theta) ** exponent)).astype(f32)
-    if not llama3:
-        return inv_freq
-    factor = f32(llama3["factor"])
-    low = f32(llama3["low_freq_factor"])
-    high = f32(llama3["high_freq_factor"])
-    old_context = f32(llama3["original_max_position_embeddings"])
-    low_freq_wavelen = old_context / low
-    high_freq_wavelen = old_context / high
-    wavelen = (f32(2 * math.pi) / inv_freq).astype(f32)
-    scaled = np.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq).astype(f32)
-    smooth = ((old_context / wavelen - low) / (high - low)).astype(f32)
-    smoothed = ((f32(1) - smooth) * scaled / factor + smooth * scaled).astype(f32)
-    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return np.where(medium, smoothed, scaled).astype(f32)
-
-
-# --------------------------------------------------------------------------- cache
-
-
-class KVCache(NamedTuple):
-    """Keys and values of every layer, ``[layers, batch, max_length, kv_heads, head_dim]``.
-
-    K/V are stored at ``num_key_value_heads`` (no GQA repetition). A plain pytree:
-    jit, donate and ``jax.tree.map`` it freely.
-    """
-
-    k: jax.Array
-    v: jax.Array
-
-    @property
-    def batch_size(self) -> int:
-        return self.k.shape[1]
-
-    @property
-    def max_length(self) -> int:
-        return self.k.shape[2]
-
-    def repeat(self, n: int) -> "KVCache":
-        """Each row repeated ``n`` times in place (row b -> rows b*n .. b*n+n-1)."""
-        return KVCache(k=jnp.repeat(self.k, n, axis=1), v=jnp.repeat(self.v, n, axis=1))
-
-
-CACHE_AXES: tuple[str, ...] = ("layers", "batch", "cache_length", "kv_heads", "head_dim")
+# --------------------------------------------------------------------------- inputs
 
 
 def repeat_batch(x: jax.Array, n: int, *, axis: int = 0) -> jax.Array:
@@ -362,51 +132,6 @@ def positions_from_mask(mask: jax.Array) -> jax.Array:
     """
     m = mask.astype(jnp.int32)
     return jnp.maximum(jnp.cumsum(m, axis=-1) - 1, 0).astype(jnp.int32)
-
-
-# --------------------------------------------------------------------------- math
-
-
-def rms_norm(x: jax.Array, weight: jax.Array, eps: float, dtype: Any) -> jax.Array:
-    """RMSNorm over the last axis; statistics in float32, result in ``dtype``."""
-    x32 = x.astype(jnp.float32)
-    y = x32 * jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
-    return y.astype(dtype) * weight.astype(dtype)
-
-
-def rope_tables(
-    positions: jax.Array, head_dim: int, theta: float, inv_freq: np.ndarray | None = None
-) -> tuple[jax.Array, jax.Array]:
-    """cos, sin [B, T, head_dim] (float32) for integer positions [B, T].
-
-    transformers' convention: frequencies ``theta ** (-2i / head_dim)`` (or the given
-    ``inv_freq`` [head_dim / 2], e.g. llama3-scaled) for the first half, repeated for the
-    second half (paired with :func:`apply_rope`'s rotate-half).
-    """
-    if inv_freq is None:
-        inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    else:
-        inv_freq = jnp.asarray(inv_freq, jnp.float32)
-    freqs = positions.astype(jnp.float32)[..., None] * inv_freq  # B T E/2
-    emb = jnp.concatenate([freqs, freqs], axis=-1)  # B T E
-    return jnp.cos(emb), jnp.sin(emb)
-
-
-def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, N, E] by cos/sin [B, T, E] (rotate-half convention), in float32."""
-    x32 = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-x32[..., half:], x32[..., :half]], axis=-1)
-    out = x32 * cos[:, :, None, :] + rotated * sin[:, :, None, :]
-    return out.astype(x.dtype)
-
-
-def attention_mask(kv_mask: jax.Array, q_slots: jax.Array) -> jax.Array:
-    """[B, 1, T, S] bool: key slot s is visible to the query in slot q_slots[t] iff
-    ``s <= q_slots[t]`` and ``kv_mask[b, s]``."""
-    S = kv_mask.shape[-1]
-    causal = jnp.arange(S, dtype=jnp.int32)[None, :] <= q_slots[:, None]  # T S
-    return causal[None, None, :, :] & kv_mask.astype(bool)[:, None, None, :]
 
 
 # --------------------------------------------------------------------------- module
@@ -447,179 +172,13 @@ class DecoderLayers(nnx.Module):
             setattr(self, name, _param(value, names))
 
 
-# --------------------------------------------------------------------------- layers
-# One decoder layer, as pure functions of a LayerContext (what is fixed for one call of
-# the model) and the layer's parameters p (name -> one layer's slice of the stacked
-# arrays). Decoder.__call__ builds the context and scans layer_function over the layers.
+# --------------------------------------------------------------------------- the layer stack
+# One decoder layer composed of the functions of grpo.models.layers (pure in a
+# LayerContext, what is fixed for one call of the model, and the layer's parameters p:
+# name -> one layer's slice of the stacked arrays). Decoder.__call__ builds the context
+# and scans layer_function over the layers.
 
 DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
-
-
-def constrain(
-    x: jax.Array, names: Sequence[str], mesh: Mesh | None, rules: Sequence[tuple[str, Any]]
-) -> jax.Array:
-    """``x`` constrained to the logical axes ``names`` under the activation ``rules`` on
-    ``mesh`` (unchanged without a mesh)."""
-    if mesh is None:
-        return x
-    return jax.lax.with_sharding_constraint(x, fit_sharding(x.shape, names, mesh, dict(rules)))
-
-
-@dataclasses.dataclass(frozen=True)
-class LayerContext:
-    """What every decoder layer reads besides its own parameters, fixed for one call of
-    :class:`Decoder` (built by it; the layer functions are pure in it)."""
-
-    config: DecoderConfig
-    dtype: Any  # the compute dtype
-    mesh: Mesh | None
-    rules: tuple[tuple[str, Any], ...]  # activation rules (Decoder.activation_rules)
-    quantization: str  # how the base projections are stored: none | nf4 | int8
-    lora: Any  # the LoraSpec of the adapters in use; None: no adapters, or switched off
-    dropout_keys: jax.Array | None  # [B, T, 2] each token's row's adapter-dropout key data; None: no dropout
-    positions: jax.Array  # [B, T] int32 RoPE positions (a token's place in its sequence)
-    cos: jax.Array  # [B, T, head_dim] float32 RoPE tables
-    sin: jax.Array  # [B, T, head_dim]
-    kernel: Any  # the blocked attention kernel of this call, or None (dense attention)
-    dense_impl: Any  # jax.nn.dot_product_attention's implementation (dense attention)
-    mask: jax.Array | None  # [B, 1, T, S] bool, dense attention only
-    segment_ids: jax.Array | None  # [B, S] int32 (1 real token, 0 padding), kernel only
-    write_index: jax.Array | None  # scalar int32: the cache slot of the first token
-    # A decode step over a paged cache: (page_table [B, max_pages], lengths [B], live [B],
-    # its PagedSpec); None: the dense cache (or none).
-    paged: Any = None
-
-    def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
-        return constrain(x, names, self.mesh, self.rules)
-
-
-def project(
-    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
-) -> jax.Array:
-    """``x`` through projection ``name`` (``eq``: its einsum, x first): the (dequantized)
-    base weight plus, when targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``,
-    never merged."""
-    w = p[name]
-    if f"{name}_scale" in p:
-        w = dequantize(w, p[f"{name}_scale"], ctx.quantization, ctx.dtype, axis=0)
-    y = jnp.einsum(eq, x, w.astype(ctx.dtype))
-    if f"{name}_lora_a" not in p:
-        return y
-    return y + _adapter(ctx, eq, x, p, name, layer)
-
-
-def _adapter(
-    ctx: LayerContext, eq: str, x: jax.Array, p: Mapping[str, jax.Array], name: str, layer: jax.Array
-) -> jax.Array:
-    """The adapter's term of projection ``name``: ``x`` [lead..., contracted...] through
-    A [contracted..., r] then B [r, kept...], scaled by ``alpha / r``."""
-    dt = ctx.dtype
-    ins, out = eq.split("->")
-    xs, ws = ins.split(",")
-    contracted = "".join(ch for ch in ws if ch in xs)
-    kept = "".join(ch for ch in ws if ch not in xs)
-    lead = "".join(ch for ch in out if ch not in kept)
-    if ctx.dropout_keys is not None:
-        x = _adapter_dropout(ctx, x, name, layer)
-    t = jnp.einsum(f"{xs},{contracted}r->{lead}r", x, p[f"{name}_lora_a"].astype(dt))
-    d = jnp.einsum(f"{lead}r,r{kept}->{out}", t, p[f"{name}_lora_b"].astype(dt))
-    return d * jnp.asarray(ctx.lora.scale, dt)
-
-
-def _adapter_dropout(ctx: LayerContext, x: jax.Array, name: str, layer: jax.Array) -> jax.Array:
-    """Inverted dropout on an adapter's input [B, T, ...]: each token's mask from its
-    row's key folded with the layer, the projection (every adapter draws its own) and the
-    token's position in its sequence. A token's mask is then the same wherever the token
-    sits: in a padded row (any left padding) or in a packed bin, in any micro-batch."""
-    keep = 1.0 - ctx.lora.dropout
-    salt = ctx.config.layer_params().index(name)
-
-    def token_mask(k, pos):
-        k = jax.random.fold_in(jax.random.fold_in(jax.random.wrap_key_data(k), layer), salt)
-        return jax.random.bernoulli(jax.random.fold_in(k, pos), keep, x.shape[2:])
-
-    masks = jax.vmap(jax.vmap(token_mask))(ctx.dropout_keys, ctx.positions)  # B T ...
-    return jnp.where(masks, x / keep, jnp.zeros((), x.dtype)).astype(x.dtype)
-
-
-def qkv(
-    ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The attention block's inputs: the residual stream h [B, T, D] normed and projected
-    to q [B, T, H, E] and k, v [B, T, K, E] (biases, Qwen3's q/k norms, RoPE)."""
-    c, dt = ctx.config, ctx.dtype
-    x = rms_norm(h, p["attn_norm"], c.rms_norm_eps, dt)
-    q = project(ctx, "btd,dhe->bthe", x, p, "q_proj", layer)
-    k = project(ctx, "btd,dke->btke", x, p, "k_proj", layer)
-    v = project(ctx, "btd,dke->btke", x, p, "v_proj", layer)
-    if c.qkv_bias:
-        q = q + p["q_bias"].astype(dt)
-        k = k + p["k_bias"].astype(dt)
-        v = v + p["v_bias"].astype(dt)
-    if c.qk_norm:  # Qwen3: per head, over head_dim, before RoPE
-        q = rms_norm(q, p["q_norm"], c.rms_norm_eps, dt)
-        k = rms_norm(k, p["k_norm"], c.rms_norm_eps, dt)
-    q = ctx.constrain(apply_rope(q, ctx.cos, ctx.sin), ("batch", "length", "heads", "head_dim"))
-    k = ctx.constrain(apply_rope(k, ctx.cos, ctx.sin), ("batch", "length", "kv_heads", "head_dim"))
-    v = ctx.constrain(v, ("batch", "length", "kv_heads", "head_dim"))
-    return q, k, v
-
-
-def attend(ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any) -> tuple[jax.Array, Any]:
-    """Attention of q [B, T, H, E] over the new keys/values or, with a cache carry ``kv``
-    = (k, v, layer), over the cache after writing them at ``write_index``. Returns the
-    output [B, T, H, E] and the carry ((k, v) updated; None without a cache)."""
-    dt = ctx.dtype
-    if ctx.paged is not None:
-        return _attend_paged(ctx, q, k_new, v_new, kv)
-    if kv is None:
-        k_all, v_all = k_new, v_new
-    else:
-        ck, cv, layer = kv
-        start = (layer, jnp.int32(0), ctx.write_index, jnp.int32(0), jnp.int32(0))
-        ck = jax.lax.dynamic_update_slice(ck, k_new.astype(ck.dtype)[None], start)
-        cv = jax.lax.dynamic_update_slice(cv, v_new.astype(cv.dtype)[None], start)
-        ck = ctx.constrain(ck, CACHE_AXES)
-        cv = ctx.constrain(cv, CACHE_AXES)
-        k_all = jax.lax.dynamic_index_in_dim(ck, layer, axis=0, keepdims=False).astype(dt)
-        v_all = jax.lax.dynamic_index_in_dim(cv, layer, axis=0, keepdims=False).astype(dt)
-        kv = (ck, cv)
-    scale = 1.0 / math.sqrt(ctx.config.head_dim)
-    if ctx.kernel is not None:
-        out = sharded(
-            ctx.kernel, q, k_all, v_all, ctx.segment_ids, scale=scale, mesh=ctx.mesh, rules=dict(ctx.rules),
-        )
-        return out, kv
-    out = jax.nn.dot_product_attention(
-        q, k_all, v_all, mask=ctx.mask, scale=scale, implementation=ctx.dense_impl
-    )  # B T H E
-    return out, kv
-
-
-def _attend_paged(
-    ctx: LayerContext, q: jax.Array, k_new: jax.Array, v_new: jax.Array, kv: Any
-) -> tuple[jax.Array, Any]:
-    """One decode token per row (T = 1) over a paged pool: the new key/value written at
-    token ``lengths`` of each live row's pages, then attention over the row's
-    ``lengths + 1`` tokens (:func:`grpo.models.paged_attention.paged_decode`)."""
-    page_table, lengths, live, spec = ctx.paged
-    pk, pv, layer = kv
-    out, pk, pv = paged_decode(
-        q=q[:, 0], k_new=k_new[:, 0], v_new=v_new[:, 0], pool_k=pk, pool_v=pv, layer=layer, page_table=page_table,
-        lengths=lengths, live=live, scale=1.0 / math.sqrt(ctx.config.head_dim), spec=spec, mesh=ctx.mesh,
-    )
-    return out[:, None].astype(ctx.dtype), (pk, pv)
-
-
-def mlp_block(ctx: LayerContext, h: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array) -> jax.Array:
-    """The MLP block with its residual: h [B, T, D] + down(silu(gate(x)) * up(x)), x the
-    normed h."""
-    x = rms_norm(h, p["mlp_norm"], ctx.config.rms_norm_eps, ctx.dtype)
-    g = project(ctx, "btd,df->btf", x, p, "gate_proj", layer)
-    u = project(ctx, "btd,df->btf", x, p, "up_proj", layer)
-    y = ctx.constrain(jax.nn.silu(g) * u, ("batch", "length", "mlp"))
-    h = h + project(ctx, "btf,fd->btd", y, p, "down_proj", layer)
-    return ctx.constrain(h, ("batch", "length", "embed"))
 
 
 def out_and_mlp(
@@ -725,7 +284,7 @@ class Decoder(nnx.Module):
         attention kernel, its output and log-sum-exp are saved instead and its forward is
         not rerun).
       attention_impl: the attention over whole sequences (no cache, or prefill into a cache of
-        exactly the prompt length): an :data:`grpo.models.attention.AttentionFn` (a blocked
+        exactly the prompt length): an :data:`grpo.kernels.attention.AttentionFn` (a blocked
         kernel, run per device under ``shard_map``), or a string passed to
         ``jax.nn.dot_product_attention`` (``"xla"``; ``None`` = JAX's choice) with the
         materialised mask. Decode always uses the latter form (``"xla"`` for a kernel).

@@ -528,7 +528,7 @@ def resolve_attention(model_config: Any, mesh: Mesh | None = None, *, check: boo
     resolved): the :class:`~grpo.core.contracts.AttentionPlugin`'s kernel, or ``"xla"``
     for the model's own attention. Raises ConfigError naming ``model.attention``.
 
-    ``check``: the kernel must first pass :func:`grpo.models.attention.self_check` on this
+    ``check``: the kernel must first pass :func:`grpo.kernels.attention.self_check` on this
     platform (once per process; ``grpo plan``, which only compiles for devices it does not
     have, does not check). A kernel that fails is a UserError naming it when
     ``model.attention`` names it; under ``auto`` it is replaced by ``xla`` with one warning.
@@ -562,7 +562,7 @@ def _local_device(mesh: Mesh) -> Any:
 
 
 def _kernel_check(name: str, platform: str, impl: Any, model_config: Any, mesh: Mesh, architecture: Any) -> str | None:
-    from grpo.models.attention import self_check
+    from grpo.kernels.attention import self_check
 
     try:
         key: Any = (name, platform, impl)

@@ -195,7 +195,7 @@ def test_a_third_party_attention_kernel_is_chosen_by_name():
         platforms = ("cpu", "gpu", "tpu")
 
         def build(self, options, *, platform):
-            from grpo.models.attention import reference_attention
+            from grpo.kernels.attention import reference_attention
 
             return reference_attention
 

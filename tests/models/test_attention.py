@@ -19,7 +19,8 @@ from _model_fixtures import checkpoint, hf_logits, logits_of, mesh, packed_vs_al
 from grpo.core.config import attention_plugin, load_config, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError
-from grpo.models.attention import PallasGpuAttention, SplashAttention, head_specs, reference_attention, sharded
+from grpo.kernels.attention import PallasGpuAttention, SplashAttention, reference_attention
+from grpo.models.layers.attention import head_specs, sharded
 from grpo.models.decoder import positions_from_mask
 from grpo.models.loading import load_hf
 
@@ -266,7 +267,7 @@ def test_trainer_step_with_each_attention(attention, tmp_path, example_plugin):
 def test_self_check_passes_the_kernels_and_names_what_is_wrong():
     """The check itself, against the reference (f32 and bf16) and broken kernels (the
     built-in kernels pass it in every trainer step below: build_model checks them)."""
-    from grpo.models.attention import self_check
+    from grpo.kernels.attention import self_check
 
     assert self_check(reference_attention, head_dim=16) is None
     assert self_check(reference_attention, dtype=jnp.bfloat16, head_dim=16) is None
@@ -303,7 +304,7 @@ def test_a_third_party_kernel_that_fails_its_check(kernel, reason, example_plugi
 
     from grpo.core import contracts
     from grpo.core.errors import UserError
-    from grpo.models import attention as attention_mod
+    from grpo.kernels import attention as attention_mod
     from grpo.models.loading import build_model
 
     calls = []

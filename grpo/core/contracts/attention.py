@@ -29,7 +29,7 @@ class AttentionPlugin(_PluginBase):
     ``interpret_platforms``, where it runs in Pallas interpret mode (CPU tests: exact, slow).
 
     :meth:`build` returns a function with the contract of
-    :data:`grpo.models.attention.AttentionFn` — ``out = fn(q, k, v, segment_ids, *,
+    :data:`grpo.kernels.attention.AttentionFn` — ``out = fn(q, k, v, segment_ids, *,
     scale)``, q [B, T, H, E], k/v [B, T, K, E], segment ids [B, T] int32 (query slot i
     sees key slot j iff j <= i and their ids are equal), out [B, T, H, E] — which the
     model runs per device under ``shard_map``; or ``None``: the model's own masked XLA

@@ -21,7 +21,7 @@ number of decode slots (``slots``) runs in chunks of ``chunk`` decode steps:
 3. **Decode** (one jit, the state donated): ``chunk`` steps in a ``lax.fori_loop``, no
    host sync inside; each live slot feeds its previous token at position = its cached
    length, writes its key/value into its pages and attends over them alone
-   (:mod:`grpo.models.paged_attention`; the Pallas kernel on TPU/GPU).
+   (:mod:`grpo.models.layers.paged`; the Pallas kernel on TPU/GPU).
 
 The host reads three [slots] arrays per chunk (row, done, length). The step ends when the
 queue is empty and every slot is free. Row ``r`` draws step ``t`` from
@@ -53,7 +53,7 @@ from grpo.engine.rollout.paged.pages import PageAllocator
 from grpo.engine.rollout.paged.scheduler import Scheduler
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, draw
 from grpo.models.decoder import positions_from_mask
-from grpo.models.paged_attention import BACKENDS, PagedKVCache, PagedSpec
+from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
 from grpo.sharding import fit_sharding
 
 
@@ -87,7 +87,7 @@ class ContinuousSampler(BaseSampler):
     rollout at once), ``page_size`` tokens a
     page, ``pool_pages`` pages in the pool (0: enough for every slot at the cap, so no row
     is ever evicted), ``chunk`` decode steps between host boundaries, ``backend`` the
-    paged attention (:data:`grpo.models.paged_attention.BACKENDS`), ``detokenize`` as
+    paged attention (:data:`grpo.kernels.paged_attention.BACKENDS`), ``detokenize`` as
     the static sampler's."""
 
     def __init__(self, graphdef: Any, *, slots: int, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,

@@ -18,7 +18,7 @@ from pydantic import Field, field_validator, model_validator
 from grpo.core.contracts import AUTO_ATTENTION, AttentionPlugin, PluginOptions, auto_attention
 from grpo.core.hookspecs import hookimpl
 
-LANES = 128  # Mosaic's lane width (grpo.models.attention.LANES; no JAX import here)
+LANES = 128  # Mosaic's lane width (grpo.kernels.attention.LANES; no JAX import here)
 MAX_TILE = 2048 * 2048
 """The largest q block x kv block a splash kernel's tiles fit in TPU VMEM (measured)."""
 
@@ -77,14 +77,14 @@ class SplashOptions(PluginOptions):
 
 
 class _PallasPlugin(AttentionPlugin):
-    """A Pallas kernel of :mod:`grpo.models.attention`: compiled on its own platforms,
+    """A Pallas kernel of :mod:`grpo.kernels.attention`: compiled on its own platforms,
     interpreted on CPU; the options are the kernel's fields."""
 
-    kernel: ClassVar[str]  # class name in grpo.models.attention
+    kernel: ClassVar[str]  # class name in grpo.kernels.attention
     interpret_platforms = ("cpu",)
 
     def build(self, options: Any, *, platform: str) -> Any:
-        from grpo.models import attention
+        from grpo.kernels import attention
 
         return getattr(attention, self.kernel)(**options.model_dump(), interpret=platform not in self.platforms)
 

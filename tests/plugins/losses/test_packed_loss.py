@@ -39,16 +39,16 @@ def case():
 @pytest.fixture(scope="module")
 def jitted_kernels():
     """The Pallas kernels jitted (once per shape) while the loss around them runs op by op."""
-    from grpo.plugins.losses import _pallas
+    from grpo.kernels import head_logprobs
 
     names = ("_forward", "_grid_backward", "_loop_backward")
-    saved = {n: getattr(_pallas, n) for n in names}
-    _pallas._forward = jax.jit(saved["_forward"], static_argnums=(3, 4))
+    saved = {n: getattr(head_logprobs, n) for n in names}
+    head_logprobs._forward = jax.jit(saved["_forward"], static_argnums=(3, 4))
     for n in names[1:]:
-        setattr(_pallas, n, jax.jit(saved[n], static_argnames=("inv_temp", "cfg")))
+        setattr(head_logprobs, n, jax.jit(saved[n], static_argnames=("inv_temp", "cfg")))
     yield
     for n, fn in saved.items():
-        setattr(_pallas, n, fn)
+        setattr(head_logprobs, n, fn)
 
 
 def _settings(objective, aggregation, level, i):

@@ -28,6 +28,7 @@ from _losses import _inputs, _run_plugin
 from grpo.core.cli import cli
 from grpo.core.contracts import LossSettings
 from grpo.plugins.losses import JaxLoss, PallasLoss
+from grpo.kernels import head_logprobs
 from grpo.plugins.losses import _jax, _pallas
 
 pytestmark = pytest.mark.slow
@@ -119,11 +120,11 @@ def test_loop_schedule_vocab_chunks_of_dw():
     overlaps the one before it. 300 columns in chunks of 128: starts 0, 128, 172."""
     x = _inputs(2, 7, 16, 300, seed=11)
     g = jax.random.normal(jax.random.PRNGKey(0), (2, 7))
-    cfg = _pallas.KernelConfig(block_t=16, block_v=128, block_d=16, schedule="loop", interpret=True,
+    cfg = head_logprobs.KernelConfig(block_t=16, block_v=128, block_d=16, schedule="loop", interpret=True,
                                backend="cpu", dw_chunk=128)
 
     def fused(h, w):
-        lp, _ = _pallas.fused_token_logprobs(hidden=h, head_weight=w, targets=x["targets"], temperature=1.3,
+        lp, _ = head_logprobs.fused_token_logprobs(hidden=h, head_weight=w, targets=x["targets"], temperature=1.3,
                                              config=cfg)
         return jnp.sum(lp * g)
 
@@ -147,10 +148,10 @@ def test_grid_schedule_under_tpu_interpreter_with_race_detection():
     x = _inputs(2, 5, 16, 200, seed=2)  # 10 rows over block_t=8, 200 columns over block_v=128
     g = jax.random.normal(jax.random.PRNGKey(1), (2, 5))
     params = pltpu.InterpretParams(uninitialized_memory="nan", detect_races=True, num_cores_or_threads=2)
-    cfg = _pallas.KernelConfig(block_t=8, block_v=128, block_d=64, schedule="grid", interpret=params, backend="cpu")
+    cfg = head_logprobs.KernelConfig(block_t=8, block_v=128, block_d=64, schedule="grid", interpret=params, backend="cpu")
 
     def fused(h, w):
-        lp, ent = _pallas.fused_token_logprobs(hidden=h, head_weight=w, targets=x["targets"], temperature=0.8,
+        lp, ent = head_logprobs.fused_token_logprobs(hidden=h, head_weight=w, targets=x["targets"], temperature=0.8,
                                                config=cfg)
         return jnp.sum(lp * g), ent
 
@@ -212,7 +213,7 @@ def _export(platform, cfg, dtype=jnp.bfloat16, v=1000):
 
     def step(h, w, t, g):
         def f(h, w):
-            lp, _ = _pallas.fused_token_logprobs(hidden=h, head_weight=w, targets=t, temperature=0.9, config=cfg)
+            lp, _ = head_logprobs.fused_token_logprobs(hidden=h, head_weight=w, targets=t, temperature=0.9, config=cfg)
             return jnp.sum(lp * g)
 
         return jax.value_and_grad(f, argnums=(0, 1))(h, w)
@@ -237,7 +238,7 @@ def test_kernels_lower_for_tpu_and_gpu(platform, backend, target, dtype):
 
 def test_refused_block_sizes_really_fail_to_lower():
     """What resolve_config/Options refuse is what the backends' lowering rejects."""
-    k = _pallas.KernelConfig
+    k = head_logprobs.KernelConfig
     with pytest.raises(ValueError, match="power of 2"):
         _export("cuda", k(block_t=64, block_v=384, block_d=64, schedule="loop", interpret=False, backend="gpu"))
     with pytest.raises(ValueError, match="divisible by 8 and 128"):

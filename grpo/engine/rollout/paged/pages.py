@@ -2,7 +2,7 @@
 
 The continuous sampler (:mod:`grpo.engine.rollout.continuous`) keeps every layer's keys
 and values in one pool of fixed-size pages (``[layers, kv_heads, pages, page_size,
-head_dim]``, :class:`grpo.models.paged_attention.PagedKVCache`) and gives each decode
+head_dim]``, :class:`grpo.models.layers.paged.PagedKVCache`) and gives each decode
 slot a row of a page table ``[slots, max_pages_per_row]`` int32: token ``i`` of the row
 in slot ``s`` lives at page ``table[s, i // page_size]``, offset ``i % page_size``. A
 row holds only the pages its tokens (and the next chunk's) need; when it finishes, its

@@ -8,10 +8,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo.models.paged_attention import (
-    PagedKVCache, paged_attention, paged_attention_gpu, paged_attention_reference, paged_attention_tpu,
-    resolve_backend, write_token,
+from grpo.kernels.paged_attention import (
+    paged_attention, paged_attention_gpu, paged_attention_reference, paged_attention_tpu, resolve_backend,
 )
+from grpo.models.layers.paged import write_token
 
 B, H, KH, E, PS, MAXP, POOL = 3, 4, 2, 16, 4, 4, 16
 

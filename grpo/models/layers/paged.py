@@ -1,0 +1,122 @@
+"""The paged KV cache on the device: the pool, each row's page table, and one decode
+step's write and attention, per device on a mesh.
+
+The pool keeps every layer's keys and values as ``[layers, kv_heads, pages, page_size,
+head_dim]``: the layout both of JAX's Pallas decode kernels take per layer
+(:mod:`grpo.kernels.paged_attention`: ``[kv_heads, pages, page_size, head_dim]``), so a
+layer's slice goes to a kernel without a transpose (a transpose would copy the whole pool
+every step); KV heads lead, so the serving layout shards them over ``tp`` like the dense
+cache. A row's page table ``[max_pages]`` int32 lists its pages in token order: token
+``i`` is at page ``table[i // page_size]``, offset ``i % page_size``. Which pages a row
+holds is the engine's (:class:`grpo.engine.rollout.paged.PageAllocator`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec
+
+from grpo.kernels.paged_attention import BACKENDS, paged_attention, resolve_backend
+
+
+class PagedKVCache(NamedTuple):
+    """Decode state of the paged cache for one model call (a plain pytree).
+
+    ``k``/``v``: the pool [layers, kv_heads, pages, page_size, head_dim];
+    ``page_table``: [B, max_pages] int32; ``lengths``: [B] int32 tokens already cached per
+    row (the new token is written at index ``lengths`` and attended to with them);
+    ``live``: [B] bool, rows whose token is written (others write nothing)."""
+
+    k: jax.Array
+    v: jax.Array
+    page_table: jax.Array
+    lengths: jax.Array
+    live: jax.Array
+
+    @property
+    def page_size(self) -> int:
+        return self.k.shape[3]
+
+    @property
+    def pages(self) -> int:
+        return self.k.shape[2]
+
+
+def write_token(*, pool: jax.Array, layer: jax.Array, new: jax.Array, page_table: jax.Array, lengths: jax.Array,
+                live: jax.Array) -> jax.Array:
+    """``pool`` [L, KH, P, ps, E] with ``new`` [B, KH, E] written at token ``lengths[b]`` of
+    each live row of ``layer`` (other rows' writes are dropped: an out-of-range page)."""
+    P, ps = pool.shape[2], pool.shape[3]
+    idx = jnp.minimum(lengths // ps, page_table.shape[1] - 1)
+    page = jnp.take_along_axis(page_table, idx[:, None], axis=1)[:, 0]  # B
+    page = jnp.where(live, page, P)  # out of range: dropped
+    offset = lengths % ps
+    # Advanced indices (layer, page, offset) around a slice: the indexed dims are [B, KH, E].
+    return pool.at[layer, :, page, offset].set(new.astype(pool.dtype), mode="drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class PagedSpec:
+    """How a paged decode step runs (static): the attention ``backend`` and the pool's
+    layout on the mesh: rows (decode slots) and the pool's pages over ``slot_axes`` (a
+    device's rows hold pages of its own part of the pool only), KV heads over ``kv_axes``
+    (disjoint from ``slot_axes``). Page tables hold global page indices."""
+
+    backend: str = "auto"
+    slot_axes: tuple[str, ...] = ()
+    kv_axes: tuple[str, ...] = ()
+
+    def pool_spec(self) -> PartitionSpec:
+        """The pool's [layers, kv_heads, pages, page_size, head_dim] partition."""
+        return PartitionSpec(None, self.kv_axes or None, self.slot_axes or None, None, None)
+
+
+def _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, first_page, *, scale, backend):
+    """Write and attend on one device's part: global pages -> local (``first_page`` of its
+    part subtracted, clipped into it for rows that write nothing)."""
+    local = jnp.clip(page_table - first_page, 0, pool_k.shape[2] - 1)
+    pool_k = write_token(pool=pool_k, layer=layer, new=k_new, page_table=local, lengths=lengths, live=live)
+    pool_v = write_token(pool=pool_v, layer=layer, new=v_new, page_table=local, lengths=lengths, live=live)
+    k_layer = jax.lax.dynamic_index_in_dim(pool_k, layer, axis=0, keepdims=False)  # KH P ps E
+    v_layer = jax.lax.dynamic_index_in_dim(pool_v, layer, axis=0, keepdims=False)
+    out = paged_attention(q=q, k_pages=k_layer, v_pages=v_layer, lengths=lengths + 1, page_table=local, scale=scale,
+                          backend=backend)
+    return out, pool_k, pool_v
+
+
+def paged_decode(*, q: jax.Array, k_new: jax.Array, v_new: jax.Array, pool_k: jax.Array, pool_v: jax.Array,
+                 layer: jax.Array, page_table: jax.Array, lengths: jax.Array, live: jax.Array, scale: float,
+                 spec: PagedSpec, mesh: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """One decode token per row over a paged pool: ``k_new``/``v_new`` [B, KH, E] written at
+    token ``lengths`` of each live row's pages of ``layer``, then q [B, H, E] attends over
+    the row's ``lengths + 1`` tokens. Returns (out [B, H, E], pool_k, pool_v).
+
+    On a mesh it runs per device under ``shard_map`` (rows and pages over ``spec.slot_axes``,
+    KV heads and their query heads over ``spec.kv_axes``), so each device reads and writes
+    its own part of the pool whatever the backend (a Pallas call is opaque to XLA's
+    partitioner, and a gather by a data-dependent page table would be all-gathered)."""
+    platform = None if mesh is None else mesh.devices.flat[0].platform
+    backend = resolve_backend(spec.backend, platform, q.shape[-1])
+    if mesh is None or mesh.size == 1:
+        return _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, 0, scale=scale,
+                             backend=backend)
+    rows, heads = spec.slot_axes or None, spec.kv_axes or None
+
+    def body(qb, kb, vb, pk, pv, lb, tb, nb, live_b):
+        first = (jax.lax.axis_index(spec.slot_axes) if spec.slot_axes else 0) * pk.shape[2]
+        return _decode_local(qb, kb, vb, pk, pv, lb, tb, nb, live_b, first, scale=scale, backend=backend)
+
+    act, pool = PartitionSpec(rows, heads, None), spec.pool_spec()
+    return jax.shard_map(
+        body, mesh=mesh, check_vma=False,
+        in_specs=(act, act, act, pool, pool, PartitionSpec(), PartitionSpec(rows, None), PartitionSpec(rows),
+                  PartitionSpec(rows)),
+        out_specs=(act, pool, pool),
+    )(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live)
+
+
+__all__ = ["BACKENDS", "PagedKVCache", "PagedSpec", "paged_decode", "write_token"]
