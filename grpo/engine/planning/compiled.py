@@ -21,7 +21,7 @@ class ProgramResult:
     error: str | None
     takes: tuple[str, ...]  # resident state it takes as arguments
     hlo: str | None = None  # the optimized HLO text
-    hlo_source: str | None = None  # "xla_dump" or "as_text" (see ``_compile``)
+    hlo_source: str | None = None  # "xla_dump" or "as_text" (see :func:`compile_program`)
     collectives: list[Any] | None = None  # hlo.Collective, None without HLO
 
 
@@ -37,6 +37,7 @@ def first_size(message: str) -> int | None:
 
 
 def compiler_text(err: Exception) -> str:
+    """The compiler's message of ``err``, its first 20 non-empty lines (4000 characters at most)."""
     text = str(err).strip() or type(err).__name__
     lines = [ln for ln in text.splitlines() if ln.strip()]
     return "\n".join(lines[:20])[:4000]

@@ -5,7 +5,11 @@ abstract state — parameters and optimizer state as ``jax.ShapeDtypeStruct`` in
 shardings on a ``Mesh`` of the topology's devices — and compiled by the TPU compiler
 (libtpu). Nothing is allocated, downloaded or run. The counted costs are
 :mod:`grpo.engine.planning.costs`'s, ``--search`` is :mod:`grpo.engine.planning.search`,
-the text report :mod:`grpo.engine.planning.report`.
+the text report :mod:`grpo.engine.planning.report`; the abstract state
+:mod:`grpo.engine.planning.shapes`'s, one program's compile and report entry
+:mod:`grpo.engine.planning.compiled`'s, the state's bytes
+:mod:`grpo.engine.planning.memory`'s and the step's headline
+:mod:`grpo.engine.planning.headline`'s.
 
 Memory (per device, exact, from ``compiled.memory_analysis()``): a program needs
 ``argument + output - alias + temp + generated code`` bytes while it runs. Parameters and
