@@ -52,7 +52,13 @@ on the training layout (``legacy``, ``maxtext``), or in the style's own layout
 :meth:`RunPrograms.eval_batch` prompts. The trainer and the evaluator jit nothing
 themselves.
 
-The builder only wires these pieces; the math lives in ``Sampler`` and ``UpdateStep``.
+The builder only wires these pieces and caches the jitted programs by name; the math
+lives in the rooms: the sampler built through the ``rollout.engine`` plugin
+(:mod:`grpo.engine.rollout.engines`), where the rollout runs and the weights it reads
+(:mod:`grpo.engine.rollout.weights`), ``Sampler`` and ``UpdateStep``, the advantages'
+host-side math (:mod:`grpo.engine.training.advantages`) and the pack programs
+(:mod:`grpo.engine.training.packing`). The abstract state ``grpo plan`` lowers them on is
+:mod:`grpo.engine.planning.shapes`'s.
 """
 
 from __future__ import annotations
@@ -70,7 +76,6 @@ from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
-from grpo.core.errors import UserError
 
 
 def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int:
@@ -160,56 +165,21 @@ class RunPrograms:
 
     def sampler(self, *, greedy: bool = False, num_generations: int | None = None):
         """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k),
-        built by the ``rollout.engine`` plugin (:class:`grpo.RolloutEnginePlugin`): the
-        built-in ``static`` engine gives
-        :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler` (``rollout.max_turns``
-        turns) when the run is :attr:`multi_turn`, else the single-turn
-        :class:`~grpo.engine.rollout.sampler.Sampler`; ``continuous`` the
-        :class:`~grpo.engine.rollout.continuous.ContinuousSampler`. All are called the
-        same way (``sample``) and lower their own programs for the plan (``lowerings``)."""
-        from grpo.core.contracts import EngineContext, as_engine
-        from grpo.engine.rollout.sampler import SamplingParams
+        built once per ``(greedy, k)`` by the ``rollout.engine`` plugin
+        (:func:`grpo.engine.rollout.engines.build_sampler`): a :class:`grpo.RolloutEngine`."""
+        from grpo.engine.rollout.engines import build_sampler
 
         r = self.config.rollout
         k = r.num_generations if num_generations is None else num_generations
         key = (greedy, k)
         if key not in self._samplers:
-            sampling = SamplingParams(
-                max_new_tokens=r.max_new_tokens,
-                num_generations=k,
-                temperature=r.temperature,
-                top_k=r.top_k,
-                top_p=r.top_p,
-                greedy=greedy,
-                eos_ids=self.eos_ids,
-                pad_id=self.pad_id,
-                early_stop_chunk=r.early_stop_chunk,
+            self._samplers[key] = build_sampler(
+                self.config, placement=self.rollout, graphdef=self.graphdef, plugins=self.plugins,
+                eos_ids=self.eos_ids, pad_id=self.pad_id, multi_turn=self.multi_turn,
+                lora_adapters=not self.merged_sampling, detokenize=self.detokenize,
+                conversations=self.conversations, greedy=greedy, num_generations=k,
             )
-            ro = self.rollout
-            kwargs = dict(
-                mesh=ro.mesh, batch_axes=ro.batch_axes,
-                kv_segment=r.kv_segment, lora_adapters=not self.merged_sampling,
-                activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
-            )
-            plugin, options = self._engine()
-            problems = plugin.check(multi_turn=self.multi_turn, options=options)
-            if problems:
-                raise UserError("The rollout engine cannot sample this run's task:", problems=problems)
-            context = EngineContext(graphdef=self.graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
-                                    detokenize=self.detokenize, conversations=self.conversations,
-                                    multi_turn=self.multi_turn)
-            self._samplers[key] = as_engine(plugin.build(context, options), name=plugin.name)
         return self._samplers[key]
-
-    def _engine(self) -> tuple[Any, Any]:
-        """The ``rollout.engine`` plugin and its options (the selection's, else looked up)."""
-        selected = (self.plugins or {}).get("engine")
-        if selected is not None:
-            return selected.plugin, selected.options
-        from grpo.core.plugins import get_plugins
-
-        plugin = get_plugins().get("engine", self.config.rollout.engine)
-        return plugin, plugin.parse_options(self.config.rollout.engine_options)
 
     @property
     def multi_turn(self) -> bool:
@@ -231,45 +201,33 @@ class RunPrograms:
         return lora is not None and lora.sampler == "merged"
 
     def sampler_state(self, params: Any, frozen: Any) -> Any:
-        """What the sampler reads for trainable ``params`` and the ``frozen`` base.
+        """What the sampler reads for trainable ``params`` and the ``frozen`` base
+        (:func:`grpo.engine.rollout.weights.sampler_state`): the state as is, LoRA merged
+        (``merge``), or copied into a rollout style's own layout (``reshard``)."""
+        from grpo.engine.rollout.weights import sampler_state
 
-        On the training layout: the whole state as is (no copy), or with
-        ``merged_sampling`` a state whose targeted projections are ``W + (alpha / r) A @ B``
-        (one jitted merge; a new array per projection, in the base's sharding). In a
-        rollout style's own layout: one jitted program (:meth:`reshard_jit`) copies the
-        state into it, merging on the way when ``merged_sampling``; the copy lives until
-        the caller drops it (after decode)."""
-        from grpo.models.lora import merge_params
-
-        if self.rollout.resharded:
-            state = merge_params(params, frozen)
-            fn = self.reshard_jit(state)
-            return fn(params, frozen) if self._merging(frozen) else fn(state)
-        if not self._merging(frozen):
-            return merge_params(params, frozen)
-        return self.merge_jit(merge_params(params, frozen))(params, frozen)
+        return sampler_state(params, frozen, resharded=self.rollout.resharded, merging=self._merging(frozen),
+                             reshard=self.reshard_jit, merge=self.merge_jit)
 
     def reshard_jit(self, state: Any):
-        """The jitted once-per-step reshard into the rollout layout: ``fn(state)``, or
+        """The jitted once-per-step reshard into the rollout layout
+        (:func:`grpo.engine.rollout.weights.reshard_program`): ``fn(state)``, or
         ``fn(params, frozen)`` merging LoRA adapters on the way (``merged_sampling``).
         ``state``: the full sampler state (concrete or abstract), for its shardings."""
+        from grpo.engine.rollout.weights import reshard_program
+
         merging = self.merged_sampling and self.config.model.lora is not None
-        return self._program("reshard", lambda: self.rollout.reshard_jit(state, self._merged if merging else None))
+        return self._program("reshard", lambda: reshard_program(self.rollout, self.graphdef, state, merging=merging))
 
     def merge_jit(self, state: Any):
-        """The jitted LoRA merge of ``model.lora.sampler: merged`` on the training layout:
-        ``fn(params, frozen)`` -> the sampler state with the adapters merged in, each
-        array in its sharding in ``state`` (the unmerged whole state, concrete or abstract)."""
-        shardings = jax.tree.map(lambda x: x.sharding, state)
-        return self._program("merge", lambda: jax.jit(self._merged, out_shardings=shardings))
+        """The jitted LoRA merge of ``model.lora.sampler: merged`` on the training layout
+        (:func:`grpo.engine.rollout.weights.merge_program`): ``fn(params, frozen)``."""
+        from grpo.engine.rollout.weights import merge_program
+
+        return self._program("merge", lambda: merge_program(self.graphdef, state))
 
     def _merging(self, frozen: Any) -> bool:
         return frozen is not None and self.merged_sampling
-
-    def _merged(self, params: Any, frozen: Any) -> Any:
-        from grpo.models.lora import merge_into_state
-
-        return merge_into_state(self.graphdef, params, frozen)
 
     def _program(self, name: str, build: Any) -> Any:
         """The jitted program ``name``, built by ``build()`` on first use (one per run)."""
@@ -343,49 +301,32 @@ class RunPrograms:
         """The rewards (each [B], by name) summed by weight into one component per scope
         of turn-level credit (the task's ``reward_turns``, then
         ``train.advantage.reward_turns``; ``task.overlong``'s penalty credits every turn):
-        what :func:`~grpo.engine.training.advantages.turn_advantages` takes. Plain array
-        math (host or device arrays): the update's program and the step's host-side
-        filter (dynamic sampling, down-sampling) share it."""
+        :func:`~grpo.engine.training.advantages.turn_components` with this run's scopes
+        and weights."""
         from grpo.engine.rollout.scoring import OVERLONG, reward_weights
+        from grpo.engine.training.advantages import turn_components
 
         task = self.plugins["task"]
         scopes = {**task.plugin.reward_turns(options=task.options), **self.config.train.advantage.reward_turns}
         weights = {**reward_weights(task.plugin, task.options), OVERLONG: 1.0}
-        parts: dict[str, list[tuple[float, str]]] = {}
-        for name in per_fn:
-            if weights[name]:
-                parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
-        return {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+        return turn_components(per_fn, scopes=scopes, weights=weights)
 
     def informative_groups(self, totals: Any, per_fn: dict[str, Any], trained: Callable[[], Any], *,
                            num_generations: int) -> np.ndarray:
-        """Which groups of these rows ([G*K] total rewards and rewards by name, host
-        arrays, group-major) are informative, [G] bool: the advantages the update would
-        train them on, by its own functions and ``train.advantage`` options over all
-        ``num_generations`` samples, are not all zero on their trained tokens
-        (``trained()`` [G*K, N], read only under turn credit). Eager array math on tiny
-        arrays, not a program: the host-side filter of dynamic sampling. ``batch_std``'s
-        batch-wide scale cannot turn a zero into a non-zero, so judging a round alone is
-        exact."""
-        from grpo.engine.training.advantages import group_advantages, informative_groups, turn_advantages
+        """Which groups of these rows are informative, [G] bool, by the update's own
+        functions and ``train.advantage`` options: the host-side filter of dynamic
+        sampling (:func:`~grpo.engine.training.advantages.informative_groups_of`)."""
+        from grpo.engine.training.advantages import informative_groups_of
 
-        adv, k = self.config.train.advantage, num_generations
-        opts = dict(num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
-        if adv.credit == "turn":
-            own = jnp.asarray(trained())
-            advantages = turn_advantages(self.turn_components({n: jnp.asarray(v) for n, v in per_fn.items()}),
-                                         own, **opts)
-        else:
-            own, advantages = None, group_advantages(jnp.asarray(totals), **opts)
-        return np.asarray(informative_groups(advantages, own, num_generations=k))
+        return informative_groups_of(totals, per_fn, trained, advantage=self.config.train.advantage,
+                                     num_generations=num_generations, components=self.turn_components)
 
     def scope_components(self, per_fn: dict[str, Any]) -> dict[str, Any]:
         """:meth:`turn_components` in scope order (all, first, last): what down-sampling
         ranks a group with equal totals by."""
-        from grpo.engine.training.advantages import SCOPES
+        from grpo.engine.training.advantages import in_scope_order
 
-        components = self.turn_components(per_fn)
-        return {s: components[s] for s in SCOPES if s in components}
+        return in_scope_order(self.turn_components(per_fn))
 
     def _build_turn_advantages(self, names: list[str], sharding: Any) -> Any:
         from grpo.engine.training.advantages import turn_advantages
@@ -451,6 +392,16 @@ class RunPrograms:
         return schedule_shapes(rows=self.config.sequences_per_step, devices=self.update_devices,
                                max_per=self.max_bins_per_device)
 
+    def scheduled_shape(self, per: int | None = None) -> tuple[int, int, int]:
+        """``(m_cap, devices x per, L)``: the scheduled bins' layout at ``per`` bins per
+        device per micro-batch (default: the widest a step can schedule)."""
+        from grpo.engine.training.packing import micro_capacity
+
+        per = per or max(self.schedule_shapes())
+        d = self.update_devices
+        return (micro_capacity(rows=self.config.sequences_per_step, devices=d, per=per), d * per,
+                self.config.bin_length)
+
     def pack_plan(self, batch: Any) -> Any:
         """The step's :class:`~grpo.engine.training.packing.PackPlan` (host) from the rows'
         lengths, read back replicated: every process computes the same plan, laid out for
@@ -474,56 +425,32 @@ class RunPrograms:
     def _lengths_jit(self) -> Any:
         """[B, 2] int32: each row's real tokens and its completion tokens (the plan's bins
         and head width)."""
-        from grpo.engine.training.packing import sequence_lengths
+        from grpo.engine.training.packing import lengths_program
 
-        def lengths(prompt_mask, mask):
-            return jnp.stack([sequence_lengths(prompt_mask, mask), jnp.sum(mask.astype(jnp.int32), axis=1)], axis=1)
-
-        return self._program("sequence_lengths", lambda: jax.jit(lengths, out_shardings=self.replicated))
+        return self._program("sequence_lengths", lambda: lengths_program(replicated=self.replicated))
 
     def pack(self, batch: Any, plan: Any) -> tuple[Any, Any]:
         """``(PackedBatch, Placement)`` of the padded ``batch`` (an UpdateBatch) laid out
         by ``plan``: bins over the update's row axes, the normaliser of the padded batch."""
-        idx = [jax.make_array_from_callback(a.shape, self.replicated, lambda i, a=a: a[i])
-               for a in (plan.row, plan.index, plan.segment_ids)]
-        packed, place = self._pack_jit()(batch, *idx, head=plan.head)
-        if plan.scheduled:
-            m = jax.make_array_from_callback((), self.replicated, lambda i: np.asarray(plan.micro_batches, np.int32))
-            packed = packed._replace(micro_batches=m)
-        return packed, place
+        from grpo.engine.training.packing import pack_arrays
+
+        return pack_arrays(self._pack_jit(), batch, plan, replicated=self.replicated)
 
     def _pack_jit(self) -> Any:
-        from grpo.engine.training.packing import pack_batch
+        from grpo.engine.training.packing import pack_program
 
-        step = self.update_step
-
-        def pack(b, row, index, seg, head=None):
-            rows = self.bins_sharding if row.ndim == 3 else self.train_sharding
-            packed, place = pack_batch(
-                prompt_tokens=b.prompt_tokens, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
-                row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
-                advantages=b.advantages, old_logprobs=b.old_logprobs, ref_logprobs=b.ref_logprobs,
-                sampler_logprobs=b.sampler_logprobs, dropout_keys=b.dropout_keys,
-                head_rows=self.update_devices, head=head,
-            )
-            on_rows = lambda x: None if x is None else jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
-            packed = jax.tree.map(on_rows, packed._replace(normalizer=None))
-            norm = jax.lax.with_sharding_constraint(step.settings.normalizer(step.loss_tokens(b)), self.replicated)
-            return packed._replace(normalizer=norm), jax.tree.map(on_rows, place)
-
-        return self._program("pack", lambda: jax.jit(pack, static_argnames=("head",)))
+        return self._program("pack", lambda: pack_program(
+            self.update_step, bins_sharding=self.bins_sharding, rows_sharding=self.train_sharding,
+            replicated=self.replicated, head_rows=self.update_devices))
 
     def unpack(self, values: jax.Array, place: Any, *, rows: int, length: int) -> jax.Array:
         """Packed per-token values [bins, L] back to the row layout [rows, length]."""
         return self._unpack_jit()(values, place, rows, length)
 
     def _unpack_jit(self) -> Any:
-        from grpo.engine.training.packing import unpack_logprobs
+        from grpo.engine.training.packing import unpack_program
 
-        def unpack(values, place, rows, length):
-            return unpack_logprobs(values, place, rows=rows, length=length)
-
-        return self._program("unpack", lambda: jax.jit(unpack, static_argnums=(2, 3), out_shardings=self.train_sharding))
+        return self._program("unpack", lambda: unpack_program(out_sharding=self.train_sharding))
 
     def update(self, params: Any = None, opt_state: Any = None):
         """The jitted update ``(params, opt_state, UpdateBatch, frozen=None) -> (params,
@@ -562,15 +489,18 @@ class RunPrograms:
         replicated = self.replicated
         return jax.tree.map(
             lambda x: x if isinstance(getattr(x, "sharding", None), NamedSharding) else jax.device_put(x, replicated),
-            self._init_opt_state(params),
+            self.optimizer_init(params),
         )
 
-    def _init_opt_state(self, params: Any) -> Any:
+    def optimizer_init(self, params: Any) -> Any:
+        """The optimizer's init of ``params`` as it comes (unplaced): :meth:`init_opt_state`
+        places it, ``grpo plan`` takes its shapes
+        (:func:`~grpo.engine.planning.shapes.abstract_opt_state`)."""
         from grpo.engine.training.update import init_optimizer_state
 
         return init_optimizer_state(self.optimizer, params, master_weights=self.config.master_weights)
 
-    # ------------------------------------------------------------------ abstract state (grpo plan)
+    # ------------------------------------------------------------------ the step's glue on abstract state (grpo plan)
 
     @property
     def selects_rows(self) -> bool:
@@ -579,11 +509,13 @@ class RunPrograms:
         train = self.config.train
         return train.dynamic_sampling.enabled or train.down_sampling.keep is not None
 
-    def step_lowerings(self, params: Any, frozen: Any, full: Any) -> dict[str, Any]:
+    def step_lowerings(self, params: Any, frozen: Any, full: Any, padded: Any = None) -> dict[str, Any]:
         """The step's glue programs (beside the samplers', the reference pass and the
         update) that ``config`` runs, by name in the order a step runs them, each as a
         function lowering it on abstract state: ``params`` (trainable), ``frozen`` (the
-        LoRA base or None) and ``full`` (the whole model state). What ``grpo plan``
+        LoRA base or None), ``full`` (the whole model state) and, packed, ``padded`` (the
+        step's abstract padded update batch:
+        :func:`~grpo.engine.planning.shapes.abstract_update_batch`). What ``grpo plan``
         compiles beside :meth:`~grpo.engine.rollout.sampler.BaseSampler.lowerings`."""
         from grpo.engine.rollout.scoring import OVERLONG, reward_weights
 
@@ -611,7 +543,8 @@ class RunPrograms:
         if self.lora_dropout:
             out["dropout_keys"] = lambda: self._dropout_keys_jit(b).lower(jax.ShapeDtypeStruct((), jnp.int32))
         if self.packing:
-            padded = self.abstract_update_batch(packed=False)
+            if padded is None:
+                raise ValueError("a packed run's glue lowers on the step's abstract padded update batch (padded)")
             shape = self.scheduled_shape()  # the widest micro-batch a step can schedule
             idx = [arr(shape, jnp.int32, self.replicated)] * 3
             out["sequence_lengths"] = lambda: self._lengths_jit().lower(padded.prompt_mask, padded.mask)
@@ -635,122 +568,6 @@ class RunPrograms:
         rows = jax.ShapeDtypeStruct((cfg.sequences_per_step,), jnp.int32, sharding=self.replicated)
         return self._gather_rows_jit(out).lower([out] * rounds, rows, lp, self.pad_id)
 
-    def abstract_opt_state(self, params: Any) -> Any:
-        """``init_opt_state`` of abstract ``params``: shapes from ``jax.eval_shape`` of
-        the optimizer's init, shardings matched to the parameter each leaf mirrors (the
-        same path suffix and shape; f32 master copies and moments alike), the rest
-        replicated."""
-        shapes = jax.eval_shape(self._init_opt_state, params)
-        by_path: dict[tuple, Any] = {}
-        for path, leaf in jax.tree_util.tree_leaves_with_path(params):
-            by_path[_path_key(path)] = leaf
-        longest = max((len(k) for k in by_path), default=0)
-
-        def place(path, leaf):
-            key = _path_key(path)
-            for n in range(min(longest, len(key)), 0, -1):
-                match = by_path.get(key[-n:])
-                if match is not None and tuple(match.shape) == tuple(leaf.shape):
-                    return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=match.sharding)
-            return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype, sharding=self.replicated)
-
-        return jax.tree_util.tree_map_with_path(place, shapes)
-
-    def abstract_rollout_inputs(self) -> dict[str, Any]:
-        """Abstract prefill inputs of one training step: [P, Lp] prompts at the largest
-        prompt bucket (the worst case ``grpo run`` compiles)."""
-        return self._abstract_prompts(self.config.train.prompts_per_step)
-
-    def abstract_eval_inputs(self) -> dict[str, Any]:
-        """Abstract prefill inputs of one evaluation batch: the padded
-        :meth:`eval_batch` of prompts at the largest prompt bucket."""
-        return self._abstract_prompts(self.eval_batch()[1])
-
-    def _abstract_prompts(self, p: int) -> dict[str, Any]:
-        from grpo.engine.rollout.prompts import default_buckets
-
-        cfg = self.config
-        buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
-        lp = max(buckets)
-        tok = jax.ShapeDtypeStruct((p, lp), jnp.int32, sharding=self.prompt_sharding((p, lp)))
-        return {"prompt_tokens": tok, "prompt_mask": tok}
-
-    def scheduled_shape(self, per: int | None = None) -> tuple[int, int, int]:
-        """``(m_cap, devices x per, L)``: the scheduled bins' layout at ``per`` bins per
-        device per micro-batch (default: the widest a step can schedule)."""
-        from grpo.engine.training.packing import micro_capacity
-
-        per = per or max(self.schedule_shapes())
-        d = self.update_devices
-        return (micro_capacity(rows=self.config.sequences_per_step, devices=d, per=per), d * per,
-                self.config.bin_length)
-
-    def abstract_update_batch(self, *, old_logprobs: bool = False, packed: bool | None = None, per: int | None = None):
-        """An abstract :class:`~grpo.engine.training.update.UpdateBatch` of one step, in the
-        update's row sharding (the first PPO epoch has no old log-probs); with packing
-        (``packed``, default: the run's) a :class:`~grpo.engine.training.packing.PackedBatch`
-        in the scheduled layout at ``per`` bins per device per micro-batch
-        (:meth:`scheduled_shape`; default: the widest, the most memory a step needs)."""
-        if self.packing if packed is None else packed:
-            return self._abstract_packed_batch(old_logprobs=old_logprobs, per=per)
-        from grpo.engine.rollout.prompts import default_buckets
-        from grpo.engine.training.update import UpdateBatch
-
-        cfg = self.config
-        buckets = cfg.rollout.prompt_buckets or default_buckets(cfg.rollout.max_prompt_length)
-        b, lp, n = cfg.sequences_per_step, max(buckets), cfg.rollout.max_new_tokens
-        sh = self.train_sharding
-
-        def arr(shape: Sequence[int], dtype) -> jax.ShapeDtypeStruct:
-            return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sh)
-
-        return UpdateBatch(
-            prompt_tokens=arr((b, lp), jnp.int32),
-            prompt_mask=arr((b, lp), jnp.int32),
-            tokens=arr((b, n), jnp.int32),
-            mask=arr((b, n), jnp.int32),
-            advantages=arr((b, n) if cfg.train.advantage.credit == "turn" else (b,), jnp.float32),
-            old_logprobs=arr((b, n), jnp.float32) if old_logprobs else None,
-            ref_logprobs=arr((b, n), jnp.float32) if cfg.loss.beta > 0 else None,
-            sampler_logprobs=arr((b, n), jnp.float32) if cfg.loss.mismatch is not None else None,
-            dropout_keys=arr((b, 2), jnp.uint32) if self.lora_dropout else None,
-            truncated=arr((b,), jnp.bool_) if cfg.loss.mask_truncated else None,
-        )
-
-
-    def _abstract_packed_batch(self, *, old_logprobs: bool, per: int | None) -> Any:
-        from grpo.engine.training.packing import PackedBatch
-
-        cfg = self.config
-        shape = self.scheduled_shape(per)
-        sh = self.bins_sharding
-        i32 = jax.ShapeDtypeStruct(shape, jnp.int32, sharding=sh)
-        # The widest head layout (every slot of a device's bins): the most memory a step needs.
-        d = self.update_devices
-        head = jax.ShapeDtypeStruct((shape[0], d, shape[1] // d * shape[2]), jnp.int32, sharding=sh)
-        f32 = jax.ShapeDtypeStruct(shape, jnp.float32, sharding=sh)
-        return PackedBatch(
-            tokens=i32, positions=i32, segment_ids=i32, targets=i32, mask=i32, trained=i32, advantages=f32,
-            old_logprobs=f32 if old_logprobs else None,
-            ref_logprobs=f32 if cfg.loss.beta > 0 else None,
-            sampler_logprobs=f32 if cfg.loss.mismatch is not None else None,
-            dropout_keys=jax.ShapeDtypeStruct(shape + (2,), jnp.uint32, sharding=sh) if self.lora_dropout else None,
-            normalizer=jax.ShapeDtypeStruct((), jnp.float32, sharding=self.replicated),
-            micro_batches=jax.ShapeDtypeStruct((), jnp.int32, sharding=self.replicated),
-            head_index=head, head_segments=head,
-        )
-
-
-def _path_key(path) -> tuple:
-    out = []
-    for p in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(p, attr):
-                out.append(getattr(p, attr))
-                break
-        else:
-            out.append(str(p))
-    return tuple(out)
 
 
 def loss_program(
@@ -819,6 +636,9 @@ def build_programs(
     from grpo.engine.training.optim import make_optimizer, optimizer_schedule
     from grpo.engine.training.update import UpdateStep
 
+    from grpo.engine.rollout.weights import rollout_placement
+    from grpo.engine.training.packing import packing_active
+
     plugins = plugins or select_plugins(config)
     placement = rollout_placement(
         config, plugins["rollout"], mesh=mesh, layout=layout, arch=arch, topology=topology, state=state, chip=chip
@@ -855,73 +675,4 @@ def build_programs(
     )
 
 
-def packing_active(config: RunConfig, plugins: dict[str, Any]) -> bool:
-    """Whether the run packs: ``train.packing.enabled``, a loss plugin declaring
-    ``supports_packing`` and an objective taking ``segment_ids`` (otherwise the run is
-    unpacked, with a one-line warning)."""
-    if not config.train.packing.enabled:
-        return False
-    loss = plugins["loss"].plugin
-    if not getattr(loss, "supports_packing", False):
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "loss.impl=%s does not declare supports_packing: the update runs unpacked (padded rows)", config.loss.impl)
-        return False
-    from grpo.core.plugins import get_plugins
-
-    objective = get_plugins().get("objective", config.loss.objective)
-    if not objective.supports_packing:
-        import logging
-
-        logging.getLogger(__name__).warning(
-            "loss.objective=%s has no segment_ids in per_token: the update runs unpacked (padded rows)",
-            config.loss.objective)
-        return False
-    return True
-
-
-def rollout_placement(
-    config: RunConfig, style: Any, *, mesh: Mesh, layout: MeshLayout, arch: Any = None, topology: Any = None,
-    state: Any = None, chip: Any = None,
-) -> Any:
-    """Where the rollout programs run for the rollout style ``style`` (a selected plugin):
-    the training layout, or the style's own (the fastest that fits of its candidates)."""
-    from grpo.core.contracts import ModelDims, Topology
-    from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_bytes
-
-    batch_axes = tuple(style.plugin.batch_axes(layout, style.options))
-    if arch is None:
-        return RolloutPlacement.training(mesh, batch_axes)
-    if topology is None:
-        topology = Topology(process_count=1, local_device_count=layout.size)
-    dims = ModelDims.of(arch)
-    candidates = style.plugin.rollout_layouts(layout=layout, topology=topology, options=style.options, model=dims)
-    if not candidates:
-        return RolloutPlacement.training(mesh, batch_axes)
-    rows = config.rollout_sequences_per_step
-    if not any(rows % c.shards == 0 for c in candidates):
-        raise UserError(
-            f"rollout.style={config.rollout.style}: no layout it offers splits the {rows} sequences of a step "
-            f"(train.prompts_per_step x rollout.num_generations); its layouts split the batch "
-            + " or ".join(str(c.shards) for c in candidates) + " ways."
-        )
-    estimate: dict[str, Any] = {}
-    if chip is not None and state is not None:
-        from grpo.engine.rollout.prompts import default_buckets
-
-        r = config.rollout
-        lp = max(r.prompt_buckets or default_buckets(r.max_prompt_length))
-        itemsize = 2 if config.model.compute_dtype == "bfloat16" else 4
-        total = state_bytes(state)
-        # Resident beside the rollout: the training state's shard per chip (parameters,
-        # and with full fine-tuning an optimizer state of about two f32 moments each).
-        per_chip = total / layout.size
-        opt = 0.0 if config.model.lora is not None else per_chip * 8 / itemsize
-        estimate = dict(cache_slots=lp + r.max_new_tokens, weight_bytes=total, compute_itemsize=itemsize,
-                        resident_bytes=per_chip + opt)
-    chosen, estimates = choose_layout(candidates, dims, rows=rows, chip=chip if estimate else None, **estimate)
-    return RolloutPlacement.of_layout(mesh, chosen, estimates)
-
-
-__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program", "rollout_placement"]
+__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program"]

@@ -4,6 +4,12 @@ have, and what they need (memory per chip, fit, roofline).
 - ``plan``: the :class:`~grpo.engine.planning.plan.Planner`: builds the run's programs
   through :mod:`grpo.engine.programs` on abstract state, compiles them and reports their
   memory, costs and communication.
+- ``shapes``: the abstract state the programs are lowered on (optimizer state, rollout
+  and eval prompts, the update batch padded or packed) in the run's shardings.
+- ``compiled``: one program compiled (memory, the compiler's figures, HLO, or its error)
+  and its entry in the report.
+- ``memory``: bytes per device of the state trees, the resident state, LoRA's report.
+- ``headline``: one step's roofline, the rollout costed as the config's engine runs it.
 - ``costs``: the one cost model (FLOPs, HBM bytes, roofline of each program; one decode
   step, also what a serving layout's ``tensor_parallel: auto`` weighs).
 - ``profiles``: completion-length profiles (``--lengths``): built-in, a file of lengths, a

@@ -220,11 +220,13 @@ def program_costs(
     scale per block. The optimizer reads and writes the f32 adapters, their gradients and
     two moments (no master copy).
     """
+    from grpo.engine.planning.shapes import abstract_rollout_inputs
+
     cfg = programs.config
     m = _model(arch, cfg, chip)
     if programs.multi_turn and append_length is None:
         raise ValueError("a multi-turn rollout's costs need append_length (its largest append bucket)")
-    P, Lp = programs.abstract_rollout_inputs()["prompt_tokens"].shape
+    P, Lp = abstract_rollout_inputs(programs)["prompt_tokens"].shape
     split = _rollout_split(programs, arch, m, rollout_weight_bytes, append_length)
     out: dict[str, Cost] = {}
     names = ("prefill", "decode", "append")
@@ -248,8 +250,10 @@ def program_costs(
 def _rollout_split(programs: Any, arch: Any, m: _Model, rollout_weight_bytes: float | None,
                    append_length: int | None) -> _RolloutSplit:
     """How ``programs``' rollout splits over the chips."""
+    from grpo.engine.planning.shapes import abstract_rollout_inputs
+
     ro = programs.rollout
-    Lp = programs.abstract_rollout_inputs()["prompt_tokens"].shape[1]
+    Lp = abstract_rollout_inputs(programs)["prompt_tokens"].shape[1]
     return _RolloutSplit(
         prompt_length=Lp,
         shards=math.prod(ro.mesh.shape[a] for a in programs.batch_axes),

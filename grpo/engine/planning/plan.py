@@ -5,7 +5,11 @@ abstract state — parameters and optimizer state as ``jax.ShapeDtypeStruct`` in
 shardings on a ``Mesh`` of the topology's devices — and compiled by the TPU compiler
 (libtpu). Nothing is allocated, downloaded or run. The counted costs are
 :mod:`grpo.engine.planning.costs`'s, ``--search`` is :mod:`grpo.engine.planning.search`,
-the text report :mod:`grpo.engine.planning.report`.
+the text report :mod:`grpo.engine.planning.report`; the abstract state
+:mod:`grpo.engine.planning.shapes`'s, one program's compile and report entry
+:mod:`grpo.engine.planning.compiled`'s, the state's bytes
+:mod:`grpo.engine.planning.memory`'s and the step's headline
+:mod:`grpo.engine.planning.headline`'s.
 
 Memory (per device, exact, from ``compiled.memory_analysis()``): a program needs
 ``argument + output - alias + temp + generated code`` bytes while it runs. Parameters and
@@ -48,94 +52,28 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import re
 from typing import Any, Callable
 
 from grpo.core.config import RunConfig, resolve_layout
 from grpo.core.contracts import Topology
 from grpo.core.errors import ConfigError, UserError
-from grpo.engine.planning.costs import Cost, communication, program_costs
+from grpo.engine.planning.compiled import ProgramResult, compile_program, program_entry
+from grpo.engine.planning.costs import Cost, program_costs
+from grpo.engine.planning.headline import EVAL_PROGRAMS, rollout_headline, step_roofline, synchronous_step
+from grpo.engine.planning.memory import lora_report, quantization_scales, state_bytes
 from grpo.engine.planning.packed import PACKED_PROGRAMS, scheduled_collectives
 from grpo.engine.planning.profiles import LengthProfile
 from grpo.engine.planning.report import attention_report
+from grpo.engine.planning.shapes import (
+    abstract_eval_inputs,
+    abstract_opt_state,
+    abstract_rollout_inputs,
+    abstract_update_batch,
+)
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
-EVAL_PROGRAMS = ("eval_prefill", "eval_start", "eval_decode", "eval_append")
 # The programs that read the sampler's state (with merged LoRA sampling: the merged copy).
 ROLLOUT_PROGRAMS = ("prefill", "decode", "append", "eval_prefill", "eval_decode", "eval_append")
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _bytes_per_device(tree: Any) -> int:
-    import jax
-
-    from grpo.models import quant
-
-    total = 0
-    for leaf in jax.tree.leaves(tree):
-        shape = tuple(leaf.shape)
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None:
-            shape = sharding.shard_shape(shape)
-        total += (math.prod(shape) * quant.bits_per_element(leaf.dtype) + 7) // 8
-    return total
-
-
-def _merged_projection_bytes(full: Any) -> int:
-    """Per-device bytes of the LoRA-targeted projections (what a merged copy holds)."""
-    from flax import nnx
-
-    from grpo.models.lora import LORA_COLLECTION
-
-    targets = {path[1].removesuffix("_a") for path, _ in nnx.to_flat_state(full)
-               if path[0] == LORA_COLLECTION and str(path[1]).endswith("_a")}
-    return sum(_bytes_per_device(var.get_value()) for path, var in nnx.to_flat_state(full)
-               if path[0] == "layers" and path[1] in targets)
-
-
-def _scales(tree: Any) -> dict[str, int]:
-    """``projection -> elements`` of a QLoRA base's block scales (``layers.<proj>_scale``)
-    in ``tree``: what the model actually quantized."""
-    import jax
-
-    out: dict[str, int] = {}
-    for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-        for k in path:
-            name = str(getattr(k, "key", ""))
-            if name.endswith("_scale"):
-                out[name[: -len("_scale")]] = out.get(name[: -len("_scale")], 0) + math.prod(leaf.shape)
-    return out
-
-
-_SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
-
-
-def _first_size(message: str) -> int | None:
-    """The first ``(12.34G)`` size in a compiler OOM message, in bytes."""
-    m = _SIZE.search(message)
-    if not m:
-        return None
-    return int(float(m.group(1)) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}[m.group(2)])
-
-
-def _compiler_text(err: Exception) -> str:
-    text = str(err).strip() or type(err).__name__
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    return "\n".join(lines[:20])[:4000]
-
-
-def _read_dump(directory: str) -> str | None:
-    """The optimized HLO text XLA dumped into ``directory`` (one module), or None."""
-    import glob
-    import os
-
-    files = sorted(glob.glob(os.path.join(directory, "*.after_optimizations.txt")))
-    if not files:
-        return None
-    with open(files[-1]) as f:
-        return f.read()
 
 
 def rollout_append_length(config: RunConfig) -> int:
@@ -143,21 +81,6 @@ def rollout_append_length(config: RunConfig) -> int:
     from grpo.engine.rollout.multiturn import append_bucket
 
     return append_bucket(config.rollout.max_new_tokens)
-
-
-# --------------------------------------------------------------------------- planning
-
-
-@dataclasses.dataclass
-class ProgramResult:
-    name: str
-    memory: dict[str, int] | None
-    xla: dict[str, float]
-    error: str | None
-    takes: tuple[str, ...]  # resident state it takes as arguments
-    hlo: str | None = None  # the optimized HLO text
-    hlo_source: str | None = None  # "xla_dump" or "as_text" (see ``_compile``)
-    collectives: list[Any] | None = None  # hlo.Collective, None without HLO
 
 
 # What the rollout programs do not depend on (a search recompiles only the update).
@@ -180,52 +103,6 @@ def synchronous(config: RunConfig) -> RunConfig:
     train = config.train.model_copy(update={"async_": config.train.async_.model_copy(update={"enabled": False,
                                                                                             "rollout_devices": None})})
     return config.model_copy(update={"train": train})
-
-
-def synchronous_step(report: dict[str, Any]) -> float:
-    """One synchronous step's roofline, as the plan's headline costs it
-    (:func:`rollout_headline`): packed under a length profile, the rollout at the config's
-    engine."""
-    return report["packing"]["roofline_step_packed_s"] if report.get("packing") else report["roofline_step_s"]
-
-
-def rollout_headline(report: dict[str, Any], *, engine: str) -> dict[str, Any]:
-    """``report`` with its step roofline (``roofline_step_s``, and under a length profile
-    the padded and packed steps and their valid tokens/s) costing the rollout with the
-    config's ``engine``, and ``step_rollout`` saying how.
-
-    The programs' costs model every row to the cap. The continuous engine's rows do not
-    run to the cap: under a length profile its section (``rollout_engine``) costs the
-    schedule its own host scheduler runs, so that schedule's decode and prefill replace
-    the ``decode`` and ``prefill`` programs' figures in every step total (the figure
-    without communication takes the schedule without the decode's ICI). Without a
-    schedule (the static engine, or no ``--lengths``) the programs' figures stay."""
-    en = report.get("rollout_engine") or {}
-    if "decode_roofline_s" not in en:
-        why = "the programs, every row to the cap" + (" (no --lengths: no schedule to simulate)"
-                                                      if engine != "static" else "")
-        return {**report, "step_rollout": {"engine": engine, "costed_as": "programs", "description": why}}
-    p = report["programs"]
-    delta = en["decode_roofline_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_s"] - p["prefill"]["roofline_s"]
-    delta_nc = (en["decode_roofline_no_comm_s"] + en["prefill_roofline_s"] - p["decode"]["roofline_no_comm_s"]
-                - p["prefill"]["roofline_no_comm_s"])
-    out = {**report, "roofline_step_s": report["roofline_step_s"] + delta,
-           "roofline_step_no_comm_s": report["roofline_step_no_comm_s"] + delta_nc}
-    out["step_rollout"] = {
-        "engine": engine, "costed_as": "schedule",
-        "description": "its schedule simulated at the length profile (decode + prefill)",
-        "decode_s": en["decode_roofline_s"], "prefill_s": en["prefill_roofline_s"],
-        "programs_decode_s": p["decode"]["roofline_s"], "programs_prefill_s": p["prefill"]["roofline_s"],
-        "programs_step_s": report["roofline_step_s"],
-    }
-    pk = report.get("packing")
-    if pk:
-        valid = pk["valid_tokens_per_step"]
-        padded, packed = pk["roofline_step_padded_s"] + delta, pk["roofline_step_packed_s"] + delta
-        out["packing"] = {**pk, "roofline_step_padded_s": padded, "roofline_step_packed_s": packed,
-                          "valid_tokens_per_s_padded": valid / padded, "valid_tokens_per_s_packed": valid / packed}
-        out["step_rollout"]["programs_step_packed_s"] = pk["roofline_step_packed_s"]
-    return out
 
 
 def engine_report(s: Any, lengths: LengthProfile | None, *, chip: Any = None, hbm: int | None = None,
@@ -251,89 +128,6 @@ def cache_key(config: RunConfig, name: str, exclude: tuple[str, ...]) -> tuple:
         else:
             data.pop(sec, None)
     return (name, json.dumps(data, sort_keys=True))
-
-
-def lora_report(config: RunConfig, arch: Any, params: Any, frozen: Any) -> dict[str, Any] | None:
-    """``model.lora`` as resolved for ``arch`` and what it holds per device (None without)."""
-    lora = config.model.lora
-    if lora is None:
-        return None
-    from grpo.models.lora import resolve_spec
-
-    resolved = resolve_spec(arch, lora)
-    scales = _scales(frozen)
-    return {
-        "rank": resolved.rank,
-        "alpha": resolved.alpha,
-        "targets": list(resolved.targets),
-        "base_quantization": lora.base_quantization,
-        # nf4/int8 quantize every projection of the base, targeted or not.
-        "quantized": list(scales),
-        "quantization_block": lora.quantization_block,
-        "quantization_scales": sum(scales.values()),
-        # Per device, as state_bytes_per_device counts them (uint4 codes at 4 bits).
-        "adapter_bytes": _bytes_per_device(params),
-        "base_bytes": _bytes_per_device(frozen),
-    }
-
-
-def state_bytes(config: RunConfig, programs: Any, *, full: Any, opt_state: Any, frozen: Any,
-                rollout_state: Any) -> dict[str, int]:
-    """Per-device bytes of the state that stays resident between programs (and of the
-    rollout's own copies, which live while the rollout programs run)."""
-    state = {
-        "parameters": _bytes_per_device(full),
-        "optimizer_state": _bytes_per_device(opt_state),
-        # Full fine-tuning keeps a frozen copy; LoRA's reference is the base itself.
-        "reference_parameters": _bytes_per_device(full) if config.loss.beta > 0 and frozen is None else 0,
-    }
-    # model.lora.sampler=merged: the rollout reads a merged copy of every targeted
-    # projection, made once per step and dropped before the update; the programs take
-    # the merged state, and the base's own projections stay resident beside it.
-    state["merged_projections"] = (
-        _merged_projection_bytes(full) if programs.merged_sampling and not programs.rollout.resharded else 0)
-    # A rollout in its own layout reads a copy of the policy made once per step
-    # (merged on the way with model.lora.sampler=merged), dropped before the update.
-    state["rollout_parameters"] = _bytes_per_device(rollout_state) if rollout_state is not None else 0
-    return state
-
-
-def step_roofline(programs: dict[str, Any], costs: dict[str, Cost], ppo_epochs: int) -> tuple[float, float]:
-    """One step's roofline with communication and without: every program but the eval
-    ones once, the update ``ppo_epochs`` times."""
-    with_comm = sum(
-        p["roofline_s"] * (ppo_epochs if n == "update" else 1) for n, p in programs.items() if n not in EVAL_PROGRAMS
-    )
-    no_comm = sum(
-        costs[n].roofline_s * (ppo_epochs if n == "update" else 1) for n in programs if n not in EVAL_PROGRAMS
-    )
-    return with_comm, no_comm
-
-
-def program_entry(r: ProgramResult, cost: Cost, *, resident: int, state: dict[str, int], chip: Any,
-                  slice_of: list[int]) -> dict[str, Any]:
-    """One program's report: its memory (``peak_bytes``: the program's bytes plus the
-    ``resident`` state beside it; after a compiler OOM a lower bound from its message),
-    its counted costs and its communication."""
-    entry: dict[str, Any] = {
-        "argument_bytes": None, "output_bytes": None, "alias_bytes": None, "temp_bytes": None,
-        "generated_code_bytes": None, "program_bytes": None, "resident_bytes": resident,
-        "peak_bytes": None,
-        "flops": cost.flops, "bytes_accessed": cost.bytes, "roofline_s": cost.roofline_s,
-        "xla_flops": r.xla.get("flops"), "xla_bytes_accessed": r.xla.get("bytes accessed"),
-        "compiler_error": r.error,
-    }
-    entry.update(communication(r.collectives, r.hlo_source, cost, chip, slice_of))
-    if r.memory is not None:
-        entry.update({k: v for k, v in r.memory.items()})
-        entry["peak_bytes"] = r.memory["program_bytes"] + resident
-    elif r.error is not None:
-        need = _first_size(r.error) if "memory" in r.error.lower() or "hbm" in r.error.lower() else None
-        if need is not None:
-            # The message counts the program's temporaries; its state arguments
-            # (parameters, optimizer state) come on top: a lower bound on the peak.
-            entry["peak_bytes"] = need + sum(state[t] for t in r.takes) + resident
-    return entry
 
 
 @dataclasses.dataclass
@@ -433,12 +227,12 @@ class Planner:
 
         programs, full, arch = self.build(config)
         params, frozen = split_params(full)  # LoRA: adapters train, the base is frozen
-        opt_state = programs.abstract_opt_state(params)
+        opt_state = abstract_opt_state(programs, params)
         # A multi-turn task (tools): the turn decode and the append instead of one decode
         # (the turn-stop tokens are constants of the program; none are needed to plan it).
         sampler = programs.sampler()
-        inputs = programs.abstract_rollout_inputs()
-        batch = programs.abstract_update_batch()
+        inputs = abstract_rollout_inputs(programs)
+        batch = abstract_update_batch(programs)
         ro = programs.rollout
         rollout_state = None
         if ro.resharded:
@@ -454,7 +248,7 @@ class Planner:
         eval_batch = None
         if config.eval.every_n_steps > 0:
             eval_sampler = programs.eval_sampler()
-            eval_inputs = programs.abstract_eval_inputs()
+            eval_inputs = abstract_eval_inputs(programs)
             eval_prompts, eval_padded = programs.eval_batch()
             eval_batch = EvalBatch(eval_sampler, eval_inputs, eval_prompts, eval_padded, eval_padded * config.eval.k)
         return Subject(
@@ -484,7 +278,7 @@ class Planner:
                 return fn.lower(params, frozen) if merging else fn.lower(s.full)
 
             todo.append(("reshard", reshard, cache_key(config, "reshard", ROLLOUT_ONLY), ("parameters",)))
-        glue = programs.step_lowerings(params, frozen, s.full)
+        glue = programs.step_lowerings(params, frozen, s.full, abstract_update_batch(programs, packed=False))
         if "merge" in glue:
             todo.append(("merge", glue.pop("merge"), cache_key(config, "merge", ROLLOUT_ONLY), ("parameters",)))
         key = jax.random.key(config.train.seed)
@@ -585,7 +379,7 @@ class Planner:
         for name, lower, key, takes in self.programs_to_compile(s):
             if names is None or name in names:
                 if key not in self._cache:
-                    self._cache[key] = self._compile(name, lower, takes)
+                    self._cache[key] = compile_program(name, lower, takes)
                 results.append(self._cache[key])
         ro = s.programs.rollout
         costs = program_costs(s.programs, s.arch, self.topology.chip,
@@ -683,7 +477,7 @@ class Planner:
         key = cache_key(config, name, ROLLOUT_LAYOUT_ONLY)
         if key not in self._cache:
             lower, source = self._packed_update(s, per=bp.per, length=bp.bin_length)
-            self._cache[key] = dataclasses.replace(self._compile("update", lower, ("parameters", "optimizer_state")),
+            self._cache[key] = dataclasses.replace(compile_program("update", lower, ("parameters", "optimizer_state")),
                                                    hlo_source=source)
         r = self._cache[key]
         update = program_entry(r, pcosts["update"], resident=entries["update"]["resident_bytes"], state=s.state,
@@ -718,7 +512,7 @@ class Planner:
 
         programs, params, frozen = s.programs, s.params, s.frozen
         if hasattr(programs, "schedule_shapes"):  # the builder's packed passes
-            batch = programs.abstract_update_batch(packed=True, per=per)
+            batch = abstract_update_batch(programs, packed=True, per=per)
             assert batch.tokens.shape[1:] == (programs.update_devices * per, length), (batch.tokens.shape, per, length)
             fn = programs.update(params, s.opt_state)
             return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "packed update program"
@@ -782,7 +576,7 @@ class Planner:
         eval_report = self._eval_report(s, entries)
         layout, ro = programs.layout, programs.rollout
         n_trainable = count_params(s.params)
-        n_frozen = count_params(frozen) - sum(_scales(frozen).values()) if frozen is not None else 0
+        n_frozen = count_params(frozen) - sum(quantization_scales(frozen).values()) if frozen is not None else 0
         chip = self.topology.chip
         return {
             "topology": self.topology.name,
@@ -839,69 +633,5 @@ class Planner:
             },
         }
 
-    def _compile(self, name: str, lower: Callable, takes: tuple[str, ...]) -> ProgramResult:
-        """Compile one program; its memory, the compiler's cost figures and its optimized
-        HLO (for the collectives).
 
-        The HLO comes from XLA's own dump (``xla_dump_to`` + ``xla_dump_hlo_as_text`` as
-        per-compile ``compiler_options``, which a compile-only TPU client honours; the
-        ``*.after_optimizations.txt`` file), else from ``compiled.as_text()``: with jax
-        0.10.2 + libtpu 0.0.52, ``as_text()`` raises for the update program
-        (``RET_CHECK ... async-update instruction should have 1 operands but sees 3``).
-        """
-        import shutil
-        import tempfile
-
-        import jax
-
-        # A compile-only TPU client can neither read nor usefully write the persistent
-        # compilation cache of this host's backend.
-        cache_on = jax.config.jax_enable_compilation_cache
-        jax.config.update("jax_enable_compilation_cache", False)
-        dump = tempfile.mkdtemp(prefix="grpo-plan-hlo-")
-        try:
-            lowered = lower()
-            try:
-                compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
-            except Exception as err:  # a compiler that refuses the dump options
-                if "xla_dump" not in str(err):
-                    raise
-                compiled = lowered.compile()
-        except Exception as err:  # noqa: BLE001 - the compiler's verdict is the plan's result
-            shutil.rmtree(dump, ignore_errors=True)
-            return ProgramResult(name, None, {}, _compiler_text(err), takes)
-        finally:
-            jax.config.update("jax_enable_compilation_cache", cache_on)
-        hlo_text, source = _read_dump(dump), "xla_dump"
-        shutil.rmtree(dump, ignore_errors=True)
-        if hlo_text is None:
-            try:
-                hlo_text, source = compiled.as_text(), "as_text"
-            except Exception:  # noqa: BLE001 - no HLO: the plan reports no communication
-                hlo_text, source = None, None
-        ops = None
-        if hlo_text:
-            from grpo.engine.planning import hlo
-
-            ops = hlo.collectives(hlo_text)
-        ma = compiled.memory_analysis()
-        arg, out, alias, temp = (ma.argument_size_in_bytes, ma.output_size_in_bytes, ma.alias_size_in_bytes,
-                                 ma.temp_size_in_bytes)
-        code = ma.generated_code_size_in_bytes
-        memory = {
-            "argument_bytes": int(arg), "output_bytes": int(out), "alias_bytes": int(alias),
-            "temp_bytes": int(temp), "generated_code_bytes": int(code),
-            "program_bytes": int(arg + out - alias + temp + code),
-        }
-        xla: dict[str, float] = {}
-        try:
-            ca = compiled.cost_analysis()
-            if isinstance(ca, (list, tuple)):
-                ca = ca[0] if ca else {}
-            xla = {k: float(v) for k, v in (ca or {}).items() if k in ("flops", "bytes accessed")}
-        except Exception:  # noqa: BLE001 - cost analysis is optional
-            pass
-        return ProgramResult(name, memory, xla, None, takes, hlo_text, source, ops)
-
-
-__all__ = ["EVAL_PROGRAMS", "Planner", "ProgramResult", "rollout_append_length", "rollout_headline", "synchronous_step"]
+__all__ = ["Planner", "Subject", "engine_report", "rollout_append_length", "synchronous"]

@@ -38,6 +38,9 @@
   (:class:`GroupFilter`); PODS's down-sampling (:func:`down_sample`).
 - ``layout``: where the rollout runs: the training layout or a rollout style's own
   (the serving layout, resharded into once per step), and ``auto``'s roofline choice.
+- ``weights``: the run's rollout placement, and the weights the sampler reads each step
+  (as is, LoRA merged, or resharded into the rollout's layout).
+- ``engines``: the run's sampler built through its ``rollout.engine`` plugin.
 - ``_sampling``: the per-token sampling math (temperature, top-k/top-p, keys).
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.parallel``;

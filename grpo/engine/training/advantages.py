@@ -14,13 +14,19 @@ a spread of the group's total rewards. Under turn credit a group with equal tota
 still be informative (one reward credits the call, another the answer), and one whose
 scopes' advantages cancel on every token it trains (a single-turn row where ``first``
 and ``all`` meet) is not. ``loss.mask_truncated``'s dropped rows are not considered.
+
+Host side, on a step's rewards: the rewards by name summed by weight into one component
+per scope (:func:`turn_components`, what :func:`turn_advantages` takes), and which groups
+of a round are informative by the update's own functions and options
+(:func:`informative_groups_of`: dynamic sampling's filter).
 """
 
 from __future__ import annotations
 
-from typing import Literal, Mapping
+from typing import Any, Callable, Literal, Mapping
 
 import jax.numpy as jnp
+import numpy as np
 
 SCOPES = ("all", "first", "last")
 """Which model turns a reward credits under turn-level credit: every turn, the first, the last."""
@@ -133,3 +139,43 @@ def informative_groups(advantages: jnp.ndarray, trained: jnp.ndarray | None = No
             raise ValueError("per-token advantages [B, N] need the trained tokens [B, N]")
         nonzero = jnp.any(nonzero & (trained > 0), axis=1)  # B
     return jnp.any(nonzero.reshape(-1, k), axis=1)  # G K -> G
+
+
+def turn_components(per_fn: Mapping[str, Any], *, scopes: Mapping[str, str],
+                    weights: Mapping[str, float]) -> dict[str, Any]:
+    """The rewards (each [B], by name) summed by weight into one component per scope of
+    turn-level credit: ``scopes`` maps a reward to its scope (absent: ``all``), ``weights``
+    a reward to its weight (zero: left out). What :func:`turn_advantages` takes. Plain
+    array math (host or device arrays): the update's program and the step's host-side
+    filter (dynamic sampling, down-sampling) share it."""
+    parts: dict[str, list[tuple[float, str]]] = {}
+    for name in per_fn:
+        if weights[name]:
+            parts.setdefault(scopes.get(name, "all"), []).append((weights[name], name))
+    return {scope: sum(w * per_fn[n] for w, n in terms) for scope, terms in parts.items()}
+
+
+def in_scope_order(components: Mapping[str, Any]) -> dict[str, Any]:
+    """``components`` (by scope) in the order of :data:`SCOPES` (all, first, last): what
+    down-sampling ranks a group with equal totals by."""
+    return {s: components[s] for s in SCOPES if s in components}
+
+
+def informative_groups_of(totals: Any, per_fn: dict[str, Any], trained: Callable[[], Any], *, advantage: Any,
+                          num_generations: int, components: Callable[[dict[str, Any]], dict[str, Any]]) -> np.ndarray:
+    """Which groups of these rows ([G*K] total rewards and rewards by name, host arrays,
+    group-major) are informative, [G] bool: the advantages the update would train them
+    on, by its own functions and ``advantage`` options (``train.advantage``) over all
+    ``num_generations`` samples, are not all zero on their trained tokens (``trained()``
+    [G*K, N], read only under turn credit; ``components``: the rewards by name into
+    their scopes' components, :func:`turn_components`). Eager array math on tiny arrays,
+    not a program: the host-side filter of dynamic sampling. ``batch_std``'s batch-wide
+    scale cannot turn a zero into a non-zero, so judging a round alone is exact."""
+    adv, k = advantage, num_generations
+    opts = dict(num_generations=k, baseline=adv.baseline, scale=adv.scale, epsilon=adv.epsilon)
+    if adv.credit == "turn":
+        own = jnp.asarray(trained())
+        advantages = turn_advantages(components({n: jnp.asarray(v) for n, v in per_fn.items()}), own, **opts)
+    else:
+        own, advantages = None, group_advantages(jnp.asarray(totals), **opts)
+    return np.asarray(informative_groups(advantages, own, num_generations=k))

@@ -30,6 +30,10 @@ Two halves, so the plan is deterministic and cheap and the data never leaves the
   the packed one by a gather with the plan's indices, and the packed per-token log-probs
   back to the row layout [B, N] by the inverse scatter (either layout: the token axis is
   the last).
+* The update's pack programs (:func:`pack_program`, :func:`unpack_program`,
+  :func:`lengths_program`): those functions jitted in the update's shardings, which the
+  program builder (:mod:`grpo.engine.programs`) caches under the names ``grpo plan``
+  lists; :func:`packing_active` decides whether a run packs at all.
 
 Layout (the packing contract shared with the losses): ``segment_ids`` [bins, L] int32 are
 1, 2, ... in bin order for the sequences of a bin, 0 for bin padding; ``positions`` restart
@@ -452,6 +456,93 @@ def packing_stats(plan: PackPlan) -> dict[str, float]:
     return out
 
 
+# --------------------------------------------------------------------------- the update's pack programs
+
+
+def packing_active(config: Any, plugins: dict[str, Any]) -> bool:
+    """Whether the run packs: ``train.packing.enabled``, a loss plugin declaring
+    ``supports_packing`` and an objective taking ``segment_ids`` (otherwise the run is
+    unpacked, with a one-line warning)."""
+    if not config.train.packing.enabled:
+        return False
+    loss = plugins["loss"].plugin
+    if not getattr(loss, "supports_packing", False):
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "loss.impl=%s does not declare supports_packing: the update runs unpacked (padded rows)", config.loss.impl)
+        return False
+    from grpo.core.plugins import get_plugins
+
+    objective = get_plugins().get("objective", config.loss.objective)
+    if not objective.supports_packing:
+        import logging
+
+        logging.getLogger(__name__).warning(
+            "loss.objective=%s has no segment_ids in per_token: the update runs unpacked (padded rows)",
+            config.loss.objective)
+        return False
+    return True
+
+
+def lengths_program(*, replicated: Any) -> Any:
+    """The jitted ``(prompt_mask, mask) -> [B, 2]`` int32: each row's real tokens and its
+    completion tokens (the pack plan's bins and head width), ``replicated``."""
+
+    def lengths(prompt_mask, mask):
+        return jnp.stack([sequence_lengths(prompt_mask, mask), jnp.sum(mask.astype(jnp.int32), axis=1)], axis=1)
+
+    return jax.jit(lengths, out_shardings=replicated)
+
+
+def pack_program(step: Any, *, bins_sharding: Any, rows_sharding: Any, replicated: Any, head_rows: int) -> Any:
+    """The jitted ``(batch, row, index, segment_ids, head=None) -> (PackedBatch,
+    Placement)`` of the update ``step`` (an :class:`~grpo.engine.training.update.UpdateStep`:
+    its loss tokens and normaliser): :func:`pack_batch` with the packed arrays on
+    ``bins_sharding`` (scheduled bins, 3-d indices) or ``rows_sharding`` (flat bins), the
+    normaliser of the padded batch ``replicated``; ``head_rows``: the update's devices."""
+
+    def pack(b, row, index, seg, head=None):
+        rows = bins_sharding if row.ndim == 3 else rows_sharding
+        packed, place = pack_batch(
+            prompt_tokens=b.prompt_tokens, prompt_mask=b.prompt_mask, tokens=b.tokens, mask=b.mask,
+            row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
+            advantages=b.advantages, old_logprobs=b.old_logprobs, ref_logprobs=b.ref_logprobs,
+            sampler_logprobs=b.sampler_logprobs, dropout_keys=b.dropout_keys,
+            head_rows=head_rows, head=head,
+        )
+        on_rows = lambda x: None if x is None else jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
+        packed = jax.tree.map(on_rows, packed._replace(normalizer=None))
+        norm = jax.lax.with_sharding_constraint(step.settings.normalizer(step.loss_tokens(b)), replicated)
+        return packed._replace(normalizer=norm), jax.tree.map(on_rows, place)
+
+    return jax.jit(pack, static_argnames=("head",))
+
+
+def pack_arrays(program: Any, batch: Any, plan: PackPlan, *, replicated: Any) -> tuple[Any, Any]:
+    """``(PackedBatch, Placement)`` of the padded ``batch`` (an UpdateBatch) laid out by
+    ``plan``, through the jitted :func:`pack_program` ``program``: the plan's indices as
+    ``replicated`` arrays (every process holds the whole plan), and a scheduled plan's
+    micro-batch count."""
+    idx = [jax.make_array_from_callback(a.shape, replicated, lambda i, a=a: a[i])
+           for a in (plan.row, plan.index, plan.segment_ids)]
+    packed, place = program(batch, *idx, head=plan.head)
+    if plan.scheduled:
+        m = jax.make_array_from_callback((), replicated, lambda i: np.asarray(plan.micro_batches, np.int32))
+        packed = packed._replace(micro_batches=m)
+    return packed, place
+
+
+def unpack_program(*, out_sharding: Any) -> Any:
+    """The jitted ``(values, place, rows, length) -> [rows, length]``
+    (:func:`unpack_logprobs`; ``rows`` and ``length`` static) in ``out_sharding``."""
+
+    def unpack(values, place, rows, length):
+        return unpack_logprobs(values, place, rows=rows, length=length)
+
+    return jax.jit(unpack, static_argnums=(2, 3), out_shardings=out_sharding)
+
+
 __all__ = [
     "HEAD_BUCKETS",
     "PackPlan",
@@ -465,10 +556,14 @@ __all__ = [
     "head_layout",
     "head_width",
     "head_widths",
+    "lengths_program",
     "max_bins_per_device",
     "micro_capacity",
     "micro_schedule",
+    "pack_arrays",
     "pack_batch",
+    "pack_program",
+    "packing_active",
     "packing_stats",
     "plan_packing",
     "real_order",
@@ -478,4 +573,5 @@ __all__ = [
     "sequence_lengths",
     "to_head",
     "unpack_logprobs",
+    "unpack_program",
 ]

@@ -176,14 +176,15 @@ def test_merged_lora_sampling_counts_a_copy_of_the_targeted_projections(tiny_con
     """model.lora.sampler=merged: the rollout holds a merged copy of each targeted
     projection beside the base (no compile needed to count it)."""
     from grpo.core.config import load_config
-    from grpo.engine.planning.plan import Planner, _merged_projection_bytes
+    from grpo.engine.planning.memory import merged_projection_bytes
+    from grpo.engine.planning.plan import Planner
 
     planner = Planner("v6e:1x1")
     sets = ["model.lora={rank: 4, alpha: 8, targets: [q_proj, down_proj], sampler: merged}"]
     programs, full, _ = planner.build(load_config(tiny_config, sets))
     assert programs.merged_sampling and not programs.sampler().lora_adapters
     proj = _projections()
-    assert _merged_projection_bytes(full) == 2 * (proj["q_proj"][0] + proj["down_proj"][0])  # bf16
+    assert merged_projection_bytes(full) == 2 * (proj["q_proj"][0] + proj["down_proj"][0])  # bf16
     programs, full, _ = planner.build(load_config(tiny_config, [sets[0].replace("merged", "adapters")]))
     assert not programs.merged_sampling and programs.sampler().lora_adapters
 
@@ -217,7 +218,7 @@ def test_the_tpu_compiler_stores_uint4_codes_packed_as_the_plan_counts_them():
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from grpo.engine.planning.plan import _bytes_per_device
+    from grpo.engine.planning.memory import bytes_per_device
     from grpo.engine.planning.tpu import parse_topology
 
     devices = parse_topology("v6e:2x2").devices()
@@ -225,8 +226,8 @@ def test_the_tpu_compiler_stores_uint4_codes_packed_as_the_plan_counts_them():
     for dtype in (jnp.uint4, jnp.int8, jnp.bfloat16):
         codes = jax.ShapeDtypeStruct((4, 1024, 768), dtype, sharding=NamedSharding(mesh, P(None, "fsdp")))
         compiled = jax.jit(lambda w: w.astype(jnp.float32).sum(axis=1)).lower(codes).compile()
-        assert compiled.memory_analysis().argument_size_in_bytes == _bytes_per_device(codes)
-    assert _bytes_per_device(codes.update(dtype=jnp.uint4)) == 4 * 1024 * 768 // 2 // 4
+        assert compiled.memory_analysis().argument_size_in_bytes == bytes_per_device(codes)
+    assert bytes_per_device(codes.update(dtype=jnp.uint4)) == 4 * 1024 * 768 // 2 // 4
 
 
 def test_pallas_loss_compiles_with_mosaic_for_the_mesh_platform(tiny_config):

@@ -1,12 +1,12 @@
 """The plan's headline step roofline costs the rollout with the config's engine
-(:func:`grpo.engine.planning.plan.rollout_headline`): pure arithmetic on a report, no
+(:func:`grpo.engine.planning.headline.rollout_headline`): pure arithmetic on a report, no
 compiler."""
 
 from __future__ import annotations
 
 import pytest
 
-from grpo.engine.planning.plan import rollout_headline, synchronous_step
+from grpo.engine.planning.headline import rollout_headline, synchronous_step
 from grpo.engine.planning.report import format_packing, step_rollout_text
 
 

@@ -1,0 +1,86 @@
+"""The run's rollout engine built through its plugin.
+
+:func:`build_sampler` makes the sampling parameters of a run (or of its evaluation:
+greedy, its own k), checks that the ``rollout.engine`` plugin
+(:class:`grpo.RolloutEnginePlugin`) can sample the run's task, and has the plugin build
+the sampler for the rollout's layout. The program builder (:mod:`grpo.engine.programs`)
+caches one per ``(greedy, k)``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from grpo.core.config import RunConfig
+from grpo.core.errors import UserError
+
+
+def build_sampler(
+    config: RunConfig,
+    *,
+    placement: Any,
+    graphdef: Any,
+    plugins: dict[str, Any] | None,
+    eos_ids: tuple[int, ...],
+    pad_id: int,
+    multi_turn: bool,
+    lora_adapters: bool,
+    detokenize: Any = None,
+    conversations: Any = None,
+    greedy: bool = False,
+    num_generations: int | None = None,
+) -> Any:
+    """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k),
+    built by the ``rollout.engine`` plugin (:class:`grpo.RolloutEnginePlugin`) on the
+    rollout layout ``placement`` (a :class:`~grpo.engine.rollout.layout.RolloutPlacement`):
+    the built-in ``static`` engine gives
+    :class:`~grpo.engine.rollout.multiturn.MultiTurnSampler` (``rollout.max_turns``
+    turns) when the run is ``multi_turn``, else the single-turn
+    :class:`~grpo.engine.rollout.sampler.Sampler`; ``continuous`` the
+    :class:`~grpo.engine.rollout.continuous.ContinuousSampler`. All are called the same
+    way (``sample``) and lower their own programs for the plan (``lowerings``).
+    ``lora_adapters``: the sampler reads base + adapters (not a merged copy)."""
+    from grpo.core.contracts import EngineContext, as_engine
+    from grpo.engine.rollout.sampler import SamplingParams
+
+    r = config.rollout
+    k = r.num_generations if num_generations is None else num_generations
+    sampling = SamplingParams(
+        max_new_tokens=r.max_new_tokens,
+        num_generations=k,
+        temperature=r.temperature,
+        top_k=r.top_k,
+        top_p=r.top_p,
+        greedy=greedy,
+        eos_ids=eos_ids,
+        pad_id=pad_id,
+        early_stop_chunk=r.early_stop_chunk,
+    )
+    ro = placement
+    kwargs = dict(
+        mesh=ro.mesh, batch_axes=ro.batch_axes,
+        kv_segment=r.kv_segment, lora_adapters=lora_adapters,
+        activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
+    )
+    plugin, options = engine_plugin(config, plugins)
+    problems = plugin.check(multi_turn=multi_turn, options=options)
+    if problems:
+        raise UserError("The rollout engine cannot sample this run's task:", problems=problems)
+    context = EngineContext(graphdef=graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
+                            detokenize=detokenize, conversations=conversations,
+                            multi_turn=multi_turn)
+    return as_engine(plugin.build(context, options), name=plugin.name)
+
+
+def engine_plugin(config: RunConfig, plugins: dict[str, Any] | None) -> tuple[Any, Any]:
+    """The ``rollout.engine`` plugin and its options (the selection's, else looked up)."""
+    selected = (plugins or {}).get("engine")
+    if selected is not None:
+        return selected.plugin, selected.options
+    from grpo.core.plugins import get_plugins
+
+    plugin = get_plugins().get("engine", config.rollout.engine)
+    return plugin, plugin.parse_options(config.rollout.engine_options)
+
+
+__all__ = ["build_sampler", "engine_plugin"]
