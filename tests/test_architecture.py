@@ -257,6 +257,76 @@ def test_no_function_is_over_100_lines():
     assert long == {}
 
 
+def test_no_module_is_over_700_lines():
+    """A module holds one thing (issue 48: rooms that hold one thing each)."""
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text(encoding="utf-8").splitlines())) > 700}
+    assert long == {}
+
+
+# The continuous engine's own room: only these modules import its core (scheduler, pages,
+# runner, loop); every other caller speaks the engine contract (grpo.RolloutEngine).
+ENGINE_ROOM = ("grpo.engine.rollout.paged", "grpo.engine.rollout.continuous", "grpo.engine.rollout.continuous_multiturn")
+# What only an engine itself touches: its jitted programs and its private session state.
+ENGINE_INTERNALS = {"start_jit", "prefill_jit", "decode_jit", "extend_jit", "read_jit", "prefill_rows", "_prefill",
+                    "_place", "_core", "_session", "_new_core", "_submit", "_outputs"}
+
+
+def test_only_the_engine_s_room_imports_its_core():
+    users = {m for m, deps in GRAPH.items() if any(_within(d, "grpo.engine.rollout.paged") for d in deps)}
+    assert users and all(any(_within(m, r) for r in ENGINE_ROOM) for m in users), sorted(users)
+
+
+def _engine_internal_uses(path: Path) -> list[str]:
+    """``x.name`` for ``name`` in :data:`ENGINE_INTERNALS` where ``x`` is not ``self``."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if (isinstance(node, ast.Attribute) and node.attr in ENGINE_INTERNALS
+                and not (isinstance(node.value, ast.Name) and node.value.id == "self")):
+            out.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return out
+
+
+def test_feeders_use_the_engine_contract_only():
+    """Outside the engines' own modules nothing reaches into an engine: no feeder calls
+    its programs or its private methods (the static and multi-turn samplers, the
+    continuous engine and its core are the engines)."""
+    # The rollout benchmark times the static engine's own prefill and decode programs apart.
+    engines = ENGINE_ROOM + ("grpo.engine.rollout.sampler", "grpo.engine.rollout.multiturn", "grpo.engine.bench.rollout")
+    bad = {m: uses for m, p in MODULES.items()
+           if not any(_within(m, e) for e in engines) and (uses := _engine_internal_uses(p))}
+    assert bad == {}
+
+
+def _probes(path: Path) -> list[str]:
+    """``hasattr(x, ...)`` on an engine (``x`` names a sampler or an engine) and
+    ``isinstance(x, C)`` on a pipeline, a rollout source or a weight sync."""
+    out = []
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and len(node.args) == 2:
+            subject, kind = (ast.unparse(a) for a in node.args)
+            if node.func.id == "hasattr" and any(w in subject.lower() for w in ("sampler", "engine")):
+                out.append(ast.unparse(node))
+            if node.func.id == "isinstance" and any(w in kind for w in ("Pipeline", "Source", "Sync")):
+                out.append(ast.unparse(node))
+    return out
+
+
+def test_no_probe_on_an_engine_and_no_isinstance_on_a_pipeline():
+    """A caller asks an engine through its contract (``streams``, ``simulates``,
+    ``jitted``), and the loop composes a rollout source with a weight sync: no
+    ``hasattr`` on an engine, no ``isinstance`` on a pipeline anywhere in grpo/."""
+    bad = {m: found for m, p in MODULES.items() if (found := _probes(p))}
+    assert bad == {}
+
+
+def test_probe_reader_finds_probes(tmp_path):
+    f = tmp_path / "m.py"
+    f.write_text("hasattr(self.sampler, 'stream')\nisinstance(p, ProcessPipeline)\nhasattr(x, 'y')\n"
+                 "engine._prefill(1)\nself._prefill(2)\n")
+    assert _probes(f) == ["hasattr(self.sampler, 'stream')", "isinstance(p, ProcessPipeline)"]
+    assert _engine_internal_uses(f) == ["engine._prefill (line 4)"]
+
+
 def _jit_calls(path: Path) -> list[str]:
     """Where a module builds a jitted program: ``jax.jit(...)``, ``jit(...)``,
     ``nnx.jit(...)``, ``@jax.jit`` or ``partial(jax.jit, ...)``."""

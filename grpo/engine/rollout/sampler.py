@@ -76,7 +76,6 @@ bucketing is the caller's job (one compilation per distinct ``(P, Lp)``).
 from __future__ import annotations
 
 import collections.abc
-import dataclasses
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -88,70 +87,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo.core.contracts.engine import RolloutEngine, RolloutOutput, Sampled
 from grpo.engine.parallel.rows import row_range
-from grpo.engine.rollout._sampling import row_keys, sample_tokens, step_keys
+from grpo.engine.rollout._sampling import SamplingParams, row_keys, sample_tokens, step_keys
 from grpo.models.decoder import CACHE_AXES, KVCache, positions_from_mask
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
-
-
-@dataclasses.dataclass(frozen=True)
-class SamplingParams:
-    """What to sample (hashable; every field is static for jit).
-
-    - ``max_new_tokens``: completion length cap N.
-    - ``num_generations``: K samples per prompt (the prompt is prefilled once).
-    - ``temperature``: divides the logits (> 0), for sampling and reported log-probs.
-    - ``top_k``: keep the k most likely tokens (0 = off); ``top_p``: nucleus mass (1.0 =
-      off). Both restrict what can be drawn: the full-vocabulary log-probs ignore them,
-      the behaviour log-probs are under the renormalised, truncated distribution.
-    - ``greedy``: argmax instead of a draw.
-    - ``eos_ids``: any of these ends a sequence (the stop token is part of the completion).
-    - ``pad_id``: written after a sequence stops.
-    - ``early_stop_chunk``: check "all rows stopped" every N tokens; 0 = never stop early.
-    """
-
-    max_new_tokens: int
-    num_generations: int = 1
-    temperature: float = 1.0
-    top_k: int = 0
-    top_p: float = 1.0
-    greedy: bool = False
-    eos_ids: tuple[int, ...] = ()
-    pad_id: int = 0
-    early_stop_chunk: int = 32
-
-    def __post_init__(self) -> None:
-        eos = self.eos_ids
-        if eos is None:
-            eos = ()
-        elif isinstance(eos, (int, np.integer)):
-            eos = (eos,)
-        object.__setattr__(self, "eos_ids", tuple(sorted({int(e) for e in eos})))
-        problems = []
-        if not (isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1):
-            problems.append(f"max_new_tokens must be an integer >= 1 (got {self.max_new_tokens!r})")
-        if not (isinstance(self.num_generations, int) and self.num_generations >= 1):
-            problems.append(f"num_generations must be an integer >= 1 (got {self.num_generations!r})")
-        if not self.temperature > 0:
-            problems.append(f"temperature must be > 0 (got {self.temperature!r})")
-        if not (isinstance(self.top_k, int) and self.top_k >= 0):
-            problems.append(f"top_k must be an integer >= 0 (got {self.top_k!r})")
-        if not 0.0 < self.top_p <= 1.0:
-            problems.append(f"top_p must be in (0, 1] (got {self.top_p!r})")
-        if not (isinstance(self.early_stop_chunk, int) and self.early_stop_chunk >= 0):
-            problems.append(f"early_stop_chunk must be an integer >= 0 (got {self.early_stop_chunk!r})")
-        if any(e < 0 for e in self.eos_ids) or self.pad_id < 0:
-            problems.append(f"token ids must be >= 0 (eos_ids={self.eos_ids}, pad_id={self.pad_id})")
-        if problems:
-            raise ValueError("Invalid SamplingParams: " + "; ".join(problems))
-
-    @property
-    def truncates(self) -> bool:
-        """Whether top-k/top-p restrict the draw, so that the behaviour policy may differ
-        from the full-vocabulary one: the sampler then records both log-probs (a top-k of
-        at least the vocabulary records two equal arrays)."""
-        return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
 
 
 class Prefilled(NamedTuple):
