@@ -2,15 +2,20 @@
 "No behaviour change" limit): six short `grpo run` runs whose learning record must be
 bit-identical before and after.
 
-    python scripts/identity_runs.py --out DIR [--only NAME ...] [--keep-runs]
+    python scripts/identity_runs.py --out DIR [--root CHECKOUT] [--only NAME ...] [--keep-runs]
     python scripts/identity_runs.py --compare BASE_DIR NEW_DIR
     python scripts/identity_runs.py --list
 
-Run it from the root of the checkout under test: each run is ``python -m grpo.core.cli run``
-in a subprocess with ``PYTHONPATH`` set to that root (so it tests the code there, not an
-installed ``grpo``), ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS`` fixed per run (a virtual CPU
-device count and nothing else; the caller's XLA flags are dropped, since they change
-XLA:CPU's code generation and so the low bits). Each run writes ``DIR/NAME.json``:
+e.g. ``python scripts/identity_runs.py --out /tmp/id/new`` then
+``python scripts/identity_runs.py --compare /work/identity/base /tmp/id/new``. It tests the
+checkout given by ``--root`` (default: the one holding this script; any checkout with
+``configs/quickstart*.yaml``, e.g. the base commit's): each run is ``python -m
+grpo.core.cli run`` in a subprocess in that directory with ``PYTHONPATH`` set to it (the
+code there, not an installed ``grpo``), ``JAX_PLATFORMS=cpu`` and ``XLA_FLAGS`` fixed per
+run (a virtual CPU device count and nothing else; the caller's XLA flags are dropped:
+they change XLA:CPU's code generation and so the low bits). Compare runs made on the same
+machine: another CPU's code generation may differ in the low bits too. Each run writes
+``DIR/NAME.json``:
 
 - ``metrics``: every row of ``metrics.jsonl`` less the keys that measure the machine rather
   than the learning (:func:`is_machine_key`: timings, throughput, memory);
@@ -178,13 +183,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def command(name: str, run_dir: Path) -> tuple[list[list[str]], dict[str, str]]:
-    """The argv of each process of run ``name`` and the environment they share."""
+def command(name: str, run_dir: Path, root: Path = ROOT) -> tuple[list[list[str]], dict[str, str]]:
+    """The argv of each process of run ``name`` (run in ``root``) and the environment they share."""
     spec = RUNS[name]
     sets = [a for s in [*COMMON, *spec["sets"]] for a in ("--set", s)]
     base = [sys.executable, "-m", "grpo.core.cli", "run", spec["config"], "--run-dir", str(run_dir), *sets]
     env = {"JAX_PLATFORMS": "cpu", "XLA_FLAGS": f"--xla_force_host_platform_device_count={spec['devices']}",
-           "PYTHONPATH": str(ROOT)}
+           "PYTHONPATH": str(root)}
     n = spec.get("processes", 1)
     if n == 1:
         return [base], env
@@ -193,15 +198,15 @@ def command(name: str, run_dir: Path) -> tuple[list[list[str]], dict[str, str]]:
             for i in range(n)], env
 
 
-def run(name: str, out: Path, keep: bool) -> dict:
-    run_dir = out / "runs" / name
+def run(name: str, out: Path, keep: bool, root: Path = ROOT) -> dict:
+    run_dir = out.resolve() / "runs" / name
     shutil.rmtree(run_dir, ignore_errors=True)
-    argvs, env = command(name, run_dir)
+    argvs, env = command(name, run_dir, root)
     full_env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH", "JAX_PLATFORMS")}
     full_env.update(env)
     start = time.time()
     logs = [open(out / f"{name}.{i}.log", "w") for i in range(len(argvs))]
-    procs = [subprocess.Popen(a, cwd=ROOT, env=full_env, stdout=log, stderr=subprocess.STDOUT)
+    procs = [subprocess.Popen(a, cwd=root, env=full_env, stdout=log, stderr=subprocess.STDOUT)
              for a, log in zip(argvs, logs)]
     try:
         codes = [p.wait(timeout=1800) for p in procs]
@@ -277,6 +282,7 @@ def compare(a_dir: Path, b_dir: Path) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, help="Directory for NAME.json (and logs).")
+    parser.add_argument("--root", type=Path, default=ROOT, help="The checkout to test (default: this script's).")
     parser.add_argument("--only", nargs="+", choices=list(RUNS), help="Run only these.")
     parser.add_argument("--keep-runs", action="store_true", help="Keep the run directories (OUT/runs/NAME).")
     parser.add_argument("--compare", nargs=2, type=Path, metavar=("A", "B"), help="Compare two --out directories.")
@@ -286,15 +292,15 @@ def main(argv: list[str] | None = None) -> int:
         return compare(*args.compare)
     if args.list:
         for name in RUNS:
-            argvs, env = command(name, Path("RUN_DIR") / name)
+            argvs, env = command(name, Path("RUN_DIR") / name, args.root.resolve())
             for a in argvs:
-                print(f"{name}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " " + " ".join(a[1:]))
+                print(f"{name}: " + " ".join(f"{k}={v}" for k, v in env.items()) + " python " + " ".join(a[1:]))
         return 0
     if args.out is None:
         parser.error("--out DIR (or --compare A B, or --list)")
     args.out.mkdir(parents=True, exist_ok=True)
     for name in args.only or list(RUNS):
-        rec = run(name, args.out, args.keep_runs)
+        rec = run(name, args.out, args.keep_runs, args.root.resolve())
         print(f"{name}: {rec['seconds']} s, {len(rec['metrics'])} steps, {len(rec['samples'])} samples rows, "
               f"{len(rec['eval'])} eval rows", flush=True)
     return 0
