@@ -234,26 +234,31 @@ def first_difference(a: dict, b: dict) -> str | None:
     for section in ("metrics", "samples", "eval"):
         ra, rb = a.get(section, []), b.get(section, [])
         for i, (x, y) in enumerate(zip(ra, rb)):
-            if x == y:
+            if _same(x, y):
                 continue
             step = x.get("step", y.get("step"))
             for key in sorted(set(x) | set(y)):
-                if x.get(key, "<absent>") != y.get(key, "<absent>"):
+                if not _same(x.get(key, "<absent>"), y.get(key, "<absent>")):
                     return (f"{section} row {i} (step {step}) key {key!r}: "
                             f"{_short(x.get(key, '<absent>'))} != {_short(y.get(key, '<absent>'))}")
         if len(ra) != len(rb):
             return f"{section}: {len(ra)} rows != {len(rb)} rows"
     ca, cb = a.get("checkpoint"), b.get("checkpoint")
-    if ca != cb:
+    if not _same(ca, cb):
         if not ca or not cb:
             return f"checkpoint: {_short(ca)} != {_short(cb)}"
         for key in ("step", "meta"):
-            if ca.get(key) != cb.get(key):
+            if not _same(ca.get(key), cb.get(key)):
                 return f"checkpoint {key}: {_short(ca.get(key))} != {_short(cb.get(key))}"
         pa, pb = ca.get("params") or {}, cb.get("params") or {}
         diff = sorted(k for k in set(pa) | set(pb) if pa.get(k) != pb.get(k))
         return f"checkpoint params differ: {len(diff)} arrays, first {diff[0]}"
     return None
+
+
+def _same(x: Any, y: Any) -> bool:
+    """Equal as written: NaN equals NaN, 1 differs from 1.0 (the file changed)."""
+    return json.dumps(x, sort_keys=True) == json.dumps(y, sort_keys=True)
 
 
 def _short(v: Any, n: int = 200) -> str:
