@@ -45,9 +45,12 @@ The runs (all from the shipped configs plus ``--set`` overrides; :data:`RUNS`):
   processes (gloo, a coordinator on a free local port), 4 devices each: process 0 rolls
   out, process 1 updates.
 
-Determinism: every run is deterministic run to run on one machine (two runs of the whole
-harness at fc54db5 compared identical): the async schedule is fixed (step ``s`` trains the
-rollout drawn at version ``s - max_staleness``), not timed.
+Determinism: every run is deterministic run to run on one machine: at fc54db5 two whole
+passes (``/work/identity/base`` and ``base2``) and a third of five runs compared
+identical, nothing excluded but the machine keys. The async schedule is fixed (step ``s``
+trains the rollout drawn at version ``s - max_staleness``; a partial stream's batch is
+the first groups to finish in decode order), not timed by the threads. One pass took
+13-15 min on a loaded 2-core machine (92-199 s a run), about half that with light load.
 """
 
 from __future__ import annotations
