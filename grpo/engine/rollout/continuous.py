@@ -1,6 +1,14 @@
-"""The continuous-batching sampler over a paged KV cache (``rollout.engine:
+"""The continuous-batching engine over a paged KV cache (``rollout.engine:
 continuous``); its multi-turn rows are
 :mod:`grpo.engine.rollout.continuous_multiturn`'s.
+
+It implements the rollout-engine contract (:class:`grpo.RolloutEngine`): one batch
+(:meth:`ContinuousSampler.sample`), and rows streamed through a session
+(``update_weights``, ``begin``, ``submit``, ``step``, ``read``, ``outputs``) that the
+feeders use: streaming dynamic sampling (:mod:`grpo.engine.rollout.feeders`) and partial
+rollouts (:mod:`grpo.engine.rollout.partial`). Every path, the plan's simulation
+included, runs the one loop of :mod:`grpo.engine.rollout.paged` (scheduler, page
+allocator, runner); this module holds the jitted programs the runner calls.
 
 The static :class:`~grpo.engine.rollout.sampler.Sampler` decodes all B = P*K rows of a
 step as one batch: each row keeps its decode slot and its ``prompt + max_new_tokens``
@@ -8,7 +16,7 @@ cache slots until the longest row stops. Here the rows wait in a queue and a fix
 number of decode slots (``slots``) runs in chunks of ``chunk`` decode steps:
 
 1. **Admit** (host, at a chunk boundary): finished rows give back their slot and pages
-   (:class:`~grpo.engine.rollout.paged.PageAllocator`); each live row is given the pages
+   (:class:`~grpo.engine.rollout.paged.pages.PageAllocator`); each live row is given the pages
    the next chunk can write; queued rows take free slots while pages last, in queue
    (row) order. When a live row cannot grow, the most recently admitted row is evicted:
    its pages are freed and it goes back to the head of the queue. A row's draws depend

@@ -19,7 +19,7 @@ How a row runs
 2. **Leaving the slot** (host, at a chunk boundary): the finished row's turn is read
    (one gather of the finished rows), recorded in its transcript, and its environment
    steps (concurrently over the rows that finished at this boundary). The row's pages are
-   *parked* under it (:meth:`~grpo.engine.rollout.paged.PageAllocator.park`): its slot is
+   *parked* under it (:meth:`~grpo.engine.rollout.paged.pages.PageAllocator.park`): its slot is
    free for any row. An episode that ends frees its pages.
 3. **Append-prefill**: a continuing row goes back through the queue, ahead of rows that
    hold no pages. At its admission it takes a free slot of its pages' part of the pool
