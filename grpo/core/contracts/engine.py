@@ -245,6 +245,18 @@ class RolloutEngine(abc.ABC):
         self._weights = None
 
     # ------------------------------------------------------------------ planning (optional)
+    #
+    # What ``grpo plan`` asks an engine (grpo.engine.planning): its programs to lower and
+    # their abstract inputs and outputs, its KV cache, and its decode's cost model (the
+    # static one: :meth:`plan`; a multi-turn rollout's: :meth:`width`, :meth:`allocated`,
+    # :attr:`max_turns`). Each default raises :class:`NotPlanned`: the plan then leaves the
+    # rollout out and says why (its update side is still planned). A paged engine
+    # (``simulates``) adds its page-pool model (``slots_for``, ``shards``, ``pool_size``,
+    # ``page_size``: see :class:`grpo.engine.rollout.continuous.ContinuousSampler`).
+
+    #: Model turns per row (a multi-turn engine sets it): the plan costs ``max_turns - 1``
+    #: appends of the replies between turns.
+    max_turns: int = 1
 
     def jitted(self) -> dict[str, list[Any]]:
         """The engine's jitted programs by name (what a run executes; ``grpo plan`` lists them)."""
@@ -271,6 +283,22 @@ class RolloutEngine(abc.ABC):
                  trace: list | None = None) -> dict[str, int]:
         """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``)."""
         raise NotPlanned(f"{type(self).__name__} has no schedule model")
+
+    def plan(self) -> tuple[tuple[int, int], ...]:
+        """The decode loop as segments ``(a, b)``: steps ``a`` to ``b`` each read the
+        weights and a cache of the prompt + ``b`` slots (the plan's decode cost of a
+        single-turn rollout; the built-in samplers' ``segment_plan``)."""
+        raise NotPlanned(f"{type(self).__name__} has no decode cost model")
+
+    def width(self) -> int:
+        """A multi-turn rollout: sampling steps of one turn (the plan's decode cost: every
+        step reads the whole :meth:`allocated` cache)."""
+        raise NotPlanned(f"{type(self).__name__} has no multi-turn decode cost model")
+
+    def allocated(self, prompt_length: int) -> int:
+        """A multi-turn rollout: the cache slots a row holds after a prompt of
+        ``prompt_length`` tokens (every turn's decode reads them all)."""
+        raise NotPlanned(f"{type(self).__name__} has no multi-turn decode cost model")
 
 
 
@@ -356,6 +384,7 @@ class _Wrapped(RolloutEngine):
         self.inner = inner
         self.sampling = getattr(inner, "sampling", None)
         self.loss_mask = bool(getattr(inner, "loss_mask", False))
+        self.max_turns = int(getattr(inner, "max_turns", 1))
 
     def sample(self, params, prompt_tokens, prompt_mask, rng, examples):
         self.update_weights(params, self.version)
@@ -364,8 +393,26 @@ class _Wrapped(RolloutEngine):
         finally:
             self.end()
 
-    def __getattr__(self, name: str) -> Any:  # planning methods and anything else it has
+    def __getattr__(self, name: str) -> Any:  # anything else it has
         return getattr(self.__dict__["inner"], name)
+
+
+def _forwarding(name: str) -> Any:
+    """:class:`_Wrapped`'s planning method ``name``: the wrapped object's where it has one,
+    else the contract's default (which raises :class:`NotPlanned`)."""
+    default = getattr(RolloutEngine, name)
+
+    def method(self: _Wrapped, *args: Any, **kwargs: Any) -> Any:
+        own = getattr(self.inner, name, None)
+        return own(*args, **kwargs) if callable(own) else default(self, *args, **kwargs)
+
+    method.__name__ = method.__qualname__ = name
+    return method
+
+
+for _name in ("jitted", "lowerings", "cache_slots", "cache_bytes", "abstract_output", "simulate", "plan", "width",
+              "allocated"):
+    setattr(_Wrapped, _name, _forwarding(_name))
 
 
 def as_engine(built: Any, *, name: str = "") -> RolloutEngine:

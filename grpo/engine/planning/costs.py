@@ -174,10 +174,14 @@ class _RolloutSplit:
 
 def program_costs(
     programs: Any, arch: Any, chip: Any, *, rollout_weight_bytes: float | None = None, train_state_bytes: float = 0.0,
-    append_length: int | None = None,
+    append_length: int | None = None, rollout: bool = True,
 ) -> dict[str, Cost]:
     """Per-device flops, HBM bytes and roofline time of each program of one step (and of
-    one evaluation batch).
+    one evaluation batch). The rollout's programs are costed by its engine's cost model
+    (:meth:`~grpo.core.contracts.RolloutEngine.plan`, or a multi-turn engine's ``width``,
+    ``allocated``, ``cache_slots`` and ``max_turns``), which raises
+    :class:`~grpo.core.contracts.NotPlanned` for an engine without one; ``rollout=False``
+    leaves them out (the plan of an engine that is not planned).
 
     With ``D`` hidden, ``F`` MLP width, ``H``/``Hk`` query/KV heads of ``E`` dims, ``V``
     vocabulary, ``Lyr`` layers, ``Wm = Lyr (2 D H E + 2 D Hk E + 3 D F)`` weight-matmul
@@ -230,8 +234,9 @@ def program_costs(
     split = _rollout_split(programs, arch, m, rollout_weight_bytes, append_length)
     out: dict[str, Cost] = {}
     names = ("prefill", "decode", "append")
-    out.update(zip(names, _rollout_costs(m, programs, split, P, cfg.rollout.num_generations, programs.sampler())))
-    if cfg.eval.every_n_steps > 0:
+    if rollout:
+        out.update(zip(names, _rollout_costs(m, programs, split, P, cfg.rollout.num_generations, programs.sampler())))
+    if rollout and cfg.eval.every_n_steps > 0:
         # One eval batch, padded as the Evaluator pads it (padding rows cost like real ones).
         eval_names = ("eval_prefill", "eval_decode", "eval_append")
         out.update(zip(eval_names, _rollout_costs(m, programs, split, programs.eval_batch()[1], cfg.eval.k,
@@ -243,7 +248,7 @@ def program_costs(
     rows = P * cfg.group_size / (programs.layout.dp * programs.layout.fsdp)  # the update's rows per device
     out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
                                                         max_new_tokens=cfg.rollout.max_new_tokens)))
-    out.update(_glue_costs(m, programs, split, P, Lp))
+    out.update(_glue_costs(m, programs, split, P, Lp, rollout=rollout))
     return out
 
 
@@ -267,7 +272,8 @@ def _rollout_split(programs: Any, arch: Any, m: _Model, rollout_weight_bytes: fl
     )
 
 
-def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int) -> dict[str, Cost]:
+def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int,
+                rollout: bool = True) -> dict[str, Cost]:
     """The step's small programs, as the bytes they move per device (no matmuls): a
     multi-turn rollout's ``start`` (the prefilled cache copied into its final size) for
     the step and an eval batch (the continuous engine's multi-turn ``read`` too: the
@@ -277,7 +283,7 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     ``turn_advantages``, ``to_train`` (every update-batch array resharded), LoRA
     dropout's ``dropout_keys`` (its ``policy_logprobs`` pass is one of the passes over the
     batch: :func:`_training_costs`) and packing's ``sequence_lengths``, ``pack`` and
-    ``unpack``."""
+    ``unpack``. ``rollout=False``: without the engine's (``start``, ``read``)."""
     cfg, layout, d = programs.config, programs.layout, m.dims
     N, K = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
     devices = layout.dp * layout.fsdp * layout.tp
@@ -293,7 +299,7 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int)
     # The multi-turn sampler's and the continuous engine's ``start``: the cache (the page
     # pool: its slots at the cap) written once.
     paged = programs.sampler().simulates  # a page pool (the continuous engine)
-    if programs.multi_turn or paged:
+    if rollout and (programs.multi_turn or paged):
         kv_tok = kv_bytes_per_slot(d, itemsize=m.w, kv_split=split.kv_split)
         for name, prompts, k, sampler in (("start", P, K, programs.sampler()),
                                           ("eval_start", programs.eval_batch()[1], cfg.eval.k,

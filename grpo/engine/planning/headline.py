@@ -42,7 +42,11 @@ def rollout_headline(report: dict[str, Any], *, engine: str) -> dict[str, Any]:
     schedule its own host scheduler runs, so that schedule's decode and prefill replace
     the ``decode`` and ``prefill`` programs' figures in every step total (the figure
     without communication takes the schedule without the decode's ICI). Without a
-    schedule (the static engine, or no ``--lengths``) the programs' figures stay."""
+    schedule (the static engine, or no ``--lengths``) the programs' figures stay. An engine
+    that is not planned (the plan's ``not_planned``): the step leaves the rollout out."""
+    if report.get("not_planned"):
+        why = "not planned: the step's figures leave the rollout out"
+        return {**report, "step_rollout": {"engine": engine, "costed_as": "not planned", "description": why}}
     en = report.get("rollout_engine") or {}
     if "decode_roofline_s" not in en:
         why = "the programs, every row to the cap" + (" (no --lengths: no schedule to simulate)"

@@ -55,7 +55,7 @@ import math
 from typing import Any, Callable
 
 from grpo.core.config import RunConfig, resolve_layout
-from grpo.core.contracts import Topology
+from grpo.core.contracts import NotPlanned, Topology
 from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.compiled import ProgramResult, compile_program, program_entry
 from grpo.engine.planning.costs import Cost, program_costs
@@ -139,6 +139,7 @@ class EvalBatch:
     prompts: int
     padded: int
     rows: int  # padded x eval.k
+    kv_cache_bytes: int | None = None  # per device (None: the engine is not planned)
 
 
 @dataclasses.dataclass
@@ -158,6 +159,9 @@ class Subject:
     sampler_args: Any  # the state the rollout programs take
     state: dict[str, int]  # state_bytes_per_device
     eval: EvalBatch | None  # with eval.every_n_steps > 0
+    # Why the rollout engine is not planned (a planning method it lacks raised NotPlanned):
+    # its programs, evaluation's and those taking its rows are left out. None: planned.
+    not_planned: str | None = None
 
     @property
     def rows(self) -> int:
@@ -242,7 +246,7 @@ class Planner:
                             rollout_state=rollout_state)
         P, Lp = inputs["prompt_tokens"].shape
         sampler_args = rollout_state if rollout_state is not None else full
-        state["kv_cache"] = sampler.cache_bytes(sampler_args, rows=P * config.rollout.num_generations, prompt_length=Lp)
+        state["kv_cache"] = None  # the engine's (_ask_engine)
         # Evaluation (every eval.every_n_steps steps): the same sampler's programs with
         # eval.k samples of each prompt of an eval batch, padded as the Evaluator pads it.
         eval_batch = None
@@ -251,11 +255,36 @@ class Planner:
             eval_inputs = abstract_eval_inputs(programs)
             eval_prompts, eval_padded = programs.eval_batch()
             eval_batch = EvalBatch(eval_sampler, eval_inputs, eval_prompts, eval_padded, eval_padded * config.eval.k)
-        return Subject(
+        s = Subject(
             config=config, programs=programs, arch=arch, full=full, params=params, frozen=frozen, opt_state=opt_state,
             batch=batch, sampler=sampler, inputs=inputs,
             sampler_args=sampler_args, state=state, eval=eval_batch,
         )
+        s.not_planned = self._ask_engine(s)
+        return s
+
+    def _ask_engine(self, s: Subject) -> str | None:
+        """What the plan needs of ``s``'s rollout engine (the contract's planning methods):
+        its KV cache bytes (into ``s.state`` and the eval batch), its programs, its
+        abstract output (``gather_rows`` takes it) and its cost model. None, or why it is
+        not planned: the :class:`NotPlanned` message of the first it lacks."""
+        import jax
+
+        P, Lp = s.inputs["prompt_tokens"].shape
+        key = jax.random.key(s.config.train.seed)
+        try:
+            s.state["kv_cache"] = s.sampler.cache_bytes(s.sampler_args, rows=s.rows, prompt_length=Lp)
+            if s.eval is not None:
+                s.eval.kv_cache_bytes = s.eval.sampler.cache_bytes(s.sampler_args, rows=s.eval.rows, prompt_length=Lp)
+                s.eval.sampler.lowerings(s.sampler_args, prompts=s.eval.inputs["prompt_tokens"].shape[0],
+                                         prompt_length=Lp, key=key)
+            s.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key)
+            if s.programs.selects_rows:
+                s.sampler.abstract_output(prompts=P, prompt_length=Lp)
+            self._costs(s)
+        except NotPlanned as err:
+            return str(err) or type(err).__name__
+        return None
 
     def programs_to_compile(self, s: Subject) -> list[tuple[str, Callable[[], Any], tuple, tuple[str, ...]]]:
         """``(name, lower, cache key, resident state it takes)`` of every program a step
@@ -283,12 +312,15 @@ class Planner:
             todo.append(("merge", glue.pop("merge"), cache_key(config, "merge", ROLLOUT_ONLY), ("parameters",)))
         key = jax.random.key(config.train.seed)
         P, Lp = s.inputs["prompt_tokens"].shape
-        for name, lower in s.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key).items():
+        planned = s.not_planned is None  # else its programs and those taking its rows are left out
+        lowerings = s.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key) if planned else {}
+        for name, lower in lowerings.items():
             todo.append((name, lower, cache_key(config, name, ROLLOUT_ONLY), rollout_takes))
         for name, lower in glue.items():
-            todo.append((name, lower, cache_key(config, name, ROLLOUT_ONLY), ()))
+            if planned or name != "gather_rows":
+                todo.append((name, lower, cache_key(config, name, ROLLOUT_ONLY), ()))
         todo += self._training_programs(s)
-        if s.eval is not None:
+        if s.eval is not None and planned:
             P = s.eval.inputs["prompt_tokens"].shape[0]
             for name, lower in s.eval.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key).items():
                 todo.append((f"eval_{name}", lower, cache_key(config, f"eval_{name}", EVAL_ONLY), rollout_takes))
@@ -322,8 +354,9 @@ class Planner:
         if config.train.async_.enabled:
             sync = synchronous(config)
             report = self.plan(sync, lengths)
-            report["async"] = self.plan_async(sync, lengths, report,
-                                              rollout_devices=config.train.async_.rollout_devices)
+            if not report.get("not_planned"):  # a split needs the rollout side's programs
+                report["async"] = self.plan_async(sync, lengths, report,
+                                                  rollout_devices=config.train.async_.rollout_devices)
             return report
         s = self.subject(config)
         results, costs = self._compiled(s)
@@ -355,9 +388,13 @@ class Planner:
         report = self._report(s, results, entries, costs, peaks, errors)
         if lengths is not None:
             report["packing"] = self.packing(s, entries, lengths, slice_of)
-        if s.sampler.simulates:
+        if s.sampler.simulates and s.not_planned is None:
             report["rollout_engine"] = engine_report(s, lengths, chip=self.topology.chip, hbm=self.hbm_bytes,
                                                      entries=entries)
+        if s.not_planned is not None:
+            report["not_planned"] = {"rollout_engine": config.rollout.engine, "why": s.not_planned,
+                                     "left_out": "the rollout's programs (and evaluation's, gather_rows, an "
+                                                 "asynchronous split): the peak, fit and roofline are the rest's"}
         return rollout_headline(report, engine=config.rollout.engine)
 
     def sub(self, devices: list[Any]) -> "Planner":
@@ -381,12 +418,17 @@ class Planner:
                 if key not in self._cache:
                     self._cache[key] = compile_program(name, lower, takes)
                 results.append(self._cache[key])
+        return results, self._costs(s)
+
+    def _costs(self, s: Subject) -> dict[str, Cost]:
+        """Every program's counted cost (the rollout's by its engine's cost model, unless
+        it is not planned)."""
         ro = s.programs.rollout
-        costs = program_costs(s.programs, s.arch, self.topology.chip,
-                              rollout_weight_bytes=s.state["rollout_parameters"] if ro.resharded else None,
-                              train_state_bytes=s.state["parameters"],
-                              append_length=rollout_append_length(s.config) if s.programs.multi_turn else None)
-        return results, costs
+        return program_costs(s.programs, s.arch, self.topology.chip,
+                             rollout_weight_bytes=s.state["rollout_parameters"] if ro.resharded else None,
+                             train_state_bytes=s.state["parameters"],
+                             append_length=rollout_append_length(s.config) if s.programs.multi_turn else None,
+                             rollout=s.not_planned is None)
 
     def side(self, config: RunConfig, names: tuple[str, ...],
              s: Subject | None = None) -> tuple[Subject, dict[str, Any], dict[str, Cost], list[int]]:
@@ -425,6 +467,9 @@ class Planner:
                 problems = "; ".join(getattr(err, "problems", None) or [str(err)])
                 raise UserError(f"train.async.rollout_devices={k}: the {side} side ({len(devices)} of "
                                 f"{len(self.devices)} devices) cannot run this config: {problems}") from None
+        if built["rollout"][1].not_planned:
+            raise UserError(f"train.async.rollout_devices={k}: rollout engine {config.rollout.engine!r} is not "
+                            f"planned ({built['rollout'][1].not_planned}): a split needs its programs")
         sides = {side: planner.side(config, names, s) for side, (planner, s, names) in built.items()}
         s_ro, e_ro, _, _ = sides["rollout"]
         s_up, e_up, c_up, slice_up = sides["update"]
@@ -547,7 +592,7 @@ class Planner:
     def _eval_report(s: Subject, entries: dict[str, Any]) -> dict[str, Any] | None:
         """One eval batch; a whole evaluation runs ceil(examples / prompts) of them, and the
         split's size is known here only through eval.num_examples."""
-        if s.eval is None:
+        if s.eval is None or s.not_planned is not None:
             return None
         config, ev = s.config, s.eval
         batch_s = sum(entries[n]["roofline_s"] for n in EVAL_PROGRAMS if n in entries)
@@ -558,8 +603,7 @@ class Planner:
             "prompts_per_batch": ev.prompts,
             "padded_prompts_per_batch": ev.padded,
             "rows_per_batch": ev.rows,
-            "kv_cache_bytes": ev.sampler.cache_bytes(s.sampler_args, rows=ev.rows,
-                                                     prompt_length=s.inputs["prompt_tokens"].shape[1]),
+            "kv_cache_bytes": ev.kv_cache_bytes,
             "batches": batches,
             "roofline_batch_s": batch_s,
         }

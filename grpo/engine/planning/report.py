@@ -118,6 +118,9 @@ def format_report(rep: dict[str, Any]) -> str:
         lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"], rollout=rep.get("step_rollout"))
     if rep.get("rollout_engine"):
         lines += format_engine(rep["rollout_engine"])
+    if rep.get("not_planned"):
+        np_ = rep["not_planned"]
+        lines.append(f"rollout engine {np_['rollout_engine']}: not planned ({np_['why']}); left out: {np_['left_out']}")
     if rep.get("async"):
         lines += format_async(rep["async"])
     if rep["compiler_error"]:
