@@ -53,16 +53,14 @@ import time
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from grpo.core.errors import UserError
-from grpo.engine.parallel.rows import to_global
 from grpo.core.contracts.engine import Rows
 from grpo.engine.rollout._sampling import row_keys
 from grpo.engine.rollout.prompts import bucket_for, position_indices
 from grpo.engine.rollout.sampler import RolloutOutput
-from grpo.engine.rollout.step import SampleGroup, StepRollout
+from grpo.engine.rollout.step import StepRollout
 
 # ------------------------------------------------------------------ pure pieces
 
@@ -260,21 +258,11 @@ class PartialStream:
         )
         examples = [c.prompts.examples[self._example(g)] for g in picked for _ in range(K)]
         texts = list(s.detokenize(tokens, mask))
-        totals, by_fn, failed = c._score(examples, texts, mask.sum(axis=1))
-        sharding = c.programs.rollout_sharding
-        rewards = to_global(totals, sharding)
-        by_fn_g = {n: to_global(v, sharding) for n, v in by_fn.items()}
-        group = None
+        sample = None
         if sample_group:
-            g = picked[0]
-            group = SampleGroup(c.prompts.examples[self._example(g)], texts[:K], totals[:K], None,
-                                [int(n) for n in mask.sum(axis=1)[:K]], int(self.prompt_masks[rows[0]].sum()))
-        rollout = StepRollout(
-            output=out, rewards=rewards, rewards_by_fn=by_fn_g, logged_rewards=rewards, logged_by_fn=by_fn_g,
-            reward_names=list(by_fn), reward_errors=c.programs.row_sums(to_global(failed, sharding)),
-            generated_tokens=jnp.sum(out.lengths), rollout_s=0.0, tools=None, metrics={}, group=group,
-            prompts_drawn=len(picked),
-        )
+            sample = (c.prompts.examples[self._example(picked[0])], int(self.prompt_masks[rows[0]].sum()), None)
+        rollout = c.step_rollout(c.scored(out, examples=examples, texts=texts, lengths=mask.sum(axis=1), seconds=0.0,
+                                          sample=sample), drawn=len(picked))
         return rollout, versions
 
     def _example(self, position: int) -> int:

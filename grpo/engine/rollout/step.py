@@ -175,13 +175,31 @@ class StepCollector:
         train = self.config.train
         if train.dynamic_sampling.enabled or train.down_sampling.keep is not None:
             return self._selected(step, position, params, sample_group)
-        r = self._round(step, position, 0, params, sample_group)
+        return self.step_rollout(self._round(step, position, 0, params, sample_group), drawn=train.prompts_per_step)
+
+    def scored(self, out: RolloutOutput, *, examples: list[dict], texts: list[str], lengths: np.ndarray,
+               seconds: float, sample: tuple[dict, int, Any] | None = None, tools: ToolTotals | None = None) -> _Round:
+        """Rows of a rollout scored with the task's rewards (this process's rows:
+        ``examples``, ``texts``, ``lengths``); ``sample`` = (example, its prompt's tokens,
+        turns or None) keeps the first group for ``samples.jsonl``. What a round of the
+        step and a batch of partial rollouts share."""
+        k = self.config.rollout.num_generations
+        totals, by_fn, failed = self._score(examples, texts, lengths)
+        errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
+        group = None
+        if sample is not None:
+            example, prompt_tokens, turns = sample
+            group = SampleGroup(example, texts[:k], totals[:k], turns, [int(n) for n in lengths[:k]], prompt_tokens)
+        return _Round(out, totals, by_fn, errors, seconds, tools, group)
+
+    def step_rollout(self, r: _Round, *, drawn: int) -> StepRollout:
+        """A scored batch (every row trained) as the step's record, ``drawn`` prompts of the data order."""
         rewards = to_global(r.totals, self.programs.rollout_sharding)
         by_fn = {n: to_global(v, self.programs.rollout_sharding) for n, v in r.by_fn.items()}
         return StepRollout(
             output=r.output, rewards=rewards, rewards_by_fn=by_fn, logged_rewards=rewards, logged_by_fn=by_fn,
             reward_names=list(r.by_fn), reward_errors=r.errors, generated_tokens=jnp.sum(r.output.lengths),
-            rollout_s=r.seconds, tools=r.tools, metrics={}, group=r.group, prompts_drawn=train.prompts_per_step,
+            rollout_s=r.seconds, tools=r.tools, metrics={}, group=r.group, prompts_drawn=drawn,
         )
 
     # ------------------------------------------------------------------ one round
@@ -205,21 +223,18 @@ class StepCollector:
         out = sampled.output
         # The completion's length (model and inserted tokens alike: rollout.max_new_tokens bounds both).
         lengths = local_rows(out.mask).sum(axis=1)
-        totals, by_fn, failed = self._score(sampled.examples, texts, lengths)
-        errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
         ep = sampled.episodes
-        group = None
-        if round_ == 0 and sample_group:
-            group = SampleGroup(batch.examples[0], texts[:k], totals[:k],
-                                None if ep is None else ep.turns[:k], [int(n) for n in lengths[:k]],
-                                int(np.asarray(batch.mask[0]).sum()))
         tools = None
         if ep is not None:
             counts = np.stack([ep.num_turns, ep.tool_calls, ep.tool_errors, ep.tool_timeouts, ep.tool_truncated],
                               axis=1)
             counts = self.programs.row_sums(to_global(counts.astype(np.int32), self.programs.rollout_sharding))
             tools = ToolTotals(counts, out.tokens.shape[0], ep.tools_s, ep.append_s)
-        return _Round(out, totals, by_fn, errors, seconds, tools, group)
+        sample = None
+        if round_ == 0 and sample_group:
+            sample = (batch.examples[0], int(np.asarray(batch.mask[0]).sum()), None if ep is None else ep.turns[:k])
+        return self.scored(out, examples=sampled.examples, texts=texts, lengths=lengths, seconds=seconds,
+                           sample=sample, tools=tools)
 
     def _all(self, local: np.ndarray) -> np.ndarray:
         """Every rollout process's rows of a host array (:func:`_all_rows`)."""
