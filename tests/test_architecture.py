@@ -172,7 +172,7 @@ ROOMS = _rooms()
 def test_engine_has_rooms_and_few_loose_modules():
     assert set(ROOMS) >= {
         "grpo.engine.parallel", "grpo.engine.rollout", "grpo.engine.training", "grpo.engine.runs",
-        "grpo.engine.planning", "grpo.engine.bench",
+        "grpo.engine.planning", "grpo.engine.bench", "grpo.engine.loop",
     }
     loose = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
     assert len(loose) <= 8, loose
@@ -233,6 +233,20 @@ def test_no_function_is_over_100_lines():
         if fn.end_lineno - fn.lineno + 1 > 100
     }
     assert long == {}
+
+
+def _probes(path: Path) -> list[str]:
+    """Where a module calls ``isinstance`` or ``hasattr``."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"isinstance", "hasattr"}]
+
+
+@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.loop.loop", "grpo.engine.loop.factory",
+                                    "grpo.engine.loop.sources", "grpo.engine.loop.sync"])
+def test_the_loop_does_not_branch_on_its_mode(module):
+    # A mode is a source x a weight sync chosen in grpo.engine.loop.factory by config:
+    # nothing asks which pipeline, source or engine it holds.
+    assert _probes(MODULES[module]) == []
 
 
 def _jit_calls(path: Path) -> list[str]:

@@ -6,7 +6,7 @@ The split is inside one process, or by whole processes: with 2 processes (e.g. 2
 devices, ``rollout_devices: 4``) process 0's devices roll out and process 1's update, each
 side running its own programs on its own devices and its host side as if it were alone,
 and the two meet once a step in :class:`~grpo.engine.parallel.exchange.SideExchange`
-(:mod:`grpo.engine.asynchronous_processes`). Anything else over several processes is a
+(:mod:`grpo.engine.loop.processes`). Anything else over several processes is a
 config error naming ``train.async.rollout_devices`` (exit status 2): a split that puts a
 process on both sides (its host would score rollouts and train at once, and a
 ``device_put`` between processes works only between equal shardings: JAX 0.10.2 on CPU
