@@ -269,7 +269,8 @@ def test_jit_reader_finds_jits(tmp_path):
     assert len(_jit_calls(probe)) == 3  # jax.jit, the import of jit, @jit
 
 
-@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.evaluation", "grpo.engine.rollout.step"])
+@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.evaluation", "grpo.engine.rollout.step",
+                                    "grpo.engine.loop.loop"])
 def test_the_loop_jits_nothing(module):
     # Every program a run executes comes from the program builder (grpo.engine.programs),
     # which `grpo plan` compiles and lists: the loop only calls them.

@@ -390,7 +390,7 @@ class Trainer:
         # Logs first: after a preemption, every row up to the checkpoint's step is stored.
         self._flush_logs()
         # The state as the loop's source holds it, with the rollouts drawn and not yet trained.
-        items, meta = self.loop.checkpoint(self._state(), self._meta())
+        items, meta = self.loop.saved(self._state(), self._meta())
         self.checkpointer.save(self.step, items, meta)
         if self.is_main:
             log.info("checkpoint saved at step %d in %s", self.step, self.checkpointer.directory)

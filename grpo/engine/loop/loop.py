@@ -168,7 +168,7 @@ class Loop:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint(self, state: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    def saved(self, state: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The checkpoint's items and metadata: the trainer's ``state`` as the source holds
         it, and the buffer in the one format (:mod:`grpo.engine.loop.buffer`)."""
         items = dict(self.source.held(state))

@@ -278,9 +278,9 @@ class RolloutSide:
 
     # ------------------------------------------------------------------ checkpoint
 
-    def checkpoint(self, state: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The same items and metadata as the update side's :meth:`Loop.checkpoint
-        <grpo.engine.loop.loop.Loop.checkpoint>` (this process writes the metadata)."""
+    def saved(self, state: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The same items and metadata as the update side's :meth:`Loop.saved
+        <grpo.engine.loop.loop.Loop.saved>` (this process writes the metadata)."""
         items = dict(_state_exchange(self.exchange, state, "rollout"))
         arrays = {key(spec, name): x for spec, host in self.stored for name, x in host.items()}
         if arrays:

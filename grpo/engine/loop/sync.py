@@ -28,16 +28,29 @@ import jax
 
 
 class WeightSync:
-    """The interface (and the defaults of a sync that reports no figures)."""
+    """The interface. :meth:`sync` is the one place weights enter the rollout side (the
+    place for an engine's ``update_weights``); a sync says only how they :meth:`move`
+    there."""
+
+    programs: Any = None  # the rollout side's (the program builder's on its mesh)
+    frozen: Any = None  # the LoRA base on the rollout side (None: no LoRA)
+    params: Any = None  # the last synced weights, on the rollout side
 
     def sync(self, params: Any, version: int) -> None:
         """The trainer's weights ``params`` (version ``version``: optimizer steps applied)
         to the rollout side."""
+        del version
+        self.params = self.move(params)
+
+    def move(self, params: Any) -> Any:
+        """``params`` where the rollout side reads them."""
         raise NotImplementedError
 
     def sampler_params(self) -> Any:
-        """What the rollout side's sampler reads: the last synced weights in its layout."""
-        raise NotImplementedError
+        """What the rollout side's sampler reads: the last synced weights, in the whole
+        model's state (base and adapters, no copies), or for ``model.lora.sampler:
+        merged`` the projections with the adapters merged in."""
+        return self.programs.sampler_state(self.params, self.frozen)
 
     def figures(self) -> dict[str, float]:
         """The step's metrics of the weights' move (read after the step's :meth:`sync`)."""
@@ -48,21 +61,15 @@ class WeightSync:
 
 
 class SameDevices(WeightSync):
-    """The rollout reads the update's weights where they are: the whole model's state
-    (base and adapters, no copies), or for ``model.lora.sampler: merged`` the projections
-    with the adapters merged in (:meth:`~grpo.engine.trainer.Trainer.policy_params`).
-    The update donates them, so the loop syncs again after every update."""
+    """The rollout reads the update's weights where they are (as
+    :meth:`~grpo.engine.trainer.Trainer.policy_params` does). The update donates them, so
+    the loop syncs again after every update."""
 
     def __init__(self, programs: Any, frozen: Any):
         self.programs, self.frozen = programs, frozen
-        self.params: Any = None
 
-    def sync(self, params: Any, version: int) -> None:
-        del version
-        self.params = params
-
-    def sampler_params(self) -> Any:
-        return self.programs.sampler_state(self.params, self.frozen)
+    def move(self, params: Any) -> Any:
+        return params
 
 
 class OtherMesh(WeightSync):
@@ -77,21 +84,19 @@ class OtherMesh(WeightSync):
         self.shardings = state_shardings(params, programs.mesh, PARAM_RULES)
         self.frozen = None if frozen is None else jax.device_put(
             frozen, state_shardings(frozen, programs.mesh, PARAM_RULES))
-        self.params: Any = None
         self.dispatch_s = 0.0
         self.previous_s = 0.0
         self._arrival: concurrent.futures.Future | None = None  # the last transfer's seconds to arrival
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
 
-    def sync(self, params: Any, version: int) -> None:
+    def move(self, params: Any) -> Any:
         """One resharding transfer, dispatched and not waited for (the programs reading
         ``self.params`` wait on the devices; the update's donation of the source waits
         for the transfer's reads)."""
-        del version
         # The transfer the step's rollout drew with: arrived, since that rollout is complete.
         self.previous_s = 0.0 if self._arrival is None else self._arrival.result()
         t = time.perf_counter()
-        self.params = moved = jax.device_put(params, self.shardings)
+        moved = jax.device_put(params, self.shardings)
         self.dispatch_s = time.perf_counter() - t
 
         def arrival() -> float:
@@ -101,9 +106,7 @@ class OtherMesh(WeightSync):
         if self._waiter is None:
             self._waiter = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-weight-sync")
         self._arrival = self._waiter.submit(arrival)
-
-    def sampler_params(self) -> Any:
-        return self.programs.sampler_state(self.params, self.frozen)
+        return moved
 
     def figures(self) -> dict[str, float]:
         # The transfer the step's rollout drew with, and the dispatch of the new one.
