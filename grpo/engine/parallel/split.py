@@ -96,8 +96,14 @@ def split_devices(devices: Sequence[jax.Device], *, rollout_devices: int | None)
 
 
 def multiprocess_problems(config) -> list[str]:
-    """What a two-process asynchronous run does not carry, one line a field: its loop
-    moves the full weights and whole-batch single-turn rollouts of the static sampler."""
+    """What a two-process asynchronous run does not carry, one line a field. The run is
+    the one loop (:mod:`grpo.engine.loop`); what stays refused needs work beyond it:
+    the LoRA base lives on the update process (it would have to cross once); the
+    partial-rollouts stream and its ledger would live on the rollout process while the
+    trained positions are known on the update side; the continuous engine's host side
+    gathers over every process, not its mesh's; dynamic sampling's rounds gather rows
+    over processes (unverified with one side a process); evaluation runs on the update
+    side while process 0 writes its rows."""
     a, out = config.train.async_, []
     if config.model.lora is not None:
         out.append("model.lora is set: the two-process loop moves full weights only (no frozen base)")
