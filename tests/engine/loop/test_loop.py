@@ -38,6 +38,7 @@ def quickstart_pair(tmp_path_factory):
     return out
 
 
+@pytest.mark.slow
 def test_staleness_zero_equals_the_synchronous_run(quickstart_pair):
     sync, asy = (read_metrics(quickstart_pair[n].run_dir) for n in ("sync", "async"))
     assert len(sync) == len(asy) == 20
@@ -48,6 +49,7 @@ def test_staleness_zero_equals_the_synchronous_run(quickstart_pair):
     assert all(r["time/train/weight_sync_s"] > 0 for r in asy)
 
 
+@pytest.mark.slow
 def test_the_weight_transfer_is_bit_exact(quickstart_pair):
     trainer = quickstart_pair["async"]
     sync = trainer.loop.sync
@@ -72,6 +74,7 @@ def _buffer_arrays(trainer):
     return out
 
 
+@pytest.mark.slow
 def test_a_preempted_async_run_resumes_exactly(tmp_path_factory):
     """SIGTERM after step 2 of 5 (max_staleness 2: steps 3 and 4 are buffered, drawn at
     versions 1 and 2): the checkpoint holds them, the rerun trains them as drawn, and the
@@ -122,6 +125,7 @@ def test_a_preempted_async_run_resumes_exactly(tmp_path_factory):
         (s + 1, resumed.render(resumed.collector.prompts.examples[i])) for s, i in enumerate(order)]
 
 
+@pytest.mark.slow
 def test_a_rollout_failure_stops_with_a_clear_message(quickstart_pair, monkeypatch):
     from grpo.engine.loop.buffer import RolloutFailed
 
