@@ -235,7 +235,7 @@ def test_no_function_is_over_100_lines():
     assert long == {}
 
 
-def _probes(path: Path) -> list[str]:
+def _type_tests(path: Path) -> list[str]:
     """Where a module calls ``isinstance`` or ``hasattr``."""
     return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"isinstance", "hasattr"}]
@@ -246,7 +246,7 @@ def _probes(path: Path) -> list[str]:
 def test_the_loop_does_not_branch_on_its_mode(module):
     # A mode is a source x a weight sync chosen in grpo.engine.loop.factory by config:
     # nothing asks which pipeline, source or engine it holds.
-    assert _probes(MODULES[module]) == []
+    assert _type_tests(MODULES[module]) == []
 
 
 def _jit_calls(path: Path) -> list[str]:
