@@ -172,7 +172,7 @@ ROOMS = _rooms()
 def test_engine_has_rooms_and_few_loose_modules():
     assert set(ROOMS) >= {
         "grpo.engine.parallel", "grpo.engine.rollout", "grpo.engine.training", "grpo.engine.runs",
-        "grpo.engine.planning", "grpo.engine.bench",
+        "grpo.engine.planning", "grpo.engine.bench", "grpo.engine.loop",
     }
     loose = sorted(p.name for p in (ROOT / "engine").glob("*.py"))
     assert len(loose) <= 8, loose
@@ -327,6 +327,20 @@ def test_probe_reader_finds_probes(tmp_path):
     assert _engine_internal_uses(f) == ["engine._prefill (line 4)"]
 
 
+def _type_tests(path: Path) -> list[str]:
+    """Where a module calls ``isinstance`` or ``hasattr``."""
+    return [f"{path.name}:{node.lineno}" for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id in {"isinstance", "hasattr"}]
+
+
+@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.loop.loop", "grpo.engine.loop.factory",
+                                    "grpo.engine.loop.sources", "grpo.engine.loop.sync"])
+def test_the_loop_does_not_branch_on_its_mode(module):
+    # A mode is a source x a weight sync chosen in grpo.engine.loop.factory by config:
+    # nothing asks which pipeline, source or engine it holds.
+    assert _type_tests(MODULES[module]) == []
+
+
 def _jit_calls(path: Path) -> list[str]:
     """Where a module builds a jitted program: ``jax.jit(...)``, ``jit(...)``,
     ``nnx.jit(...)``, ``@jax.jit`` or ``partial(jax.jit, ...)``."""
@@ -347,7 +361,8 @@ def test_jit_reader_finds_jits(tmp_path):
     assert len(_jit_calls(probe)) == 3  # jax.jit, the import of jit, @jit
 
 
-@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.evaluation", "grpo.engine.rollout.step"])
+@pytest.mark.parametrize("module", ["grpo.engine.trainer", "grpo.engine.evaluation", "grpo.engine.rollout.step",
+                                    "grpo.engine.loop.loop"])
 def test_the_loop_jits_nothing(module):
     # Every program a run executes comes from the program builder (grpo.engine.programs),
     # which `grpo plan` compiles and lists: the loop only calls them.

@@ -9,6 +9,9 @@ says what it holds and what it may import (``tests/test_architecture.py`` enforc
   conversations and tool environments, scoring with a task's rewards, the step's rollout
   record).
 - ``training/``: advantages, the update step (loss, gradients, optimizer), the optimizer.
+- ``loop/``: the one training loop of every mode (synchronous, asynchronous in one
+  process, partial rollouts, two processes): a rollout source x a weight sync, one buffer
+  and checkpoint format, one data-position ledger.
 - ``runs/``: the run directory, metrics, checkpoints, export.
 - ``planning/``: ``grpo plan`` (the TPU compiler on abstract state).
 - ``bench/``: ``grpo bench`` (rollout, loss, memory), JSON out.
@@ -17,7 +20,8 @@ One floor above the rooms, the modules that wire them together:
 
 - ``programs``: the program builder, every jitted program a run executes; ``grpo run``,
   ``grpo plan`` and ``grpo bench`` all build theirs here (the plan lists each one).
-- ``trainer``: the GRPO loop (one :class:`~grpo.engine.trainer.Trainer` per process).
+- ``trainer``: a run's state and stages (one :class:`~grpo.engine.trainer.Trainer` per
+  process); its step is the loop's (``loop/``).
 - ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.
 - ``eval_metrics``: pass@k and mean@n over groups of scored samples (pure).
 - ``cli``: ``grpo run``, ``export``, ``plot``, ``plan``.

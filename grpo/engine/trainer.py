@@ -23,11 +23,8 @@ import numpy as np
 from flax import nnx
 
 from grpo.core.config import RunConfig, resolve_layout, select_plugins
-from grpo.engine.asynchronous import Pipeline
-from grpo.engine.asynchronous import train_step as pipeline_step
-from grpo.engine.asynchronous_processes import ProcessPipeline
-from grpo.engine.asynchronous_processes import train_step as process_pipeline_step
 from grpo.engine.evaluation import Evaluator
+from grpo.engine.loop.factory import build_loop
 from grpo.engine.parallel import distributed
 from grpo.engine.parallel.mesh import build_mesh, current_topology
 from grpo.engine.parallel.split import async_meshes
@@ -163,10 +160,8 @@ class Trainer:
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
-        self.pipeline = None
-        if self.meshes is not None:  # one process, or one a side (grpo.engine.asynchronous_processes)
-            two = _processes(self.meshes) > 1
-            self.pipeline = (ProcessPipeline if two else Pipeline)(self, rollout_programs)
+        # The step's loop for this run's mode (a rollout source x a weight sync).
+        self.loop = build_loop(self, rollout_programs)
 
     def _renderer(self):
         """An example's prompt text: a multi-turn task's opening messages through the chat
@@ -389,20 +384,14 @@ class Trainer:
             "seed": self.config.train.seed,
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": self.reward_errors,
-            **({} if self.pipeline is None else self.pipeline.meta()),
         }
 
     def save(self) -> None:
         # Logs first: after a preemption, every row up to the checkpoint's step is stored.
         self._flush_logs()
-        state, meta = self._state(), self._meta()
-        if isinstance(self.pipeline, ProcessPipeline):  # on the host of both processes
-            state = self.pipeline.host_state(state)
-        if self.pipeline is not None:  # async: the rollouts drawn and not yet trained
-            buffer, meta["async"] = self.pipeline.saved()
-            if buffer:
-                state["buffer"] = buffer
-        self.checkpointer.save(self.step, state, meta)
+        # The state as the loop's source holds it, with the rollouts drawn and not yet trained.
+        items, meta = self.loop.saved(self._state(), self._meta())
+        self.checkpointer.save(self.step, items, meta)
         if self.is_main:
             log.info("checkpoint saved at step %d in %s", self.step, self.checkpointer.directory)
 
@@ -412,19 +401,15 @@ class Trainer:
             if self.is_main:
                 print(f"Starting fresh: no checkpoint in {self.checkpointer.directory}", flush=True)
             return False
-        if isinstance(self.pipeline, ProcessPipeline):  # saved as host arrays (ProcessPipeline.host_state)
-            state, meta = self.checkpointer.restore(self.pipeline.host_like(self._state()), latest)
-            state = self.pipeline.placed(state, self._state())
-        else:
-            state, meta = self.checkpointer.restore(self._state(), latest)  # params, opt_state
+        state, meta = self.checkpointer.restore(self.loop.held_like(self._state()), latest)  # params, opt_state
+        state = self.loop.placed(state, self._state())
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step = int(meta["step"])
         self.data_position = int(meta.get("data_position", self.step * self.config.train.prompts_per_step))
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
-        if self.pipeline is not None:  # the rollouts buffered when it was saved
-            self.pipeline.restore(meta.get("async"),
-                                  lambda like: self.checkpointer.restore({"buffer": like}, latest)[0]["buffer"], meta)
+        # The loop's ledger and the rollouts buffered when it was saved.
+        self.loop.restore(meta, lambda like: self.checkpointer.restore({"buffer": like}, latest)[0]["buffer"])
         if self.is_main:
             print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
         return True
@@ -433,29 +418,10 @@ class Trainer:
 
     def train_step(self) -> dict[str, Any]:
         """One GRPO step, as the data flows: collect (roll out and score) -> advantages ->
-        update batch -> optimizer steps -> metrics row (asynchronous GRPO: the
-        :mod:`~grpo.engine.asynchronous`'s step, the rollout on its own mesh)."""
-        if isinstance(self.pipeline, ProcessPipeline):
-            return process_pipeline_step(self.pipeline)
-        if self.pipeline is not None:
-            return pipeline_step(self.pipeline)
-        t0 = time.perf_counter()
-        rollout = self.collector.collect(
-            step=self.step, position=self.data_position, params=self.policy_params,
-            sample_group=self.is_main and self.step % self.config.logging.every_n_steps == 0,
-        )
-        self.data_position += rollout.prompts_drawn
-        if rollout.group is not None:
-            self._write_samples(rollout.group)
-        advantages = self.advantages(rollout)
-        selection = self.selection_scalars(rollout, advantages)
-        t1 = time.perf_counter()
-        epochs, trainer_logprobs = self.optimize(self.update_batch(rollout, advantages))
-        trainer_logprobs = self.row_logprobs(trainer_logprobs, rollout.output.tokens.shape)
-        t_update = time.perf_counter() - t1
-        self.step += 1
-        times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
-        return self.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
+        update batch -> optimizer steps -> metrics row; the loop
+        (:class:`~grpo.engine.loop.loop.Loop`) runs it for every mode, calling the stages
+        above."""
+        return self.loop.step()
 
     def evaluate(self) -> dict[str, Any]:
         return self.evaluator(self.step, self.policy_params())
@@ -509,8 +475,7 @@ class Trainer:
             if cfg.checkpoint.at_end and self.checkpointer.latest_step() != self.step:
                 self.save()
         finally:
-            if self.pipeline is not None:
-                self.pipeline.close()
+            self.loop.close()
             logger.close()
             self._logger = None
             if self._samples is not None:
@@ -530,11 +495,6 @@ class Trainer:
                 plot_run(self.run_dir)
         self.checkpointer.close()
         return summary
-
-
-def _processes(meshes) -> int:
-    """The processes holding an asynchronous run's devices (2: one a side)."""
-    return len({d.process_index for side in (meshes.rollout, meshes.update) for d in side.mesh.devices.flat})
 
 
 def default_run_dir(config: RunConfig, config_path: str | None) -> Path:

@@ -1,4 +1,4 @@
-"""Asynchronous GRPO over two processes (grpo/engine/asynchronous_processes.py): 2 real
+"""Asynchronous GRPO over two processes (grpo/engine/loop/processes.py): 2 real
 `grpo run` processes x 4 CPU devices (gloo), process 0 rolling out and process 1
 updating, preempted by SIGTERM and rerun, against the one-process async run with the same
 split (8 devices, 4 + 4) in this process."""

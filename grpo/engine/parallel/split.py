@@ -6,7 +6,7 @@ The split is inside one process, or by whole processes: with 2 processes (e.g. 2
 devices, ``rollout_devices: 4``) process 0's devices roll out and process 1's update, each
 side running its own programs on its own devices and its host side as if it were alone,
 and the two meet once a step in :class:`~grpo.engine.parallel.exchange.SideExchange`
-(:mod:`grpo.engine.asynchronous_processes`). Anything else over several processes is a
+(:mod:`grpo.engine.loop.processes`). Anything else over several processes is a
 config error naming ``train.async.rollout_devices`` (exit status 2): a split that puts a
 process on both sides (its host would score rollouts and train at once, and a
 ``device_put`` between processes works only between equal shardings: JAX 0.10.2 on CPU
@@ -96,8 +96,14 @@ def split_devices(devices: Sequence[jax.Device], *, rollout_devices: int | None)
 
 
 def multiprocess_problems(config) -> list[str]:
-    """What a two-process asynchronous run does not carry, one line a field: its loop
-    moves the full weights and whole-batch single-turn rollouts of the static sampler."""
+    """What a two-process asynchronous run does not carry, one line a field. The run is
+    the one loop (:mod:`grpo.engine.loop`); what stays refused needs work beyond it:
+    the LoRA base lives on the update process (it would have to cross once); the
+    partial-rollouts stream and its ledger would live on the rollout process while the
+    trained positions are known on the update side; the continuous engine's host side
+    gathers over every process, not its mesh's; dynamic sampling's rounds gather rows
+    over processes (unverified with one side a process); evaluation runs on the update
+    side while process 0 writes its rows."""
     a, out = config.train.async_, []
     if config.model.lora is not None:
         out.append("model.lora is set: the two-process loop moves full weights only (no frozen base)")

@@ -75,7 +75,7 @@ _TWO_BY_FOUR = [_Device(p, 4 * p + i) for p in (1, 0) for i in range(4)]  # 2 pr
 
 def test_two_processes_split_one_a_side():
     """2 processes x 4 devices, the default half or 4: process 0's devices roll out,
-    process 1's update (grpo/engine/asynchronous_processes.py)."""
+    process 1's update (grpo/engine/loop/processes.py)."""
     for r in (None, 4):
         rollout, update = split_devices(_TWO_BY_FOUR, rollout_devices=r)
         assert [(d.process_index, d.id) for d in rollout] == [(0, i) for i in range(4)]

@@ -72,7 +72,7 @@ def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     tokens, log-probs and rewards, so the update, the same code, sees the same batch."""
     trainer = Trainer(_config(**{**CONTINUOUS, "train.steps": 2, "train.async": {
         "enabled": True, "max_staleness": 0, "partial_rollouts": True}}), tmp_path)
-    partial, compared = trainer.pipeline.partial, []
+    partial, compared = trainer.loop.source.partial, []
     draw = partial.draw
 
     def draw_and_compare(*, step, params, version, sample_group):
@@ -106,12 +106,12 @@ def test_a_preempted_partial_run_crosses_updates_and_resumes_without_loss(tmp_pa
                                                                  "partial_rollouts": True}})
     first: list = []
     resumed = preempted_and_resumed(config, tmp_path, after=4, after_preempt=first.append)
-    a, b = first[0].pipeline.partial, resumed.pipeline.partial
+    a, b = first[0].loop.source.partial, resumed.loop.source.partial
     trained = [p for batch in a.trained_log + b.trained_log for p in batch]
     assert len(a.trained_log) == 4 and len(b.trained_log) == steps - 4
     assert len(trained) == len(set(trained)) == steps * 8  # none trained twice
     stream = b.stream
-    pending = set(stream.groups) | {e.positions[i] for e in resumed.pipeline.buffer for i in range(len(e.positions))}
+    pending = set(stream.groups) | {e.positions[i] for e in resumed.loop.buffer for i in range(len(e.positions))}
     assert not pending & set(trained)
     everything = set(trained) | pending
     assert everything == set(range(len(everything)))  # no group lost
@@ -124,7 +124,7 @@ def test_a_preempted_partial_run_crosses_updates_and_resumes_without_loss(tmp_pa
     assert max(r["async/token_staleness_max"] for r in rows) <= 3
     assert all(r["async/refused_groups"] == 0 or r["async/token_staleness_max"] > 2 for r in rows)
     # Each row's versions rise along it and change only at chunk boundaries (token 1 + 2k).
-    for e in resumed.pipeline.buffer:
+    for e in resumed.loop.buffer:
         for v in e.token_versions:
             v = v[v >= 0]
             assert (np.diff(v) >= 0).all()

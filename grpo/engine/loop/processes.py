@@ -1,0 +1,314 @@
+"""The loop over two processes: process 0's devices roll out, process 1's update
+(``train.async.rollout_devices`` = process 0's device count, e.g. 4 of 2 x 4).
+
+The same ``grpo run`` runs on both (JAX's multi-controller model) and builds the same
+trainer; each process then plays its side. Programs whose devices are all the other
+process's are not run here (and would do nothing if they were: JAX runs a program on the
+processes holding its devices). The rollout side's host side (prompts, scoring, the
+logged sample group) runs as if it were the only process, over its own mesh
+(:func:`~grpo.engine.parallel.mesh.mesh_processes`).
+
+On the update process the run is the one :class:`~grpo.engine.loop.loop.Loop`, with a
+:class:`ProcessLink` as both its rollout source and its weight sync. The rollout
+process runs the link's far end, :class:`RolloutSide`: it draws, and takes the weights
+in through the same :meth:`~grpo.engine.loop.sync.WeightSync.sync` a one-process run
+reshards them with (:class:`~grpo.engine.loop.sync.OtherMesh`).
+
+The sides meet in :class:`~grpo.engine.parallel.exchange.SideExchange`, always both at
+once and in the same order (``m = max_staleness``, ``s`` the step):
+
+- at the start: the update side sends the weights (version ``s``) and the run's state
+  (step, data position, counters); the rollout side draws the steps not yet buffered,
+  ``s .. s + m - 1``, and sends them (an exchange only when there are some);
+- step ``s`` with ``m = 0``: the rollout side draws step ``s`` at version ``s`` and sends
+  it, then waits while the update side trains it (nothing overlaps: the run equals the
+  one-process one);
+- step ``s`` with ``m >= 1``: the update side trains step ``s`` while the rollout side
+  draws step ``s + m`` at version ``s`` (on its own process: the two overlap);
+- then one exchange: the new weights (version ``s + 1``), the step's metrics row and the
+  state one way, the drawn rollout the other.
+
+So both sides hold the same buffer at every checkpoint: the rollouts drawn and not yet
+trained, as the host arrays that crossed, which both processes hand Orbax alike
+(process 0 writes them) in the one format (:mod:`grpo.engine.loop.buffer`); a resumed
+run trains them as drawn, with no group lost or drawn twice. Process 0 writes the logs,
+samples and checkpoint metadata, as in every run, from the state the update side sends.
+A failure on one side is sent in place of its next exchange, so the other side stops
+with its message (:class:`~grpo.engine.parallel.exchange.RemoteFailure`) instead of
+waiting.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import time
+from typing import Any
+
+import jax
+import numpy as np
+
+from grpo.core.errors import ConfigError
+from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
+from grpo.engine.loop.sources import RolloutSource
+from grpo.engine.loop.sync import OtherMesh, WeightSync
+from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
+from grpo.engine.rollout.partial import Ledger
+
+
+def side_exchange(trainer: Any) -> SideExchange:
+    """The run's exchange (this process's side: its ``name``); a run whose rollout is
+    conversations (tools) is refused: the two-process loop does not carry them."""
+    meshes = trainer.meshes
+    if trainer.conversations is not None:
+        raise ConfigError(
+            f"train.async.rollout_devices={meshes.rollout.mesh.devices.size} splits the run by processes, and "
+            f"task.name={trainer.config.task.name} rolls out conversations (tools), which the two-process loop "
+            f"does not: run it asynchronously on one host, or set train.async.enabled=false.")
+    return SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
+
+
+def _specs(got: dict[str, np.ndarray]) -> list[tuple[Any, dict[str, np.ndarray]]]:
+    """The entries the rollout side sent: their specs and host arrays."""
+    meta = json.loads(got.pop("specs").tobytes()) if "specs" in got else []
+    return [(spec, {k: got[key(spec, k)] for k in names}) for spec, names in meta]
+
+
+def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) -> dict[str, Any]:
+    """The trainer's state (params, optimizer) for a checkpoint, as host arrays both
+    processes hold alike: the update side sends it over in one exchange. (Orbax refuses
+    to save, in a multi-process run, an array whose devices are one process's: "Cannot
+    serialize host local jax.Array"; host arrays it writes from process 0, which now has
+    them.) Both processes call it at the same point."""
+    flat, treedef = jax.tree.flatten(state)
+    if role == "update":
+        host = [np.asarray(x) for x in flat]
+        exchange.exchange({f"c{i:05d}": x for i, x in enumerate(host)}, None)
+    else:
+        got, _, _ = exchange.exchange({}, None)
+        host = [got[f"c{i:05d}"] for i in range(len(flat))]
+    return jax.tree.unflatten(treedef, host)
+
+
+def _host_like(state: dict[str, Any]) -> dict[str, Any]:
+    """What Orbax restores the held state into: host arrays."""
+    return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+
+class ProcessLink(RolloutSource, WeightSync):
+    """The update process's source and weight sync at once: the entries arrive, and the
+    weights leave, in the exchanges of the module docstring. :meth:`sync` stages the
+    weights; they cross in the step's next exchange."""
+
+    checkpoints_buffer = True
+
+    def __init__(self, trainer: Any, exchange: SideExchange):
+        self.trainer, self.exchange = trainer, exchange
+        self.lead = trainer.config.train.async_.max_staleness
+        self.rows, self.replicated = trainer.programs.train_sharding, trainer.programs.replicated
+        self.forms: dict[int, tuple[Any, dict[str, np.ndarray]]] = {}  # each buffered step as it crossed
+        self.staged: Any = None
+        self.sync_s = 0.0
+
+    # ------------------------------------------------------------------ weight sync
+
+    def sync(self, params: Any, version: int) -> None:
+        del version  # the state that crosses with them says it
+        self.staged = params
+
+    def sampler_params(self) -> Any:
+        return None  # the rollout side's sampler is on the other process
+
+    def figures(self) -> dict[str, float]:
+        # The previous weights' exchange, seen from the update side.
+        return {"time/train/weight_sync_s": self.sync_s}
+
+    # ------------------------------------------------------------------ source
+
+    def _swap(self, row: dict[str, Any] | None = None) -> list[Buffered]:
+        """One exchange: the staged weights (if any), the trainer's state and ``row`` out;
+        the entries the rollout side drew in."""
+        tr, t = self.trainer, time.perf_counter()
+        weights = self.staged
+        payload = {} if weights is None else {f"w{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(weights))}
+        state = {"step": tr.step, "data_position": tr.data_position, "skipped": tr.skipped_nonfinite,
+                 "reward_errors": tr.reward_errors, "row": row}
+        got, _, _ = self.exchange.exchange(payload, state)
+        if weights is not None:  # the weights' move: this side's seconds in the exchange (host copies and all)
+            self.sync_s, self.staged = time.perf_counter() - t, None
+        out = []
+        for spec, arrays in _specs(got):
+            self.keep(spec, arrays)
+            out.append(self._placed(spec, arrays))
+        return out
+
+    def _placed(self, spec: Any, arrays: dict[str, np.ndarray]) -> Buffered:
+        entry = placed(spec, arrays, rows=self.rows, replicated=self.replicated)
+        entry.rollout.group = None  # process 0 writes it
+        return entry
+
+    def fill(self, loop: Any, count: int) -> None:
+        entries = self._swap() if self.staged is not None else []  # the start: the weights over
+        if count:
+            entries += self._swap()  # the rollout side draws them meanwhile
+        for entry in entries:
+            loop.append(entry)
+
+    def settle(self, loop: Any, row: dict[str, Any]) -> list[Buffered]:
+        return self._swap(row)
+
+    def trained(self, entry: Buffered, ledger: Ledger) -> int:
+        self.forms.pop(entry.step)
+        return super().trained(entry, ledger)
+
+    def stored(self, entry: Buffered) -> tuple[Any, dict[str, np.ndarray]]:
+        return self.forms[entry.step]
+
+    def keep(self, spec: Any, arrays: dict[str, np.ndarray]) -> None:
+        self.forms[spec["record"][1]["step"]] = (spec, arrays)
+
+    def reset(self, ledger: Ledger) -> None:
+        self.forms.clear()
+
+    def failed(self, err: BaseException) -> None:
+        if not isinstance(err, RemoteFailure):  # the other side must hear
+            self.exchange.fail(f"{type(err).__name__}: {err}")
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def held(self, state: dict[str, Any]) -> dict[str, Any]:
+        return _state_exchange(self.exchange, state, "update")
+
+    def held_like(self, state: dict[str, Any]) -> dict[str, Any]:
+        return _host_like(state)
+
+    def placed(self, restored: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        """The restored host state on the update side's devices, in ``state``'s shardings."""
+        return jax.tree.map(lambda h, x: jax.device_put(h, x.sharding), restored, state)
+
+
+class RolloutSide:
+    """The rollout process's loop: the far end of :class:`ProcessLink`. It draws the
+    steps, writes each step's sample group when it trains, and takes in the weights, the
+    state and the step's row the update side sends (its trainer's step and data position
+    are the update side's)."""
+
+    def __init__(self, trainer: Any, exchange: SideExchange, programs: Any):
+        self.trainer, self.exchange = trainer, exchange
+        self.max_staleness = trainer.config.train.async_.max_staleness
+        self.treedef = jax.tree.structure(trainer.params)
+        self.sync = OtherMesh(programs, trainer.params, None)  # where the weights enter the rollout side
+        self.version = -1
+        # Drawn and not yet trained, in step order: each entry's spec and host arrays.
+        self.stored: collections.deque[tuple[Any, dict[str, np.ndarray]]] = collections.deque()
+        self.started = False
+
+    def step(self) -> dict[str, Any]:
+        """One step of the two-process loop on the rollout side: the row the update side
+        sent."""
+        try:
+            if not self.started:
+                self._start()
+            if self.max_staleness == 0:
+                self._swap([self._draw()])
+            ahead = [self._draw()] if self.max_staleness > 0 else []
+            self._trained()  # the step the update side trains now
+            return self._swap(ahead)
+        except RemoteFailure:
+            raise
+        except BaseException as err:  # a KeyboardInterrupt or a library's sys.exit too: the other side must hear
+            self.exchange.fail(f"{type(err).__name__}: {err}")
+            raise
+
+    def _start(self) -> None:
+        """The first exchange of a run (or a resumed one): the weights and state, then the
+        rollouts of steps ``s .. s + m - 1`` not buffered yet."""
+        self._swap([])
+        missing = max(self.max_staleness - len(self.stored), 0)
+        if missing:
+            self._swap([self._draw() for _ in range(missing)])
+        self.started = True
+
+    def _swap(self, entries: list[tuple[Any, dict]]) -> dict[str, Any] | None:
+        """One exchange: ``entries`` out; the weights (when sent), the update side's state
+        and row in."""
+        tr = self.trainer
+        payload = {key(e, k): v for e, arrays in entries for k, v in arrays.items()}
+        if entries:  # their structure (with the logged group's texts) as JSON bytes: no header limit
+            payload["specs"] = np.frombuffer(json.dumps([[e, sorted(a)] for e, a in entries]).encode(), np.uint8)
+        got, state, _ = self.exchange.exchange(payload, None)
+        if got:  # the weights, onto the rollout mesh
+            self.version = int(state["step"])
+            self.sync.sync(jax.tree.unflatten(self.treedef, [got[f"w{i:05d}"] for i in range(len(got))]),
+                           self.version)
+        tr.step, tr.data_position = int(state["step"]), int(state["data_position"])
+        tr.skipped_nonfinite, tr.reward_errors = int(state["skipped"]), dict(state["reward_errors"])
+        return state["row"]
+
+    def _draw(self) -> tuple[Any, dict[str, np.ndarray]]:
+        """The next step's rollout at the synced weights, encoded and kept."""
+        tr = self.trainer
+        if self.stored:
+            last = self.stored[-1][0]["record"][1]
+            step = last["step"] + 1
+            position = last["position"] + int(last["rollout"]["record"][1]["prompts_drawn"])
+        else:
+            step, position = tr.step, tr.data_position
+        try:
+            rollout = tr.collector.collect(step=step, position=position, params=self.sync.sampler_params,
+                                           sample_group=tr.is_main and step % tr.config.logging.every_n_steps == 0)
+        except Exception as err:
+            raise RolloutFailed(
+                f"async GRPO: the rollout of step {step + 1} (data position {position}, policy version "
+                f"{self.version}) failed on the rollout process: {type(err).__name__}: {err}") from err
+        versions = np.full(rollout.rewards.shape[0], self.version, np.int64)
+        arrays: dict[str, Any] = {}
+        spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
+        entry = (spec, {k: np.asarray(v) for k, v in arrays.items()})
+        self.stored.append(entry)
+        return entry
+
+    def _trained(self) -> None:
+        """The buffer's first step is the one training now: its sample group written, as
+        a one-process run writes it when it trains."""
+        spec, arrays = self.stored.popleft()
+        entry = decode(spec, arrays)  # the logged group rode in the buffer (so a checkpoint keeps it)
+        if entry.rollout.group is not None:
+            self.trainer._write_samples(entry.rollout.group, step=entry.step)
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def saved(self, state: dict[str, Any], meta: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The same items and metadata as the update side's :meth:`Loop.saved
+        <grpo.engine.loop.loop.Loop.saved>` (this process writes the metadata)."""
+        items = dict(_state_exchange(self.exchange, state, "rollout"))
+        arrays = {key(spec, name): x for spec, host in self.stored for name, x in host.items()}
+        if arrays:
+            items["buffer"] = arrays
+        meta = {**meta, "partial_trained_ahead": [],
+                "async": {"entries": [spec for spec, _ in self.stored], "max_staleness": self.max_staleness}}
+        return items, meta
+
+    def held_like(self, state: dict[str, Any]) -> dict[str, Any]:
+        return _host_like(state)
+
+    def placed(self, restored: dict[str, Any], state: dict[str, Any]) -> dict[str, Any]:
+        return state  # the update side's arrays: this side keeps its placeholders (it never reads them)
+
+    def restore(self, meta: dict[str, Any], read: Any) -> None:
+        """The checkpoint's buffer back, as host arrays (``read(like)``: Orbax's restore
+        of the ``buffer`` item into ``like``)."""
+        self.stored.clear()
+        self.started = False
+        specs = (meta.get("async") or {}).get("entries")
+        if specs:
+            arrays = read(host_like(specs))
+            for spec in specs:
+                self.stored.append((spec, {leaf["name"]: np.asarray(arrays[key(spec, leaf["name"])])
+                                           for leaf in leaves(spec)}))
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+__all__ = ["ProcessLink", "RolloutSide", "side_exchange"]
