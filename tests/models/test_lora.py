@@ -211,6 +211,7 @@ def _merged_loss_fn(base, step_base, batch, graphdef, frozen):
     return loss
 
 
+@pytest.mark.slow
 def test_lora_gradients_equal_the_merged_model_and_finite_differences(lora_tiny):
     _, base, _, graphdef, adapters, frozen = lora_tiny
     batch = _batch(base.config.vocab_size, seed=1)
@@ -238,6 +239,7 @@ def test_lora_gradients_equal_the_merged_model_and_finite_differences(lora_tiny)
     assert abs(fd - analytic) <= 2e-2 * abs(analytic) + 1e-4, (fd, analytic)
 
 
+@pytest.mark.slow
 def test_micro_batched_lora_gradients_with_dropout_equal_the_full_batch(lora_tiny):
     """Per-row dropout keys: a row's mask does not depend on its micro-batch."""
     mesh, base, _, _, _, _ = lora_tiny
@@ -323,6 +325,7 @@ def test_quantized_base_matches_the_original_within_the_format_error(kind):
     np.testing.assert_array_equal(np.asarray(quant.dequantize(codes[1], scales[1], kind, axis=0)), back[1])
 
 
+@pytest.mark.slow
 def test_qlora_nf4_model_runs_a_step_with_a_frozen_quantized_base(mesh):
     from grpo.models.lora import base_weight
 

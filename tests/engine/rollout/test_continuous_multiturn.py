@@ -113,6 +113,7 @@ def test_continuous_multiturn_equals_static(setup, static):
     _assert_same(got, static)
 
 
+@pytest.mark.slow
 def test_serving_layout_multiturn_equals_static_legacy(setup, static):
     """The serving layout (tp=2: the pool's KV heads over tp, rows over 4 devices), two
     slots a device over a pool short of two rows at the cap: rows are evicted, seated or

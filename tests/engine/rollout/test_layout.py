@@ -203,6 +203,7 @@ def test_tensor_parallel_must_divide_the_heads(tmp_path):
     assert "rollout.options.tensor_parallel=8" in result.output and "4 attention heads" in result.output
 
 
+@pytest.mark.slow
 def test_trainer_step_in_the_serving_layout(tmp_path):
     """12 prompts x 16 samples on 8 devices (12 does not divide 8) through a serving
     rollout at tp=2: the trainer's own forward pass gives the sampler's log-probs back."""

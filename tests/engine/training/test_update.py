@@ -355,6 +355,7 @@ def test_reference_pass_never_holds_the_step_logits():
             assert growth < step_logits / micro / 16, growth  # far below one micro-batch's logits
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["jax", "pallas"])
 def test_one_head_precision_rule_under_mixed_precision(impl):
     """f32 parameters, bf16 compute: the policy loss, the reference pass and the sampler
@@ -409,6 +410,7 @@ def _packing_loss():
     return TokenLevel()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("micro, aggregation", [(2, "sequence_mean")])  # per segment: the head layout renumbers them
 def test_packed_update_equals_padded(tiny, micro, aggregation):
     """Same rows packed into bins, in two micro-batch schedules (every bin its own

@@ -89,6 +89,7 @@ def _check(case, padded, packed, what):
             np.testing.assert_allclose(p_metrics[k], v, **TOL, err_msg=f"{what}: {k}")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", ["jax", "pallas"])
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_packed_equals_padded(case, jitted_kernels, impl, objective):
