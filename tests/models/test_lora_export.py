@@ -187,6 +187,7 @@ def _grpo(*args):
     return CliRunner().invoke(cli, [str(a) for a in args])
 
 
+@pytest.mark.slow  # a whole LoRA run (its module fixture) for the export commands
 def test_run_checkpoint_holds_only_the_adapters(lora_run):
     import orbax.checkpoint as ocp
 
@@ -202,6 +203,7 @@ def test_run_checkpoint_holds_only_the_adapters(lora_run):
         assert not np.allclose(trained_a, initial["lora"][f"{name}_a"][...]), name
 
 
+@pytest.mark.slow  # a whole LoRA run (its module fixture) for the export commands
 def test_cli_export_adapter_and_merged(lora_run, tmp_path, example_plugin):
     run_dir, _, _, ours = lora_run
     tokens, mask = padded_batch()
@@ -219,6 +221,7 @@ def test_cli_export_adapter_and_merged(lora_run, tmp_path, example_plugin):
     assert (tmp_path / "merged" / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow  # a whole LoRA run (its module fixture) for the export commands
 def test_cli_adapter_export_of_a_full_fine_tuning_run_is_a_user_error(lora_run, tmp_path, example_plugin):
     run_dir, _, _, _ = lora_run
     config = yaml.safe_load((run_dir / "config.yaml").read_text())
@@ -233,6 +236,7 @@ def test_cli_adapter_export_of_a_full_fine_tuning_run_is_a_user_error(lora_run, 
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole LoRA run (its module fixture) for the export commands
 def test_cli_adapter_export_writes_a_relative_base_path_absolute(lora_run, tmp_path, example_plugin, monkeypatch):
     """model.path relative to where `grpo run` started: adapter_config.json names the base
     by its absolute path, so the adapter directory loads from anywhere."""

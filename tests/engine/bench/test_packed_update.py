@@ -30,6 +30,7 @@ def test_bad_lengths_exit_2_naming_the_flag(tmp_path):
     assert res.exit_code == 2 and "--lengths" in res.output and "Traceback" not in res.output
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not hasattr(RunPrograms, "pack_plan"), reason="needs the builder's packed update (packing branch)")
 def test_bench_update_json(tmp_path):
     lengths = tmp_path / "lengths.txt"

@@ -79,6 +79,7 @@ def test_continuous_equals_static(setup, static):
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()
 
 
+@pytest.mark.slow
 def test_serving_layout_samples_what_static_legacy_samples(setup, static):
     """The continuous sampler in the serving layout (tp=2: KV heads and the pool split over
     tp, weights resharded) gives the static legacy rollout's samples."""
