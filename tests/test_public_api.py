@@ -62,6 +62,11 @@ SHIMS = [
     ("grpo.plugins.tools", "tool_schemas", "from grpo import tool_schemas"),
     ("grpo.plugins.tools", "run_steps", "from grpo.engine.rollout.tools import run_steps"),
     ("grpo.plugins.models", "DecoderFamily", "from grpo import DecoderFamily"),
+    ("grpo.models.attention", "reference_attention", "from grpo.kernels.attention import reference_attention"),
+    ("grpo.models.attention", "sharded", "from grpo.models.layers.attention import sharded"),
+    ("grpo.models.paged_attention", "resolve_backend",
+     "from grpo.kernels.paged_attention import resolve_backend"),
+    ("grpo.models.paged_attention", "PagedKVCache", "from grpo.models.layers.paged import PagedKVCache"),
 ]
 
 
