@@ -21,10 +21,12 @@ caller in grpo talks to it through these methods and nothing else:
 
 Feeders built on these alone: one batch (:meth:`RolloutEngine.sample`, what the trainer
 and the evaluator call), streaming dynamic sampling, partial rollouts, multi-turn turns
-and the plan's simulation. An engine without a streaming core (the static engine, or an
-external one) implements :meth:`RolloutEngine.sample` alone and leaves ``streams``
-False: dynamic sampling then rolls out whole rounds, and ``grpo config validate`` refuses
-what needs streaming (partial rollouts) before start-up.
+and the plan's simulation. An engine without a streaming core leaves ``streams`` False:
+the built-in static engine takes rows through :meth:`RolloutEngine.submit` too, but a
+:meth:`RolloutEngine.step` rolls out everything queued as one batch, so nothing joins
+while rows run; an external engine may implement :meth:`RolloutEngine.sample` alone.
+Dynamic sampling then rolls out whole rounds, and ``grpo config validate`` refuses what
+needs streaming (partial rollouts) before start-up.
 
 Planning methods (:meth:`RolloutEngine.lowerings`, :meth:`RolloutEngine.cache_bytes`,
 :meth:`RolloutEngine.simulate`, ...) are optional: their defaults raise
@@ -107,8 +109,9 @@ class Rows:
     - ``ids`` [n] int: the rows' ids, unique among the rows an engine holds;
     - ``prompt_tokens``, ``prompt_mask`` [n, Lp] int32 (padded either side; every row
       has at least one real token);
-    - ``keys`` [n, ...]: each row's PRNG key data (``jax.random.key_data``); the row
-      draws its step ``t`` from ``fold_in(key, t)``;
+    - ``keys`` [n]: each row's PRNG key (typed, ``jax.random.key``), or None: the
+      session's rollout key gives row ``r`` the key ``fold_in(key, r)``; the row draws
+      its step ``t`` from ``fold_in(its key, t)``;
     - ``widths`` [n] int or None: the prompt width each row's prefill pads to (rows
       prefilled together pad to the widest), None: ``Lp``.
     """

@@ -178,7 +178,7 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
 
     from grpo.engine.planning.costs import rollout_figures
     from grpo.engine.planning.profiles import draw
-    from grpo.engine.rollout.sampler import effective_chunk
+    from grpo.engine.rollout.decoding import effective_chunk
 
     config, sampler = s.config, s.sampler
     P, Lp = s.inputs["prompt_tokens"].shape

@@ -3,10 +3,15 @@
 - ``prompts``: a task's examples rendered into prompt text (through the chat template),
   tokenized prompts, prompt-length buckets, the prompts of each step and each process's
   slice of them (the rollout's inputs).
+- ``decoding``: the one decode body every engine runs: the row-key derivation, the
+  prefill's forward pass, the draw of a step and its record into the output buffers,
+  and the chunked decode loop.
 - ``sampler``: the JAX engines' shared base (:class:`BaseSampler`, a
   :class:`grpo.RolloutEngine`: ``sample`` -> :class:`Sampled`, ``lowerings`` for the
-  plan), the shared chunked decode loop, and the static engine's single-turn jitted
-  prefill + KV-cache decode (:class:`Sampler`).
+  plan) and the static engine's single-turn jitted prefill + KV-cache decode
+  (:class:`Sampler`).
+- ``batch_rows``: the static engine's rows through the contract (``begin``, ``submit``,
+  ``step``, ``read``, ``outputs``), a step rolling out everything queued as one batch.
 - ``multiturn``: the multi-turn rollout of tasks with environments (tools): turn decode,
   the host's environment steps, the jitted KV-cache append of their replies, and update
   rows with a loss mask on the model's own tokens (:class:`MultiTurnSampler`).

@@ -26,7 +26,7 @@ Conventions (shared with the trainer's loss):
   ``(tp-1)/tp x rows x V x 4`` bytes into each chip (Qwen2.5's 151,936-token vocabulary,
   32 rows per shard, tp=2: ~9.7 MB per token, ~24 us at v6e's 400 GB/s inbound ICI).
 - Randomness is per row: each row has its own key (derived from the run key and the
-  row's *global* index, :func:`row_keys`) folded with the step number
+  row's *global* index, :func:`grpo.engine.rollout.decoding.row_keys`) folded with the step number
   (:func:`step_keys`), so a row's draws never depend on how the batch is sharded or how
   many rows there are beside it.
 """
@@ -97,16 +97,6 @@ class SamplingParams:
         from the full-vocabulary one: the sampler then records both log-probs (a top-k of
         at least the vocabulary records two equal arrays)."""
         return not self.greedy and (self.top_k > 0 or self.top_p < 1.0)
-
-
-def row_keys(rng: jax.Array, num_rows: int) -> jax.Array:
-    """One PRNG key per global row: ``fold_in(rng, row)`` for row in [0, num_rows).
-
-    ``rng`` may be a typed key (``jax.random.key``) or a raw ``uint32[2]`` key; the
-    result is [num_rows] typed keys or [num_rows, 2] raw keys accordingly.
-    """
-    rows = jnp.arange(num_rows, dtype=jnp.uint32)
-    return jax.vmap(lambda r: jax.random.fold_in(rng, r))(rows)
 
 
 def step_keys(keys: jax.Array, step: jax.Array | int) -> jax.Array:
@@ -196,4 +186,4 @@ def sample_tokens(
     return tokens, logprobs, picked - jax.nn.logsumexp(candidates, axis=-1)
 
 
-__all__ = ["SamplingParams", "filter_threshold", "filters", "row_keys", "sample_tokens", "step_keys"]
+__all__ = ["SamplingParams", "filter_threshold", "filters", "sample_tokens", "step_keys"]

@@ -59,8 +59,8 @@ from grpo.core.contracts.engine import FinishedRows, Progress, Rows
 from grpo.engine.rollout.paged.core import DeviceRunner, EngineCore, SimulatedRunner, on_host
 from grpo.engine.rollout.paged.pages import PageAllocator
 from grpo.engine.rollout.paged.scheduler import Scheduler
-from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, draw
-from grpo.models.decoder import positions_from_mask
+from grpo.engine.rollout.decoding import Outputs, draw, prefill_forward, row_key_data
+from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
 from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
 from grpo.sharding import fit_sharding
 
@@ -369,15 +369,6 @@ class ContinuousSampler(BaseSampler):
         """The tokens that end a row's decoding (a multi-turn sampler's turn stops too)."""
         return tuple(self.sampling.eos_ids)
 
-    def _keys(self, raw_key: jax.Array, key_impl: str | None, rows: jax.Array) -> jax.Array:
-        """Each row's key ``fold_in(rng, row)`` (:func:`~grpo.engine.rollout._sampling.row_keys`),
-        or with a key per row ([rows, key data]: :meth:`stream`) the row's own."""
-        if raw_key.ndim == 2:
-            data = raw_key[jnp.maximum(rows, 0)]
-            return data if key_impl is None else jax.random.wrap_key_data(data, impl=key_impl)
-        rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
-        return jax.vmap(lambda r: jax.random.fold_in(rng, r))(jnp.maximum(rows, 0).astype(jnp.uint32))
-
     def _abstract_pool(self, params: Any, pages: int, slots: int) -> jax.ShapeDtypeStruct:
         """The pool [layers, kv_heads, pages, page_size, head_dim] in its sharding."""
         model = nnx.merge(self.graphdef, params)
@@ -413,9 +404,7 @@ class ContinuousSampler(BaseSampler):
         n, Lp = tokens.shape
         B, N = state.tokens.shape
         P, ps = state.k.shape[2], state.k.shape[3]
-        cache = model.init_cache(n, Lp, dtype=state.k.dtype)
-        hidden, cache = model(tokens, positions_from_mask(mask), mask.astype(bool), cache=cache, write_index=0)
-        logits = model.logits(hidden[:, -1:, :])[:, 0, :]  # n V
+        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=state.k.dtype)  # n V
         live = rows >= 0
         plen = mask.sum(axis=1).astype(jnp.int32)  # n
         # Token j of a row (j < its length) is dense slot Lp - len + j -> page table[j // ps], offset j % ps.
@@ -431,11 +420,10 @@ class ContinuousSampler(BaseSampler):
             return pool.at[:, :, page, offset].set(vals.astype(pool.dtype), mode="drop")
 
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
-        tok, lp, blp, stopped = draw(logits, self._keys(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s,
-                                     stops=eos, stop_at=_per_row(stop_at, rows))
+        drawn = draw(logits, row_key_data(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s, stops=eos,
+                     stop_at=_per_row(stop_at, rows))
         st = state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
-        return self._seat(st, slots=slots, rows=rows, lengths=plen, drawn=(tok, lp, blp, stopped),
-                          done=stopped | (N <= 1))
+        return self._seat(st, slots=slots, rows=rows, lengths=plen, drawn=drawn, done=drawn.stopped | (N <= 1))
 
     def _seat(self, st: SlotState, *, slots: jax.Array, rows: jax.Array, lengths: jax.Array, drawn: tuple,
               done: jax.Array) -> SlotState:
@@ -499,7 +487,7 @@ class ContinuousSampler(BaseSampler):
         B, N = state.tokens.shape
         stop_ids = self._stop_ids()
         eos = jnp.asarray(stop_ids, jnp.int32) if stop_ids else None
-        keys = self._keys(raw_key, key_impl, state.row)
+        keys = row_key_data(raw_key, key_impl, state.row)
         if turns is not None:  # a multi-turn row draws turn t's steps from fold_in(its key, t)
             keys = step_keys(keys, turns)
         cap = N if caps is None else caps
@@ -510,17 +498,16 @@ class ContinuousSampler(BaseSampler):
             cache = PagedKVCache(k=st.k, v=st.v, page_table=table, lengths=st.lengths, live=live)
             hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec)
             t = st.steps
-            tok, lp, blp, stopped = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos,
-                                         stop_at=slot_stop)
+            drawn = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos, stop_at=slot_stop)
             r = jnp.where(live, st.row, B)  # rows written (others dropped)
             tc = jnp.minimum(t, N - 1)
+            out = Outputs(st.tokens, st.logprobs, st.behaviour).scatter(r, tc, drawn)
             return st._replace(
-                k=cache.k, v=cache.v, lengths=st.lengths + live, steps=t + live, prev=jnp.where(live, tok, st.prev),
-                done=st.done | stopped | (live & (t + 1 >= cap)),
-                tokens=st.tokens.at[r, tc].set(tok, mode="drop"), logprobs=st.logprobs.at[r, tc].set(lp, mode="drop"),
+                k=cache.k, v=cache.v, lengths=st.lengths + live, steps=t + live,
+                prev=jnp.where(live, drawn.tokens, st.prev), done=st.done | drawn.stopped | (live & (t + 1 >= cap)),
+                tokens=out.tokens, logprobs=out.logprobs, behaviour=out.behaviour,
                 mask=st.mask.at[r, tc].set(1, mode="drop"), out_len=st.out_len.at[r].add(1, mode="drop"),
-                truncated=st.truncated.at[r].set(~stopped, mode="drop"),
-                behaviour=None if blp is None else st.behaviour.at[r, tc].set(blp, mode="drop"),
+                truncated=st.truncated.at[r].set(~drawn.stopped, mode="drop"),
             )
 
         return jax.lax.fori_loop(0, self.chunk_steps, step, state)

@@ -66,7 +66,8 @@ from grpo.engine.rollout.continuous import ContinuousSampler, SlotState, _left_a
 from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
 from grpo.engine.rollout.paged.core import EngineCore
 from grpo.engine.rollout.paged.scheduler import TurnScheduler, pow2
-from grpo.engine.rollout.sampler import RolloutOutput, draw
+from grpo.engine.rollout.decoding import draw, row_key_data
+from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.models.decoder import KVCache
 
 
@@ -301,7 +302,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
                                                     mode="drop")
 
         stops = jnp.asarray(self._stop_ids(), jnp.int32)
-        keys = step_keys(self._keys(raw_key, key_impl, rows), turns)
+        keys = step_keys(row_key_data(raw_key, key_impl, rows), turns)
         drawn = draw(logits, keys, jnp.int32(0), live, sampling=self.sampling, stops=stops)
         st = state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
         return self._seat(st, slots=slots, rows=rows, lengths=base + m, drawn=drawn, done=drawn[3] | (caps <= 1))

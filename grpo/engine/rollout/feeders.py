@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo.core.contracts.engine import RolloutEngine, RolloutOutput, Rows
-from grpo.engine.rollout._sampling import row_keys
+from grpo.engine.rollout.decoding import row_keys
 
 
 class StreamFeeder:

@@ -71,11 +71,10 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.core.contracts import Environment, EnvStep
 from grpo.engine.parallel.rows import local_rows, to_global
-from grpo.engine.rollout._sampling import row_keys, step_keys
+from grpo.engine.rollout._sampling import step_keys
+from grpo.engine.rollout.decoding import Outputs, draw, effective_chunk, row_key_data, run_chunks
 from grpo.engine.rollout.tools.environment import safe_step
-from grpo.engine.rollout.sampler import (
-    BaseSampler, RolloutOutput, Sampled, draw, effective_chunk, record_behaviour, run_chunks,
-)
+from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled
 from grpo.models.decoder import KVCache
 
 log = logging.getLogger(__name__)
@@ -124,9 +123,7 @@ class _TurnState(NamedTuple):
     ended: jax.Array  # [B] bool, produced a stop token this turn
     count: jax.Array  # [B] int32, tokens sampled this turn
     pos: jax.Array  # [B] int32, RoPE position of the next fed token (real tokens so far)
-    tokens: jax.Array  # [B, W] int32
-    logprobs: jax.Array  # [B, W] float32, full vocabulary
-    behaviour: jax.Array | None = None  # [B, W] float32, with top-k/top-p only
+    out: Outputs  # [B, W] the turn's tokens and log-probs
 
 
 class TurnOutput(NamedTuple):
@@ -344,33 +341,29 @@ class MultiTurnSampler(BaseSampler):
         model = self._model(params)
         B = logits.shape[0]
         W, C = self.width(), self.turn_chunk()
-        rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
-        keys = step_keys(row_keys(rng, B), turn)  # each turn draws from its own keys
+        # Each turn draws from its own keys: fold_in(row key, turn).
+        keys = step_keys(row_key_data(raw_key, key_impl, jnp.arange(B, dtype=jnp.int32)), turn)
         stops = jnp.asarray(s.eos_ids + self.turn_stop_ids, jnp.int32)
 
         def batch(x, *names):
             return self._constrain(x, ("batch",) + names)
 
         def record(st: _TurnState, step, logits, live) -> _TurnState:
-            tok, lp, blp, stopped = draw(logits, keys, step, live, sampling=s, stops=stops)
+            drawn = draw(logits, keys, step, live, sampling=s, stops=stops)
             count = st.count + live.astype(jnp.int32)
             return st._replace(
-                prev=jnp.where(live, tok, st.prev),
-                ended=st.ended | stopped,
-                live=live & ~stopped & (count < budget),
+                prev=jnp.where(live, drawn.tokens, st.prev),
+                ended=st.ended | drawn.stopped,
+                live=live & ~drawn.stopped & (count < budget),
                 count=count,
-                tokens=jax.lax.dynamic_update_index_in_dim(st.tokens, tok, step, axis=1),
-                logprobs=jax.lax.dynamic_update_index_in_dim(st.logprobs, lp, step, axis=1),
-                behaviour=record_behaviour(st.behaviour, blp, step),
+                out=st.out.column(step, drawn),
             )
 
         first = budget > 0
         st = _TurnState(
             cache=cache, kv_valid=kv_valid, prev=batch(jnp.full((B,), s.pad_id, jnp.int32)), live=first,
             ended=batch(jnp.zeros((B,), bool)), count=batch(jnp.zeros((B,), jnp.int32)), pos=pos,
-            tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
-            logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
-            behaviour=batch(jnp.zeros((B, W), jnp.float32), "length") if s.truncates else None,
+            out=Outputs.blank(B, W, s, lambda x: batch(x, "length")),
         )
         st = record(st, jnp.int32(0), logits, first)
 
@@ -385,8 +378,8 @@ class MultiTurnSampler(BaseSampler):
 
         st = run_chunks(step, st, first=1, n_chunks=(W - 1) // C, chunk=C, going=lambda st: jnp.any(st.live))
         return TurnOutput(
-            cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.tokens, logprobs=st.logprobs,
-            count=st.count, ended=st.ended, steps=jnp.max(st.count), behaviour=st.behaviour,
+            cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.out.tokens, logprobs=st.out.logprobs,
+            count=st.count, ended=st.ended, steps=jnp.max(st.count), behaviour=st.out.behaviour,
         )
 
     def _append_impl(self, params, cache, kv_valid, logits, pos, start, tokens, tmask):

@@ -57,7 +57,7 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.core.contracts.engine import Rows
-from grpo.engine.rollout._sampling import row_keys
+from grpo.engine.rollout.decoding import row_keys
 from grpo.engine.rollout.prompts import bucket_for, position_indices
 from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.engine.rollout.step import StepRollout

@@ -76,6 +76,7 @@ bucketing is the caller's job (one compilation per distinct ``(P, Lp)``).
 from __future__ import annotations
 
 import collections.abc
+import functools
 import math
 from typing import Any, Callable, Mapping, NamedTuple, Sequence
 
@@ -87,8 +88,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from grpo.core.contracts.engine import RolloutEngine, RolloutOutput, Sampled
 from grpo.engine.parallel.rows import row_range
-from grpo.engine.rollout._sampling import SamplingParams, row_keys, sample_tokens, step_keys
-from grpo.models.decoder import CACHE_AXES, KVCache, positions_from_mask
+from grpo.engine.rollout._sampling import SamplingParams
+from grpo.engine.rollout.batch_rows import BatchRows
+from grpo.engine.rollout.decoding import (
+    Outputs, draw, effective_chunk, left_align, prefill_forward, row_key_data, run_chunks, segment_plan,
+)
+from grpo.models.decoder import CACHE_AXES, KVCache
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
@@ -124,101 +129,13 @@ class Texts(collections.abc.Sequence):
         return iter(self[:])
 
 
-# --------------------------------------------------------------------------- plan
-
-
-def effective_chunk(max_new_tokens: int, early_stop_chunk: int) -> int:
-    """Decode steps between "all stopped?" checks: ``early_stop_chunk`` capped at the
-    number of decode steps (0 = no checks)."""
-    return min(early_stop_chunk, max(max_new_tokens - 1, 0))
-
-
-def segment_plan(max_new_tokens: int, *, early_stop_chunk: int, kv_segment: int) -> tuple[tuple[int, int], ...]:
-    """Decode steps 1 .. n (step 0 samples from the prefill logits) split into segments
-    ``(a, b)``: steps ``a+1 .. b`` run with a cache of ``Lp + b`` slots.
-
-    ``n = max_new_tokens - 1`` rounded up to a whole number of chunks
-    (:func:`effective_chunk`; the at most ``chunk - 1`` extra steps are discarded, one
-    step for the usual power-of-two lengths), so every chunk runs the same compiled body.
-    Segment lengths are ``kv_segment`` rounded up to whole chunks; 0 (or a segment at
-    least n long) gives one segment.
-    """
-    n = max_new_tokens - 1
-    if n <= 0:
-        return ()
-    chunk = effective_chunk(max_new_tokens, early_stop_chunk)
-    if chunk > 0:
-        n = math.ceil(n / chunk) * chunk
-    if kv_segment <= 0 or kv_segment >= n:
-        return ((0, n),)
-    seg = kv_segment
-    if chunk > 0:
-        seg = math.ceil(seg / chunk) * chunk
-    bounds = list(range(0, n, seg)) + [n]
-    return tuple(zip(bounds[:-1], bounds[1:]))
-
-
 class _State(NamedTuple):
     cache: KVCache
     prev: jax.Array  # [B] int32, the token fed at the next step
     done: jax.Array  # [B] bool, stop token produced
     lengths: jax.Array  # [B] int32
-    tokens: jax.Array  # [B, W] int32 (W >= N: the last chunk may run past the cap)
-    logprobs: jax.Array  # [B, W] float32
+    out: Outputs  # [B, W] (W >= N: the last chunk may run past the cap)
     steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
-    behaviour: jax.Array | None = None  # [B, W] float32, with top-k/top-p only
-
-
-# --------------------------------------------------------------------------- the decode loop
-
-
-def draw(logits: jax.Array, keys: jax.Array, step: jax.Array, live: jax.Array, *, sampling: SamplingParams,
-         stops: jax.Array | None, stop_at: jax.Array | None = None
-         ) -> tuple[jax.Array, jax.Array, jax.Array | None, jax.Array]:
-    """One sampling step of every row: the tokens [B] (``pad_id`` where not ``live``), their
-    full-vocabulary log-probs [B] and behaviour log-probs [B] (0 where not ``live``; None
-    when ``sampling`` does not truncate: they are the full ones) and which live rows drew
-    one of ``stops`` [B] or, with ``stop_at`` [B] (a benchmark's forced completion
-    lengths, ``grpo bench rollout --lengths``), reached their length with this token."""
-    s = sampling
-    tok, lp, blp = sample_tokens(
-        logits, step_keys(keys, step), temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, greedy=s.greedy
-    )
-    tok = jnp.where(live, tok, jnp.int32(s.pad_id))
-    lp = jnp.where(live, lp, 0.0)
-    blp = jnp.where(live, blp, 0.0) if s.truncates else None
-    forced = jnp.zeros_like(live) if stop_at is None else live & (step + 1 >= stop_at)
-    if stops is None or not stops.size:
-        return tok, lp, blp, forced
-    return tok, lp, blp, forced | (live & jnp.any(tok[:, None] == stops[None, :], axis=1))
-
-
-def record_behaviour(buffer: jax.Array | None, blp: jax.Array | None, step: jax.Array) -> jax.Array | None:
-    """``blp`` [B] (a :func:`draw`'s behaviour log-probs) written at column ``step`` of
-    ``buffer`` [B, W]; None without a filter (the full log-probs are the behaviour ones)."""
-    if buffer is None:
-        return None
-    return jax.lax.dynamic_update_index_in_dim(buffer, blp, step, axis=1)
-
-
-def run_chunks(step: Any, state: Any, *, first: int, n_chunks: int, chunk: int, going: Any) -> Any:
-    """Decode steps ``first .. first + n_chunks * chunk - 1`` of ``step(t, state)``:
-    ``lax.fori_loop`` chunks of ``chunk`` steps (a static trip count) inside a
-    ``lax.while_loop`` that exits once ``going(state)`` is false, so the "all rows done?"
-    predicate (a host copy on GPU) is read once per chunk, never per token. The single-turn
-    decode and the multi-turn turn loop both run this loop."""
-
-    def cond(carry):
-        i, st = carry
-        return (i < n_chunks) & going(st)
-
-    def body(carry):
-        i, st = carry
-        start = first + i * chunk
-        return i + 1, jax.lax.fori_loop(0, chunk, lambda j, x: step(start + j, x), st)
-
-    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
-    return state
 
 
 # --------------------------------------------------------------------------- samplers
@@ -279,6 +196,7 @@ class BaseSampler(RolloutEngine):
         self.rules = with_batch_axes(ACTIVATION_RULES if activation_rules is None else activation_rules, self.batch_axes)
         self.cache_rules = self.rules if cache_rules is None else with_batch_axes(cache_rules, self.batch_axes)
         self.prefill_jit = jax.jit(self._prefill_impl)
+        self._prefill_once = jax.jit(functools.partial(self._prefill_impl, repeat=1))  # rows already expanded
 
     # ------------------------------------------------------------------ the interface
 
@@ -328,7 +246,7 @@ class BaseSampler(RolloutEngine):
 
     def jitted(self) -> dict[str, list[Any]]:
         """This sampler's jitted programs by the names :meth:`lowerings` gives them."""
-        return {"prefill": [self.prefill_jit]}
+        return {"prefill": [self.prefill_jit, self._prefill_once]}
 
     def abstract_output(self, *, prompts: int, prompt_length: int) -> RolloutOutput:
         """The :class:`RolloutOutput` of ``prompts`` prompts as abstract arrays in this
@@ -349,9 +267,16 @@ class BaseSampler(RolloutEngine):
 
     # ------------------------------------------------------------------ placement
 
-    def prefill(self, params: Any, prompt_tokens: Any, prompt_mask: Any) -> Prefilled:
+    def prefill(self, params: Any, prompt_tokens: Any, prompt_mask: Any, *, repeat: int | None = None) -> Prefilled:
+        """The prompts [P, Lp] prefilled, each repeated ``repeat`` times (None:
+        ``num_generations``; 1: rows that are already one sample each, as the contract's
+        :class:`~grpo.core.contracts.engine.Rows` are)."""
         tokens, mask = self.place_prompts(prompt_tokens, prompt_mask)
-        return self.prefill_jit(params, tokens, mask)
+        if repeat is None or repeat == self.sampling.num_generations:
+            return self.prefill_jit(params, tokens, mask)
+        if repeat != 1:
+            raise ValueError(f"repeat must be 1 or num_generations ({self.sampling.num_generations}); got {repeat}")
+        return self._prefill_once(params, tokens, mask)
 
     def chunk(self) -> int:
         """Decode steps between "all stopped?" checks (0: none — also when there are no
@@ -457,18 +382,13 @@ class BaseSampler(RolloutEngine):
         plan = self.plan()
         return plan[0][1] if plan else 0
 
-    def _prefill_impl(self, params: Any, tokens: jax.Array, mask: jax.Array) -> Prefilled:
+    def _prefill_impl(self, params: Any, tokens: jax.Array, mask: jax.Array, repeat: int | None = None) -> Prefilled:
         model = self._model(params)
-        K = self.sampling.num_generations
-        P, Lp = tokens.shape
-        # Left-align every row (identity for left-padded input): a stable sort puts the
-        # padding first and keeps the real tokens in order.
-        order = jnp.argsort(mask != 0, axis=1, stable=True)
-        tokens = jnp.take_along_axis(tokens, order, axis=1)
-        mask = (jnp.take_along_axis(mask, order, axis=1) != 0).astype(jnp.int32)
-        cache = model.init_cache(P, Lp, dtype=self._cache_dtype(model))
-        hidden, cache = model(tokens, positions_from_mask(mask), mask.astype(bool), cache=cache, write_index=0)
-        logits = model.logits(hidden[:, -1:, :])[:, 0, :]  # P V
+        K = self.sampling.num_generations if repeat is None else repeat
+        # Left-align every row (identity for left-padded input).
+        tokens, mask = left_align(tokens, mask)
+        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=self._cache_dtype(model))  # P V
+        Lp = tokens.shape[1]
         cache = self._grow(self._constrain_cache(cache.repeat(K)), Lp + self._first_slots())
         return Prefilled(
             cache=cache,
@@ -478,8 +398,12 @@ class BaseSampler(RolloutEngine):
         )
 
 
-class Sampler(BaseSampler):
+class Sampler(BatchRows, BaseSampler):
     """Generates K single-turn completions per prompt with a jitted prefill + decode.
+
+    Rows enter through the engine contract too (:class:`~grpo.engine.rollout.batch_rows.BatchRows`:
+    ``begin``/``submit``/``step``/``read``/``outputs``): a step rolls out every queued row
+    as one batch.
 
     Args (beside :class:`BaseSampler`'s): ``detokenize(tokens [b, N], mask [b, N]) ->
     texts``, what :meth:`sample` scores rows by (e.g. ``Policy.decode``); only
@@ -561,8 +485,7 @@ class Sampler(BaseSampler):
         model = self._model(params)
         B, Lp = prompt_tokens.shape
         N = s.max_new_tokens
-        rng = raw_key if key_impl is None else jax.random.wrap_key_data(raw_key, impl=key_impl)
-        keys = row_keys(rng, B)
+        keys = row_key_data(raw_key, key_impl, jnp.arange(B, dtype=jnp.int32))
         prompt_len = prompt_mask.sum(axis=1).astype(jnp.int32)  # B
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         plan = self.plan()
@@ -571,16 +494,14 @@ class Sampler(BaseSampler):
         def record(state: _State, step: jax.Array, logits: jax.Array, cache: KVCache) -> _State:
             # Steps past the cap (the rounding of the last chunk) change nothing.
             active = ~state.done & (step < N)
-            tok, lp, blp, stopped = draw(logits, keys, step, active, sampling=s, stops=eos, stop_at=stop_at)
+            drawn = draw(logits, keys, step, active, sampling=s, stops=eos, stop_at=stop_at)
             return _State(
                 cache=cache,
-                prev=tok,
-                done=state.done | stopped,
+                prev=drawn.tokens,
+                done=state.done | drawn.stopped,
                 lengths=state.lengths + active.astype(jnp.int32),
-                tokens=jax.lax.dynamic_update_index_in_dim(state.tokens, tok, step, axis=1),
-                logprobs=jax.lax.dynamic_update_index_in_dim(state.logprobs, lp, step, axis=1),
+                out=state.out.column(step, drawn),
                 steps=state.steps + 1,
-                behaviour=record_behaviour(state.behaviour, blp, step),
             )
 
         def batch(x, *names):
@@ -591,10 +512,8 @@ class Sampler(BaseSampler):
             prev=batch(jnp.full((B,), s.pad_id, jnp.int32)),
             done=batch(jnp.zeros((B,), bool)),
             lengths=batch(jnp.zeros((B,), jnp.int32)),
-            tokens=batch(jnp.full((B, W), s.pad_id, jnp.int32), "length"),
-            logprobs=batch(jnp.zeros((B, W), jnp.float32), "length"),
+            out=Outputs.blank(B, W, s, lambda x: batch(x, "length")),
             steps=jnp.int32(0),
-            behaviour=batch(jnp.zeros((B, W), jnp.float32), "length") if s.truncates else None,
         )
         state = record(state, jnp.int32(0), logits, cache)
 
@@ -630,17 +549,17 @@ class Sampler(BaseSampler):
         out = RolloutOutput(
             prompt_tokens=prompt_tokens,
             prompt_mask=prompt_mask,
-            tokens=batch(state.tokens[:, :N], "length"),
+            tokens=batch(state.out.tokens[:, :N], "length"),
             mask=batch((positions < state.lengths[:, None]).astype(jnp.int32), "length"),
             lengths=state.lengths,
             truncated=~state.done,
-            logprobs=batch(state.logprobs[:, :N], "length"),
-            behaviour_logprobs=None if state.behaviour is None else batch(state.behaviour[:, :N], "length"),
+            logprobs=batch(state.out.logprobs[:, :N], "length"),
+            behaviour_logprobs=None if state.out.behaviour is None else batch(state.out.behaviour[:, :N], "length"),
         )
         return out, jnp.minimum(state.steps, N), state.cache
 
 
 __all__ = [
     "BaseSampler", "Prefilled", "RolloutOutput", "Sampled", "Sampler", "SamplingParams", "Texts", "draw",
-    "effective_chunk", "record_behaviour", "run_chunks", "segment_plan",
+    "effective_chunk", "run_chunks", "segment_plan",
 ]

@@ -11,11 +11,11 @@ import pytest
 
 from grpo.engine.rollout._sampling import (
     filter_threshold,
-    row_keys,
     sample_tokens,
     step_keys,
 )
-from grpo.engine.rollout.sampler import SamplingParams, effective_chunk, segment_plan
+from grpo.engine.rollout.decoding import effective_chunk, row_keys, segment_plan
+from grpo.engine.rollout.sampler import SamplingParams
 
 ROWS = 20000  # same logits in every row: empirical frequencies vs the intended distribution
 
