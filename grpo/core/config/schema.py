@@ -310,11 +310,17 @@ class RolloutConfig(Section):
         return self
 
 
+SEQUENCE_OBJECTIVES = ("gspo",)
+"""Objectives with one ratio per sequence: ``loss.mismatch`` must weigh whole sequences
+(``level: sequence``) under them; async fills it in so."""
+
+
 class MismatchConfig(Section):
     """The sampler/trainer mismatch correction (see grpo.MismatchCorrection)."""
 
     level: Literal["token", "sequence"] = Field(
-        "token", description="Weight per token, or per sequence from its summed log-ratio."
+        "token", description="Weight per token, or per sequence from its summed log-ratio; unset, `sequence` "
+        "under a sequence-level loss.objective (gspo), else `token`."
     )
     mode: Literal["truncate", "mask"] = Field(
         "truncate", description="truncate: weight min(w, cap); mask: drop the token/sequence when w > cap."
@@ -501,7 +507,7 @@ class AsyncConfig(Section):
         description="How many optimizer steps a sample's policy may lag the policy that trains on it; 0 = on-policy "
         "(equal to the synchronous run). Staler samples are refused and counted. Above 0 the loss corrects with the "
         "sampler's own log-probs (decoupled PPO): loss.mismatch, defaulted to {level: token, mode: truncate, cap: 2} "
-        "when unset.",
+        "when unset (an unset level is sequence under loss.objective: gspo, which weighs whole sequences).",
     )
     rollout_devices: int | None = Field(
         None, ge=1, le=1_000_000,
@@ -620,6 +626,12 @@ class RunConfig(Section):
         # them by the sampler's own log-probs (decoupled PPO through loss.mismatch).
         if self.train.async_.enabled and self.train.async_.max_staleness > 0 and self.loss.mismatch is None:
             self.loss.mismatch = MismatchConfig()
+        # A default fits the objective: under a sequence-level one (GSPO) an unset
+        # loss.mismatch.level is `sequence`, which the check of the level would otherwise
+        # refuse over a setting the user never wrote (issue 49, item 3).
+        mismatch = self.loss.mismatch
+        if mismatch is not None and "level" not in mismatch.model_fields_set and self.loss.objective in SEQUENCE_OBJECTIVES:
+            self.loss.mismatch = mismatch.model_copy(update={"level": "sequence"})
         return self
 
     @property

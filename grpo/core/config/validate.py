@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import BaseModel, ValidationError
 
-from grpo.core.config.schema import ModelConfig, RunConfig
+from grpo.core.config.schema import SEQUENCE_OBJECTIVES, ModelConfig, RunConfig
 from grpo.core.contracts.attention import auto_attention
 from grpo.core.contracts.mesh import MeshLayout, Topology
 from grpo.core.errors import ConfigError, PluginError, UserError
@@ -181,9 +181,9 @@ def cross_field_problems(config: RunConfig) -> list[str]:
             "(it keeps that many of each group's samples)"
         )
     mismatch = config.loss.mismatch
-    if config.loss.objective == "gspo" and mismatch is not None and mismatch.level == "token":
+    if config.loss.objective in SEQUENCE_OBJECTIVES and mismatch is not None and mismatch.level == "token":
         problems.append(
-            "loss.mismatch.level=token with loss.objective=gspo: GSPO weighs whole sequences (one ratio per "
+            f"loss.mismatch.level=token with loss.objective={config.loss.objective}: GSPO weighs whole sequences (one ratio per "
             "sequence), so a per-token weight would reweigh tokens inside a sequence; use loss.mismatch.level=sequence"
         )
     overlong = config.task.overlong
