@@ -252,7 +252,7 @@ def mesh_preview(
     try:
         opts = plugin.parse_options(raw)
     except ValidationError as err:
-        raise UserError(f"Invalid options for mesh policy {policy!r}:", problems=validation_problems(err, "options")) from None
+        raise UserError(f"Invalid options for mesh policy {policy!r}:", problems=validation_problems(err, "options", plugin.Options)) from None
     if processes is None and local_devices is None:
         from grpo.engine.parallel.mesh import current_topology
 

@@ -14,18 +14,9 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import yaml
-from pydantic import ValidationError
 
 from grpo.core.config.schema import RunConfig
-from grpo.core.config.validate import (
-    OPTION_FIELDS,
-    PLUGIN_FIELDS,
-    _engine_problems,
-    _reward_turn_problems,
-    cross_field_problems,
-    select_plugins,
-    validation_problems,
-)
+from grpo.core.config.validate import OPTION_FIELDS, PLUGIN_FIELDS, config_problems
 from grpo.core.errors import ConfigError, UserError
 
 _VAR_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -172,19 +163,13 @@ def load_config(
         data = read_yaml(source)
     problems: list[str] = []
     data = _interpolate(data, "", problems, os.environ if env is None else env)
-    if problems:
-        raise ConfigError("Invalid config:", problems=problems)
+    unresolved = tuple(p.split(":", 1)[0] for p in problems)
     for note in drop_switched_options(data, overrides):
         logging.getLogger("grpo.config").warning(note)
     data = apply_overrides(data, overrides)
-    try:
-        config = RunConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError("Invalid config:", problems=validation_problems(err)) from None
-    selected = select_plugins(config, plugins)
-    problems = (cross_field_problems(config) + _reward_turn_problems(config, selected["task"])
-                + _engine_problems(config, selected.get("engine")))
-    if problems:
+    config, selected, found = config_problems(data, plugins, unresolved=unresolved)
+    problems += found
+    if problems or config is None:
         raise ConfigError("Invalid config:", problems=problems)
     updates: dict[str, Any] = {}
     for kind, (section, _field) in PLUGIN_FIELDS.items():

@@ -607,20 +607,6 @@ class RunConfig(Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
 
     @model_validator(mode="after")
-    def _partial_rollouts(self):
-        a = self.train.async_
-        if not a.partial_rollouts:
-            return self
-        why = None
-        if not a.enabled:
-            why = "needs train.async.enabled=true"
-        elif self.train.dynamic_sampling.enabled or self.train.down_sampling.keep is not None:
-            why = "does not combine with train.dynamic_sampling or train.down_sampling (a batch is the first groups to finish)"
-        if why:
-            raise ValueError(f"train.async.partial_rollouts=true {why}")
-        return self
-
-    @model_validator(mode="after")
     def _async_correction(self):
         # Asynchronous GRPO trains on samples drawn by older weights: the loss must weigh
         # them by the sampler's own log-probs (decoupled PPO through loss.mismatch).

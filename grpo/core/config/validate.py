@@ -7,7 +7,10 @@ once in a :class:`~grpo.core.errors.ConfigError`.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import difflib
+import re
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -45,7 +48,55 @@ def _short(value: Any) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
-def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
+def _submodel(annotation: Any) -> type[BaseModel] | None:
+    """The pydantic model a field holds (``X`` of ``X | None``), or None."""
+    for sub in getattr(annotation, "__args__", (annotation,)):
+        if isinstance(sub, type) and issubclass(sub, BaseModel):
+            return sub
+    return None
+
+
+def _field_names(model: type[BaseModel]) -> dict[str, Any]:
+    """A model's fields by the name a config writes (``async`` for ``async_``)."""
+    return {info.alias or name: info for name, info in model.model_fields.items()}
+
+
+def _section_at(model: type[BaseModel] | None, loc: tuple[Any, ...]) -> type[BaseModel] | None:
+    for part in loc:
+        info = _field_names(model).get(part) if model is not None and isinstance(part, str) else None
+        if info is None:
+            return None
+        model = _submodel(info.annotation)
+    return model
+
+
+def _field_paths(model: type[BaseModel], prefix: tuple[str, ...] = ()) -> list[tuple[str, ...]]:
+    paths = []
+    for name, info in _field_names(model).items():
+        paths.append((*prefix, name))
+        sub = _submodel(info.annotation)
+        if sub is not None:
+            paths += _field_paths(sub, (*prefix, name))
+    return paths
+
+
+def _did_you_mean(loc: tuple[Any, ...], model: type[BaseModel] | None, prefix: str) -> str:
+    """`` did you mean X?`` for an unknown key: the closest field at its own level
+    (difflib), else a field of that exact name elsewhere in ``model``."""
+    section = _section_at(model, loc[:-1])
+    if section is None or not loc or not isinstance(loc[-1], str):
+        return ""
+    key = loc[-1]
+    close = difflib.get_close_matches(key.lower(), list(_field_names(section)), n=1)
+    if close:
+        return f"; did you mean {_fmt_loc((*loc[:-1], close[0]), prefix)}?"
+    elsewhere = sorted(_fmt_loc(p, prefix) for p in _field_paths(model) if p[-1] == key.lower())
+    return f"; did you mean {' or '.join(elsewhere[:3])}?" if elsewhere else ""
+
+
+def validation_problems(err: ValidationError, prefix: str = "", model: type[BaseModel] | None = None) -> list[str]:
+    """One problem per pydantic error, each naming its dotted field (under ``prefix``).
+    With the ``model`` that was validated, an unknown key gets "did you mean"."""
     problems = []
     for e in err.errors():
         loc = tuple(p for p in e["loc"] if p not in ("function-after",))
@@ -54,7 +105,8 @@ def validation_problems(err: ValidationError, prefix: str = "") -> list[str]:
         if msg.startswith("Value error, "):
             msg = msg[len("Value error, "):]
         if e["type"] == "extra_forbidden":
-            msg = "unknown field (check the spelling; `grpo config schema` lists the fields)"
+            hint = _did_you_mean(loc, model, prefix)
+            msg = f"unknown field{hint}" if hint else "unknown field (check the spelling; `grpo config schema` lists the fields)"
         if e["type"] == "missing":
             problems.append(f"{where}: required field is missing")
         elif e["type"] == "value_error" and (not loc or where in msg):
@@ -77,6 +129,15 @@ class Selected:
 
 def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected]:
     """Look up each chosen plugin and validate its options (raises ConfigError)."""
+    selected, problems = _plugin_selection(config, plugins)
+    if problems:
+        raise ConfigError("Invalid config:", problems=problems)
+    return selected
+
+
+def _plugin_selection(config: RunConfig, plugins: Any = None) -> tuple[dict[str, Selected], list[str]]:
+    """Each chosen plugin that exists and takes its options, and a problem for each that
+    does not (and for the model's attention kernel and architecture)."""
     from grpo.core.plugins import get_plugins
 
     plugins = plugins or get_plugins()
@@ -95,13 +156,89 @@ def select_plugins(config: RunConfig, plugins: Any = None) -> dict[str, Selected
         try:
             options = plugin.parse_options(getattr(sec, options_field))
         except ValidationError as err:
-            problems.extend(validation_problems(err, prefix=f"{section}.{options_field}"))
+            problems.extend(validation_problems(err, f"{section}.{options_field}", getattr(plugin, "Options", None)))
             continue
         selected[kind] = Selected(kind=kind, plugin=plugin, options=options, provider=provider)
     problems += _model_problems(config, plugins)
-    if problems:
-        raise ConfigError("Invalid config:", problems=problems)
-    return selected
+    return selected, problems
+
+
+_DOTTED = re.compile(r"[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)+")
+
+
+def _touches(problem: str, paths: set[str]) -> bool:
+    """Whether ``problem`` names one of the dotted field ``paths``, a field inside one,
+    or a section holding one."""
+    named = set(_DOTTED.findall(problem)) | {problem.split(":", 1)[0].split("=", 1)[0].strip()}
+    return any(n == p or n.startswith(p + ".") or p.startswith(n + ".") for n in named for p in paths)
+
+
+def _drop(data: dict[str, Any], loc: tuple[Any, ...]) -> bool:
+    """Delete the field at ``loc`` (a list, at its first index) from ``data``, so that its
+    default stands in; False when there is nothing there to delete."""
+    parts = []
+    for part in loc:
+        if not isinstance(part, str):
+            break
+        parts.append(part)
+    node: Any = data
+    for part in parts[:-1]:
+        if not isinstance(node, dict) or not isinstance(node.get(part), dict):
+            break
+        node = node[part]
+    else:
+        if parts and isinstance(node, dict) and parts[-1] in node:
+            del node[parts[-1]]
+            return True
+    return False
+
+
+def _stand_in(data: dict[str, Any], err: ValidationError, dropped: set[str]) -> RunConfig | None:
+    """The config with every field pydantic refused dropped (defaults standing in), to
+    check the rest; None where dropping cannot make it valid. ``dropped`` gains the paths."""
+    data = copy.deepcopy(data)
+    for _ in range(4):
+        locs = [tuple(p for p in e["loc"] if p != "function-after") for e in err.errors()]
+        if not all(_drop(data, loc) for loc in locs):
+            return None
+        dropped |= {_fmt_loc(tuple(p for p in loc if isinstance(p, str))) for loc in locs}
+        try:
+            return RunConfig.model_validate(data)
+        except ValidationError as again:
+            err = again
+    return None
+
+
+def config_problems(
+    data: dict[str, Any], plugins: Any = None, *, unresolved: tuple[str, ...] = ()
+) -> tuple[RunConfig | None, dict[str, Selected], list[str]]:
+    """Every problem of a config's ``data`` in one pass: unknown keys and bad values (the
+    schema), unknown plugin names and bad plugin options, and the checks across fields.
+
+    Where the schema refuses a field, the rest is checked with that field's default
+    standing in, and a later problem that names a refused field is left out: it would be
+    about a value the user did not write. ``unresolved`` are the paths of ``${VAR}``
+    references that could not be resolved (reported by the caller), treated so.
+    Returns ``(config, selected plugins, problems)``; config is None where the schema
+    refused it and no stand-in could be made.
+    """
+    data = copy.deepcopy(data)
+    dropped = {p for p in unresolved if _drop(data, tuple(re.sub(r"\[.*", "", p).split(".")))}
+    problems: list[str] = []
+    try:
+        config: RunConfig | None = RunConfig.model_validate(data)
+    except ValidationError as err:
+        problems += validation_problems(err, model=RunConfig)
+        config = _stand_in(data, err, dropped)
+    if config is None:
+        return None, {}, problems
+    selected, later = _plugin_selection(config, plugins)
+    later += cross_field_problems(config)
+    if "task" in selected:
+        later += _reward_turn_problems(config, selected["task"])
+    later += _engine_problems(config, selected.get("engine"))
+    problems += [p for p in later if not _touches(p, dropped)]
+    return config, selected, problems
 
 
 def _attention_selection(
@@ -120,7 +257,7 @@ def _attention_selection(
     try:
         options = plugin.parse_options(model.attention_options)
     except ValidationError as err:
-        return None, validation_problems(err, prefix="model.attention_options")
+        return None, validation_problems(err, "model.attention_options", getattr(plugin, "Options", None))
     problems = [f"model.attention={model.attention!r}: {p}" for p in plugin.check(platform=platform, options=options)]
     return (None, problems) if problems else ((name, plugin, options), [])
 
@@ -202,7 +339,19 @@ def cross_field_problems(config: RunConfig) -> list[str]:
         )
     if config.loss.epsilon_low >= 1.0:
         problems.append(f"loss.epsilon_low={config.loss.epsilon_low} must be < 1 (the ratio's lower clip is 1 - epsilon_low)")
-    return problems
+    return problems + _partial_rollout_problems(config)
+
+
+def _partial_rollout_problems(config: RunConfig) -> list[str]:
+    a = config.train.async_
+    if not a.partial_rollouts:
+        return []
+    if not a.enabled:
+        return ["train.async.partial_rollouts=true needs train.async.enabled=true"]
+    if config.train.dynamic_sampling.enabled or config.train.down_sampling.keep is not None:
+        return ["train.async.partial_rollouts=true does not combine with train.dynamic_sampling or "
+                "train.down_sampling (a batch is the first groups to finish)"]
+    return []
 
 
 def _engine_problems(config: RunConfig, engine: Selected | None) -> list[str]:

@@ -118,7 +118,7 @@ def _plugin(impl: str, **flags: Any) -> tuple[Any, Any]:
     try:
         return plugin, plugin.parse_options(raw)
     except ValidationError as err:
-        raise UserError(f"Invalid options for loss {impl!r}:", problems=validation_problems(err, "options")) from None
+        raise UserError(f"Invalid options for loss {impl!r}:", problems=validation_problems(err, "options", plugin.Options)) from None
 
 
 def _shapes(b: int, t: int, d: int, v: int, dt: Any) -> tuple:

@@ -43,7 +43,7 @@ def _task_options(plugin: Any, overrides: tuple[str, ...]) -> Any:
         return plugin.parse_options(raw)
     except ValidationError as err:
         raise UserError(
-            f"Invalid options for task {plugin.name!r}:", problems=validation_problems(err, "task.options")
+            f"Invalid options for task {plugin.name!r}:", problems=validation_problems(err, "task.options", plugin.Options)
         ) from None
 
 
