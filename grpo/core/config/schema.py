@@ -522,6 +522,12 @@ class AsyncConfig(Section):
         "as its oldest token. Rows cross a weight change from max_staleness 2 (at 1 the stream drains each batch; "
         "at 0 it equals the synchronous continuous run).",
     )
+    on_weight_change: Literal["continue", "reprefill"] = Field(
+        "continue",
+        description="With partial_rollouts, what a row in flight does at a weight change: continue over the KV cache "
+        "the old weights wrote (its later tokens come from neither policy exactly), or reprefill: its prompt and "
+        "tokens so far run through the new weights again before its next token (costs a prefill per row).",
+    )
 
 
 class TrainConfig(Section):

@@ -345,6 +345,9 @@ def cross_field_problems(config: RunConfig) -> list[str]:
 def _partial_rollout_problems(config: RunConfig) -> list[str]:
     a = config.train.async_
     if not a.partial_rollouts:
+        if a.on_weight_change != "continue":
+            return [f"train.async.on_weight_change={a.on_weight_change} needs train.async.partial_rollouts=true (only "
+                    "partial rollouts keep rows in flight across a weight change)"]
         return []
     if not a.enabled:
         return ["train.async.partial_rollouts=true needs train.async.enabled=true"]

@@ -198,13 +198,16 @@ class RolloutEngine(abc.ABC):
     # ------------------------------------------------------------------ rows (streaming)
 
     def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
-              slots: int | None = None) -> None:
+              slots: int | None = None, on_weight_change: str = "continue") -> None:
         """A session of row ids [0, ``rows``) with prompts of at most ``prompt_length``
         tokens (what the last session held is dropped). ``key``: the rollout key (row
         ``r`` draws from ``fold_in(key, r)``), each row's key [rows], or None (each
         :class:`Rows` brings its own). ``versions``: stamp each token with the policy
         version of the weights that drew it (:class:`FinishedRows`). ``slots``: run at most
-        that many rows at once (None: the engine's choice)."""
+        that many rows at once (None: the engine's choice). ``on_weight_change``: what rows
+        in flight do when :meth:`update_weights` brings a new version: ``continue`` over
+        the KV cache the old weights wrote, or ``reprefill`` (their cache rebuilt under the
+        new weights before their next token)."""
         raise NotImplementedError(f"{type(self).__name__} does not stream rows (streams=False)")
 
     def submit(self, rows: Rows) -> None:

@@ -60,10 +60,11 @@ class BatchRows:
     raw_key_data)``), mixed into :class:`~grpo.engine.rollout.sampler.Sampler`."""
 
     def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
-              slots: int | None = None) -> None:
+              slots: int | None = None, on_weight_change: str = "continue") -> None:
         """A session of row ids [0, ``rows``) (see :meth:`grpo.RolloutEngine.begin`);
-        ``slots`` is ignored: a step rolls out every queued row at once."""
-        del slots
+        ``slots`` is ignored (a step rolls out every queued row at once), and so is
+        ``on_weight_change`` (no row is in flight between steps, when weights change)."""
+        del slots, on_weight_change
         s = self.sampling
         N = s.max_new_tokens
         impl, raw = None, None

@@ -116,13 +116,14 @@ class ContinuousSampler(BaseSampler):
         self.start_jit = jax.jit(self._start_impl, static_argnames=("rows", "pages"))
         self.prefill_jit = jax.jit(self._prefill_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.decode_jit = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
+        self.refresh_jit = jax.jit(self._refresh_impl, donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
         self._core: EngineCore | None = None
 
     # ------------------------------------------------------------------ the contract
 
     def begin(self, *, rows: int, prompt_length: int, key: Any = None, versions: bool = False,
-              slots: int | None = None, stop_at: Any = None) -> None:
+              slots: int | None = None, on_weight_change: str = "continue", stop_at: Any = None) -> None:
         """A new session of ``rows`` row ids [0, rows) with prompts of at most
         ``prompt_length`` tokens (whatever the last one held is dropped), read by the
         weights of :meth:`update_weights`. ``key``: the rollout key (row ``r`` draws from
@@ -130,11 +131,17 @@ class ContinuousSampler(BaseSampler):
         :class:`~grpo.core.contracts.engine.Rows` brings its own). ``versions``: stamp
         each token with its policy version. ``slots``: decode slots (None:
         :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only): each row stops
-        once it has that many tokens. A session is the engine's own state: :meth:`sample`
-        runs beside it without touching it."""
+        once it has that many tokens. ``on_weight_change``: ``continue`` (rows in flight
+        go on over the cache the old weights wrote) or ``reprefill`` (before their next
+        token, their cached tokens run through the new weights again, rewriting their
+        pages). A session is the engine's own state: :meth:`sample` runs beside it without
+        touching it."""
+        if on_weight_change not in ("continue", "reprefill"):
+            raise ValueError(f"on_weight_change must be 'continue' or 'reprefill'; got {on_weight_change!r}")
         self._core = self._new_core(rows=rows, prompt_length=prompt_length, key=key, versions=versions, slots=slots,
                                     stop_at=stop_at, params=getattr(self, "_weights", None))
         self._core.version = self.version
+        self._core.reprefill = on_weight_change == "reprefill"
 
     def _new_core(self, *, rows: int, prompt_length: int, key: Any, versions: bool, slots: int | None, stop_at: Any,
                   params: Any) -> EngineCore:
@@ -154,6 +161,8 @@ class ContinuousSampler(BaseSampler):
         super().update_weights(params, version)
         core = getattr(self, "_core", None)
         if core is not None:  # the next chunk reads them (rows in flight go on under them)
+            if core.reprefill and int(version) != core.version:
+                core.refresh_pending = True  # rows in flight rebuild their pages first
             core.runner.params, core.version = params, int(version)
 
     def submit(self, rows: Rows) -> None:
@@ -318,7 +327,8 @@ class ContinuousSampler(BaseSampler):
         return 2 * math.prod(pool.sharding.shard_shape(pool.shape)) * jnp.dtype(pool.dtype).itemsize
 
     def jitted(self) -> dict[str, list[Any]]:
-        return {"start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit]}
+        return {"start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit],
+                "refresh": [self.refresh_jit]}
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
         rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
@@ -401,29 +411,46 @@ class ContinuousSampler(BaseSampler):
                       key_impl: str | None) -> SlotState:
         """Prefill n rows [n, Lp] (left-aligned) into their pages and draw their step 0."""
         s, model = self.sampling, self._model(params)
-        n, Lp = tokens.shape
-        B, N = state.tokens.shape
-        P, ps = state.k.shape[2], state.k.shape[3]
+        N = state.tokens.shape[1]
         logits, cache = prefill_forward(model, tokens, mask, cache_dtype=state.k.dtype)  # n V
         live = rows >= 0
         plen = mask.sum(axis=1).astype(jnp.int32)  # n
-        # Token j of a row (j < its length) is dense slot Lp - len + j -> page table[j // ps], offset j % ps.
-        j = jnp.arange(Lp, dtype=jnp.int32)[None, :]  # 1 Lp
-        src = jnp.clip(Lp - plen[:, None] + j, 0, Lp - 1)  # n Lp
-        valid = live[:, None] & (j < plen[:, None])
-        page = jnp.take_along_axis(table, jnp.minimum(j // ps, table.shape[1] - 1).repeat(n, axis=0), axis=1)
-        page = jnp.where(valid, page, P)  # out of range: dropped
-        offset = jnp.broadcast_to(j % ps, (n, Lp))
-
-        def scatter(pool, dense):  # dense [L, n, Lp, KH, E] -> pool [L, KH, P, ps, E]
-            vals = jnp.take_along_axis(dense, src[None, :, :, None, None], axis=2).transpose(0, 3, 1, 2, 4)
-            return pool.at[:, :, page, offset].set(vals.astype(pool.dtype), mode="drop")
-
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         drawn = draw(logits, row_key_data(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s, stops=eos,
                      stop_at=_per_row(stop_at, rows))
-        st = state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
+        st = self._write_pages(state, cache, plen, table, live)
         return self._seat(st, slots=slots, rows=rows, lengths=plen, drawn=drawn, done=drawn.stopped | (N <= 1))
+
+    def _refresh_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, rows: jax.Array,
+                      table: jax.Array) -> SlotState:
+        """Rebuild the pages of n in-flight rows under ``params``: each row's cached
+        tokens (its prompt and every drawn token but the last, which the next step feeds)
+        [n, L] left-aligned, through the model again, their keys and values written over
+        the old ones (``train.async.on_weight_change: reprefill``). Nothing is drawn."""
+        _, cache = prefill_forward(self._model(params), tokens, mask, cache_dtype=state.k.dtype)
+        return self._write_pages(state, cache, mask.sum(axis=1).astype(jnp.int32), table, rows >= 0)
+
+    @staticmethod
+    def _write_pages(state: SlotState, cache: Any, lengths: jax.Array, table: jax.Array, live: jax.Array
+                     ) -> SlotState:
+        """A dense prefill cache [layers, n, L, KH, E] (rows left-aligned, ``lengths`` [n]
+        real tokens) written into the rows' pages (``table`` [n, W]); rows not ``live``
+        write nowhere."""
+        n, L = cache.k.shape[1], cache.k.shape[2]
+        P, ps = state.k.shape[2], state.k.shape[3]
+        # Token j of a row (j < its length) is dense slot L - len + j -> page table[j // ps], offset j % ps.
+        j = jnp.arange(L, dtype=jnp.int32)[None, :]  # 1 L
+        src = jnp.clip(L - lengths[:, None] + j, 0, L - 1)  # n L
+        valid = live[:, None] & (j < lengths[:, None])
+        page = jnp.take_along_axis(table, jnp.minimum(j // ps, table.shape[1] - 1).repeat(n, axis=0), axis=1)
+        page = jnp.where(valid, page, P)  # out of range: dropped
+        offset = jnp.broadcast_to(j % ps, (n, L))
+
+        def scatter(pool, dense):  # dense [layers, n, L, KH, E] -> pool [layers, KH, P, ps, E]
+            vals = jnp.take_along_axis(dense, src[None, :, :, None, None], axis=2).transpose(0, 3, 1, 2, 4)
+            return pool.at[:, :, page, offset].set(vals.astype(pool.dtype), mode="drop")
+
+        return state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
 
     def _seat(self, st: SlotState, *, slots: jax.Array, rows: jax.Array, lengths: jax.Array, drawn: tuple,
               done: jax.Array) -> SlotState:

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from grpo.core.contracts.engine import Progress
-from grpo.engine.rollout.paged.scheduler import Scheduler
+from grpo.engine.rollout.paged.scheduler import Scheduler, pow2
 
 
 class Runner(Protocol):
@@ -66,6 +66,10 @@ class EngineCore:
         self.marks = np.zeros(rows, np.int64)
         self.chunks = self.slot_steps = 0
         self._grow: np.ndarray | None = None  # the last boundary's lengths: live rows grow at the next step
+        # on_weight_change: reprefill: at a new version, the rows in flight rebuild their pages
+        # under the new weights before the next chunk (runner.refresh).
+        self.reprefill = self.refresh_pending = False
+        self.refreshed_rows = self.refreshed_tokens = 0
 
     # ------------------------------------------------------------------ rows
 
@@ -86,6 +90,12 @@ class EngineCore:
         if self._grow is not None:
             sched.grow_live(self._grow)
             self._grow = None
+        if self.refresh_pending:
+            self.refresh_pending = False
+            held = [(s, r) for s, r in enumerate(sched.slot_row) if r >= 0]
+            if held:
+                self.refreshed_rows += len(held)
+                self.refreshed_tokens += self.runner.refresh(held)
         admitted = sched.admit()
         if admitted:
             if self.versions is not None:  # a row (re)starts from its first token
@@ -118,7 +128,8 @@ class EngineCore:
         s, a = self.sched, self.sched.alloc
         return {"slots": a.slots, "chunk": s.chunk, "page_size": a.page_size, "chunks": self.chunks,
                 "peak_pages": a.peak, "pool_pages": a.pages, "evictions": s.evictions, "prefills": s.prefills,
-                "slot_steps": self.slot_steps}
+                "slot_steps": self.slot_steps, "refreshed_rows": self.refreshed_rows,
+                "refreshed_tokens": self.refreshed_tokens}
 
 
 class DeviceRunner:
@@ -159,6 +170,29 @@ class DeviceRunner:
 
     def boundary(self) -> tuple[np.ndarray, np.ndarray]:
         return tuple(on_host(self.state.done, self.state.lengths))
+
+    def refresh(self, held: list[tuple[int, int]]) -> int:
+        """The pages of the rows in flight (``(slot, row)`` pairs) rebuilt under
+        :attr:`params`: each row's prompt and its drawn tokens but the last (the one the
+        next step feeds) run through the model again, padded to a power of two of rows
+        and of tokens. Returns the tokens recomputed."""
+        e, alloc, place = self.engine, self.alloc, self.engine._place
+        slots, rows = (np.asarray(x, np.int64) for x in zip(*held))
+        gen, drawn = on_host(self.state.tokens, self.state.out_len)
+        seqs = [np.concatenate([self.tokens[r][self.mask[r] != 0], gen[r, :max(int(drawn[r]) - 1, 0)]]) for r in rows]
+        width = min(pow2(max(len(q) for q in seqs)), self.tokens.shape[1] + gen.shape[1])
+        n = min(pow2(len(held)), alloc.slots)
+        tokens, mask = np.zeros((n, width), np.int32), np.ones((n, width), np.int32)  # padding rows: all real
+        live = np.full(n, -1, np.int32)
+        table = np.zeros((n, alloc.max_pages), np.int32)
+        for i, (q, s, r) in enumerate(zip(seqs, slots, rows)):
+            tokens[i], mask[i] = 0, 0
+            tokens[i, width - len(q):], mask[i, width - len(q):] = q, 1
+            live[i], table[i] = r, alloc.table()[s]
+        self.state = e.refresh_jit(self.params, self.state, place(tokens, ("batch", "length")),
+                                   place(mask, ("batch", "length")), place(live, ("batch",)),
+                                   place(table, ("batch", None)))
+        return int(sum(len(q) for q in seqs))
 
     def read(self, ids: list[int]) -> tuple[np.ndarray | None, ...]:
         """Rows ``ids``' outputs on the host: tokens, mask, logprobs, out_len, truncated,
