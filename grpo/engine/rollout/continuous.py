@@ -132,8 +132,9 @@ class ContinuousSampler(BaseSampler):
         :meth:`slots_for` ``rows``). ``stop_at`` [rows] (benchmarks only): each row stops
         once it has that many tokens. A session is the engine's own state: :meth:`sample`
         runs beside it without touching it."""
+        # The session's weights are read at its first step (:meth:`step`), prepared then.
         self._core = self._new_core(rows=rows, prompt_length=prompt_length, key=key, versions=versions, slots=slots,
-                                    stop_at=stop_at, params=getattr(self, "_weights", None))
+                                    stop_at=stop_at, params=None)
         self._core.version = self.version
 
     def _new_core(self, *, rows: int, prompt_length: int, key: Any, versions: bool, slots: int | None, stop_at: Any,
@@ -154,7 +155,7 @@ class ContinuousSampler(BaseSampler):
         super().update_weights(params, version)
         core = getattr(self, "_core", None)
         if core is not None:  # the next chunk reads them (rows in flight go on under them)
-            core.runner.params, core.version = params, int(version)
+            core.runner.params, core.version = None, int(version)
 
     def submit(self, rows: Rows) -> None:
         self._submit(self._session(), rows)
@@ -180,7 +181,10 @@ class ContinuousSampler(BaseSampler):
         core.submit(ids, m.sum(axis=1))
 
     def step(self) -> Progress:
-        return self._session().step()
+        core = self._session()
+        if core.runner.params is None:  # the first chunk at this version: the weights, prepared
+            core.runner.params = self.weights
+        return core.step()
 
     def read(self, ids: Sequence[int]) -> FinishedRows:
         core = self._session()
@@ -221,7 +225,8 @@ class ContinuousSampler(BaseSampler):
         return self._session().stats()
 
     def end(self) -> None:
-        self._core, self._weights = None, None
+        self._core = None
+        self.release()
 
     def _session(self) -> EngineCore:
         core = getattr(self, "_core", None)
