@@ -18,7 +18,10 @@ same numbers.
 The :class:`Evaluator` is built from the run's pieces (config, program builder, task,
 tokenizer), never from the trainer: the sampler comes from
 :meth:`~grpo.engine.programs.RunPrograms.eval_sampler` like the training rollout's, and
-rows move between processes through :mod:`grpo.engine.parallel.rows`.
+takes the trained weights the same way, through its ``update_weights`` (the engine's
+weight preparation: reshard, LoRA merge; its prepared copy is released when the
+evaluation is done); rows move between processes through
+:mod:`grpo.engine.parallel.rows`.
 
 Samples are scored with the task's own rewards only: ``task.overlong`` shapes the
 training signal, so it never enters ``eval/reward/*``, and correctness (pass@k) is the
@@ -100,13 +103,21 @@ class Evaluator:
             self._sampler = self.programs.eval_sampler()
         return self._prompts, self._sampler
 
-    def scores(self, sampler_state: Any) -> EvalScores:
-        """Per-example results of the policy whose sampler state is ``sampler_state``."""
+    def scores(self, params: Any, version: int = 0) -> EvalScores:
+        """Per-example results of the policy of trained weights ``params`` (policy
+        ``version``), which enter the eval sampler through its ``update_weights``."""
+        prompts, sampler = self.prepare()
+        sampler.update_weights(params, version)
+        try:
+            return self._scores(prompts, sampler)
+        finally:
+            sampler.release()
+
+    def _scores(self, prompts: PromptSet, sampler: Any) -> EvalScores:
         from grpo.engine.rollout.scoring import score_completions
 
         cfg = self.config
         k = cfg.eval.k
-        prompts, sampler = self.prepare()
         n = len(prompts)
         real, size = self.programs.eval_batch(n)
         width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
@@ -126,7 +137,7 @@ class Evaluator:
             examples = [ex for ex in batch.examples[local] for _ in range(k)]
             # The environments of a multi-turn task's rows are made for padding prompts too:
             # every process takes part in every turn's programs.
-            sampled = sampler.sample(sampler_state, batch.tokens, batch.mask, rng, examples)
+            sampled = sampler.sample(sampler.weights, batch.tokens, batch.mask, rng, examples)
             if keep == 0:
                 continue
             texts, examples = sampled.texts[: keep * k], sampled.examples[: keep * k]
@@ -144,14 +155,14 @@ class Evaluator:
         flat = every[real_slots]  # n 2, eval-split order
         return EvalScores(correct=flat[:, 0].astype(np.int64), reward=flat[:, 1])
 
-    def __call__(self, step: int, sampler_state: Any) -> dict[str, Any]:
-        """One evaluation of the policy whose sampler state is ``sampler_state`` (what
-        :meth:`~grpo.engine.programs.RunPrograms.sampler_state` gives), logged at ``step``."""
+    def __call__(self, step: int, params: Any) -> dict[str, Any]:
+        """One evaluation of the policy of trained weights ``params`` (the trainer's, at
+        policy version ``step``), logged at ``step``."""
         from grpo.engine.eval_metrics import group_metrics
 
         k = self.config.eval.k
         t0 = time.perf_counter()
-        scores = self.scores(sampler_state)
+        scores = self.scores(params, step)
         groups = [[True] * int(c) + [False] * (k - int(c)) for c in scores.correct]
         metrics = group_metrics(groups, ks=sorted({1, k}))
         out_row: dict[str, Any] = {"step": step}

@@ -13,7 +13,8 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
 
 - ``reshard`` (a rollout style with its own layout, ``serving``) or ``merge`` (LoRA with
   ``model.lora.sampler: merged`` on the training layout): the policy as the sampler
-  reads it, once per step (:meth:`RunPrograms.sampler_state`);
+  reads it, once per step (:meth:`RunPrograms.prepare_weights`, which the engine applies
+  to the weights of its ``update_weights`` when a draw first reads them);
 - the sampler's own (:meth:`~grpo.engine.rollout.sampler.BaseSampler.lowerings`):
   ``prefill`` of the step's prompts (``train.prompts_per_step`` x the largest prompt
   bucket), cache repeated K times; ``decode``, the KV-cache decode loop up to
@@ -109,6 +110,10 @@ class RunPrograms:
     # single-turn rows' detokenizer (Policy.decode), or a multi-turn task's conversations.
     detokenize: Any = None
     conversations: Any = None  # grpo.engine.rollout.conversations.Conversations
+    # The frozen LoRA base on this builder's mesh (None: no LoRA), which the weight
+    # preparation reads beside the trained adapters (:meth:`prepare_weights`): the
+    # trainer's for its own programs, the weight sync's copy on a rollout mesh.
+    frozen: Any = None
     # Whether the passes over a finished batch run packed (train.packing.enabled and a loss
     # that supports it; decided once by build_programs).
     packing: bool = False
@@ -177,7 +182,7 @@ class RunPrograms:
                 self.config, placement=self.rollout, graphdef=self.graphdef, plugins=self.plugins,
                 eos_ids=self.eos_ids, pad_id=self.pad_id, multi_turn=self.multi_turn,
                 lora_adapters=not self.merged_sampling, detokenize=self.detokenize,
-                conversations=self.conversations, greedy=greedy, num_generations=k,
+                conversations=self.conversations, greedy=greedy, num_generations=k, prepare=self.prepare_weights,
             )
         return self._samplers[key]
 
@@ -200,12 +205,16 @@ class RunPrograms:
         lora = self.config.model.lora
         return lora is not None and lora.sampler == "merged"
 
-    def sampler_state(self, params: Any, frozen: Any) -> Any:
-        """What the sampler reads for trainable ``params`` and the ``frozen`` base
-        (:func:`grpo.engine.rollout.weights.sampler_state`): the state as is, LoRA merged
-        (``merge``), or copied into a rollout style's own layout (``reshard``)."""
+    def prepare_weights(self, params: Any) -> Any:
+        """What this builder's engines read for trained ``params`` beside the frozen base
+        :attr:`frozen` (:func:`grpo.engine.rollout.weights.sampler_state`): the state as
+        is, LoRA merged (``merge``), or copied into a rollout style's own layout
+        (``reshard``). The engines' weight preparation
+        (:attr:`grpo.RolloutEngine.prepare`): only an engine calls it, when a draw first
+        reads the weights of its ``update_weights``."""
         from grpo.engine.rollout.weights import sampler_state
 
+        frozen = self.frozen
         return sampler_state(params, frozen, resharded=self.rollout.resharded, merging=self._merging(frozen),
                              reshard=self.reshard_jit, merge=self.merge_jit)
 
@@ -621,13 +630,16 @@ def build_programs(
     chip: Any = None,
     detokenize: Any = None,
     conversations: Any = None,
+    frozen: Any = None,
 ) -> RunPrograms:
     """The programs of ``config`` on ``mesh`` for the model ``graphdef`` (from
     ``nnx.split`` of a concrete or an abstract model).
 
     ``detokenize`` (``Policy.decode``) and ``conversations`` (a multi-turn task's) are the
     run's text side, which the samplers' ``sample`` needs; ``grpo plan`` and the
-    benchmarks, which only compile and time programs, have none.
+    benchmarks, which only compile and time programs, have none. ``frozen``: the LoRA
+    base on ``mesh`` that the engines' weight preparation reads
+    (:meth:`RunPrograms.prepare_weights`).
 
     A rollout style with its own layouts needs the model's config ``arch`` and the
     ``topology``; to pick among several (``tensor_parallel: auto``) it uses the chip
@@ -672,6 +684,7 @@ def build_programs(
         rollout=placement,
         detokenize=detokenize,
         conversations=conversations,
+        frozen=frozen,
     )
 
 

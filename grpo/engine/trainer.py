@@ -116,15 +116,17 @@ class Trainer:
             tool_format=family_of(model.config).tool_call_format, timeout_s=config.rollout.tool_timeout_s,
         ) if examples else None
         # Every jitted program of a step comes from the one builder `grpo plan` compiles.
-        def programs_on(mesh, layout, topology):
+        # The trainer's programs' engines read the LoRA base where it is; a rollout mesh's
+        # get it from the weight sync, which moves it there once.
+        def programs_on(mesh, layout, topology, frozen=None):
             return build_programs(
                 config, mesh=mesh, layout=layout, graphdef=self.graphdef,
                 eos_ids=self.policy.eos_ids, pad_id=self.policy.pad_id, plugins=self.plugins,
                 arch=model.config, topology=topology, state=state, chip=chip_of(mesh.devices.flat[0]),
-                detokenize=self.policy.decode, conversations=self.conversations,
+                detokenize=self.policy.decode, conversations=self.conversations, frozen=frozen,
             )
 
-        self.programs = programs_on(self.mesh, self.layout, self.topology)
+        self.programs = programs_on(self.mesh, self.layout, self.topology, self.frozen)
         # Async: the rollout's programs on the rollout mesh, from the same builder.
         rollout_programs = self.programs if self.meshes is None else programs_on(
             self.meshes.rollout.mesh, self.meshes.rollout.layout, self.meshes.rollout.topology)
@@ -176,9 +178,16 @@ class Trainer:
     # ------------------------------------------------------------------ the step's stages
 
     def policy_params(self) -> Any:
-        """What the sampler reads: the whole model's state (base and adapters, no copies),
-        or for ``model.lora.sampler: merged`` the projections with the adapters merged in."""
-        return self.programs.sampler_state(self.params, self.frozen)
+        """What the evaluation's engine reads for the current weights, taken in through its
+        ``update_weights`` (the one way in): the whole model's state (base and adapters,
+        no copies), or for ``model.lora.sampler: merged`` the projections with the
+        adapters merged in. The engine drops its prepared copy: the caller's is the only one."""
+        engine = self.programs.eval_sampler()
+        engine.update_weights(self.params, self.step)
+        try:
+            return engine.weights
+        finally:
+            engine.release()
 
     def advantages(self, rollout: StepRollout) -> jax.Array:
         """The rows' advantages: [B] group advantages of their total rewards, or with
@@ -424,7 +433,7 @@ class Trainer:
         return self.loop.step()
 
     def evaluate(self) -> dict[str, Any]:
-        return self.evaluator(self.step, self.policy_params())
+        return self.evaluator(self.step, self.params)
 
     def run(self) -> dict[str, Any]:
         cfg = self.config

@@ -242,6 +242,7 @@ def test_a_third_party_rollout_engine_is_listed_validated_and_built(example_plug
     programs = build_programs(config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=(1,), pad_id=0, state=state)
     sampler = programs.sampler()
     assert sampler.label == "mine" and type(sampler).__name__ == "Sampler"
+    assert sampler.prepare == programs.prepare_weights  # the builder gives it the run's weight preparation
     assert (sampler.sampling.max_new_tokens, sampler.sampling.num_generations, sampler.sampling.eos_ids) == (8, 2, (1,))
     assert programs.sampler(greedy=True).sampling.greedy  # one build per (greedy, k)
     problems = programs.plugins["engine"].plugin.check(multi_turn=True, options=programs.plugins["engine"].options)

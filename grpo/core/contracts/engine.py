@@ -6,9 +6,12 @@ An engine is what a :class:`~grpo.core.contracts.RolloutEnginePlugin` builds. Ev
 caller in grpo talks to it through these methods and nothing else:
 
 - :meth:`RolloutEngine.update_weights` ``(params, version)``: the one place weights enter
-  (a JAX engine keeps a reference; an external server is pushed the new weights; later,
-  quantization at sync happens here). ``version`` is the policy version (optimizer steps
-  applied) that every token drawn from then on is stamped with.
+  (the trained weights, once per sync; the engine prepares them for its programs:
+  :attr:`RolloutEngine.prepare` reshards them into the rollout's layout or merges LoRA,
+  later quantizes them; an external server is pushed them). ``version`` is the policy
+  version (optimizer steps applied) that every token drawn from then on is stamped with.
+  :attr:`RolloutEngine.weights` is what the programs read; :meth:`RolloutEngine.release`
+  drops a prepared copy once a draw is done with it.
 - :meth:`RolloutEngine.submit` ``(rows)``: :class:`Rows` to roll out, each with its id and
   its own PRNG key (so a row's samples never depend on batching or slots).
 - :meth:`RolloutEngine.step`: advance one unit of work (a chunk of decode steps) and say
@@ -41,7 +44,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from typing import Any, ClassVar, Mapping, NamedTuple, Sequence
+from typing import Any, Callable, ClassVar, Mapping, NamedTuple, Sequence
 
 from pydantic import BaseModel
 
@@ -154,7 +157,37 @@ class FinishedRows:
 class RolloutEngine(abc.ABC):
     """A rollout engine: weights in once per sync, rows in with their keys, finished
     rows out (see the module docstring). ``sampling`` is the engine's
-    ``SamplingParams`` (cap, K, temperature, filters, stop and pad ids)."""
+    ``SamplingParams`` (cap, K, temperature, filters, stop and pad ids).
+
+    **Weights.** :meth:`update_weights` ``(params, version)`` is the one place weights
+    enter an engine; grpo calls it with the *trained* weights as the trainer holds them
+    (the whole model's state, or with LoRA the adapters alone: the frozen base is bound
+    into :attr:`prepare`), already on the rollout's devices, once per sync (after every
+    update, and before evaluation on the evaluation's engine). What the engine's programs
+    read is :attr:`weights`: ``prepare(params)``, the run's preparation, which the program
+    builder gives every engine it builds (:attr:`EngineContext.prepare`; an engine that
+    set its own :attr:`prepare` keeps it). It is the state as is on the training layout
+    (no copy), the LoRA adapters merged into the projections (``model.lora.sampler:
+    merged``), or a copy in a rollout style's own layout (``reshard``, merging on the
+    way); later, quantization at sync goes here too.
+
+    The preparation is lazy: :meth:`update_weights` only records the params (dropping the
+    last prepared copy), and the first read of :attr:`weights` at that version prepares
+    them; :meth:`release` (and :meth:`end`) drops the prepared copy, keeping the params,
+    and the next read prepares them again. A draw reads :attr:`weights` and releases them
+    when its decode is done, so a copy (a reshard, a merge) lives from the draw until its
+    decode ends and never through the next training update, as it would if
+    :meth:`update_weights` prepared eagerly. On the training layout without merging no
+    copy is made at all: the programs read the update's own arrays, which the next
+    update donates (so the loop syncs after every update, before the next draw).
+
+    A subclass that keeps the base's :meth:`update_weights` (calling ``super()``) reads
+    :attr:`weights`; handing the engine its own :attr:`weights` back
+    (``update_weights(engine.weights, v)``, as a wrapper's ``sample`` may) changes
+    nothing but the version, so nothing is prepared twice. A subclass that overrides
+    :meth:`update_weights` without calling ``super()`` (an adapter pushing the weights to
+    an external server) receives the trained params as they are and prepares them its
+    own way (``context.prepare`` is there to compose with)."""
 
     sampling: Any
     #: The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
@@ -165,25 +198,44 @@ class RolloutEngine(abc.ABC):
     #: The engine models its own schedule (:meth:`simulate`: a paged engine whose decode
     #: ``grpo plan --lengths`` costs chunk by chunk, and whose cache is a page pool).
     simulates: bool = False
+    #: ``prepare(params)`` -> what the engine's programs read, for trained ``params`` (see
+    #: the class docstring). None: the params as they come. The program builder sets it
+    #: to :attr:`EngineContext.prepare` on an engine that has none.
+    prepare: Callable[[Any], Any] | None = None
 
     # ------------------------------------------------------------------ weights
 
     def update_weights(self, params: Any, version: int = 0) -> None:
-        """The weights every row drawn from now on reads (``RunPrograms.sampler_state``:
-        the rollout layout's parameters, LoRA merged or not), as policy ``version``."""
-        self._weights, self._version = params, int(version)
+        """The trained weights ``params`` every row drawn from now on reads (prepared on
+        the first read of :attr:`weights`), as policy ``version``. Handing back the
+        engine's own :attr:`weights` keeps them (only the version changes)."""
+        if params is None or params is not self.__dict__.get("_prepared"):
+            self._params, self._prepared = params, None
+        self._version = int(version)
 
     @property
     def weights(self) -> Any:
-        """The weights last handed to :meth:`update_weights`."""
-        weights = getattr(self, "_weights", None)
-        if weights is None:
-            raise RuntimeError(f"{type(self).__name__}: update_weights() was never called")
-        return weights
+        """What the engine's programs read at the current version: ``prepare(params)`` of
+        the last :meth:`update_weights`, prepared on the first read and held until
+        :meth:`release` or the next :meth:`update_weights`."""
+        prepared = self.__dict__.get("_prepared")
+        if prepared is None:
+            params = self.__dict__.get("_params")
+            if params is None:
+                raise RuntimeError(f"{type(self).__name__}: update_weights() was never called")
+            prepared = params if self.prepare is None else self.prepare(params)
+            self._prepared = prepared
+        return prepared
 
     @property
     def version(self) -> int:
-        return getattr(self, "_version", 0)
+        return self.__dict__.get("_version", 0)
+
+    def release(self) -> None:
+        """Drop the prepared copy of the weights (a draw is done with them): the params of
+        the last :meth:`update_weights` stay, and the next read of :attr:`weights`
+        prepares them again."""
+        self._prepared = None
 
     # ------------------------------------------------------------------ one batch
 
@@ -191,9 +243,10 @@ class RolloutEngine(abc.ABC):
     def sample(self, params: Any, prompt_tokens: Any, prompt_mask: Any, rng: Any,
                examples: Sequence[Mapping[str, Any]]) -> Sampled:
         """Roll out ``num_generations`` samples of each of the P prompts [P, Lp] with the
-        weights ``params`` (handed to :meth:`update_weights` first); row ``b*K + j``
-        draws from ``fold_in(rng, b*K + j)``. ``examples``: this process's rows'
-        examples."""
+        weights ``params``: what the programs read, the engine's own :attr:`weights` (the
+        caller reads them after :meth:`update_weights` and releases them when its draw is
+        done); row ``b*K + j`` draws from ``fold_in(rng, b*K + j)``. ``examples``: this
+        process's rows' examples."""
 
     # ------------------------------------------------------------------ rows (streaming)
 
@@ -247,8 +300,8 @@ class RolloutEngine(abc.ABC):
 
     def end(self) -> None:
         """The rows are done with: release what the engine holds for them (its cache, the
-        weights of the last :meth:`update_weights`)."""
-        self._weights = None
+        prepared copy of the weights: :meth:`release`)."""
+        self.release()
 
     # ------------------------------------------------------------------ planning (optional)
     #
@@ -322,7 +375,14 @@ class EngineContext:
       for the run's rollout layout (mesh, batch axes, sharding rules, kv_segment, LoRA);
     - ``detokenize``: ``(tokens [b, N], mask [b, N]) -> texts`` of the run's tokenizer;
     - ``conversations``: a multi-turn task's conversations (None when single-turn);
-    - ``multi_turn``: whether the task rolls out conversations (tools or an environment).
+    - ``multi_turn``: whether the task rolls out conversations (tools or an environment);
+    - ``prepare``: trained params -> what the engine's programs read (the run's weight
+      preparation, built by the program builder from the rollout's placement: the state
+      as is, LoRA merged, or resharded into a rollout style's own layout, with the frozen
+      LoRA base bound). The builder sets it as :attr:`RolloutEngine.prepare` on the
+      engine :meth:`RolloutEnginePlugin.build` returns unless the engine set its own; an
+      engine that builds another inside it (a wrapper) gives it to the inner one if it
+      hands the inner engine trained weights. None: the params as they come.
     """
 
     graphdef: Any
@@ -332,15 +392,17 @@ class EngineContext:
     detokenize: Any = None
     conversations: Any = None
     multi_turn: bool = False
+    prepare: Callable[[Any], Any] | None = None
 
 
 class RolloutEnginePlugin(_PluginBase):
     """A rollout engine (``rollout.engine``; options in ``rollout.engine_options``): what
     turns a step's prompts and the current weights into rows.
 
-    :meth:`build` returns a :class:`RolloutEngine` (the contract above: weights in
-    through ``update_weights``, one batch through ``sample``, rows streamed through
-    ``begin``/``submit``/``step``/``read`` where ``streams``). Its one-batch rollout:
+    :meth:`build` returns a :class:`RolloutEngine` (the contract above: trained weights
+    in through ``update_weights``, prepared by ``context.prepare``; one batch through
+    ``sample``; rows streamed through ``begin``/``submit``/``step``/``read`` where
+    ``streams``). Its one-batch rollout:
 
     - **Rows with per-row keys**: ``prompt_tokens``/``prompt_mask`` [P, Lp] int32 (padded
       either side), K = ``sampling.num_generations`` rows per prompt, row ``b*K + j``.
@@ -393,11 +455,7 @@ class _Wrapped(RolloutEngine):
         self.max_turns = int(getattr(inner, "max_turns", 1))
 
     def sample(self, params, prompt_tokens, prompt_mask, rng, examples):
-        self.update_weights(params, self.version)
-        try:
-            return self.inner.sample(params, prompt_tokens, prompt_mask, rng, examples)
-        finally:
-            self.end()
+        return self.inner.sample(params, prompt_tokens, prompt_mask, rng, examples)
 
     def __getattr__(self, name: str) -> Any:  # anything else it has
         return getattr(self.__dict__["inner"], name)

@@ -285,33 +285,46 @@ def _build(config: Any, settings: dict[str, Any]) -> _Built:
     pad = int(cfg.pad_token_id if cfg.pad_token_id is not None else (eos[0] if eos else 0))
     programs = build_programs(
         config, mesh=mesh, layout=layout, graphdef=graphdef, eos_ids=eos, pad_id=pad, arch=cfg, topology=topology,
-        state=state, chip=chip_of(jax.devices()[0]),
+        state=state, chip=chip_of(jax.devices()[0]), frozen=frozen,
     )
     return _Built(layout, mesh, graphdef, state, adapters, frozen, cfg, eos, pad, source, programs, lora_info)
 
 
+def _prepared(engine: Any, params: Any) -> Any:
+    """What ``engine`` reads for the trained ``params``: taken in through its
+    ``update_weights`` and read once (the engine's weight preparation: reshard, LoRA
+    merge), the engine's own copy released (the caller's is the only one)."""
+    engine.update_weights(params)
+    try:
+        return engine.weights
+    finally:
+        engine.release()
+
+
 def _sampler_state(built: _Built, settings: dict[str, Any], repeats: int) -> tuple[Any, float | None, int]:
-    """What the sampler reads, the serving layout's reshard time (None without one) and
-    the state's bytes; with LoRA the builder's merge time goes into ``built.lora``."""
+    """What the sampler reads (through its engine's ``update_weights``), the serving
+    layout's reshard time (None without one) and the state's bytes; with LoRA the
+    builder's merge time goes into ``built.lora``."""
     import jax
 
     from grpo.engine.programs import build_programs
     from grpo.models.quant import bits_per_element
 
     programs, adapters, frozen = built.programs, built.adapters, built.frozen
-    params = jax.block_until_ready(programs.sampler_state(adapters, frozen))
+    engine = programs.sampler()
+    params = jax.block_until_ready(_prepared(engine, adapters))
     # A serving layout's once-per-step reshard (timed like the rest: best of --repeats).
     reshard_s = None
     if programs.rollout.resharded:
-        reshard_s = round(_best_of(lambda: programs.sampler_state(adapters, frozen), repeats), 6)
+        reshard_s = round(_best_of(lambda: _prepared(engine, adapters), repeats), 6)
     if built.lora is not None:
         if settings.get("base_quantization", "none") == "none":
             # What `model.lora.sampler: merged` adds per step: the builder's own merge.
             merged = build_programs(
                 bench_config(**settings, lora_sampler="merged"), mesh=built.mesh, layout=built.layout,
-                graphdef=built.graphdef, eos_ids=built.eos, pad_id=built.pad,
-            )
-            built.lora["merge_s"] = round(_best_of(lambda: merged.sampler_state(adapters, frozen)), 6)
+                graphdef=built.graphdef, eos_ids=built.eos, pad_id=built.pad, frozen=frozen,
+            ).sampler()
+            built.lora["merge_s"] = round(_best_of(lambda: _prepared(merged, adapters)), 6)
         else:
             built.lora["merge_s"] = None
             built.lora["merge_note"] = "model.lora.sampler=merged needs an unquantized base"

@@ -30,10 +30,11 @@ def processes(meshes: Any) -> int:
 
 def build_loop(trainer: Any, rollout_programs: Any) -> Loop | RolloutSide:
     """The trainer's loop for its config: ``rollout_programs`` are the rollout side's
-    (the trainer's own when synchronous); ``trainer.collector`` draws on them."""
+    (the trainer's own when synchronous); ``trainer.collector`` draws on them, with the
+    engine (``trainer.collector.sampler``) the weight sync hands the weights to."""
+    engine = trainer.collector.sampler
     if trainer.meshes is None:
-        return Loop(trainer, InlineSource(trainer.collector), SameDevices(trainer.programs, trainer.frozen),
-                    max_staleness=None)
+        return Loop(trainer, InlineSource(trainer.collector), SameDevices(engine), max_staleness=None)
     cfg = trainer.config.train.async_
     if processes(trainer.meshes) > 1:
         exchange = side_exchange(trainer)
@@ -43,7 +44,7 @@ def build_loop(trainer: Any, rollout_programs: Any) -> Loop | RolloutSide:
         return Loop(trainer, link, link, max_staleness=cfg.max_staleness)
     kind = PartialSource if cfg.partial_rollouts else BackgroundSource
     source = kind(trainer.collector, update=trainer.programs, max_staleness=cfg.max_staleness)
-    return Loop(trainer, source, OtherMesh(rollout_programs, trainer.params, trainer.frozen),
+    return Loop(trainer, source, OtherMesh(rollout_programs, engine, trainer.params, trainer.frozen),
                 max_staleness=cfg.max_staleness)
 
 

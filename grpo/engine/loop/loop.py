@@ -15,7 +15,8 @@ optimizer steps applied to them):
 - advantages -> update batch -> optimizer steps (the trainer's stages);
 - the ledger records the entry's data positions trained, the trainer's step and data
   position advance (only here), and the new weights (version ``s + 1``) go to the
-  rollout side through the one :meth:`~grpo.engine.loop.sync.WeightSync.sync`;
+  rollout side through the one :meth:`~grpo.engine.loop.sync.WeightSync.sync` (the
+  rollout engine's ``update_weights``, in every mode);
 - the metrics row, with the asynchronous figures when the run is asynchronous; then the
   source's end of step (two processes: the step's one exchange).
 
@@ -64,10 +65,10 @@ class Loop:
     # ------------------------------------------------------------------ the buffer
 
     def cursor(self) -> dict[str, Any]:
-        """Where the next draw starts: its step, data position, version, sampler weights."""
+        """Where the next draw starts: its step, data position and version (the weights
+        the sync gave the rollout engine)."""
         tr = self.trainer
         return {"step": self.next_step, "position": self.next_position, "version": self.version,
-                "params": self.sync.sampler_params,
                 "sample_group": tr.is_main and self.next_step % tr.config.logging.every_n_steps == 0}
 
     def append(self, entry: Buffered) -> None:

@@ -113,11 +113,10 @@ class ProcessLink(RolloutSource, WeightSync):
     # ------------------------------------------------------------------ weight sync
 
     def sync(self, params: Any, version: int) -> None:
-        del version  # the state that crosses with them says it
+        # The rollout side's engine is on the other process: its OtherMesh's sync hands
+        # them to it (the state that crosses with them says the version).
+        del version
         self.staged = params
-
-    def sampler_params(self) -> Any:
-        return None  # the rollout side's sampler is on the other process
 
     def figures(self) -> dict[str, float]:
         # The previous weights' exchange, seen from the update side.
@@ -197,7 +196,8 @@ class RolloutSide:
         self.trainer, self.exchange = trainer, exchange
         self.max_staleness = trainer.config.train.async_.max_staleness
         self.treedef = jax.tree.structure(trainer.params)
-        self.sync = OtherMesh(programs, trainer.params, None)  # where the weights enter the rollout side
+        # Where the weights enter the rollout side: its engine's update_weights.
+        self.sync = OtherMesh(programs, trainer.collector.sampler, trainer.params, None)
         self.version = -1
         # Drawn and not yet trained, in step order: each entry's spec and host arrays.
         self.stored: collections.deque[tuple[Any, dict[str, np.ndarray]]] = collections.deque()
@@ -255,7 +255,7 @@ class RolloutSide:
         else:
             step, position = tr.step, tr.data_position
         try:
-            rollout = tr.collector.collect(step=step, position=position, params=self.sync.sampler_params,
+            rollout = tr.collector.collect(step=step, position=position,
                                            sample_group=tr.is_main and step % tr.config.logging.every_n_steps == 0)
         except Exception as err:
             raise RolloutFailed(

@@ -3,7 +3,8 @@
 Every source yields the same record (:class:`~grpo.engine.loop.buffer.Buffered`: the
 rollout, its data positions and each row's policy version), drawn at the step and data
 position the loop's cursor names, with the weights the loop's
-:class:`~grpo.engine.loop.sync.WeightSync` last synced. Three of them:
+:class:`~grpo.engine.loop.sync.WeightSync` last gave the rollout engine
+(``update_weights``). Three of them:
 
 - :class:`InlineSource` (synchronous GRPO): the step's rollout drawn when it is due, on
   the update's own devices (:meth:`~grpo.engine.rollout.step.StepCollector.collect`).
@@ -36,10 +37,10 @@ from grpo.engine.loop.buffer import Buffered, RolloutFailed, moved, stored
 from grpo.engine.rollout.partial import Ledger, PartialRollouts, oldest_versions
 
 
-def _collected(collector: Any, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
+def _collected(collector: Any, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
     """A whole step's rollout (:meth:`~grpo.engine.rollout.step.StepCollector.collect`),
     every row at ``version``."""
-    rollout = collector.collect(step=step, position=position, params=params, sample_group=sample_group)
+    rollout = collector.collect(step=step, position=position, sample_group=sample_group)
     return Buffered(step=step, position=position, versions=np.full(rollout.rewards.shape[0], version, np.int64),
                     rollout=rollout)
 
@@ -59,9 +60,9 @@ class RolloutSource:
     def reset(self, ledger: Ledger) -> None:
         """Forget what is in flight (after a resume), drawing from ``ledger`` next."""
 
-    def draw(self, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
-        """Step ``step``'s rollout from data ``position`` at policy ``version`` (``params()``:
-        what the sampler reads), in line."""
+    def draw(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
+        """Step ``step``'s rollout from data ``position`` at policy ``version`` (the
+        weights the sync gave the rollout engine), in line."""
         raise NotImplementedError
 
     def fill(self, loop: Any, count: int) -> None:
@@ -116,9 +117,8 @@ class InlineSource(RolloutSource):
     def __init__(self, collector: Any):
         self.collector = collector
 
-    def draw(self, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
-        return _collected(self.collector, step=step, position=position, version=version, params=params,
-                          sample_group=sample_group)
+    def draw(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
+        return _collected(self.collector, step=step, position=position, version=version, sample_group=sample_group)
 
 
 class BackgroundSource(RolloutSource):
@@ -134,15 +134,13 @@ class BackgroundSource(RolloutSource):
         self.rows, self.replicated = update.train_sharding, update.replicated
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grpo-rollout")
 
-    def _drawn(self, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
-        return _collected(self.collector, step=step, position=position, version=version, params=params,
-                          sample_group=sample_group)
+    def _drawn(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
+        return _collected(self.collector, step=step, position=position, version=version, sample_group=sample_group)
 
-    def draw(self, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
+    def draw(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
         """Drawn on the rollout mesh and moved to the update mesh (a failure says where)."""
         try:
-            entry = self._drawn(step=step, position=position, version=version, params=params,
-                                sample_group=sample_group)
+            entry = self._drawn(step=step, position=position, version=version, sample_group=sample_group)
         except Exception as err:
             raise RolloutFailed(
                 f"async GRPO: the rollout of step {step + 1} (data position {position}, policy version {version}) "
@@ -182,10 +180,9 @@ class PartialSource(BackgroundSource):
         self.partial.reset(frontier=ledger.frontier, ahead=sorted(ledger.ahead))
         self.partial.ledger = ledger  # the loop's: the stream feeds from it, trained() records in it
 
-    def _drawn(self, *, step: int, position: int, version: int, params: Any, sample_group: bool) -> Buffered:
+    def _drawn(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
         del position  # the stream feeds the groups not yet trained, from the ledger
-        rollout, token_versions, positions = self.partial.draw(step=step, params=params(), version=version,
-                                                               sample_group=sample_group)
+        rollout, token_versions, positions = self.partial.draw(step=step, version=version, sample_group=sample_group)
         return Buffered(step=step, position=min(positions), versions=oldest_versions(token_versions),
                         rollout=rollout, token_versions=token_versions, positions=positions)
 

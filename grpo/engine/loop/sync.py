@@ -2,10 +2,12 @@
 
 :meth:`WeightSync.sync` ``(params, version)`` is the one function through which weights
 go to the rollout side (the loop calls it before a draw at a version the rollout side
-does not hold yet, and after every update); :meth:`WeightSync.sampler_params` is what
-the rollout side's sampler then reads. Three of them:
+does not hold yet, and after every update): it moves them where the rollout engine runs
+and hands them to the engine's ``update_weights``, in every mode. The engine prepares
+them (:attr:`grpo.RolloutEngine.prepare`: reshard, LoRA merge) when a draw first reads
+them, and drops the prepared copy when the draw is done. Three of them:
 
-- :class:`SameDevices` (synchronous GRPO): the sampler reads the update's own weights;
+- :class:`SameDevices` (synchronous GRPO): the engine reads the update's own weights;
   nothing moves.
 - :class:`OtherMesh` (asynchronous GRPO in one process): one resharding ``device_put``
   onto the rollout mesh, dispatched and not waited for: the main thread goes on (logs,
@@ -15,7 +17,7 @@ the rollout side's sampler then reads. Three of them:
   ``time/train/weight_sync_dispatch_s``: what the main thread spent dispatching it).
 - two processes: the weights cross in the step's exchange
   (:class:`~grpo.engine.loop.processes.ProcessLink`, which is the run's source and its
-  sync at once).
+  sync at once); on the rollout process an :class:`OtherMesh` hands them to its engine.
 """
 
 from __future__ import annotations
@@ -28,29 +30,23 @@ import jax
 
 
 class WeightSync:
-    """The interface. :meth:`sync` is the one place weights enter the rollout side (the
-    place for an engine's ``update_weights``); a sync says only how they :meth:`move`
-    there."""
+    """The interface. :meth:`sync` is the one place weights enter the rollout side: they
+    :meth:`move` there, then enter the rollout ``engine`` through its
+    ``update_weights``; a sync says only how they move."""
 
-    programs: Any = None  # the rollout side's (the program builder's on its mesh)
-    frozen: Any = None  # the LoRA base on the rollout side (None: no LoRA)
+    engine: Any = None  # the rollout side's engine (a grpo.RolloutEngine; None: on another process)
     params: Any = None  # the last synced weights, on the rollout side
 
     def sync(self, params: Any, version: int) -> None:
         """The trainer's weights ``params`` (version ``version``: optimizer steps applied)
-        to the rollout side."""
-        del version
+        to the rollout side, into its engine."""
         self.params = self.move(params)
+        if self.engine is not None:
+            self.engine.update_weights(self.params, version)
 
     def move(self, params: Any) -> Any:
         """``params`` where the rollout side reads them."""
         raise NotImplementedError
-
-    def sampler_params(self) -> Any:
-        """What the rollout side's sampler reads: the last synced weights, in the whole
-        model's state (base and adapters, no copies), or for ``model.lora.sampler:
-        merged`` the projections with the adapters merged in."""
-        return self.programs.sampler_state(self.params, self.frozen)
 
     def figures(self) -> dict[str, float]:
         """The step's metrics of the weights' move (read after the step's :meth:`sync`)."""
@@ -61,12 +57,12 @@ class WeightSync:
 
 
 class SameDevices(WeightSync):
-    """The rollout reads the update's weights where they are (as
-    :meth:`~grpo.engine.trainer.Trainer.policy_params` does). The update donates them, so
-    the loop syncs again after every update."""
+    """The rollout ``engine`` reads the update's weights where they are (beside the
+    trainer's LoRA base, which its programs' preparation reads). The update donates them,
+    so the loop syncs again after every update."""
 
-    def __init__(self, programs: Any, frozen: Any):
-        self.programs, self.frozen = programs, frozen
+    def __init__(self, engine: Any):
+        self.engine = engine
 
     def move(self, params: Any) -> Any:
         return params
@@ -74,15 +70,17 @@ class SameDevices(WeightSync):
 
 class OtherMesh(WeightSync):
     """The weights resharded onto the rollout mesh (``programs``: the rollout side's, by
-    the program builder). The LoRA base never changes: it moves once, here."""
+    the program builder; ``engine``: its rollout engine). The LoRA base never changes: it
+    moves once, here, into the programs whose weight preparation reads it
+    (:attr:`~grpo.engine.programs.RunPrograms.frozen`)."""
 
-    def __init__(self, programs: Any, params: Any, frozen: Any):
+    def __init__(self, programs: Any, engine: Any, params: Any, frozen: Any):
         from grpo.engine.rollout.layout import state_shardings
         from grpo.sharding import PARAM_RULES
 
-        self.programs = programs
+        self.programs, self.engine = programs, engine
         self.shardings = state_shardings(params, programs.mesh, PARAM_RULES)
-        self.frozen = None if frozen is None else jax.device_put(
+        programs.frozen = None if frozen is None else jax.device_put(
             frozen, state_shardings(frozen, programs.mesh, PARAM_RULES))
         self.dispatch_s = 0.0
         self.previous_s = 0.0
@@ -91,7 +89,7 @@ class OtherMesh(WeightSync):
 
     def move(self, params: Any) -> Any:
         """One resharding transfer, dispatched and not waited for (the programs reading
-        ``self.params`` wait on the devices; the update's donation of the source waits
+        the moved weights wait on the devices; the update's donation of the source waits
         for the transfer's reads)."""
         # The transfer the step's rollout drew with: arrived, since that rollout is complete.
         self.previous_s = 0.0 if self._arrival is None else self._arrival.result()

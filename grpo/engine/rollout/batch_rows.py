@@ -169,7 +169,8 @@ class BatchRows:
         return {"batches": ses.batches, "rows": ses.rows_run}
 
     def end(self) -> None:
-        self._batch_session, self._weights = None, None
+        self._batch_session = None
+        super().end()  # the prepared weights too
 
     def _row_session(self) -> _Session:
         ses = getattr(self, "_batch_session", None)

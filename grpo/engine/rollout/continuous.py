@@ -138,8 +138,9 @@ class ContinuousSampler(BaseSampler):
         touching it."""
         if on_weight_change not in ("continue", "reprefill"):
             raise ValueError(f"on_weight_change must be 'continue' or 'reprefill'; got {on_weight_change!r}")
+        # The session's weights are read at its first step (:meth:`step`), prepared then.
         self._core = self._new_core(rows=rows, prompt_length=prompt_length, key=key, versions=versions, slots=slots,
-                                    stop_at=stop_at, params=getattr(self, "_weights", None))
+                                    stop_at=stop_at, params=None)
         self._core.version = self.version
         self._core.reprefill = on_weight_change == "reprefill"
 
@@ -163,7 +164,7 @@ class ContinuousSampler(BaseSampler):
         if core is not None:  # the next chunk reads them (rows in flight go on under them)
             if core.reprefill and int(version) != core.version:
                 core.refresh_pending = True  # rows in flight rebuild their pages first
-            core.runner.params, core.version = params, int(version)
+            core.runner.params, core.version = None, int(version)
 
     def submit(self, rows: Rows) -> None:
         self._submit(self._session(), rows)
@@ -189,7 +190,10 @@ class ContinuousSampler(BaseSampler):
         core.submit(ids, m.sum(axis=1))
 
     def step(self) -> Progress:
-        return self._session().step()
+        core = self._session()
+        if core.runner.params is None:  # the first chunk at this version: the weights, prepared
+            core.runner.params = self.weights
+        return core.step()
 
     def read(self, ids: Sequence[int]) -> FinishedRows:
         core = self._session()
@@ -230,7 +234,8 @@ class ContinuousSampler(BaseSampler):
         return self._session().stats()
 
     def end(self) -> None:
-        self._core, self._weights = None, None
+        self._core = None
+        self.release()
 
     def _session(self) -> EngineCore:
         core = getattr(self, "_core", None)

@@ -29,6 +29,7 @@ def build_sampler(
     conversations: Any = None,
     greedy: bool = False,
     num_generations: int | None = None,
+    prepare: Any = None,
 ) -> Any:
     """The rollout sampler (``grpo run``'s; evaluation asks for greedy / its own k),
     built by the ``rollout.engine`` plugin (:class:`grpo.RolloutEnginePlugin`) on the
@@ -39,7 +40,12 @@ def build_sampler(
     :class:`~grpo.engine.rollout.sampler.Sampler`; ``continuous`` the
     :class:`~grpo.engine.rollout.continuous.ContinuousSampler`. All are called the same
     way (``sample``) and lower their own programs for the plan (``lowerings``).
-    ``lora_adapters``: the sampler reads base + adapters (not a merged copy)."""
+    ``lora_adapters``: the sampler reads base + adapters (not a merged copy).
+    ``prepare``: the run's weight preparation (trained params -> what the engine reads:
+    :meth:`~grpo.engine.programs.RunPrograms.prepare_weights`), handed to the plugin in
+    the :class:`grpo.EngineContext` and set as the built engine's
+    :attr:`grpo.RolloutEngine.prepare` unless it has its own (an engine written before
+    the contract, wrapped, gets it too)."""
     from grpo.core.contracts import EngineContext, as_engine
     from grpo.engine.rollout.sampler import SamplingParams
 
@@ -68,8 +74,11 @@ def build_sampler(
         raise UserError("The rollout engine cannot sample this run's task:", problems=problems)
     context = EngineContext(graphdef=graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
                             detokenize=detokenize, conversations=conversations,
-                            multi_turn=multi_turn)
-    return as_engine(plugin.build(context, options), name=plugin.name)
+                            multi_turn=multi_turn, prepare=prepare)
+    engine = as_engine(plugin.build(context, options), name=plugin.name)
+    if engine.prepare is None:
+        engine.prepare = prepare
+    return engine
 
 
 def engine_plugin(config: RunConfig, plugins: dict[str, Any] | None) -> tuple[Any, Any]:

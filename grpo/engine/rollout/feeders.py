@@ -1,6 +1,8 @@
 """Feeders over the rollout-engine contract (:class:`grpo.core.contracts.engine.RolloutEngine`):
 what streams rows into an engine that streams (``engine.streams``), using nothing but
-``update_weights``, ``begin``, ``submit``, ``step``, ``read`` and ``outputs``.
+``begin``, ``submit``, ``step``, ``read``, ``outputs`` and ``end``. The weights are the
+engine's own: those of its last ``update_weights`` (the loop's weight sync), prepared at
+the first step and released at ``end``.
 
 - :func:`stream`: streaming dynamic sampling (``train.dynamic_sampling`` on a streaming
   engine): rows fed while the rollout runs, until the feeder has its groups.
@@ -12,8 +14,6 @@ The one-batch feeder is the engine's own ``sample``; partial rollouts' stream is
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,10 @@ def round_keys(rng: jax.Array, *, rows: int, round_rows: int) -> jax.Array:
     return jnp.concatenate(keys)[:rows]
 
 
-def stream(engine: RolloutEngine, params: Any, feeder: StreamFeeder, rng: jax.Array, *, rows: int,
+def stream(engine: RolloutEngine, feeder: StreamFeeder, rng: jax.Array, *, rows: int,
            prompt_length: int, round_rows: int) -> RolloutOutput:
-    """Rows fed while the rollout runs: dynamic sampling's stream.
+    """Rows fed while the rollout runs, under the weights of the engine's last
+    ``update_weights``: dynamic sampling's stream.
 
     At every chunk boundary the engine's finished rows go to ``feeder``
     (:meth:`StreamFeeder.finished`, ascending: tokens and masks on the host), and the
@@ -64,7 +65,6 @@ def stream(engine: RolloutEngine, params: Any, feeder: StreamFeeder, rng: jax.Ar
     land in the engine's ``last_stats`` (``fed_rows``, ``finished_rows``,
     ``dropped_rows``: fed and not finished)."""
     K = engine.sampling.num_generations
-    engine.update_weights(params, engine.version)
     engine.begin(rows=rows, prompt_length=prompt_length, key=round_keys(rng, rows=rows, round_rows=round_rows))
     fed = finished = 0
     while True:

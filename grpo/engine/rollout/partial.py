@@ -4,8 +4,9 @@ new weights.
 
 The stream (:class:`PartialStream`) keeps the engine's slots, page pool and in-flight
 rows between steps; each call of :meth:`PartialStream.next_batch` decodes with the
-weights it is handed (the params are an argument of the engine's programs, so a weight
-change is simply the next chunk reading other params) until ``prompts_per_step`` groups
+weights the loop's weight sync last gave the engine (``update_weights``: the params are
+an argument of the engine's programs, so a weight change is simply the next chunk
+reading other params) until ``prompts_per_step`` groups
 (all K rows) have finished, and stops at that chunk boundary. The rows still decoding keep
 their slots and pages for the next call.
 
@@ -21,7 +22,7 @@ their slots and pages for the next call.
   version, as the synchronous continuous run draws it.
 - **Versions.** Every token records the policy version that drew it (``RolloutOutput.
   versions`` [B, N], -1 off the mask), kept on the host from the chunk boundaries: a
-  row's tokens between two boundaries were drawn by the params of that call.
+  row's tokens between two boundaries were drawn by the weights of that chunk.
 - **Staleness** is measured on a row's *oldest* token: the update at step ``s`` refuses a
   group (exactly zero advantage, counted) when one of its rows holds a token drawn more
   than ``max_staleness`` versions before ``s``. The oldest token bounds how far the
@@ -192,10 +193,10 @@ class PartialStream:
 
     # ------------------------------------------------------------------ the engine
 
-    def _run_chunk(self, params: Any, version: int) -> None:
-        """One chunk of the engine under ``params`` (policy ``version``), its finished
-        rows handed to their groups (host copies)."""
-        self.engine.update_weights(params, version)
+    def _run_chunk(self) -> None:
+        """One chunk of the engine under the weights of its last ``update_weights`` (the
+        loop's weight sync: rows in flight go on under new weights), its finished rows
+        handed to their groups (host copies)."""
         progress = self.engine.step()
         if progress.idle:
             raise RuntimeError("partial rollouts: nothing is queued or decoding, yet the batch is short")
@@ -214,15 +215,15 @@ class PartialStream:
 
     # ------------------------------------------------------------------ a batch
 
-    def next_batch(self, *, step: int, params: Any, version: int, sample_group: bool) -> tuple[StepRollout, np.ndarray,
-                                                                                               list[int]]:
-        """Decode with ``params`` (policy ``version``) until ``prompts_per_step`` groups
-        have finished; returns step ``step``'s rollout (rows in data order of their
-        groups), its token versions [P*K, N] (host) and its groups' data positions."""
+    def next_batch(self, *, step: int, version: int, sample_group: bool) -> tuple[StepRollout, np.ndarray, list[int]]:
+        """Decode with the engine's weights (policy ``version``, synced to it) until
+        ``prompts_per_step`` groups have finished; returns step ``step``'s rollout (rows
+        in data order of their groups), its token versions [P*K, N] (host) and its
+        groups' data positions."""
         t0 = time.perf_counter()
         while len(self.ready) < self.P:
             self._feed(version)
-            self._run_chunk(params, version)
+            self._run_chunk()
         picked, self.ready = sorted(self.ready[: self.P]), self.ready[self.P:]
         rollout, versions = self._rollout(picked, sample_group)
         for g in picked:
@@ -293,12 +294,13 @@ class PartialRollouts:
         self.stream = None
         self.ledger = Ledger(frontier, ahead)
 
-    def draw(self, *, step: int, params: Any, version: int, sample_group: bool):
-        """Step ``step``'s batch at policy ``version`` (:meth:`PartialStream.next_batch`)."""
+    def draw(self, *, step: int, version: int, sample_group: bool):
+        """Step ``step``'s batch at policy ``version``, the weights the engine was last
+        synced (:meth:`PartialStream.next_batch`)."""
         if self.stream is None:
             self.stream = PartialStream(self.collector, max_staleness=self.max_staleness, ledger=self.ledger,
                                         version=version)
-        return self.stream.next_batch(step=step, params=params, version=version, sample_group=sample_group)
+        return self.stream.next_batch(step=step, version=version, sample_group=sample_group)
 
     def trained(self, positions: list[int]) -> int:
         """Record a trained batch's groups; returns the new frontier (the data position)."""

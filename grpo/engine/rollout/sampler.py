@@ -205,7 +205,7 @@ class BaseSampler(RolloutEngine):
         """Roll out ``num_generations`` samples of each of the P prompts.
 
         Args:
-          params: what the sampler reads (``RunPrograms.sampler_state``; not copied, not
+          params: what the sampler reads (its :attr:`~grpo.RolloutEngine.weights`; not copied, not
             donated).
           prompt_tokens, prompt_mask: [P, Lp] int (numpy or global ``jax.Array``),
             left-padded (right padding is accepted too); every prompt needs >= 1 token.

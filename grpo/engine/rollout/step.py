@@ -168,14 +168,19 @@ class StepCollector:
         self.task = task
         self.task_options = task_options
 
-    def collect(self, *, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
-        """The rollout of step ``step`` (0-based) from data position ``position``.
-        ``params()`` gives what the sampler reads (called once per round);
+    def collect(self, *, step: int, position: int, sample_group: bool) -> StepRollout:
+        """The rollout of step ``step`` (0-based) from data position ``position``, under
+        the weights of the sampler's last ``update_weights`` (the loop's weight sync):
+        every round reads the sampler's prepared :attr:`~grpo.RolloutEngine.weights`,
+        released when the draw is done (a resharded or merged copy never outlives it).
         ``sample_group``: keep round 0's first group for ``samples.jsonl``."""
         train = self.config.train
-        if train.dynamic_sampling.enabled or train.down_sampling.keep is not None:
-            return self._selected(step, position, params, sample_group)
-        return self.step_rollout(self._round(step, position, 0, params, sample_group), drawn=train.prompts_per_step)
+        try:
+            if train.dynamic_sampling.enabled or train.down_sampling.keep is not None:
+                return self._selected(step, position, sample_group)
+            return self.step_rollout(self._round(step, position, 0, sample_group), drawn=train.prompts_per_step)
+        finally:
+            self.sampler.release()
 
     def scored(self, out: RolloutOutput, *, examples: list[dict], texts: list[str], lengths: np.ndarray,
                seconds: float, sample: tuple[dict, int, Any] | None = None, tools: ToolTotals | None = None) -> _Round:
@@ -204,7 +209,7 @@ class StepCollector:
 
     # ------------------------------------------------------------------ one round
 
-    def _round(self, step: int, position: int, round_: int, params: Callable[[], Any], sample_group: bool) -> _Round:
+    def _round(self, step: int, position: int, round_: int, sample_group: bool) -> _Round:
         """Roll out and score the ``prompts_per_step`` prompts at ``position``."""
         cfg = self.config
         k = cfg.rollout.num_generations
@@ -215,7 +220,7 @@ class StepCollector:
         if round_:
             rng = jax.random.fold_in(rng, round_)
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        sampled: Sampled = self.sampler.sample(params(), to_global(batch.tokens, sharding),
+        sampled: Sampled = self.sampler.sample(self.sampler.weights, to_global(batch.tokens, sharding),
                                                to_global(batch.mask, sharding), rng, examples)
         texts = list(sampled.texts)  # the rollout's time includes detokenizing them
         seconds = time.perf_counter() - t0
@@ -277,8 +282,7 @@ class StepCollector:
 
     # ------------------------------------------------------------------ selected rows
 
-    def _dynamic_rounds(self, step: int, position: int, params: Callable[[], Any],
-                        sample_group: bool) -> tuple[list[_Round], GroupFilter]:
+    def _dynamic_rounds(self, step: int, position: int, sample_group: bool) -> tuple[list[_Round], GroupFilter]:
         """Rounds until the step holds ``prompts_per_step`` informative groups, and the
         filter that picked them."""
         cfg = self.config
@@ -286,7 +290,7 @@ class StepCollector:
         picker = GroupFilter(want=p, max_rounds=cfg.train.dynamic_sampling.max_rounds)
         rounds: list[_Round] = []
         while not picker.done:
-            r = self._round(step, position + p * len(rounds), picker.rounds, params, sample_group)
+            r = self._round(step, position + p * len(rounds), picker.rounds, sample_group)
             rounds.append(r)
             picker.add(self._informative(self._all(r.totals), {n: self._all(v) for n, v in r.by_fn.items()},
                                          lambda: self._trained_rows(r.output)))
@@ -334,15 +338,15 @@ class StepCollector:
         return (self.config.train.dynamic_sampling.enabled and self.sampler.streams
                 and not self.sampler.loss_mask and self.programs.process_count == 1)
 
-    def _picked_rounds(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
+    def _picked_rounds(self, step: int, position: int, sample_group: bool) -> _Picked:
         """The batch's groups from rounds (:class:`GroupFilter`), or without dynamic
         sampling the one round's."""
         cfg = self.config
         p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
         if cfg.train.dynamic_sampling.enabled:
-            rounds, picker = self._dynamic_rounds(step, position, params, sample_group)
+            rounds, picker = self._dynamic_rounds(step, position, sample_group)
         else:
-            rounds, picker = [self._round(step, position, 0, params, sample_group)], None
+            rounds, picker = [self._round(step, position, 0, sample_group)], None
         totals = [self._all(r.totals) for r in rounds]
         by_fn = [{n: self._all(v) for n, v in r.by_fn.items()} for r in rounds]
         informative, filled = None, 0
@@ -370,14 +374,14 @@ class StepCollector:
             tools=sum(tools[1:], tools[0]) if tools else None, group=rounds[0].group, drawn=p * len(rounds),
         )
 
-    def _picked_stream(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> _Picked:
+    def _picked_stream(self, step: int, position: int, sample_group: bool) -> _Picked:
         """The batch's groups streamed through the continuous engine (:class:`_Stream`)."""
         cfg = self.config
         p, k = cfg.train.prompts_per_step, cfg.rollout.num_generations
         t0 = time.perf_counter()
         feeder = _Stream(self, step, position)
         rng = jax.random.fold_in(jax.random.key(cfg.train.seed), step)
-        out = stream(self.sampler, params(), feeder, rng, rows=feeder.filter.limit * k, prompt_length=feeder.width,
+        out = stream(self.sampler, feeder, rng, rows=feeder.filter.limit * k, prompt_length=feeder.width,
                      round_rows=p * k)
         groups, filled = feeder.filter.picks()
         rows = np.asarray([g * k + j for g in groups for j in range(k)])
@@ -397,13 +401,12 @@ class StepCollector:
             drawn=feeder.filter.fed,
         )
 
-    def _selected(self, step: int, position: int, params: Callable[[], Any], sample_group: bool) -> StepRollout:
+    def _selected(self, step: int, position: int, sample_group: bool) -> StepRollout:
         """The step's rollout when rows are selected (dynamic sampling, down-sampling):
         the rows trained on gathered from the rounds (or the stream) into the update's layout."""
         cfg = self.config
         p = cfg.train.prompts_per_step
-        picked = (self._picked_stream if self._streams() else self._picked_rounds)(step, position, params,
-                                                                                   sample_group)
+        picked = (self._picked_stream if self._streams() else self._picked_rounds)(step, position, sample_group)
         rows, full, per_full, metrics = picked.rows, picked.full, picked.per_full, picked.metrics
         logged = (full, per_full)
         ds = cfg.train.down_sampling

@@ -6,7 +6,9 @@ sampler reads for the trainable parameters (:func:`sampler_state`): the whole st
 is, LoRA merged into the projections (:func:`merge_program`), or copied into the
 rollout's own layout, merged on the way (:func:`reshard_program`). The program builder
 (:mod:`grpo.engine.programs`) caches the two programs by the names ``grpo plan`` lists
-(``merge``, ``reshard``).
+(``merge``, ``reshard``) and binds :func:`sampler_state` into its engines' weight
+preparation (:meth:`~grpo.engine.programs.RunPrograms.prepare_weights`, an engine's
+``prepare``): only an engine calls it, on the weights of its ``update_weights``.
 """
 
 from __future__ import annotations
@@ -73,8 +75,8 @@ def sampler_state(params: Any, frozen: Any, *, resharded: bool, merging: bool,
     projections are ``W + (alpha / r) A @ B`` (one jitted merge, ``merge(state)``; a new
     array per projection, in the base's sharding). In a rollout style's own layout
     (``resharded``): one jitted program (``reshard(state)``) copies the state into it,
-    merging on the way when ``merging``; the copy lives until the caller drops it (after
-    decode). ``reshard``/``merge`` give the jitted program for the whole state (built
+    merging on the way when ``merging``; the copy lives until the engine releases it
+    (when the draw's decode is done: :meth:`grpo.RolloutEngine.release`). ``reshard``/``merge`` give the jitted program for the whole state (built
     once: the builder's cache)."""
     from grpo.models.lora import merge_params
 

@@ -26,9 +26,13 @@ class StaticEngine(RolloutEnginePlugin):
 
         r, kwargs = context.rollout, dict(context.sampler_kwargs)
         if context.multi_turn:
-            return MultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
-                                    conversations=context.conversations, max_turn_tokens=r.max_turn_tokens, **kwargs)
-        return Sampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize, **kwargs)
+            engine = MultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
+                                      conversations=context.conversations, max_turn_tokens=r.max_turn_tokens,
+                                      **kwargs)
+        else:
+            engine = Sampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize, **kwargs)
+        engine.prepare = context.prepare  # the run's weight preparation (reshard, LoRA merge)
+        return engine
 
 
 class ContinuousEngine(RolloutEnginePlugin):
@@ -48,10 +52,14 @@ class ContinuousEngine(RolloutEnginePlugin):
         paged = dict(slots=c.slots, page_size=c.page_size, pool_pages=c.pool_pages, chunk=c.chunk,
                      backend=c.attention, **context.sampler_kwargs)
         if context.multi_turn:
-            return ContinuousMultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
-                                              conversations=context.conversations,
-                                              max_turn_tokens=r.max_turn_tokens, **paged)
-        return ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize, **paged)
+            engine = ContinuousMultiTurnSampler(context.graphdef, sampling=context.sampling, max_turns=r.max_turns,
+                                                conversations=context.conversations,
+                                                max_turn_tokens=r.max_turn_tokens, **paged)
+        else:
+            engine = ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize,
+                                       **paged)
+        engine.prepare = context.prepare  # the run's weight preparation (reshard, LoRA merge)
+        return engine
 
 
 @hookimpl

@@ -18,11 +18,13 @@ from grpo.engine.loop.sync import OtherMesh, SameDevices, WeightSync
 
 
 def test_a_synchronous_run_draws_in_line_on_its_own_devices():
-    trainer = types.SimpleNamespace(meshes=None, collector=object(), programs=object(), frozen=None,
-                                    config=_config(), data_position=0)
+    engine = object()
+    trainer = types.SimpleNamespace(meshes=None, collector=types.SimpleNamespace(sampler=engine), programs=object(),
+                                    frozen=None, config=_config(), data_position=0)
     loop = build_loop(trainer, trainer.programs)
     assert type(loop) is Loop and loop.max_staleness is None
     assert type(loop.source) is InlineSource and type(loop.sync) is SameDevices
+    assert loop.sync.engine is engine  # the weights enter the engine the source draws with
     assert loop.source.lead == 0 and not loop.source.checkpoints_buffer
 
 
@@ -31,14 +33,14 @@ def test_a_one_process_async_run_draws_in_the_background_on_another_mesh(monkeyp
     import grpo.engine.loop.factory as factory
 
     monkeypatch.setattr(factory, "processes", lambda meshes: 1)
-    monkeypatch.setattr(factory, "OtherMesh", lambda programs, params, frozen: OtherMesh.__new__(OtherMesh))
+    monkeypatch.setattr(factory, "OtherMesh", lambda programs, engine, params, frozen: OtherMesh.__new__(OtherMesh))
     monkeypatch.setattr(PartialSource, "__init__", lambda self, c, update, max_staleness: setattr(self, "lead", 1))
     monkeypatch.setattr(BackgroundSource, "__init__", lambda self, c, update, max_staleness: setattr(self, "lead", 2))
     monkeypatch.setattr(PartialSource, "reset", lambda self, ledger: None)
     config = _config(**{"train.async": {"enabled": True, "max_staleness": 2}})
     config.train.async_.partial_rollouts = partial
-    trainer = types.SimpleNamespace(meshes=object(), collector=object(), programs=object(), params=None, frozen=None,
-                                    config=config, data_position=0)
+    trainer = types.SimpleNamespace(meshes=object(), collector=types.SimpleNamespace(sampler=object()),
+                                    programs=object(), params=None, frozen=None, config=config, data_position=0)
     loop = build_loop(trainer, object())
     assert type(loop.source) is (PartialSource if partial else BackgroundSource) and type(loop.sync) is OtherMesh
     assert loop.max_staleness == 2
@@ -47,7 +49,7 @@ def test_a_one_process_async_run_draws_in_the_background_on_another_mesh(monkeyp
 class _Drawn(RolloutSource):
     """Whole batches of 3 prompts (2 rows each) drawn in line, as a synchronous run's."""
 
-    def draw(self, *, step, position, version, params, sample_group):
+    def draw(self, *, step, position, version, sample_group):
         rollout = types.SimpleNamespace(prompts_drawn=3, group=None, rollout_s=0.0,
                                         output=types.SimpleNamespace(tokens=np.zeros((6, 4))))
         return Buffered(step=step, position=position, versions=np.full(6, version), rollout=rollout)
@@ -59,9 +61,6 @@ class _Synced(WeightSync):
 
     def sync(self, params, version):
         self.versions.append(version)
-
-    def sampler_params(self):
-        return None
 
 
 class _Trainer:

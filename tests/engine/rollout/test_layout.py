@@ -274,8 +274,10 @@ def test_merged_lora_is_merged_on_the_way_into_the_serving_layout(setup, tmp_pat
     params, frozen = split_params(full)
     params = jax.tree.map(lambda x: x + 0.01, params)  # B = 0 at init: make the merge matter
     programs = build_programs(config, mesh=mesh, layout=MeshLayout(dp=1, fsdp=8, tp=1), graphdef=g2,
-                              eos_ids=(308,), pad_id=306, arch=cfg, state=full)
-    served = programs.sampler_state(params, frozen)
+                              eos_ids=(308,), pad_id=306, arch=cfg, state=full, frozen=frozen)
+    engine = programs.sampler()
+    engine.update_weights(params, 0)  # the adapters alone: the engine's preparation reads the base
+    served = engine.weights
     expected = jax.jit(lambda p, f: merge_into_state(g2, p, f))(params, frozen)
     q = served["layers"]["q_proj"].get_value()
     assert q.sharding.mesh.shape["tp"] == 2 and q.sharding.spec[2] == "tp"

@@ -75,9 +75,10 @@ def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     partial, compared = trainer.loop.source.partial, []
     draw = partial.draw
 
-    def draw_and_compare(*, step, params, version, sample_group):
-        rollout, versions, positions = draw(step=step, params=params, version=version, sample_group=sample_group)
-        sync = trainer.collector.collect(step=step, position=step * 8, params=lambda: params, sample_group=False)
+    def draw_and_compare(*, step, version, sample_group):
+        rollout, versions, positions = draw(step=step, version=version, sample_group=sample_group)
+        # The same engine, holding the same synced weights (update_weights).
+        sync = trainer.collector.collect(step=step, position=step * 8, sample_group=False)
         for name in ("tokens", "mask", "lengths", "truncated", "prompt_tokens", "prompt_mask"):
             np.testing.assert_array_equal(np.asarray(getattr(rollout.output, name)), np.asarray(getattr(sync.output, name)))
         np.testing.assert_allclose(np.asarray(rollout.output.logprobs), np.asarray(sync.output.logprobs), atol=1e-6)

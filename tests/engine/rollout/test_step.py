@@ -42,13 +42,15 @@ def run(streamed, tmp_path_factory):
     cfg = _stream_config()
     trainer = Trainer(cfg, tmp_path_factory.mktemp("straight"))
     c = trainer.collector
-    rounds = [jax.device_get(c._round(0, r * P, r, trainer.policy_params, False).output) for r in range(MAX_ROUNDS)]
+    c.sampler.update_weights(trainer.params, trainer.step)  # what the loop's weight sync does
+    rounds = [jax.device_get(c._round(0, r * P, r, False).output) for r in range(MAX_ROUNDS)]
+    c.sampler.release()
     steps = []  # per step: {"fed", "boundaries": [(rows, tokens, mask)], "scores": [totals], "out", "ub"}
     import grpo.engine.rollout.step as step_module
 
     score, stream, row_batch = c._score, step_module.stream, trainer.row_batch
 
-    def recording_stream(engine, params, feeder, rng, **kw):
+    def recording_stream(engine, feeder, rng, **kw):
         rec = {"fed": [], "boundaries": [], "scores": []}
         steps.append(rec)
         feed, finished = feeder.feed, feeder.finished
@@ -63,7 +65,7 @@ def run(streamed, tmp_path_factory):
             return finished(rows, tokens, mask)
 
         feeder.feed, feeder.finished = rec_feed, rec_finished
-        out = stream(engine, params, feeder, rng, **kw)
+        out = stream(engine, feeder, rng, **kw)
         rec["out"] = jax.device_get(out)
         return out
 
