@@ -85,9 +85,11 @@ LORA = {
 
 # The third-party `length` task with a tool: a multi-turn rollout. The random policy ends a
 # turn only where it happens to write a stop token (its first turns are mostly cut by the
-# budget), so a few rows call (malformed calls get error replies) and take a second turn; each
-# process runs the tools of its own rows. Greedy evaluation of 3 prompts rolls out
-# conversations too.
+# 48-token turn limit, rollout.max_turn_tokens, which ends those conversations), so a few rows
+# call (malformed calls get error replies) and take a second turn; each process runs the tools
+# of its own rows. Greedy evaluation of 3 prompts rolls out conversations too. (The turn limit
+# keeps the decode short: over two processes each decode step's collectives take
+# milliseconds, and first turns running the whole 128-token budget took most of the test.)
 #
 # Its reward raises on every other prompt: failures on both processes' rows, each process
 # scoring its own. Those prompts' groups all score 0, so dynamic sampling drops them and
@@ -97,10 +99,12 @@ TOOLS = {
     # The tiny tokenizer's tool tags are single tokens: a random policy writes some calls.
     "model": {"random": {"preset": "tiny", "tool_tokens": True}},
     "task": {"name": "length", "options": {"num_examples": 64, "tools": True, "raise_every": 2}},
-    # Packed into bins of two longest conversations (320 + 128 tokens each).
-    "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}, "packing": {"bin_length": 896}},
+    # Packed, two conversations (up to 320 + 128 tokens each) to a bin of 704 tokens: both
+    # steps' fullest loss rows round to the same head width, so the update compiles once (in
+    # bins of 896 they rounded to 224 and 112 slots: two compiles).
+    "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}, "packing": {"bin_length": 704}},
     "rollout": {"num_generations": 2, "max_prompt_length": 320, "prompt_buckets": [320], "max_new_tokens": 128,
-                "max_turns": 3, "early_stop_chunk": 8},
+                "max_turns": 3, "max_turn_tokens": 48, "early_stop_chunk": 8},
     "eval": {"every_n_steps": 2, "at_start": False, "batch_size": 3, "num_examples": 3},
 }
 
