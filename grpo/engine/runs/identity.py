@@ -120,16 +120,17 @@ class Continuation:
             return None
         parts = []
         if self.changed:
-            parts.append(f"continuing under a config that defines another run ({describe(self.changed)})")
+            parts.append(f"under a config that defines another run ({describe(self.changed)})")
         if self.other:
-            parts.append(f"with {describe(self.other)}")
-        text = f"Resuming {self.directory} at step {self.step} " + ", ".join(parts) + "."
+            parts.append(f"with other settings: {describe(self.other)}")
+        text = f"Resuming {self.directory} at step {self.step} " + " and ".join(parts) + "."
         steps = [d for d in self.other if d[0] == "train.steps"]
         schedule = config.train.optimizer.schedule
         if steps and schedule != "constant":
             text += (f" The {schedule} learning-rate schedule spans train.steps, so from step {self.step} on it "
                      f"follows the new length.")
-        return text + f" The new config is recorded as {step_file(self.step)}; {self.recorded_as} stays as it was."
+        return text + (f" This config will be recorded as {step_file(self.step)}; {self.recorded_as}, which trained "
+                       "the earlier steps, stays as it was.")
 
 
 def check_resume(directory: str, config: Any, *, step: int, accept_changed: bool, how: str,
@@ -177,8 +178,11 @@ def record(run_dir: str | os.PathLike, config: Any, *, step: int | None) -> str 
 def incompatible_checkpoint(run_dir: str | os.PathLike, config: Any, step: int, err: BaseException) -> UserError:
     """The error for a checkpoint whose arrays do not fit ``config``'s model (Orbax's
     ``Requested shape ... is not compatible with the stored shape ...``)."""
+    from grpo.engine.runs.checkpoint import CheckpointMismatch
+
     # Orbax's first sentence says what differs; the rest suggests its own padding options.
-    detail = (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0].rstrip(":.")
+    detail = str(err) if isinstance(err, CheckpointMismatch) else (
+        (str(err).strip().splitlines() or [type(err).__name__])[0].split(". ")[0].rstrip(":."))
     detail = detail if len(detail) <= 300 else detail[:300] + " ..."
     found = recorded(run_dir)
     diffs = [] if found is None else differences(found[1], config, identity=None)
@@ -198,6 +202,10 @@ def incompatible_checkpoint(run_dir: str | os.PathLike, config: Any, step: int, 
 
 def is_shape_mismatch(err: BaseException) -> bool:
     """Whether an Orbax restore failed because stored arrays do not fit the requested tree."""
+    from grpo.engine.runs.checkpoint import CheckpointMismatch
+
+    if isinstance(err, CheckpointMismatch):
+        return True
     text = str(err).lower()
     return isinstance(err, (ValueError, KeyError, TypeError)) and (
         "shape" in text or "tree structure" in text or "do not match" in text or "not compatible" in text
