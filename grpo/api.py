@@ -203,7 +203,7 @@ def run_directory(config: RunConfig, config_path: str | None, *, run_dir: str | 
     if resume:
         if directory:
             if main:
-                same = "" if pick == match else ", made by another config"
+                same = " made by this config" if pick == match else ", made by another config"
                 print(f"--resume: continuing {directory} (the latest run of {name!r}{same}) from its checkpoint at "
                       f"step {step}", flush=True)
             return directory
@@ -251,7 +251,7 @@ def _continue(directory: str, cfg: RunConfig, *, accept_changed: bool, cli: bool
     if not steps:
         return None
     resume_word, dir_word, accept_flag, fresh_advice = _WORDS[cli]
-    how = resume_word if picked else f"{dir_word} {directory}"
+    how = resume_word if picked else dir_word
     advice = fresh_advice if picked else f"Pick another {dir_word} (or none) for a new run"
     cont = identity.check_resume(directory, cfg, step=steps[-1], accept_changed=accept_changed, how=how,
                                  accept_flag=accept_flag, fresh_advice=advice)

@@ -148,7 +148,7 @@ def check_resume(directory: str, config: Any, *, step: int, accept_changed: bool
     if changed and not accept_changed:
         raise UserError(
             f"{how}: {directory} holds a checkpoint (step {step}) of a run made by another config: "
-            f"{describe(changed)} differ from its {name}. These fields define a run (grpo.core.config.fingerprint "
+            f"{describe(changed)} {'differs' if len(changed) == 1 else 'differ'} from its {name}. These fields define a run (grpo.core.config.fingerprint "
             f"lists the ones that do not), so continuing its weights under them would mix two runs. "
             f"{fresh_advice}, or pass {accept_flag} to continue it anyway (the new config is then recorded as "
             f"{step_file(step)} beside the {name} that trained its earlier steps)."

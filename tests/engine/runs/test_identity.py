@@ -77,7 +77,7 @@ def test_run_dir_of_another_config_exits_2_too(here):
     before = _snapshot(a)
     result = CliRunner().invoke(cli, ["run", "quickstart.yaml", "--run-dir", str(a), "--set", "train.seed=5"])
     assert result.exit_code == 2 and "train.seed (0 -> 5)" in result.output, result.output
-    assert f"--run-dir {a}" in result.output and "Pick another --run-dir" in result.output
+    assert f"--run-dir: {a} holds a checkpoint (step 3)" in result.output and "Pick another --run-dir" in result.output
     assert _snapshot(a) == before
 
 
