@@ -34,7 +34,6 @@ import sys
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-import yaml
 
 from grpo.core.config import RunConfig
 from grpo.core.config import load_config as _load_config
@@ -133,8 +132,23 @@ def load_config(
     return _load_config(raw, _override_strings(overrides))
 
 
-def _name_of(config: RunConfig, config_path: str | None) -> str:
-    return config.name or (Path(config_path).stem if config_path else "run")
+def run_name(config: RunConfig, config_path: str | None, *, objects: bool = False) -> str:
+    """The ``<name>`` of a run's default directory ``runs/<name>-<timestamp>``, which
+    ``--resume`` looks among: ``name:``, else the config file's stem, else (a dict config
+    without a name) the task and the config's fingerprint (``gsm8k-1a2b3c4d``, see
+    :mod:`grpo.core.config.fingerprint`). A Python API run whose reward functions or
+    datasets went through the ``custom`` task (``objects``) is named after that task
+    (``custom-quickstart``), so it and the config's own runs never share a name."""
+    from grpo.core.config.fingerprint import fingerprint
+
+    if config.name:
+        base = config.name
+    elif config_path:
+        base = Path(config_path).stem
+    else:
+        return f"{config.task.name}-{fingerprint(config)[:8]}"
+    prefix = config.task.name + "-"
+    return prefix + base if objects and base != config.task.name and not base.startswith(prefix) else base
 
 
 def _agree(directory: str, step: int) -> tuple[str, int]:
@@ -153,33 +167,50 @@ def _agree(directory: str, step: int) -> tuple[str, int]:
     return bytes(code).rstrip(b"\0").decode(), step
 
 
+_WORDS = {
+    # how a run was picked, how to accept another config, how to start afresh
+    True: ("--resume", "--run-dir", "--resume-changed", "Run without --resume for a new run"),
+    False: ("resume=True", "run_dir", "resume_changed=True", "Call without resume=True for a new run"),
+}
+
+
 def run_directory(config: RunConfig, config_path: str | None, *, run_dir: str | None, resume: bool,
-                  how: str) -> str:
+                  how: str, accept_changed: bool = False, name: str | None = None, cli: bool = True) -> str:
     """Where a run goes: ``run_dir`` when given; with ``resume`` the latest run of this
-    config in ``runs/`` that holds a checkpoint (a new one when there is none); else a new
-    ``runs/<name>-<timestamp>``, with one line saying how to resume when a checkpoint of
-    this config exists (``how``: the command or call that would)."""
+    config in ``runs/`` that holds a checkpoint: of the same name (:func:`run_name`) and the
+    same fingerprint (:mod:`grpo.core.config.fingerprint`). When the latest run of that name
+    was made by another config, a :class:`UserError` names the differing fields, unless
+    ``accept_changed`` (``--resume-changed``) continues it anyway; with no run of that name,
+    a new one. Without ``resume``: a new ``runs/<name>-<timestamp>``, with one line saying
+    how to resume when a checkpoint of this config exists (``how``: the command or call)."""
     import jax
 
-    from grpo.engine.runs import rundir
+    from grpo.engine.runs import identity
     from grpo.engine.trainer import default_run_dir
 
+    resume_word, _, accept_flag, fresh_advice = _WORDS[cli]
     if run_dir and resume:
         raise UserError("--resume and --run-dir: give one (--run-dir DIR alone resumes DIR when it holds a checkpoint).")
     if run_dir:
         return str(run_dir)  # a string, not a Path: pathlib would turn gs://bucket/x into gs:/bucket/x
-    fresh = str(default_run_dir(config, config_path))
-    parent, name = os.path.dirname(fresh), _name_of(config, config_path)
-    found = rundir.latest_run(parent, name)
-    directory, step = (os.path.join(parent, found[0].name), found[1]) if found else ("", -1)
-    directory, step = _agree(directory, step)
+    name = name or run_name(config, config_path)
+    fresh = str(default_run_dir(config, config_path, name=name))
+    parent = os.path.dirname(fresh)
+    match, newest = identity.matching_runs(parent, name, config)
+    pick = match or (newest if resume and accept_changed else None)
+    directory, step = _agree(*(pick or ("", -1)))
     main = jax.process_index() == 0
     if resume:
         if directory:
             if main:
-                print(f"--resume: continuing {directory} (the latest run of {name!r}) from its checkpoint at step {step}",
-                      flush=True)
+                same = " made by this config" if pick == match else ", made by another config"
+                print(f"--resume: continuing {directory} (the latest run of {name!r}{same}) from its checkpoint at "
+                      f"step {step}", flush=True)
             return directory
+        if newest is not None:  # runs of this name, none of this config: say which fields differ
+            identity.check_resume(newest[0], config, step=newest[1], accept_changed=False,
+                                  how=f"{resume_word} (the latest run of {name!r})", accept_flag=accept_flag,
+                                  fresh_advice=fresh_advice)
         if main:
             print(f"--resume: no run of {name!r} with a checkpoint in {parent}/; starting a new run", flush=True)
         return fresh
@@ -207,18 +238,37 @@ def _remove_if_empty(created: list[str]) -> None:
             return
 
 
-def _warn_if_config_changed(directory: str, config: RunConfig) -> None:
-    from grpo.engine.runs import rundir
+def _continue(directory: str, cfg: RunConfig, *, accept_changed: bool, cli: bool, picked: bool) -> RunResult | None:
+    """Before a run continues ``directory``'s checkpoint: refuse a config that defines
+    another run (unless ``accept_changed``), say what else the resume changes (another
+    ``train.steps``), and when the checkpoint already reached ``train.steps``, return the
+    run's result without touching a file (None: train)."""
+    import jax
 
-    saved = rundir.path(directory) / "config.yaml"
-    if not saved.exists():
-        return
-    old = yaml.safe_load(saved.read_text())
-    new = config.model_dump(mode="json")
-    old.get("train", {}).pop("steps", None)
-    new.get("train", {}).pop("steps", None)
-    if old != new:
-        log.warning("%s holds a run made with a different config; resuming with the new one", directory)
+    from grpo.engine.runs import identity, rundir
+
+    steps = rundir.checkpoint_steps(directory)
+    if not steps:
+        return None
+    resume_word, dir_word, accept_flag, fresh_advice = _WORDS[cli]
+    how = resume_word if picked else dir_word
+    advice = fresh_advice if picked else f"Pick another {dir_word} (or none) for a new run"
+    cont = identity.check_resume(directory, cfg, step=steps[-1], accept_changed=accept_changed, how=how,
+                                 accept_flag=accept_flag, fresh_advice=advice)
+    main = jax.process_index() == 0
+    if steps[-1] >= cfg.train.steps:
+        if main:
+            print(f"Nothing to do: {directory} holds a checkpoint at step {steps[-1]} and train.steps is "
+                  f"{cfg.train.steps}; no file was changed. To train further, set a larger train.steps "
+                  f"(--set train.steps=N).", flush=True)
+        base = rundir.path(directory) / "summary.json"
+        summary = json.loads(base.read_text()) if base.exists() else {"steps": steps[-1]}
+        return RunResult(run_dir=directory, metrics=dict(summary.get("final") or {}), eval=summary.get("eval"),
+                         summary=summary)
+    notice = cont.notice(cfg)
+    if notice and main:
+        print(notice, flush=True)
+    return None
 
 
 def train(
@@ -230,12 +280,20 @@ def train(
     eval_dataset: Any = None,
     run_dir: str | os.PathLike | None = None,
     resume: bool = False,
+    resume_changed: bool = False,
+    _cli: bool = False,
 ) -> RunResult:
     """Train (``grpo run``): returns the run directory and the final metrics.
 
     ``run_dir`` resumes when it holds a checkpoint; ``resume=True`` continues the latest
-    run of this config in ``runs/``. A signal (SIGTERM, Ctrl-C) saves a checkpoint and
-    raises :class:`grpo.engine.trainer.Interrupted` (its ``run_dir`` says where)."""
+    run of this config in ``runs/`` (same name, same fingerprint: see :func:`run_name` and
+    :mod:`grpo.core.config.fingerprint`). Continuing a checkpoint made by a config that
+    defines another run (model, task, data, seed, algorithm) raises :class:`grpo.UserError`
+    naming the fields, unless ``resume_changed=True``, which continues it and records the
+    new config beside the old one (``config.step-N.yaml``). A checkpoint already at
+    ``train.steps`` returns its result and changes no file. A signal (SIGTERM, Ctrl-C)
+    saves a checkpoint and raises :class:`grpo.engine.trainer.Interrupted` (its ``run_dir``
+    says where). ``_cli``: called by ``grpo run`` (its messages name CLI flags)."""
     from grpo.engine.parallel import distributed
     from grpo.engine.runs import rundir
     from grpo.engine.trainer import Interrupted, Trainer
@@ -246,14 +304,20 @@ def train(
     # The distributed runtime must start before anything asks JAX about devices.
     distributed.initialize(cfg.distributed)
     sets = "".join(f" --set {shlex.quote(o)}" for o in _override_strings(overrides))
-    how = f"grpo run {shlex.quote(config_path)} --resume{sets}" if config_path else "grpo.train(..., resume=True)"
+    how = "grpo.train(..., resume=True)"
+    if _cli and config_path:
+        how = f"grpo run {shlex.quote(config_path)} --resume{sets}"
+    objects = any(x is not None for x in (reward_funcs, train_dataset, eval_dataset))
     directory = run_directory(cfg, config_path, run_dir=None if run_dir is None else os.fspath(run_dir),
-                              resume=resume, how=how)
+                              resume=resume, how=how, accept_changed=resume_changed,
+                              name=run_name(cfg, config_path, objects=objects), cli=_cli)
+    done = _continue(directory, cfg, accept_changed=resume_changed, cli=_cli, picked=run_dir is None)
+    if done is not None:
+        return done
     created = [] if rundir.is_remote(directory) else _missing_dirs(directory)
     try:
         # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
         rundir.probe(directory)
-        _warn_if_config_changed(directory, cfg)
         trainer = Trainer(cfg, directory)
         summary = trainer.run()
     except Interrupted as stop:
@@ -266,12 +330,13 @@ def train(
                      summary=summary)
 
 
-def _saved_config(run_dir: str | os.PathLike) -> dict[str, Any]:
-    from grpo.engine.runs import rundir
+def _saved_config(run_dir: str | os.PathLike, step: int | None = None) -> dict[str, Any]:
+    """The config that trained ``run_dir`` up to ``step`` (the latest one by default)."""
+    from grpo.engine.runs import identity, rundir
 
     if not rundir.readable_run_dir(run_dir, need="config.yaml"):
         raise UserError(f"{os.fspath(run_dir)} is not a grpo run directory (no config.yaml).")
-    return yaml.safe_load(rundir.read_text(rundir.path(run_dir) / "config.yaml"))
+    return identity.latest_config(run_dir, step)[1]
 
 
 def evaluate(
@@ -290,7 +355,7 @@ def evaluate(
     from grpo.engine.runs import rundir
     from grpo.engine.trainer import Trainer
 
-    raw = _with_objects(_saved_config(run_dir), reward_funcs, None, eval_dataset)
+    raw = _with_objects(_saved_config(run_dir, step), reward_funcs, None, eval_dataset)
     cfg = _load_config(raw, _override_strings(overrides))
     distributed.initialize(cfg.distributed)
     steps = rundir.checkpoint_steps(run_dir)
@@ -324,4 +389,4 @@ def configure_logging() -> None:
     logging.getLogger("grpo").setLevel(logging.INFO)
 
 
-__all__ = ["RunResult", "configure_logging", "evaluate", "export", "load_config", "run_directory", "train"]
+__all__ = ["RunResult", "configure_logging", "evaluate", "export", "load_config", "run_directory", "run_name", "train"]

@@ -21,12 +21,20 @@ _set_option = click.option(
 @click.option("--run-dir", type=click.Path(file_okay=False, path_type=str),
               help="Run directory; resumes when it holds a checkpoint. Default: runs/<name>-<timestamp>.")
 @click.option("--resume", is_flag=True,
-              help="Continue the latest run of CONFIG in runs/ (its newest runs/<name>-<timestamp> with a checkpoint).")
+              help="Continue the latest run of CONFIG in runs/: its newest runs/<name>-<timestamp> with a checkpoint "
+                   "made by a config that defines the same run (model, task, data, seed, algorithm; train.steps, "
+                   "eval, checkpoint and logging settings may change). A run of that name made by another config "
+                   "stops with the differing fields.")
+@click.option("--resume-changed", is_flag=True,
+              help="Continue the run (--resume's, or --run-dir's) even when this config defines another one: "
+                   "the new config is recorded as config.step-N.yaml beside the config.yaml that trained the "
+                   "earlier steps. Implies --resume without --run-dir.")
 @_set_option
 @click.option("--coordinator-address", help="host:port of process 0 (sets distributed.mode=explicit).")
 @click.option("--num-processes", type=click.IntRange(min=1), help="Process count (distributed.num_processes).")
 @click.option("--process-id", type=click.IntRange(min=0), help="This process's id (distributed.process_id).")
-def run(config_path, run_dir, resume, overrides, coordinator_address, num_processes, process_id) -> None:
+def run(config_path, run_dir, resume, resume_changed, overrides, coordinator_address, num_processes,
+        process_id) -> None:
     """Train with the config in CONFIG (the same command on every host)."""
     from grpo import api
 
@@ -38,17 +46,16 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
     from grpo.engine.trainer import Interrupted
 
     try:
-        result = api.train(config_path, overrides=flags, run_dir=run_dir, resume=resume)
+        resume = resume or (resume_changed and not run_dir)
+        result = api.train(config_path, overrides=flags, run_dir=run_dir, resume=resume, resume_changed=resume_changed,
+                           _cli=True)
     except RemoteFailure as err:  # the other process of a two-process async run failed: its output has the traceback
         click.echo(f"Error: {err}. The other process's output says where.", err=True)
         sys.exit(1)
     except Interrupted as stop:
         if stop.is_main:
-            click.echo(
-                f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
-                f"grpo run {config_path} --run-dir {stop.run_dir}",
-                err=True,
-            )
+            click.echo(f"Interrupted after step {stop.step}; checkpoint saved. Resume with: "
+                       f"{resume_command(config_path, stop.run_dir, overrides)}", err=True)
         distributed.leave(stop.exit_code)
     import jax
 
@@ -58,6 +65,15 @@ def run(config_path, run_dir, resume, overrides, coordinator_address, num_proces
             f"(last reward/mean {result.metrics.get('reward/mean', float('nan')):.4f})"
         )
     distributed.leave(0)
+
+
+def resume_command(config_path: str, run_dir: str, overrides) -> str:
+    """The command that continues ``run_dir``: the same config and the same ``--set`` flags
+    (a resume without them would continue under other settings, e.g. fewer train.steps)."""
+    import shlex
+
+    sets = "".join(f" --set {shlex.quote(o)}" for o in overrides)
+    return f"grpo run {shlex.quote(config_path)} --run-dir {shlex.quote(str(run_dir))}{sets}"
 
 
 def run_flags(overrides, coordinator_address=None, num_processes=None, process_id=None) -> list[str]:

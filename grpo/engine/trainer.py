@@ -33,7 +33,7 @@ from grpo.engine.programs import build_programs
 from grpo.engine.rollout.conversations import Conversations
 from grpo.engine.rollout.prompts import default_buckets, tokenize_prompts
 from grpo.engine.rollout.step import SampleGroup, StepCollector, StepRollout
-from grpo.engine.runs import rundir
+from grpo.engine.runs import identity, rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import (
     MetricsLogger,
@@ -410,7 +410,12 @@ class Trainer:
             if self.is_main:
                 print(f"Starting fresh: no checkpoint in {self.checkpointer.directory}", flush=True)
             return False
-        state, meta = self.checkpointer.restore(self.loop.held_like(self._state()), latest)  # params, opt_state
+        try:
+            state, meta = self.checkpointer.restore(self.loop.held_like(self._state()), latest)  # params, opt_state
+        except Exception as err:  # noqa: BLE001 - Orbax reports a shape mismatch as ValueError with a traceback
+            if identity.is_shape_mismatch(err):
+                raise identity.incompatible_checkpoint(self.run_dir, self.config, latest, err) from None
+            raise
         state = self.loop.placed(state, self._state())
         self.params, self.opt_state = state["params"], state["opt_state"]
         self.step = int(meta["step"])
@@ -440,7 +445,8 @@ class Trainer:
         resumed = self.maybe_resume()
         if self.is_main:
             rundir.mkdir(self.run_dir)
-            rundir.write_text(self.run_dir / "config.yaml", cfg.to_yaml())
+            # Never overwrites the config that trained earlier steps (grpo.engine.runs.identity).
+            identity.record(self.run_dir, cfg, step=self.step if resumed else None)
         logger = MetricsLogger(
             self.run_dir,
             total_steps=cfg.train.steps,
@@ -506,7 +512,9 @@ class Trainer:
         return summary
 
 
-def default_run_dir(config: RunConfig, config_path: str | None) -> Path:
+def default_run_dir(config: RunConfig, config_path: str | None, *, name: str | None = None) -> Path:
+    """``runs/<name>-<timestamp>``: ``name``, else ``config.name`` or the config file's stem
+    (:func:`grpo.api.run_name` gives the name ``grpo run`` and ``grpo.train`` use)."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     if jax.process_count() > 1:
         from jax.experimental import multihost_utils
@@ -514,7 +522,7 @@ def default_run_dir(config: RunConfig, config_path: str | None) -> Path:
         # Every process must agree on the directory: use process 0's clock.
         t = int(multihost_utils.broadcast_one_to_all(np.int64(int(time.time()))))
         stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(t))
-    name = config.name or (Path(config_path).stem if config_path else "run")
+    name = name or config.name or (Path(config_path).stem if config_path else "run")
     return Path("runs") / f"{name}-{stamp}"
 
 

@@ -17,7 +17,8 @@ The modules, in the order a config passes through them:
 - :mod:`~grpo.core.config.schema`: the sections and :class:`RunConfig`;
 - :mod:`~grpo.core.config.load`: YAML, interpolation, ``--set``, :func:`load_config`;
 - :mod:`~grpo.core.config.validate`: validation errors as problems, plugin selection,
-  cross-field checks and :func:`resolve_layout`.
+  cross-field checks and :func:`resolve_layout`;
+- :mod:`~grpo.core.config.fingerprint`: a run's identity, the fields that define it.
 """
 
 from __future__ import annotations

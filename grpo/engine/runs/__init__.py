@@ -3,6 +3,8 @@
 - ``rundir``: run-directory paths and I/O on local disks, ``gs://`` and ``s3://``.
 - ``metrics``: metrics.jsonl / eval.jsonl, W&B, the progress bar and the plot.
 - ``checkpoint``: Orbax checkpoints of the trainable state and the run's position.
+- ``identity``: the configs a run records, and which run ``--resume``/``--run-dir`` may
+  continue (same fingerprint, or another accepted with ``--resume-changed``).
 - ``export``: a run's trained policy as a Hugging Face directory (or PEFT adapter).
 
 May import: ``grpo.core``, ``grpo.models``, ``grpo.engine.parallel``.

@@ -47,12 +47,55 @@ class Checkpointer:
         step = self.latest_step() if step is None else step
         if step is None:
             raise FileNotFoundError(f"no checkpoint in {self.directory}")
+        # Shapes first, from the stored metadata: a mismatch found by Orbax mid-restore leaves
+        # its other reads failing on a closed event loop (pages of noise after the error).
+        wrong = self.mismatches(like, step)
+        if wrong:
+            raise CheckpointMismatch("; ".join(wrong[:3]) + (f"; and {len(wrong) - 3} more" if len(wrong) > 3 else ""))
         args = {name: ocp.args.StandardRestore(_abstract(tree)) for name, tree in like.items()}
         out = self._manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore(), **args))
         return {name: out[name] for name in like}, dict(out["meta"])
 
+    def mismatches(self, like: dict[str, Any], step: int) -> list[str]:
+        """``"params.embed.value: stored (320, 64), requested (320, 32)"`` for each array of
+        ``like`` whose stored shape differs; [] when they fit or when the stored metadata
+        cannot be read (Orbax's own checks then apply, as they do to the tree's structure)."""
+        out = []
+        for name, tree in like.items():
+            try:
+                handler = ocp.StandardCheckpointHandler()
+                try:
+                    stored = _shapes(handler.metadata(self.directory / str(step) / name))
+                finally:
+                    handler.close()
+            except Exception:  # noqa: BLE001 - an unreadable metadata file is Orbax's to report
+                continue
+            wanted = _shapes(tree)
+            for path in sorted(set(stored) & set(wanted)):
+                if stored[path] != wanted[path]:
+                    out.append(f"{name}.{path}: stored {stored[path]}, requested {wanted[path]}")
+        return out
+
     def close(self) -> None:
         self._manager.close()
+
+
+class CheckpointMismatch(ValueError):
+    """Stored arrays whose shapes do not fit the requested tree."""
+
+
+def _shapes(tree: Any) -> dict[str, tuple[int, ...]]:
+    # Plain flattening: NNX variable states have a `shape` too, but their arrays sit one
+    # key deeper (`embed.value`), as Orbax stores them.
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key(k) for k in path): tuple(x.shape) for path, x in leaves if hasattr(x, "shape")}
+
+
+def _key(k: Any) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
 
 
 def _abstract(tree: Any) -> Any:

@@ -15,18 +15,18 @@ from grpo.models.lora import merge_params, save_peft, split_params
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, adapter: bool = False) -> Path:
-    import yaml
 
     from grpo.core.contracts import MeshLayout
     from grpo.engine.parallel.mesh import build_mesh
-    from grpo.engine.runs import rundir
+    from grpo.engine.runs import identity, rundir
     from grpo.engine.runs.checkpoint import Checkpointer
     from grpo.models.loading import save_hf
     from grpo.models.policy import load_policy
 
     if not rundir.readable_run_dir(run_dir, need="config.yaml"):
         raise UserError(f"{run_dir} is not a grpo run directory (no config.yaml).")
-    config = load_config(yaml.safe_load(rundir.read_text(rundir.path(run_dir) / "config.yaml")))
+    # The config that trained the exported step (a resumed run may record several).
+    config = load_config(identity.latest_config(run_dir, step)[1])
     run_dir = rundir.path(run_dir)
     ckpt = Checkpointer(run_dir / "checkpoints", keep=config.checkpoint.keep)
     if ckpt.latest_step() is None:

@@ -312,30 +312,33 @@ def checkpoint_steps(run_dir: str | os.PathLike) -> list[int]:
         return []
 
 
-def latest_run(parent: str | os.PathLike, name: str) -> tuple[epath.Path, int] | None:
-    """``(directory, step)`` of the newest default-named run of ``name`` under ``parent``
-    (``runs/<name>-<timestamp>``) that holds a checkpoint, and its latest step; None when
-    there is none. Newest by the timestamp in the name, so copying a folder keeps order."""
+def runs_of(parent: str | os.PathLike, name: str) -> list[tuple[epath.Path, int]]:
+    """``(directory, latest step)`` of every default-named run of ``name`` under ``parent``
+    (``runs/<name>-<timestamp>``) that holds a checkpoint, newest first. Newest by the
+    timestamp in the name, so copying a folder keeps order."""
     import re
 
     base = path(parent)
     if not base.exists():
-        return None
+        return []
     pattern = re.compile(re.escape(name) + "-(" + STAMP_RE + ")$")
     found = sorted(
         ((m.group(1), p) for p in base.iterdir() if (m := pattern.match(p.name))), key=lambda t: t[0], reverse=True
     )
-    for _stamp, directory in found:
-        steps = checkpoint_steps(directory)
-        if steps:
-            return directory, steps[-1]
-    return None
+    return [(directory, steps[-1]) for _stamp, directory in found if (steps := checkpoint_steps(directory))]
+
+
+def latest_run(parent: str | os.PathLike, name: str) -> tuple[epath.Path, int] | None:
+    """The newest of :func:`runs_of`, None when there is none."""
+    found = runs_of(parent, name)
+    return found[0] if found else None
 
 
 __all__ = [
     "JsonlLog",
     "checkpoint_steps",
     "latest_run",
+    "runs_of",
     "SEGMENT_ROWS",
     "SEGMENT_SECONDS",
     "exists",
