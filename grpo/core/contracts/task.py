@@ -53,6 +53,12 @@ class TaskPlugin(_PluginBase):
         false renders the message contents alone. Default: true."""
         return True
 
+    def uses_chat_template_for(self, example: Mapping[str, Any], *, options: BaseModel) -> bool:
+        """Whether ``example``'s prompt goes through the chat template: for a task whose
+        rule depends on the prompt (the ``custom`` task's ``auto``: conversational prompts
+        templated, plain text verbatim). Default: :meth:`uses_chat_template`."""
+        return self.uses_chat_template(options=options)
+
     def chat_template_kwargs(self, *, options: BaseModel) -> dict[str, Any]:
         """Extra variables for the tokenizer's chat template (``apply_chat_template``
         keyword arguments). Default: ``{"enable_thinking": options.enable_thinking}``
