@@ -73,7 +73,7 @@ def _all_failed(name: str, step: int, scored: int, first: tuple[int, str] | None
     what = f"; the first (row {first[0]}): {first[1]}" if first else ""
     return (
         f"reward function {name!r} failed on every completion of step {step} ({scored} of {scored}){what}. "
-        "A reward that is never computed scores 0 for every row and the run would train on nothing; fix the "
+        "A reward that is never computed scores 0 on every row, so the run would train without it; fix the "
         "function (it is called as fn(completions=[...], prompts=[...], **columns) and returns one number, or "
         f"None for not applicable, per completion) and run again. Its first failure is in {where}."
     )
