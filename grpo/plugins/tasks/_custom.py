@@ -45,7 +45,8 @@ split loads, naming the field; one that requires an argument TRL passes and grpo
 
 Return values: any iterable of numbers, one per completion (a list, a tuple, a NumPy
 array, a tensor through its ``tolist()``). ``None`` or NaN means "not applicable": 0 in
-the total, counted in ``reward/<name>/not_applicable``, not as an error. Anything else (a
+the total, counted in ``reward/<name>/not_applicable``, not as an error (``reward/<name>/mean``
+counts them as 0; TRL's logged mean, a ``nanmean``, leaves them out). Anything else (a
 wrong length, a string, a non-number) is an error: that completion scores 0 for the
 function, counted in ``reward_errors``; the function's first error in a run is logged once
 (name, step, row, message) and kept in the run directory's ``reward_errors.jsonl``, and a
