@@ -11,7 +11,10 @@ from grpo.core.contracts.base import _PluginBase
 from grpo.core.contracts.tools import Environment, ToolCallFormat, ToolFn
 
 RewardFn = Callable[..., float]
-"""``fn(completion: str, example: Mapping) -> float``: one completion's reward.
+"""``fn(completion: str, example: Mapping) -> float``: one completion's reward; ``None`` or
+NaN means "not applicable" (0 in the total, counted in ``reward/<name>/not_applicable``),
+and a function that raises or returns anything else (a string, an infinity) scores 0
+there, counted as an error.
 
 In a multi-turn rollout (a task with tools or an environment) ``completion`` is the text
 of the model's last turn and ``example["messages"]`` holds the whole trajectory: the
