@@ -39,7 +39,22 @@ start fast: the API, the tool environment, ``DecoderFamily``, ``DecoderConfig`` 
 
 from __future__ import annotations
 
+import logging as _logging
 from typing import Any
+
+
+class _NoTorchNotice(_logging.Filter):
+    """Drops transformers' import-time "PyTorch was not found..." notice: grpo is a JAX
+    program that uses transformers for configs and tokenizers only. (Loading an export
+    with transformers' PyTorch models is another program, which needs torch.) Added here,
+    before anything grpo runs imports transformers; the notice is logged on the
+    ``transformers`` logger itself, so nothing else is filtered."""
+
+    def filter(self, record: _logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("PyTorch was not found")
+
+
+_logging.getLogger("transformers").addFilter(_NoTorchNotice())
 
 from grpo.core.contracts import (
     MESH_AXES,

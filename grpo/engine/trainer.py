@@ -31,6 +31,7 @@ from grpo.engine.parallel.split import async_meshes
 from grpo.engine.planning.tpu import chip_of
 from grpo.engine.programs import build_programs
 from grpo.engine.rollout.conversations import Conversations
+from grpo.engine.rollout.failures import LOG_NAME, RewardFailures
 from grpo.engine.rollout.prompts import default_buckets, tokenize_prompts
 from grpo.engine.rollout.step import SampleGroup, StepCollector, StepRollout
 from grpo.engine.runs import identity, rundir
@@ -154,6 +155,9 @@ class Trainer:
         self.data_position = 0
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
+        # Each reward function's first failure, logged once and kept in the run directory.
+        self.reward_failures = RewardFailures(self._write_reward_failure if self.is_main else None,
+                                              where=str(self.run_dir / LOG_NAME))
         self._signal: int | None = None
         self.evaluator = Evaluator(
             config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
@@ -307,13 +311,17 @@ class Trainer:
         ``selection``: :meth:`selection_scalars`."""
         cfg = self.config
         tools = rollout.tools
-        scalars, errors, tool_totals, selected = jax.device_get((rollout_scalars(rollout, trainer_logprobs),
-                                                                 rollout.reward_errors, tools and tools.counts,
-                                                                 selection or {}))
+        scalars, errors, counts, tool_totals, selected = jax.device_get((
+            rollout_scalars(rollout, trainer_logprobs), rollout.reward_errors, rollout.reward_counts,
+            tools and tools.counts, selection or {}))
         for name, n in zip(rollout.reward_names, errors):  # over every process's rows
             self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
+        # Logs each function's first failure; stops the run when one failed on every row.
+        not_applicable = self.reward_failures.observe(self.step, rollout.reward_names, errors, counts,
+                                                      rollout.first_errors)
         extra = {
             **rollout.metrics,
+            **not_applicable,
             **{k: float(v) for k, v in selected.items()},
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": sum(self.reward_errors.values()),
@@ -353,6 +361,11 @@ class Trainer:
         if self._samples is None:
             self._samples = rundir.JsonlLog(self.run_dir, "samples.jsonl")
         self._samples.append(row)
+
+    def _write_reward_failure(self, row: dict[str, Any]) -> None:
+        failures = rundir.JsonlLog(self.run_dir, LOG_NAME)
+        failures.append(row)
+        failures.flush()
 
     def _flush_logs(self) -> None:
         """Persist the rows buffered for an object store (a no-op for local directories)."""

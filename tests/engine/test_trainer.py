@@ -452,9 +452,9 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         return out
 
     def recording_score(examples, texts, lengths):
-        totals, per_fn, failed = score(examples, texts, lengths)
+        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
         rollouts[-1].append(totals)
-        return totals, per_fn, failed
+        return totals, per_fn, *flags
 
     def recording_rows(rollout, advantages):
         ub = row_batch(rollout, advantages)
@@ -520,11 +520,11 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         return out
 
     def recording_score(examples, texts, lengths):
-        totals, per_fn, failed = score(examples, texts, lengths)
+        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
         tokens, mask = rollouts[len(scored)]
         np.testing.assert_array_equal(lengths, mask.sum(axis=1))
         scored.append((examples, tokens, mask, totals))
-        return totals, per_fn, failed
+        return totals, per_fn, *flags
 
     def recording_rows(rollout, advantages):
         ub = row_batch(rollout, advantages)
@@ -573,14 +573,15 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     examples, tokens, _ = scored_copy[0][:3]
     mask = (np.arange(3)[None] < (np.arange(len(examples)) % 4)[:, None]).astype(np.int32)  # lengths 0..3
     texts, lengths = trainer.policy.decode(tokens, mask), mask.sum(1)
-    plain, per_fn, failed = score(examples, texts, lengths)
+    plain, per_fn, *_ = score(examples, texts, lengths)
     trainer.config = trainer.collector.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
-    shaped, per_fn, failed = score(examples, texts, lengths)
+    shaped, per_fn, flags, _ = score(examples, texts, lengths)  # flags: failed, not applicable, scored
     penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
     assert penalty.min() == -0.5 and penalty.max() == 0.0
     np.testing.assert_allclose(per_fn["overlong"], penalty, atol=1e-7)
     np.testing.assert_allclose(shaped, plain + penalty, atol=1e-6)
-    assert failed.shape == (len(examples), 2) and list(per_fn) == ["length", "overlong"]
+    assert flags.shape == (len(examples), 3, 2) and list(per_fn) == ["length", "overlong"]
+    assert (flags[:, :, 1] == [0, 0, 1]).all()  # the penalty never fails and always applies
 
     resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
     assert_same_run(trainer, resumed)
@@ -641,9 +642,9 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
     row_batch = trainer.row_batch
 
     def recording_score(examples, texts, lengths):
-        totals, per_fn, failed = score(examples, texts, lengths)
+        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
         scored.append((totals, per_fn))
-        return totals, per_fn, failed
+        return totals, per_fn, *flags
 
     def recording_collect(**kw):
         rollout = collect(**kw)

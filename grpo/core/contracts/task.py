@@ -11,7 +11,10 @@ from grpo.core.contracts.base import _PluginBase
 from grpo.core.contracts.tools import Environment, ToolCallFormat, ToolFn
 
 RewardFn = Callable[..., float]
-"""``fn(completion: str, example: Mapping) -> float``: one completion's reward.
+"""``fn(completion: str, example: Mapping) -> float``: one completion's reward; ``None`` or
+NaN means "not applicable" (0 in the total, counted in ``reward/<name>/not_applicable``),
+and a function that raises or returns anything else (a string, an infinity) scores 0
+there, counted as an error.
 
 In a multi-turn rollout (a task with tools or an environment) ``completion`` is the text
 of the model's last turn and ``example["messages"]`` holds the whole trajectory: the
@@ -52,6 +55,12 @@ class TaskPlugin(_PluginBase):
         """Whether prompts go through the tokenizer's chat template (when it has one);
         false renders the message contents alone. Default: true."""
         return True
+
+    def uses_chat_template_for(self, example: Mapping[str, Any], *, options: BaseModel) -> bool:
+        """Whether ``example``'s prompt goes through the chat template: for a task whose
+        rule depends on the prompt (the ``custom`` task's ``auto``: conversational prompts
+        templated, plain text verbatim). Default: :meth:`uses_chat_template`."""
+        return self.uses_chat_template(options=options)
 
     def chat_template_kwargs(self, *, options: BaseModel) -> dict[str, Any]:
         """Extra variables for the tokenizer's chat template (``apply_chat_template``

@@ -38,6 +38,9 @@
   threads), the model families' tool-call formats and tool JSON schemas.
 - ``scoring``: completions scored with a task's named reward functions and weights, and
   DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
+- ``failures``: what a run says about its reward functions' failures: each one's first
+  failure logged once and kept in ``reward_errors.jsonl``, a function failing on every
+  row of a step stopping the run (:class:`RewardFailures`).
 - ``dynamic_sampling``: DAPO's dynamic sampling: which groups of a step's rollout
   rounds are informative (their advantages not all zero), and which the step trains on
   (:class:`GroupFilter`); PODS's down-sampling (:func:`down_sample`).

@@ -61,8 +61,8 @@ def render_messages(
 def render_prompt(task: TaskPlugin, options: BaseModel, example: Mapping[str, Any], tokenizer: Any = None) -> str:
     """The prompt text of one example: the task's messages through :func:`render_messages`,
     with the task's :meth:`~grpo.TaskPlugin.chat_template_kwargs` (and without the chat
-    template when the task's :meth:`~grpo.TaskPlugin.uses_chat_template` says so)."""
-    if not task.uses_chat_template(options=options):
+    template when the task's :meth:`~grpo.TaskPlugin.uses_chat_template_for` the example says so)."""
+    if not task.uses_chat_template_for(example, options=options):
         tokenizer = None
     return render_messages(
         task.prompt_messages(example, options=options), tokenizer, task.chat_template_kwargs(options=options)

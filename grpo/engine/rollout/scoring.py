@@ -1,9 +1,14 @@
 """Scoring completions with a task's named reward functions (task-independent).
 
-A reward function that raises, or returns something that is not a finite number, scores
-0 for that completion and is counted in :attr:`Scores.errors` (with the first message in
-:attr:`Scores.first_errors`) — a buggy reward must show up in the metrics, never stop a
-run hours in.
+A reward function that raises, or returns something that is not a number (or an
+infinity), scores 0 for that completion and is counted in :attr:`Scores.errors` (with the
+first message in :attr:`Scores.first_errors`, its row in :attr:`Scores.first_error_rows`)
+— a buggy reward must show up in the metrics and the run's log; the trainer stops a run
+only when a function fails on every completion of a step.
+
+``None`` or NaN means "not applicable to this completion" (TRL's convention: it adds the
+functions' rewards with ``nansum``): 0 in that reward and in the total, counted in
+:attr:`Scores.not_applicable`, never as an error.
 """
 
 from __future__ import annotations
@@ -34,7 +39,10 @@ class Scores:
     - ``correct[i]``: ``task.is_correct(rewards[i])``;
     - ``errors``: reward name -> how many completions its function failed on;
     - ``first_errors``: reward name -> the first failure (``"ValueError: ..."``);
-    - ``failed[i]``: the names that failed on completion i.
+      ``first_error_rows``: reward name -> the completion it failed on first;
+    - ``failed[i]``: the names that failed on completion i;
+    - ``not_applicable``: reward name -> how many completions it returned None or NaN
+      for (scored 0, not an error); ``inapplicable[i]``: those names of completion i.
     """
 
     names: tuple[str, ...]
@@ -45,6 +53,9 @@ class Scores:
     errors: dict[str, int]
     first_errors: dict[str, str]
     failed: list[tuple[str, ...]]
+    first_error_rows: dict[str, int] = dataclasses.field(default_factory=dict)
+    not_applicable: dict[str, int] = dataclasses.field(default_factory=dict)
+    inapplicable: list[tuple[str, ...]] = dataclasses.field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.totals)
@@ -58,12 +69,15 @@ class Scores:
 
     def metrics(self, prefix: str = "reward") -> dict[str, float]:
         """``{prefix}/<name>/mean``, ``{prefix}/<name>/errors`` per reward, ``{prefix}/total/mean``,
-        ``{prefix}/total/std`` and ``{prefix}/accuracy`` (fraction judged correct)."""
+        ``{prefix}/total/std`` and ``{prefix}/accuracy`` (fraction judged correct);
+        ``{prefix}/<name>/not_applicable`` for a reward that returned None or NaN."""
         out: dict[str, float] = {}
         for name, mean in self.means().items():
             out[f"{prefix}/{name}/mean"] = mean
         for name in self.names:
             out[f"{prefix}/{name}/errors"] = float(self.errors[name])
+            if self.not_applicable.get(name):
+                out[f"{prefix}/{name}/not_applicable"] = float(self.not_applicable[name])
         n = len(self.totals)
         mean = out[f"{prefix}/{TOTAL}/mean"]
         out[f"{prefix}/{TOTAL}/std"] = math.sqrt(sum((t - mean) ** 2 for t in self.totals) / n) if n else 0.0
@@ -71,7 +85,10 @@ class Scores:
         return out
 
 
-def _as_reward(value: Any) -> float:
+def _as_reward(value: Any) -> float | None:
+    """A reward function's value as a float; None for "not applicable" (None or NaN)."""
+    if value is None:
+        return None
     if isinstance(value, bool):
         return float(value)
     if not isinstance(value, numbers.Real):
@@ -81,6 +98,8 @@ def _as_reward(value: Any) -> float:
         else:
             raise TypeError(f"returned {type(value).__name__} {value!r:.60}, not a number")
     value = float(value)
+    if math.isnan(value):
+        return None
     if not math.isfinite(value):
         raise ValueError(f"returned {value}, not a finite number")
     return value
@@ -129,27 +148,39 @@ def score_completions(
     names = tuple(functions)
     errors = {name: 0 for name in names}
     first_errors: dict[str, str] = {}
+    first_rows: dict[str, int] = {}
+    not_applicable = {name: 0 for name in names}
+    inapplicable: list[tuple[str, ...]] = []
     rewards: list[dict[str, float]] = []
     totals: list[float] = []
     correct: list[bool] = []
     failed: list[tuple[str, ...]] = []
-    for example, completion in zip(examples, completions):
+    for row, (example, completion) in enumerate(zip(examples, completions)):
         if not isinstance(completion, str):
             raise ValueError(f"completions must be strings, got {type(completion).__name__}")
         values: dict[str, float] = {}
         bad: list[str] = []
+        skipped: list[str] = []
         for name, fn in functions.items():
             try:
-                values[name] = _as_reward(fn(completion, example))
+                value = _as_reward(fn(completion, example))
             except Exception as err:  # noqa: BLE001 - a failing reward scores 0 and is counted
                 values[name] = 0.0
                 errors[name] += 1
                 bad.append(name)
-                first_errors.setdefault(name, f"{type(err).__name__}: {err}")
+                if name not in first_errors:
+                    first_errors[name] = f"{type(err).__name__}: {err}"
+                    first_rows[name] = row
+                continue
+            if value is None:  # not applicable: 0, as TRL's nansum adds it
+                not_applicable[name] += 1
+                skipped.append(name)
+            values[name] = 0.0 if value is None else value
         rewards.append(values)
         totals.append(sum(weights[n] * values[n] for n in names))
         correct.append(bool(task.is_correct(values, options=options)))
         failed.append(tuple(bad))
+        inapplicable.append(tuple(skipped))
     return Scores(
         names=names,
         weights=weights,
@@ -159,4 +190,7 @@ def score_completions(
         errors=errors,
         first_errors=first_errors,
         failed=failed,
+        first_error_rows=first_rows,
+        not_applicable=not_applicable,
+        inapplicable=inapplicable,
     )

@@ -99,7 +99,11 @@ class StepRollout:
       arrays, or with rows selected host arrays of every row rolled out for the batch's
       groups.
     - ``reward_names``, ``reward_errors`` [functions]: each reward function's failures
-      over every process's rows of every round (replicated).
+      over every process's rows of every round (replicated); ``reward_counts``
+      [2 * functions]: how many rows each returned "not applicable" for (None or NaN),
+      then how many rows each scored (replicated; None in a record saved before it
+      existed); ``first_errors``: reward name -> ``(row, "TypeError: ...")``, its first
+      failure among this process's rows (row: the row's index in the scored batch).
     - ``generated_tokens``: completion tokens of every round, trained on or not.
     - ``rollout_s``: the sampler's seconds (every round); ``tools``: the tool counters
       (multi-turn only); ``metrics``: ``dynamic_sampling/*`` and ``down_sampling/*``;
@@ -127,6 +131,8 @@ class StepRollout:
     prompts_drawn: int
     informative: jax.Array | None = None
     filler: jax.Array | None = None
+    reward_counts: jax.Array | None = None
+    first_errors: dict[str, Any] | None = None
 
     @property
     def trained(self) -> jax.Array:
@@ -147,6 +153,8 @@ class _Round:
     seconds: float
     tools: ToolTotals | None
     group: SampleGroup | None
+    counts: jax.Array | None = None  # [2 * functions] int32: not applicable, scored (replicated)
+    first_errors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class StepCollector:
@@ -189,13 +197,15 @@ class StepCollector:
         turns or None) keeps the first group for ``samples.jsonl``. What a round of the
         step and a batch of partial rollouts share."""
         k = self.config.rollout.num_generations
-        totals, by_fn, failed = self._score(examples, texts, lengths)
-        errors = self.programs.row_sums(to_global(failed, self.programs.rollout_sharding))  # [functions]
+        totals, by_fn, flags, first = self._score(examples, texts, lengths)
+        f = len(by_fn)
+        sums = self.programs.row_sums(to_global(flags.reshape(len(texts), 3 * f), self.programs.rollout_sharding))
+        errors, counts = sums[:f], sums[f:]  # [functions], [2 * functions]
         group = None
         if sample is not None:
             example, prompt_tokens, turns = sample
             group = SampleGroup(example, texts[:k], totals[:k], turns, [int(n) for n in lengths[:k]], prompt_tokens)
-        return _Round(out, totals, by_fn, errors, seconds, tools, group)
+        return _Round(out, totals, by_fn, errors, seconds, tools, group, counts, first)
 
     def step_rollout(self, r: _Round, *, drawn: int) -> StepRollout:
         """A scored batch (every row trained) as the step's record, ``drawn`` prompts of the data order."""
@@ -205,6 +215,7 @@ class StepCollector:
             output=r.output, rewards=rewards, rewards_by_fn=by_fn, logged_rewards=rewards, logged_by_fn=by_fn,
             reward_names=list(r.by_fn), reward_errors=r.errors, generated_tokens=jnp.sum(r.output.lengths),
             rollout_s=r.seconds, tools=r.tools, metrics={}, group=r.group, prompts_drawn=drawn,
+            reward_counts=r.counts, first_errors=r.first_errors,
         )
 
     # ------------------------------------------------------------------ one round
@@ -256,13 +267,18 @@ class StepCollector:
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.pad_id)
 
     def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray):
-        """This process's rows scored: totals [b], each reward [b] by name, and which
-        reward functions failed on each row [b, rewards] (int32, in ``by_fn``'s order).
-        With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
+        """This process's rows scored: totals [b], each reward [b] by name, flags
+        [b, 3, rewards] (int32, in ``by_fn``'s order): whether each reward function failed
+        on the row, whether it was not applicable (None or NaN), and 1 (the row was
+        scored); and each function's first failure ``(row, message)``. With
+        ``task.overlong`` the length penalty joins as the reward ``overlong``."""
         scored = score_completions(self.task, self.task_options, examples, texts)
         by_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
-        failed = np.asarray([[name in bad for name in scored.names] for bad in scored.failed], np.int32)
-        failed = failed.reshape(len(texts), len(scored.names))
+        failed = np.asarray([[[name in bad for name in scored.names] for bad in per_row]
+                             for per_row in (scored.failed, scored.inapplicable)], np.int32)
+        failed = failed.reshape(2, len(texts), len(scored.names)).transpose(1, 0, 2)
+        failed = np.concatenate([failed, np.ones_like(failed[:, :1])], axis=1)  # b 3 F
+        first = {n: (scored.first_error_rows[n], msg) for n, msg in scored.first_errors.items()}
         totals = np.asarray(scored.totals, np.float32)
         overlong = self.config.task.overlong
         if overlong.buffer:
@@ -277,8 +293,10 @@ class StepCollector:
             )
             by_fn[OVERLONG] = penalty
             totals = totals + penalty
-            failed = np.concatenate([failed, np.zeros((len(texts), 1), np.int32)], axis=1)  # it never fails
-        return totals, by_fn, failed
+            # It never fails and always applies.
+            failed = np.concatenate([failed, np.asarray([0, 0, 1], np.int32)[None, :, None].repeat(len(texts), 0)],
+                                    axis=2)
+        return totals, by_fn, failed, first
 
     # ------------------------------------------------------------------ selected rows
 
@@ -370,6 +388,8 @@ class StepCollector:
             outs=[rounds[r].output for r in used], rows=rows, full=full, per_full=per_full, metrics=metrics,
             informative=informative, filled=filled, reward_names=list(rounds[0].by_fn),
             errors=functools.reduce(operator.add, (r.errors for r in rounds)),
+            counts=functools.reduce(operator.add, (r.counts for r in rounds)),
+            first_errors=_first_errors((r.first_errors, len(r.totals)) for r in rounds),
             generated=sum(jnp.sum(r.output.lengths) for r in rounds), seconds=sum(r.seconds for r in rounds),
             tools=sum(tools[1:], tools[0]) if tools else None, group=rounds[0].group, drawn=p * len(rounds),
         )
@@ -387,8 +407,10 @@ class StepCollector:
         rows = np.asarray([g * k + j for g in groups for j in range(k)])
         full = np.concatenate([feeder.scores[g][0] for g in groups])
         per_full = {n: np.concatenate([feeder.scores[g][1][n] for g in groups]) for n in feeder.names}
-        failed = np.concatenate([feeder.scores[g][2] for g in sorted(feeder.scores)])  # every row scored
-        errors = jax.device_put(failed.sum(axis=0).astype(np.int32), self.programs.replicated)
+        failed = np.concatenate([feeder.scores[g][2] for g in sorted(feeder.scores)])  # every row scored, b 3 F
+        sums = failed.sum(axis=0).astype(np.int32)  # 3 F
+        errors = jax.device_put(sums[0], self.programs.replicated)
+        counts = jax.device_put(sums[1:].reshape(-1), self.programs.replicated)
         group = None
         if sample_group and feeder.order:
             g = feeder.order[0]  # the first group to finish
@@ -398,7 +420,7 @@ class StepCollector:
             outs=[out], rows=rows, full=full, per_full=per_full, metrics=feeder.filter.metrics(),
             informative=np.arange(p) < p - filled, filled=filled, reward_names=list(feeder.names), errors=errors,
             generated=jnp.sum(out.lengths), seconds=time.perf_counter() - t0, tools=None, group=group,
-            drawn=feeder.filter.fed,
+            drawn=feeder.filter.fed, counts=counts, first_errors=feeder.first_errors,
         )
 
     def _selected(self, step: int, position: int, sample_group: bool) -> StepRollout:
@@ -428,6 +450,7 @@ class StepCollector:
             logged_rewards=logged[0], logged_by_fn=logged[1], reward_names=picked.reward_names,
             reward_errors=picked.errors, generated_tokens=picked.generated, rollout_s=picked.seconds,
             tools=picked.tools, metrics=metrics, group=picked.group, prompts_drawn=picked.drawn, **marks,
+            reward_counts=picked.counts, first_errors=picked.first_errors,
         )
 
 
@@ -452,6 +475,8 @@ class _Picked:
     tools: ToolTotals | None
     group: SampleGroup | None
     drawn: int
+    counts: jax.Array | None = None
+    first_errors: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 class _Stream(StreamFeeder):
@@ -473,9 +498,11 @@ class _Stream(StreamFeeder):
         # One width for every prompt the step may feed: a round's when they share its bucket.
         self.width = bucket_for(max(len(collector.prompts.token_ids[i]) for i in self.indices), collector.buckets)
         self.rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # finished row -> (tokens, mask)
-        self.scores: dict[int, tuple] = {}  # group -> (totals [K], by_fn, failed [K, F], texts, lengths)
+        self.scores: dict[int, tuple] = {}  # group -> (totals [K], by_fn, flags [K, 3, F], texts, lengths)
         self.order: list[int] = []  # groups in finish order
         self.names: list[str] = []
+        self.first_errors: dict[str, tuple[int, str]] = {}  # reward -> (row in scoring order, message)
+        self.scored_rows = 0
 
     def prompt(self, g: int) -> tuple[np.ndarray, np.ndarray]:
         batch = build_batch(self.c.prompts, self.indices[g:g + 1], local=slice(None), buckets=self.c.buckets,
@@ -505,8 +532,11 @@ class _Stream(StreamFeeder):
         texts = list(self.c.sampler.detokenize(toks, masks))
         lengths = masks.sum(axis=1)
         examples = [self.example(g) for g in ready for _ in range(k)]
-        totals, by_fn, failed = self.c._score(examples, texts, lengths)
+        totals, by_fn, failed, first = self.c._score(examples, texts, lengths)
         self.names = list(by_fn)
+        for n, (row, msg) in first.items():  # rows counted in the stream's scoring order
+            self.first_errors.setdefault(n, (self.scored_rows + row, msg))
+        self.scored_rows += len(texts)
         verdicts = self.c._informative(totals, by_fn, lambda: masks)
         for i, g in enumerate(ready):
             part = slice(i * k, (i + 1) * k)
@@ -515,6 +545,17 @@ class _Stream(StreamFeeder):
             self.order.append(g)
             self.filter.add(g, bool(verdicts[i]))
         return self.filter.done
+
+
+def _first_errors(parts: Any) -> dict[str, Any]:
+    """Each reward's first failure over rounds (rows counted across the rounds)."""
+    out: dict[str, Any] = {}
+    offset = 0
+    for part, rows in parts:
+        for n, (row, msg) in part.items():
+            out.setdefault(n, (offset + row, msg))
+        offset += rows
+    return out
 
 
 def _all_rows(local: np.ndarray, *, processes: int) -> np.ndarray:

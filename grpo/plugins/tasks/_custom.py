@@ -13,7 +13,7 @@ Rewards
     lists of message lists, each completion ``[{"role": "assistant", "content": ...}]``.
     Every other dataset column comes as a keyword argument holding a list (a function
     without ``**kwargs`` gets the columns it names). ``None`` means "not applicable to
-    this sample" and counts 0 in the total, as TRL's ``nansum`` does. Each function is
+    this sample" and counts 0 in the total, as TRL's ``nansum`` does (NaN too). Each function is
     called once per completion (lists of one), since grpo scores completion by completion;
     its name in metrics is the function's ``__name__`` (``reward/<name>/mean``).
     ``reward_weights`` (TRL's argument of the same name) weighs them; default 1 each.
@@ -28,23 +28,35 @@ Data
 
 Chat template
     A plain-text prompt is one user message; a conversational one is its messages (with
-    ``system_prompt`` first when set and it has no system message). With ``chat_template``
-    true (the default, as an instruct model expects) they go through the tokenizer's chat
-    template; false uses the message contents verbatim (TRL's rule for plain-text
-    prompts; for conversational ones keep the template). A tokenizer without a template
-    (the tiny test tokenizer) always gets the contents verbatim.
+    ``system_prompt`` first when set and it has no system message). ``chat_template``:
+    ``auto`` (the default, TRL's rule) templates conversational prompts with the
+    tokenizer's chat template and uses plain-text prompts verbatim (``system_prompt`` then
+    joins as a paragraph before the text); ``true`` templates every prompt (a plain-text
+    prompt as one user message, as an instruct model expects); ``false`` uses every
+    prompt's message contents verbatim. A tokenizer without a template (the tiny test
+    tokenizer) always gets the contents verbatim.
 
 Bad references fail at config load (exit 2, naming ``task.options.rewards[i]``): a path
 that does not import, an attribute that is not there, an object that is not callable, a
 function that cannot take ``completions`` and ``prompts`` by keyword. A function that
 requires an argument no column provides, or a missing prompt/answer column, fails when the
-split loads, naming the field.
+split loads, naming the field; one that requires an argument TRL passes and grpo does not
+(``completion_ids``, ``trainer_state``: :data:`NOT_PASSED`) is refused saying so.
+
+Return values: any iterable of numbers, one per completion (a list, a tuple, a NumPy
+array, a tensor through its ``tolist()``). ``None`` or NaN means "not applicable": 0 in
+the total, counted in ``reward/<name>/not_applicable``, not as an error (``reward/<name>/mean``
+counts them as 0; TRL's logged mean, a ``nanmean``, leaves them out). Anything else (a
+wrong length, a string, a non-number) is an error: that completion scores 0 for the
+function, counted in ``reward_errors``; the function's first error in a run is logged once
+(name, step, row, message) and kept in the run directory's ``reward_errors.jsonl``, and a
+function that fails on every completion of a step stops the run (exit status 2).
 """
 
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, ClassVar, Mapping, Sequence
+from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
@@ -52,6 +64,12 @@ from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
 from grpo.core.errors import UserError
 from grpo.core.references import SESSION, resolve
 from grpo.plugins.tasks._common import coerce_options, open_split
+
+NOT_PASSED = {
+    "completion_ids": "it scores completions as text; tokenize the completion if you need its ids",
+    "trainer_state": "it has no transformers TrainerState",
+}
+"""Keyword arguments TRL's ``GRPOTrainer`` gives reward functions that grpo does not, and why."""
 
 RESERVED = ("total", "overlong")
 """Reward names the engine uses itself; a function named so is renamed ``<name>_fn``."""
@@ -78,10 +96,11 @@ class CustomOptions(PluginOptions):
         None, min_length=1, description="Column every row must have (e.g. the reference answer); rewards get it by name."
     )
     system_prompt: str | None = Field(None, description="System message put first; none = no system message.")
-    chat_template: bool = Field(
-        True,
-        description="Prompts through the tokenizer's chat template (true; a plain-text prompt is one user message), "
-        "or their message contents verbatim (false: TRL's rule for plain-text prompts).",
+    chat_template: bool | Literal["auto"] = Field(
+        "auto",
+        description="auto (TRL's rule): conversational prompts (lists of messages) through the tokenizer's chat "
+        "template, plain-text prompts verbatim; true: every prompt through the template (a plain-text prompt is "
+        "one user message); false: every prompt's message contents verbatim.",
     )
     max_examples: int | None = Field(None, ge=1, le=100_000_000, description="Keep the first N examples of a split.")
     correct_reward: str | None = Field(
@@ -195,10 +214,35 @@ def reward_names(functions: Sequence[Any]) -> list[str]:
 # --------------------------------------------------------------------------- calling
 
 
+def reward_values(out: Any, *, field: str, expected: int) -> list[Any]:
+    """What a TRL reward function returned, as a list of ``expected`` values: any iterable
+    of numbers, as TRL iterates over it (a list, a tuple, a NumPy array, a tensor through
+    its ``tolist()``); ``None`` and NaN stay as they are (not applicable, see
+    :func:`~grpo.engine.rollout.scoring.score_completions`). TypeError for a string, a
+    mapping or a non-iterable, ValueError for a wrong length; both name ``field``."""
+    if isinstance(out, (str, bytes, Mapping)) or out is None:
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}; expected a list with one number "
+                        "per completion")
+    tolist = getattr(out, "tolist", None)
+    try:
+        values = tolist() if callable(tolist) else list(out)
+    except TypeError:
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, which is not iterable; expected a "
+                        "list with one number per completion") from None
+    if not isinstance(values, list):  # a 0-d array's tolist() is its scalar
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, a single value; expected a list with "
+                        "one number per completion")
+    if len(values) != expected:
+        raise ValueError(f"{field} returned {len(values)} value(s) for {expected} completion(s); expected one per "
+                         "completion")
+    return values
+
+
 def trl_reward(fn: Callable[..., Any], *, prompt_column: str, field: str) -> RewardFn:
     """``fn`` (TRL's batched convention) as grpo's per-completion ``(completion, example)
-    -> float``: lists of one, the example's other columns as keyword arguments, ``None``
-    -> 0.0 (TRL adds rewards with ``nansum``)."""
+    -> float | None``: lists of one, the example's other columns as keyword arguments;
+    any iterable of numbers is a valid return (:func:`reward_values`), and ``None`` or NaN
+    passes through as "not applicable" (0 in the total, as TRL's ``nansum`` adds them)."""
     sig = check_reward(fn)
     names, var_kw, required = _accepts(sig) if sig is not None else (set(), True, [])
 
@@ -210,10 +254,8 @@ def trl_reward(fn: Callable[..., Any], *, prompt_column: str, field: str) -> Rew
             if k != prompt_column and k not in ("completions", "prompts") and (var_kw or k in names)
         }
         done = [{"role": "assistant", "content": completion}] if conversational else completion
-        out = fn(completions=[done], prompts=[prompt], **kwargs)
-        if not isinstance(out, Sequence) or isinstance(out, (str, bytes)) or len(out) != 1:
-            raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}; expected a list with one value per completion")
-        return 0.0 if out[0] is None else out[0]
+        values = reward_values(fn(completions=[done], prompts=[prompt], **kwargs), field=field, expected=1)
+        return values[0]
 
     reward.__name__ = _name(fn)
     reward.required = [n for n in required if n not in ("completions", "prompts")]  # type: ignore[attr-defined]
@@ -304,6 +346,14 @@ class CustomTask(TaskPlugin):
             return
         for i, (name, fn) in enumerate(functions.items()):
             absent = [n for n in fn.required if n not in columns]  # type: ignore[attr-defined]
+            unpassed = [n for n in absent if n in NOT_PASSED]
+            if unpassed:
+                raise UserError(
+                    f"task.options.rewards[{i}]: {name} requires {', '.join(map(repr, unpassed))}, which TRL's "
+                    f"GRPOTrainer passes and grpo does not ({NOT_PASSED[unpassed[0]]}). grpo passes completions, "
+                    "prompts and the dataset's columns; give the parameter a default (e.g. "
+                    f"{unpassed[0]}=None) or compute it from the completion."
+                )
             if absent:
                 raise UserError(
                     f"task.options.rewards[{i}]: {name} requires the argument(s) {', '.join(map(repr, absent))}, "
@@ -339,7 +389,13 @@ class CustomTask(TaskPlugin):
         return messages
 
     def uses_chat_template(self, *, options: BaseModel) -> bool:
-        return _options(options).chat_template
+        return _options(options).chat_template is not False  # auto templates the conversational prompts
+
+    def uses_chat_template_for(self, example: Mapping[str, Any], *, options: BaseModel) -> bool:
+        options = _options(options)
+        if options.chat_template == "auto":  # TRL's maybe_apply_chat_template: messages templated, text verbatim
+            return not isinstance(example[options.prompt_column], str)
+        return options.chat_template
 
 
 def _is_messages(value: Any) -> bool:

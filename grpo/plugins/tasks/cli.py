@@ -179,4 +179,7 @@ def score(name: str, input_path: str, output_path: str | None, overrides: tuple[
     summary.append(f"  {'accuracy'.ljust(width)}  {accuracy:8.4f}")
     for n, msg in scores.first_errors.items():
         summary.append(f"  reward {n!r} failed on {scores.errors[n]} completion(s); first: {msg}")
+    for n, count in scores.not_applicable.items():
+        if count:
+            summary.append(f"  reward {n!r} was not applicable (None or NaN, scored 0) to {count} completion(s)")
     click.echo("\n".join(summary), err=True)

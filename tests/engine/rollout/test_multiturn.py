@@ -264,7 +264,7 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer, "row_batch", lambda *a: rows.append(row_batch(*a)) or rows[-1])
     monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
     trainer.train_step()
-    [(_, per_fn, _)], [ub], [packed] = scored, jax.device_get(rows), jax.device_get(batches)
+    [(_, per_fn, *_)], [ub], [packed] = scored, jax.device_get(rows), jax.device_get(batches)
     own = np.asarray(ub.loss_mask)
     assert np.asarray(ub.advantages).shape == own.shape and (own.sum(1) > 0).all()
 

@@ -17,7 +17,8 @@ from grpo.engine.rollout.scoring import score_completions
 
 
 class FlakyTask(TaskPlugin):
-    """Rewards: `len` (always works), `boom` (raises on 'x'), `nan` (NaN on 'n'), `text` (wrong type on 't')."""
+    """Rewards: `len` (always works), `boom` (raises on 'x'), `nan` (NaN on 'n': not applicable), `text` (wrong
+    type on 't')."""
 
     name: ClassVar[str] = "flaky"
     Options = NoOptions
@@ -59,18 +60,49 @@ def test_failing_rewards_score_zero_and_are_counted():
     assert s.rewards[1] == {"len": 0.5, "boom": 0.0, "nan": 1.0, "text": 0.5}
     assert s.rewards[2] == {"len": 0.5, "boom": 0.0, "nan": 0.0, "text": 0.5}
     assert s.rewards[4]["text"] == 0.0
-    assert s.errors == {"len": 0, "boom": 2, "nan": 1, "text": 1}
-    assert s.first_errors["boom"] == "ZeroDivisionError: boom on x"
-    assert "nan" in s.first_errors["nan"] and "str" in s.first_errors["text"]
-    assert s.failed == [(), ("boom",), ("boom", "nan"), (), ("text",)]
+    assert s.errors == {"len": 0, "boom": 2, "nan": 0, "text": 1}
+    assert s.first_errors["boom"] == "ZeroDivisionError: boom on x" and s.first_error_rows["boom"] == 1
+    assert "nan" not in s.first_errors and "str" in s.first_errors["text"] and s.first_error_rows["text"] == 4
+    assert s.failed == [(), ("boom",), ("boom",), (), ("text",)]
+    assert s.not_applicable == {"len": 0, "boom": 0, "nan": 1, "text": 0}
+    assert s.inapplicable == [(), (), ("nan",), (), ()]
     assert s.totals == pytest.approx([3.5, 2.5, 1.5, 4.5, 0.5 + 1 + 1 + 0])
     assert s.correct == [False, False, False, False, False]
     m = s.metrics()
-    assert m["reward/boom/errors"] == 2.0 and m["reward/len/errors"] == 0.0
+    assert m["reward/boom/errors"] == 2.0 and m["reward/len/errors"] == 0.0 and m["reward/nan/errors"] == 0.0
+    assert m["reward/nan/not_applicable"] == 1.0 and "reward/len/not_applicable" not in m
     assert m["reward/boom/mean"] == pytest.approx(3 / 5)
     assert m["reward/total/mean"] == pytest.approx(sum(s.totals) / 5)
     assert m["reward/total/std"] == pytest.approx(math.sqrt(sum((t - sum(s.totals) / 5) ** 2 for t in s.totals) / 5))
     assert m["reward/accuracy"] == 0.0
+
+
+class _OneReward(TaskPlugin):
+    name: ClassVar[str] = "one"
+    Options = NoOptions
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def load(self, *, split, options, seed=0):
+        return []
+
+    def prompt_messages(self, example, *, options):
+        return [{"role": "user", "content": "q"}]
+
+    def reward_functions(self, *, options):
+        return {"r": self.fn}
+
+
+def test_none_and_nan_are_not_applicable_and_infinity_is_an_error():
+    """Issue 49 item 2: None and NaN mean "not applicable" (0 in the total, as TRL's nansum
+    adds them), counted as such and never as errors; an infinity stays an error."""
+    values = {"a": None, "b": float("nan"), "c": np.float32("nan"), "d": float("inf"), "e": 0.5}
+    s = score_completions(_OneReward(lambda c, ex: values[c]), NoOptions(), [{}] * 5, list("abcde"))
+    assert s.totals == [0.0, 0.0, 0.0, 0.0, 0.5]
+    assert s.not_applicable == {"r": 3} and s.errors == {"r": 1}
+    assert s.inapplicable == [("r",), ("r",), ("r",), (), ()] and s.failed == [(), (), (), ("r",), ()]
+    assert "inf" in s.first_errors["r"] and s.first_error_rows["r"] == 3
 
 
 def test_scoring_rejects_mismatched_inputs_and_bad_weights():

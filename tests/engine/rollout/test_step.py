@@ -70,9 +70,9 @@ def run(streamed, tmp_path_factory):
         return out
 
     def recording_score(examples, texts, lengths):
-        totals, per_fn, failed = score(examples, texts, lengths)
-        steps[-1]["scores"].append(totals)
-        return totals, per_fn, failed
+        scored = score(examples, texts, lengths)  # totals, per_fn, flags, first failures
+        steps[-1]["scores"].append(scored[0])
+        return scored
 
     def recording_rows(rollout, advantages):
         ub = row_batch(rollout, advantages)

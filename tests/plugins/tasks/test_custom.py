@@ -136,7 +136,9 @@ def test_missing_columns_exit_2_naming_the_field(rewards_module, tmp_path):
          "task.options.rewards[0]: match_solution requires the argument(s) 'solution'"),
         (dict(base, prompt_column="question", correct_reward="nope"), "task.options.correct_reward: no reward named"),
         (dict(base, prompt_column="question", rewards=["trl_style:needs_ids"]),
-         "task.options.rewards[0]: needs_ids requires the argument(s) 'completion_ids'"),
+         # Issue 49 item 8: named as what grpo does not pass, not as a missing column.
+         "task.options.rewards[0]: needs_ids requires 'completion_ids', which TRL's GRPOTrainer passes and grpo "
+         "does not"),
     ]
     for options, message in cases:
         with pytest.raises(UserError) as err:
@@ -160,3 +162,118 @@ def test_missing_column_through_grpo_run_exits_2(rewards_module, tmp_path):
     result = CliRunner().invoke(cli, ["run", str(path), "--run-dir", str(tmp_path / "run")])
     assert result.exit_code == 2, result.output
     assert "task.options.prompt_column: the column 'prompt' is not in split 'train'" in result.output
+
+
+class FakeTensor:
+    """What a torch tensor offers a reward's caller (torch is not needed): ``tolist()``,
+    iteration over 0-d tensors (which are not floats), and ``len``."""
+
+    def __init__(self, values):
+        self.values = [float(v) for v in values]
+
+    def tolist(self):
+        return list(self.values)
+
+    def __iter__(self):
+        return iter(FakeScalar(v) for v in self.values)
+
+    def __len__(self):
+        return len(self.values)
+
+
+class FakeScalar:
+    def __init__(self, v):
+        self.v = v
+
+    def __float__(self):
+        return self.v
+
+
+def _by_length(completions):
+    return [min(len(c), 4) / 4 for c in completions]
+
+
+def test_any_iterable_of_numbers_is_a_reward_return(rewards_module):
+    """Issue 49 item 2: a TRL reward function returning a list, a tuple, a NumPy array or a
+    tensor (anything with tolist()) scores the same; before, only a Sequence was accepted
+    and every other return scored 0 as an error on every completion."""
+    import numpy as np
+
+    returns = {
+        "as_list": lambda completions, **kw: list(_by_length(completions)),
+        "as_tuple": lambda completions, **kw: tuple(_by_length(completions)),
+        "as_ndarray": lambda completions, **kw: np.asarray(_by_length(completions), np.float32),
+        "as_tensor": lambda completions, **kw: FakeTensor(_by_length(completions)),
+        "as_generator": lambda completions, **kw: (v for v in _by_length(completions)),
+    }
+    examples, completions = [{"prompt": "2+2="}] * 3, ["4", "four", "forty-four"]
+    got = {}
+    for name, fn in returns.items():
+        fn.__name__ = name
+        opts = _options(rewards=[register(f"t_{name}", fn)])
+        try:
+            scores = score_completions(CustomTask(), opts, examples, completions)
+        finally:
+            forget(f"session:t_{name}")
+        assert scores.errors == {name: 0}, scores.first_errors
+        got[name] = scores.totals
+    assert all(v == [0.25, 1.0, 1.0] for v in got.values()), got
+
+
+def test_nan_in_an_array_is_not_applicable_and_a_wrong_length_is_an_error(rewards_module):
+    """Issue 49 item 2: NaN (here inside a NumPy array) means "not applicable", like None:
+    0 in the total and counted as not applicable, not as an error; a wrong length is an
+    error naming the function."""
+    import numpy as np
+
+    def nan_for_short(completions, **kw):
+        return np.asarray([np.nan if len(c) < 3 else 1.0 for c in completions])
+
+    def two_values(completions, **kw):
+        return np.zeros(2)
+
+    def text(completions, **kw):
+        return "1.0"
+
+    opts = _options(rewards=[register("t_nan", nan_for_short), register("t_two", two_values),
+                             register("t_text", text)])
+    try:
+        scores = score_completions(CustomTask(), opts, [{"prompt": "q"}] * 2, ["ab", "abcd"])
+    finally:
+        for n in ("t_nan", "t_two", "t_text"):
+            forget(f"session:{n}")
+    assert [r["nan_for_short"] for r in scores.rewards] == [0.0, 1.0]
+    assert scores.not_applicable["nan_for_short"] == 1 and scores.errors["nan_for_short"] == 0
+    assert scores.errors["two_values"] == 2 and scores.errors["text"] == 2
+    assert ("task.options.rewards[1] (two_values) returned 2 value(s) for 1 completion(s)"
+            in scores.first_errors["two_values"])
+    assert "task.options.rewards[2] (text) returned str" in scores.first_errors["text"]
+
+
+class TemplateTokenizer:
+    chat_template = "{{ messages }}"
+
+    def apply_chat_template(self, messages, *, tokenize, add_generation_prompt, **kwargs):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+
+def test_chat_template_auto_is_trls_rule(rewards_module):
+    """Issue 49 item 8: by default (``auto``) a plain-text prompt is used verbatim and a
+    conversational one goes through the chat template, as TRL does; true and false still
+    template every prompt or none. Before, the default templated plain text too."""
+    task, tok = CustomTask(), TemplateTokenizer()
+    text = task.prepare_example({"prompt": "2+2="}, options=_options(rewards=["trl_style:only_long"]))
+    chat = {"prompt": [{"role": "user", "content": "2+2="}]}
+    expected = {
+        None: ("2+2=", "<user>2+2=<assistant>"),
+        "auto": ("2+2=", "<user>2+2=<assistant>"),
+        True: ("<user>2+2=<assistant>", "<user>2+2=<assistant>"),
+        False: ("2+2=", "2+2="),
+    }
+    for setting, (plain, conversational) in expected.items():
+        extra = {} if setting is None else {"chat_template": setting}
+        opts = _options(rewards=["trl_style:only_long"], **extra)
+        assert render_prompt(task, opts, text, tok) == plain, setting
+        assert render_prompt(task, opts, chat, tok) == conversational, setting
+    assert _options(rewards=["trl_style:only_long"]).chat_template == "auto"
+    assert task.uses_chat_template(options=_options(rewards=["trl_style:only_long"]))  # multi-turn may template

@@ -133,3 +133,24 @@ def test_reward_errors_are_reported_not_fatal(tmp_path, monkeypatch):
     assert all(r["reward_errors"] == ["tags"] and r["rewards"]["tags"] == 0.0 for r in rows)
     assert [r["rewards"]["correct"] for r in rows] == [1.0, 0.0, 0.0]
     assert "RuntimeError: tag counter bug" in res.stderr and "failed on 3 completion(s)" in res.stderr
+
+
+def test_not_applicable_rewards_are_reported_not_as_errors(tmp_path, monkeypatch):
+    """Issue 49 item 2: a reward returning None or NaN is "not applicable", counted as such
+    in `grpo task score`'s summary and never as an error."""
+    from grpo.plugins.tasks._gsm8k import GSM8KTask
+
+    original = GSM8KTask.reward_functions
+
+    def with_nan(self, *, options):
+        fns = dict(original(self, options=options))
+        fns["tags"] = lambda completion, example: float("nan")
+        return fns
+
+    monkeypatch.setattr(GSM8KTask, "reward_functions", with_nan)
+    res = invoke("task", "score", "gsm8k", "--input", write(tmp_path / "in.jsonl", LINES))
+    assert res.exit_code == 0, res.output
+    rows = [json.loads(l) for l in res.stdout.splitlines()]
+    assert all("reward_errors" not in r and r["rewards"]["tags"] == 0.0 for r in rows)
+    assert "reward 'tags' was not applicable (None or NaN, scored 0) to 3 completion(s)" in res.stderr
+    assert "failed on" not in res.stderr

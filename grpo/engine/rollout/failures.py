@@ -1,0 +1,82 @@
+"""What a run says about its reward functions' failures (the trainer calls it once a step).
+
+A failing reward function scores 0 and is counted (:mod:`grpo.engine.rollout.scoring`);
+counting alone is silent. So, for each function:
+
+- its first failure in the run is logged once (a warning on stderr: the function's name,
+  the step, the row of the step's scored batch and the exception's message), and written as
+  one line of ``reward_errors.jsonl`` in the run directory (``{"step", "reward", "row",
+  "error"}``; process 0's rows, and a resumed run adds its own first failures);
+- a function that fails on every completion a step scored stops the run with a
+  :class:`~grpo.core.errors.UserError` (exit status 2, no traceback) naming it and quoting
+  its first failure: a run would otherwise train on a reward that is never computed.
+
+Every failure still counts in ``reward_errors`` (the metrics' running total and the
+summary's per-function totals). A function that returned ``None`` or NaN ("not
+applicable") did not fail: those count in ``reward/<name>/not_applicable`` (the step's
+rows, logged when not 0).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Mapping, Sequence
+
+import numpy as np
+
+from grpo.core.errors import UserError
+
+log = logging.getLogger("grpo.rewards")
+
+LOG_NAME = "reward_errors.jsonl"
+"""The file in the run directory that holds each reward function's first failure."""
+
+
+class RewardFailures:
+    """Reports a run's reward failures (see the module docstring). ``write(row)``
+    appends a row to the run directory's :data:`LOG_NAME` (None: nothing written, as on
+    every process but 0); ``where``: that file's path, for the messages."""
+
+    def __init__(self, write: Callable[[dict[str, Any]], None] | None = None, *, where: str = LOG_NAME):
+        self.write = write
+        self.where = where
+        self.reported: set[str] = set()
+
+    def observe(self, step: int, names: Sequence[str], errors: Any, counts: Any,
+                first_errors: Mapping[str, tuple[int, str]] | None) -> dict[str, float]:
+        """A step's reward counters: ``errors`` [functions] failures, ``counts``
+        [2 * functions] (not applicable, then rows scored; None: not recorded) over every
+        process's rows, and this process's ``first_errors`` (name -> (row, message)).
+        Reports each function's first failure, raises UserError for a function that failed
+        on every row scored, and returns the step's ``reward/<name>/not_applicable``
+        metrics (those not 0)."""
+        errors = np.asarray(errors).reshape(-1)
+        first_errors = first_errors or {}
+        for name, n in zip(names, errors):
+            if n and name not in self.reported and name in first_errors:
+                self.reported.add(name)
+                row, message = first_errors[name]
+                log.warning("reward function %r failed at step %d, row %d: %s (reported once per function; every "
+                            "failure scores 0 and counts in reward_errors)", name, step, row, message)
+                if self.write is not None:
+                    self.write({"step": step, "reward": name, "row": row, "error": message})
+        if counts is None:
+            return {}
+        counts = np.asarray(counts).reshape(2, len(names))
+        for name, n, scored in zip(names, errors, counts[1]):
+            if scored and n == scored:
+                raise UserError(_all_failed(name, step, int(scored), first_errors.get(name), self.where))
+        return {f"reward/{name}/not_applicable": float(n) for name, n in zip(names, counts[0]) if n}
+
+
+def _all_failed(name: str, step: int, scored: int, first: tuple[int, str] | None, where: str) -> str:
+    what = f"; the first (row {first[0]}): {first[1]}" if first else ""
+    return (
+        f"reward function {name!r} failed on every completion of step {step} ({scored} of {scored}){what}. "
+        "A reward that is never computed scores 0 on every row, so the run would train without it; fix the "
+        "function (it is called as fn(completions=[...], prompts=[...], **columns) and returns one number, or "
+        f"None for not applicable, per completion) and run again. Its first failure is in {where}."
+    )
+
+
+__all__ = ["LOG_NAME", "RewardFailures"]
