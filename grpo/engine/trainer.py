@@ -298,7 +298,9 @@ class Trainer:
         ``selection``: :meth:`selection_scalars`."""
         cfg = self.config
         tools = rollout.tools
-        scalars, errors, tool_totals, selected = jax.device_get((rollout_scalars(rollout, trainer_logprobs),
+        # Under loss.truncated_policy the trainer's log-probs compare with the behaviour ones.
+        rollout_row = rollout_scalars(rollout, trainer_logprobs, truncated=cfg.loss_settings.truncates)
+        scalars, errors, tool_totals, selected = jax.device_get((rollout_row,
                                                                  rollout.reward_errors, tools and tools.counts,
                                                                  selection or {}))
         for name, n in zip(rollout.reward_names, errors):  # over every process's rows

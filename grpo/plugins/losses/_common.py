@@ -67,6 +67,14 @@ def objective_plugin(settings: LossSettings) -> tuple[ObjectivePlugin, object]:
     return plugin, plugin.parse_options(dict(settings.objective_options))
 
 
+def valid_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """The mean of ``x`` [B, T] over the valid tokens of ``mask`` (0 when there are none,
+    no gradient): how a per-token metric reduces."""
+    valid = mask.astype(bool)
+    total = jnp.sum(jnp.where(valid, jax.lax.stop_gradient(x).astype(jnp.float32), 0.0))
+    return total / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
+
+
 def token_weights(mask: jax.Array, aggregation: str, segment_ids: jax.Array | None = None) -> jax.Array:
     """Per-token weights ``w`` [B, T] (f32) of ``sum_t w_t * loss_t / normalizer``; with
     ``segment_ids`` (packed) a ``sequence_mean`` weight is per segment, not per row."""
