@@ -16,6 +16,10 @@ Conventions (shared with the trainer's loss):
   the kept tokens and renormalised over them (``log_softmax`` of the filtered logits):
   what importance weights against the sampling policy need (``loss.mismatch``). It is
   the full one plus ``-log(kept mass)``. With no filter the two are one array.
+- ``loss.truncated_policy``: the trainer computes its log-probs under the same rule
+  (:func:`truncated_logprobs`: the kept set from its own logits by :func:`filter_threshold`,
+  renormalised over it), so they compare with the behaviour ones and the importance
+  weight is about 1 rather than the kept mass.
 - On a vocabulary-sharded head (the ``serving`` rollout style with ``tensor_parallel``
   > 1) nothing here gathers a ``[B, V]`` row for plain sampling: XLA partitions the
   log-sum-exp as per-shard max/sum reductions plus two ``[B]`` all-reduces, the Gumbel

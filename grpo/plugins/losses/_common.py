@@ -40,7 +40,9 @@ when beta is 0), ``approx_kl`` (mean ``(r - 1) - log r``: the k3 estimate of
 KL(old || current), the usual PPO drift signal; 0 on-policy), ``entropy`` (when the
 implementation computes it), with a mismatch correction ``mismatch/weight_mean`` and
 ``mismatch/truncated_frac`` or ``mismatch/masked_frac`` (tokens whose weight hit the cap,
-or were dropped), ``num_tokens``, and ``logprobs`` [B, T] (no gradient).
+or were dropped), ``num_tokens``, and ``logprobs`` [B, T] (no gradient). Under a
+truncation (``settings.top_k``/``top_p``, ``loss.truncated_policy``) the implementation
+adds ``truncated_policy/outside_frac`` (:func:`valid_mean` of the tokens outside its kept set).
 """
 
 from __future__ import annotations
