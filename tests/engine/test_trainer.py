@@ -784,8 +784,11 @@ def test_truncated_policy_makes_the_top_p_weights_one(tmp_path):
     ``loss.truncated_policy: false``), and 1 within 1e-3 when the trainer's log-probs are
     under the same truncation (``true``): the gradient is no longer shrunk by S. The
     sampler/trainer gap then compares the behaviour log-probs, and no sampled token falls
-    outside the trainer's kept set at the same weights."""
-    base = {"rollout.top_p": 0.9, "loss.mismatch": {"level": "token", "mode": "truncate", "cap": 2.0}}
+    outside the trainer's kept set at the same weights. With beta > 0 the reference's
+    log-probs are truncated too: at step 1 (reference = policy) the KL is 0, where a
+    full-vocabulary reference would put it near S - log S - 1."""
+    base = {"rollout.top_p": 0.9, "loss.mismatch": {"level": "token", "mode": "truncate", "cap": 2.0},
+            "loss.beta": 0.1}
     rows = {}
     for truncated in (False, True):
         run_dir = tmp_path / str(truncated)
@@ -798,3 +801,4 @@ def test_truncated_policy_makes_the_top_p_weights_one(tmp_path):
     assert new["truncated_policy/outside_frac"] == 0.0
     assert new["logprob_gap/sampler_trainer"] < 1e-4
     assert abs(new["is_ratio/sampler_trainer/mean"] - 1.0) < 1e-3
+    assert new["kl"] < 1e-6 and old["kl"] < 1e-6

@@ -32,7 +32,8 @@ class MismatchCorrection:
     through numerics (bf16 decode, a different kernel) even at identical weights, and
     through top-k/top-p, which make the policy that drew the tokens the truncated
     distribution renormalised over its kept tokens (its log-prob is the full one minus the
-    log of the kept mass); the loss's ratio assumes the samples came from ``old``.
+    log of the kept mass, unless ``LossSettings.top_k``/``top_p`` put the trainer's
+    log-probs under the same truncation); the loss's ratio assumes the samples came from ``old``.
 
     The weight is ``w = exp(old - sampler)`` per token at ``level="token"``, and
     ``exp(sum over the row's valid tokens of (old - sampler))`` per row at
