@@ -311,9 +311,10 @@ class Trainer:
         ``selection``: :meth:`selection_scalars`."""
         cfg = self.config
         tools = rollout.tools
+        # Under loss.truncated_policy the trainer's log-probs compare with the behaviour ones.
+        rollout_row = rollout_scalars(rollout, trainer_logprobs, truncated=cfg.loss_settings.truncates)
         scalars, errors, counts, tool_totals, selected = jax.device_get((
-            rollout_scalars(rollout, trainer_logprobs), rollout.reward_errors, rollout.reward_counts,
-            tools and tools.counts, selection or {}))
+            rollout_row, rollout.reward_errors, rollout.reward_counts, tools and tools.counts, selection or {}))
         for name, n in zip(rollout.reward_names, errors):  # over every process's rows
             self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
         # Logs each function's first failure; stops the run when one failed on every row.

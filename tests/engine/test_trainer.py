@@ -775,3 +775,31 @@ def test_one_step_with_the_continuous_engine_and_its_plan(tmp_path):
     # v6e (run per device under shard_map), which compiles through libtpu.
     decode = listed["decode"]()
     assert "paged_attention" in decode.as_text() and decode.compile() is not None
+
+
+@pytest.mark.slow
+def test_truncated_policy_makes_the_top_p_weights_one(tmp_path):
+    """Issue 49 item 5: with top-p 0.9 and loss.mismatch (synchronous, so the ratio's old
+    log-probs are the trainer's own), the token weight exp(old - behaviour) is the kept
+    mass S < 1 when the trainer's policy is the full-vocabulary one (the old behaviour,
+    ``loss.truncated_policy: false``), and 1 within 1e-3 when the trainer's log-probs are
+    under the same truncation (``true``): the gradient is no longer shrunk by S. The
+    sampler/trainer gap then compares the behaviour log-probs, and no sampled token falls
+    outside the trainer's kept set at the same weights. With beta > 0 the reference's
+    log-probs are truncated too: at step 1 (reference = policy) the KL is 0, where a
+    full-vocabulary reference would put it near S - log S - 1."""
+    base = {"rollout.top_p": 0.9, "loss.mismatch": {"level": "token", "mode": "truncate", "cap": 2.0},
+            "loss.beta": 0.1}
+    rows = {}
+    for truncated in (False, True):
+        run_dir = tmp_path / str(truncated)
+        Trainer(_config(**base, **{"loss.truncated_policy": truncated}), run_dir).run()
+        [rows[truncated]] = read_metrics(run_dir)
+    old, new = rows[False], rows[True]
+    assert old["mismatch/weight_mean"] < 0.99  # S: the old value
+    assert "truncated_policy/outside_frac" not in old
+    assert abs(new["mismatch/weight_mean"] - 1.0) < 1e-3
+    assert new["truncated_policy/outside_frac"] == 0.0
+    assert new["logprob_gap/sampler_trainer"] < 1e-4
+    assert abs(new["is_ratio/sampler_trainer/mean"] - 1.0) < 1e-3
+    assert new["kl"] < 1e-6 and old["kl"] < 1e-6

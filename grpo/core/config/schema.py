@@ -359,6 +359,13 @@ class LossConfig(Section):
         description="Completions that hit rollout.max_new_tokens without a stop token get no loss (they still "
         "count in their group's advantages; TRL's mask_truncated_completions).",
     )
+    truncated_policy: bool = Field(
+        False,
+        description="With rollout.top_k/top_p: the trainer's log-probs (old, current, reference) are under the same "
+        "truncation, kept set chosen from its own logits and renormalised, so the policy trained is the one that "
+        "samples (importance weight ~1, not the kept mass); false = the full-vocabulary policy. No effect when the "
+        "rollout does not truncate. Needs a loss that supports it (loss.impl=jax, not pallas).",
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -670,6 +677,7 @@ class RunConfig(Section):
             objective=self.loss.objective,
             objective_options=tuple(sorted(self.loss.objective_options.items())),
             mismatch=None if self.loss.mismatch is None else MismatchCorrection(**self.loss.mismatch.model_dump()),
+            **({"top_k": self.rollout.top_k, "top_p": self.rollout.top_p} if self.loss.truncated_policy else {}),
         )
 
     @property

@@ -237,6 +237,7 @@ def config_problems(
     if "task" in selected:
         later += _reward_turn_problems(config, selected["task"])
     later += _engine_problems(config, selected.get("engine"))
+    later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
     return config, selected, problems
 
@@ -366,6 +367,18 @@ def _engine_problems(config: RunConfig, engine: Selected | None) -> list[str]:
         return [f"train.async.partial_rollouts=true needs rollout.engine: continuous, or another engine that streams "
                 f"rows (rollout.engine={config.rollout.engine!r} rolls out whole batches)"]
     return []
+
+
+def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:
+    """``loss.truncated_policy`` with a truncating rollout needs a loss that computes
+    truncated log-probs (:attr:`~grpo.core.contracts.LossPlugin.supports_truncation`);
+    without top-k/top-p it is a no-op, not an error."""
+    settings = config.loss_settings
+    if loss is None or not settings.truncates or getattr(loss.plugin, "supports_truncation", False):
+        return []
+    return [f"loss.truncated_policy=true with rollout.top_k={config.rollout.top_k}, rollout.top_p={config.rollout.top_p}: "
+            f"loss.impl={config.loss.impl!r} cannot compute log-probs under the truncation (the fused pallas kernel "
+            "keeps no logits to filter); use loss.impl=jax, or set loss.truncated_policy=false"]
 
 
 def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:

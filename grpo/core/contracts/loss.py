@@ -32,7 +32,8 @@ class MismatchCorrection:
     through numerics (bf16 decode, a different kernel) even at identical weights, and
     through top-k/top-p, which make the policy that drew the tokens the truncated
     distribution renormalised over its kept tokens (its log-prob is the full one minus the
-    log of the kept mass); the loss's ratio assumes the samples came from ``old``.
+    log of the kept mass, unless ``LossSettings.top_k``/``top_p`` put the trainer's
+    log-probs under the same truncation); the loss's ratio assumes the samples came from ``old``.
 
     The weight is ``w = exp(old - sampler)`` per token at ``level="token"``, and
     ``exp(sum over the row's valid tokens of (old - sampler))`` per row at
@@ -67,6 +68,14 @@ class LossSettings:
       (a tuple, so the settings stay hashable).
     - ``mismatch``: the sampler/trainer mismatch correction (:class:`MismatchCorrection`),
       or None: off, and the sampler's behaviour log-probs are unused.
+    - ``top_k``/``top_p``: the truncation the trainer's log-probs are under
+      (``loss.truncated_policy`` with a truncating rollout; 0 / 1.0 = none, the full
+      vocabulary): every per-token log-prob of the policy (old, current, reference) is
+      the token's under ``logits / temperature`` restricted to the tokens the sampler's
+      top-k/top-p rule keeps *at these logits* and renormalised over them, so it compares
+      with the sampler's behaviour log-prob (a token outside that kept set joins it; see
+      :func:`grpo.engine.rollout._sampling.truncated_logprobs`). Only a plugin with
+      ``supports_truncation`` computes it.
     """
 
     epsilon_low: float = 0.2
@@ -79,6 +88,13 @@ class LossSettings:
     objective: str = "ppo_clip"
     objective_options: tuple[tuple[str, Any], ...] = ()
     mismatch: MismatchCorrection | None = None
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def truncates(self) -> bool:
+        """Whether the trainer's log-probs are under a top-k/top-p truncation."""
+        return self.top_k > 0 or self.top_p < 1.0
 
     def normalizer(self, mask: "jax.Array", segment_ids: "jax.Array | None" = None) -> "jax.Array":
         """The aggregation's denominator for the batch whose completion mask is ``mask``
@@ -171,6 +187,13 @@ class LossPlugin(_PluginBase):
     device's rows with the head weight gathered, and combines the results (the loss is
     summed; metrics are weighted by ``num_tokens``). False: ``compute`` sees global arrays
     and XLA's SPMD partitioner shards it."""
+
+    supports_truncation: ClassVar[bool] = False
+    """True when ``compute`` and ``token_logprobs`` honour ``settings.top_k``/``top_p``
+    (the truncated policy, ``loss.truncated_policy``) and report the metric
+    ``truncated_policy/outside_frac`` (the share of valid tokens outside the trainer's
+    kept set). False (the default, and the fused ``pallas`` kernel): config validation
+    refuses ``loss.truncated_policy: true`` with a truncating rollout for this plugin."""
 
     @abc.abstractmethod
     def compute(

@@ -16,6 +16,10 @@ Conventions (shared with the trainer's loss):
   the kept tokens and renormalised over them (``log_softmax`` of the filtered logits):
   what importance weights against the sampling policy need (``loss.mismatch``). It is
   the full one plus ``-log(kept mass)``. With no filter the two are one array.
+- ``loss.truncated_policy``: the trainer computes its log-probs under the same rule
+  (:func:`truncated_logprobs`: the kept set from its own logits by :func:`filter_threshold`,
+  renormalised over it), so they compare with the behaviour ones and the importance
+  weight is about 1 rather than the kept mass.
 - On a vocabulary-sharded head (the ``serving`` rollout style with ``tensor_parallel``
   > 1) nothing here gathers a ``[B, V]`` row for plain sampling: XLA partitions the
   log-sum-exp as per-shard max/sum reductions plus two ``[B]`` all-reduces, the Gumbel
@@ -114,8 +118,9 @@ def filters(*, top_k: int, top_p: float, vocab: int) -> bool:
 
 
 def filter_threshold(scaled: jax.Array, *, top_k: int, top_p: float) -> jax.Array | None:
-    """[B, V] temperature-scaled logits -> [B] smallest logit that may still be drawn
-    (None when neither filter is on)."""
+    """[..., V] temperature-scaled logits -> [...] smallest logit that may still be drawn
+    (None when neither filter is on): the sampler's [B, V] rows, and the trainer's
+    [B, T, V] positions under ``loss.truncated_policy`` (:func:`truncated_logprobs`)."""
     V = scaled.shape[-1]
     use_k = 0 < top_k < V
     use_p = top_p < 1.0
@@ -127,12 +132,39 @@ def filter_threshold(scaled: jax.Array, *, top_k: int, top_p: float) -> jax.Arra
         # A full sort per step: only paid for when top-p is used without top-k.
         vals = -jnp.sort(-scaled, axis=-1)  # B V, descending
     if not use_p:
-        return vals[:, -1]
+        return vals[..., -1]
     probs = jax.nn.softmax(vals, axis=-1)  # renormalised over the top-k survivors
     mass_before = jnp.cumsum(probs, axis=-1) - probs
     keep = (mass_before < top_p).astype(jnp.int32)  # a prefix: cumulative mass is monotone
     n_keep = jnp.maximum(keep.sum(axis=-1), 1)
-    return jnp.take_along_axis(vals, (n_keep - 1)[:, None], axis=-1)[:, 0]
+    return jnp.take_along_axis(vals, (n_keep - 1)[..., None], axis=-1)[..., 0]
+
+
+def truncated_logprobs(scaled: jax.Array, targets: jax.Array, *, top_k: int,
+                       top_p: float) -> tuple[jax.Array, jax.Array]:
+    """The log-prob of each target under the top-k/top-p truncated, renormalised
+    distribution of ``scaled``, the sampler's rule (:func:`filter_threshold`) applied to
+    these logits: the trainer's side of ``loss.truncated_policy``.
+
+    ``scaled`` [..., V] f32 temperature-scaled logits, ``targets`` [...] int -> (log-probs
+    [...] f32, differentiable in ``scaled``; ``outside`` [...] bool). The kept set is
+    chosen without gradient; the log-sum-exp over it carries one. For a target the sampler
+    kept, at the same logits, this equals :func:`sample_tokens`' behaviour log-prob.
+
+    A target outside these logits' kept set (``outside``: the sampler's logits differed,
+    numerics or a staler policy, near the top-k/top-p boundary) joins it: its log-prob is
+    renormalised over the kept set plus itself, finite and with its gradient, rather
+    than -inf (whose ratio would be NaN). It is a little above the truncated policy's
+    own (0 probability): the caller counts these tokens (``truncated_policy/outside_frac``).
+    With neither filter on: the full ``log_softmax`` and no token outside."""
+    picked = jnp.take_along_axis(scaled, targets[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    threshold = filter_threshold(jax.lax.stop_gradient(scaled), top_k=top_k, top_p=top_p)
+    if threshold is None:
+        return picked - jax.nn.logsumexp(scaled, axis=-1), jnp.zeros(picked.shape, bool)
+    outside = jax.lax.stop_gradient(picked) < threshold
+    vocab = jnp.arange(scaled.shape[-1], dtype=jnp.int32)
+    keep = (jax.lax.stop_gradient(scaled) >= threshold[..., None]) | (vocab == targets[..., None])
+    return picked - jax.nn.logsumexp(jnp.where(keep, scaled, -jnp.inf), axis=-1), outside
 
 
 def sample_tokens(
@@ -186,4 +218,4 @@ def sample_tokens(
     return tokens, logprobs, picked - jax.nn.logsumexp(candidates, axis=-1)
 
 
-__all__ = ["SamplingParams", "filter_threshold", "filters", "sample_tokens", "step_keys"]
+__all__ = ["SamplingParams", "filter_threshold", "filters", "sample_tokens", "step_keys", "truncated_logprobs"]

@@ -76,21 +76,24 @@ def tool_metrics(totals: Any, rows: int) -> dict[str, float]:
     }
 
 
-def rollout_scalars(rollout: Any, trainer_logprobs: Any) -> dict[str, Any]:
+def rollout_scalars(rollout: Any, trainer_logprobs: Any, *, truncated: bool = False) -> dict[str, Any]:
     """A step's rollout metrics as device scalars (one transfer for them all): lengths,
     truncation, the sampler/trainer log-prob gap and importance ratio over the model's
     own tokens (inserted tokens have no sampler log-prob), the valid tokens, the tokens
     generated over every round, and ``reward/*`` (see :func:`reward_scalars`).
-    ``rollout``: a :class:`~grpo.engine.rollout.step.StepRollout`."""
+    ``rollout``: a :class:`~grpo.engine.rollout.step.StepRollout`. ``truncated``: the
+    trainer's log-probs are under the rollout's top-k/top-p (``loss.truncated_policy``),
+    so the sampler's to compare with are its behaviour ones, not its full-vocabulary ones."""
     import jax.numpy as jnp
 
     out, trained = rollout.output, rollout.trained
+    sampler = out.behaviour if truncated else out.logprobs
     mask_f = trained.astype(jnp.float32)
     n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
     valid = trained > 0
-    gap = jnp.sum(jnp.abs(out.logprobs - trainer_logprobs) * mask_f) / n_valid
+    gap = jnp.sum(jnp.abs(sampler - trainer_logprobs) * mask_f) / n_valid
     # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
-    is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - out.logprobs, 0.0))
+    is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - sampler, 0.0))
     scalars = {
         "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
         "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
@@ -141,8 +144,9 @@ def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float
             "kl": update.get("kl", 0.0),
             "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
             **{k: v for k, v in scalars.items() if k.startswith("is_ratio/")},
-            # The objective's own metrics (named `<objective>/...`) and the mismatch correction's.
-            **{k: v for k, v in update.items() if k.startswith(("mismatch/", f"{objective}/"))},
+            # The objective's own metrics (named `<objective>/...`), the mismatch correction's and
+            # loss.truncated_policy's.
+            **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/"))},
             "rollout/generated_tokens": scalars["rollout/generated_tokens"],
             "rollout/rolled_out_per_trained_token": scalars["rollout/rolled_out_per_trained_token"],
             **extra,

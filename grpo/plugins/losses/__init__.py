@@ -46,6 +46,7 @@ class JaxLoss(LossPlugin):
     description = "Reference GRPO loss in plain JAX: materialises the [B, T, V] logits."
     Options = JaxLossOptions
     supports_packing = True  # per-sequence math is _common's, per segment
+    supports_truncation = True  # loss.truncated_policy: top-k/top-p on its materialised logits
 
     def compute(self, *, hidden, head_weight, targets, mask, advantages, old_logprobs, ref_logprobs,
                 settings: LossSettings, options: JaxLossOptions, normalizer=None,
@@ -56,13 +57,16 @@ class JaxLoss(LossPlugin):
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                 settings=settings, sampler_logprobs=sampler_logprobs, segment_ids=segment_ids)
         bonus = settings.entropy_coef > 0
-        logp, entropy = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
-                                            temperature=settings.temperature,
-                                            with_entropy=options.entropy or bonus, entropy_grad=bonus)
-        return common.grpo_objective(logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs,
-                                     ref_logprobs=ref_logprobs, settings=settings, normalizer=normalizer,
-                                     entropy=entropy, sampler_logprobs=sampler_logprobs,
-                                     segment_ids=segment_ids)
+        logits = _jax.head_logits(hidden=hidden, head_weight=head_weight, temperature=settings.temperature)
+        logp, entropy, outside = _jax.logits_logprobs(logits, targets, top_k=settings.top_k, top_p=settings.top_p,
+                                                      with_entropy=options.entropy or bonus, entropy_grad=bonus)
+        loss, metrics = common.grpo_objective(
+            logprobs=logp, mask=mask, advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
+            settings=settings, normalizer=normalizer, entropy=entropy, sampler_logprobs=sampler_logprobs,
+            segment_ids=segment_ids)
+        if outside is not None:  # loss.truncated_policy: tokens outside the trainer's kept set
+            metrics["truncated_policy/outside_frac"] = common.valid_mean(outside, mask)
+        return loss, metrics
 
 
     def token_logprobs(self, *, hidden, head_weight, targets, settings: LossSettings,
@@ -70,7 +74,8 @@ class JaxLoss(LossPlugin):
         from grpo.plugins.losses import _jax
 
         logp, _ = _jax.token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
-                                      temperature=settings.temperature, with_entropy=False)
+                                      temperature=settings.temperature, with_entropy=False,
+                                      top_k=settings.top_k, top_p=settings.top_p)
         return logp
 
 
@@ -119,6 +124,14 @@ class PallasLossOptions(PluginOptions):
         return v
 
 
+def _no_truncation(settings: LossSettings) -> None:
+    """The fused kernel has no top-k/top-p: config validation refuses the combination;
+    this stops a direct caller from getting full-vocabulary log-probs silently."""
+    if settings.truncates:
+        raise ValueError(f"loss.impl=pallas cannot compute truncated log-probs (settings.top_k={settings.top_k}, "
+                         f"top_p={settings.top_p}, loss.truncated_policy): use loss.impl=jax")
+
+
 class PallasLoss(LossPlugin):
     name = "pallas"
     description = "Fused head-matmul + online log-sum-exp GRPO loss in Pallas; never holds [B, T, V] logits."
@@ -141,6 +154,7 @@ class PallasLoss(LossPlugin):
                 sampler_logprobs=None, segment_ids=None):  # type: ignore[override]
         from grpo.plugins.losses import _pallas
 
+        _no_truncation(settings)
         common = _common_inputs(hidden=hidden, head_weight=head_weight, targets=targets, mask=mask,
                                 advantages=advantages, old_logprobs=old_logprobs, ref_logprobs=ref_logprobs,
                                 settings=settings, sampler_logprobs=sampler_logprobs, segment_ids=segment_ids)
@@ -156,6 +170,7 @@ class PallasLoss(LossPlugin):
                        options: PallasLossOptions, segment_ids=None):  # type: ignore[override]  # noqa: ARG002
         from grpo.plugins.losses import _pallas
 
+        _no_truncation(settings)
         config = _pallas.resolve_config(options, dtype=hidden.dtype, hidden_size=hidden.shape[-1])
         logp, _ = _pallas.fused_token_logprobs(hidden=hidden, head_weight=head_weight, targets=targets,
                                                temperature=settings.temperature, config=config)

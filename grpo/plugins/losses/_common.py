@@ -40,7 +40,9 @@ when beta is 0), ``approx_kl`` (mean ``(r - 1) - log r``: the k3 estimate of
 KL(old || current), the usual PPO drift signal; 0 on-policy), ``entropy`` (when the
 implementation computes it), with a mismatch correction ``mismatch/weight_mean`` and
 ``mismatch/truncated_frac`` or ``mismatch/masked_frac`` (tokens whose weight hit the cap,
-or were dropped), ``num_tokens``, and ``logprobs`` [B, T] (no gradient).
+or were dropped), ``num_tokens``, and ``logprobs`` [B, T] (no gradient). Under a
+truncation (``settings.top_k``/``top_p``, ``loss.truncated_policy``) the implementation
+adds ``truncated_policy/outside_frac`` (:func:`valid_mean` of the tokens outside its kept set).
 """
 
 from __future__ import annotations
@@ -65,6 +67,14 @@ def objective_plugin(settings: LossSettings) -> tuple[ObjectivePlugin, object]:
 
     plugin = get_plugins().get("objective", settings.objective)
     return plugin, plugin.parse_options(dict(settings.objective_options))
+
+
+def valid_mean(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """The mean of ``x`` [B, T] over the valid tokens of ``mask`` (0 when there are none,
+    no gradient): how a per-token metric reduces."""
+    valid = mask.astype(bool)
+    total = jnp.sum(jnp.where(valid, jax.lax.stop_gradient(x).astype(jnp.float32), 0.0))
+    return total / jnp.maximum(jnp.sum(valid.astype(jnp.float32)), 1.0)
 
 
 def token_weights(mask: jax.Array, aggregation: str, segment_ids: jax.Array | None = None) -> jax.Array:

@@ -89,3 +89,25 @@ def test_an_unset_environment_variable_is_reported_with_the_rest():
     assert problems[0] == "train.steps: environment variable ${GRPO_TEST_UNSET} is not set"
     assert problems[1].startswith("loss.objective: Unknown objective plugin 'gpso'")
     assert len(problems) == 2, problems  # no second problem about the unresolved text itself
+
+
+def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top_k_or_top_p(tmp_path):
+    """Issue 49 item 5: ``loss.truncated_policy: true`` with top-p and the fused pallas
+    kernel (which keeps no logits to filter) is refused by `grpo config validate`, exit 2,
+    naming the fields; with the jax loss the trainer's settings carry the rollout's
+    truncation; without top-k/top-p it changes nothing (not an error)."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+    sets = ["loss.truncated_policy=true", "rollout.top_p=0.9", "loss.impl=pallas"]
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    [line] = [line for line in result.output.splitlines() if line.startswith("  - ")]
+    for field in ("loss.truncated_policy=true", "rollout.top_p=0.9", "loss.impl='pallas'", "loss.impl=jax"):
+        assert field in line, line
+    assert CliRunner().invoke(cli, ["config", "validate", str(path), "--set", "loss.truncated_policy=true",
+                                    "--set", "loss.impl=pallas"]).exit_code == 0
+    settings = load_config(QUICKSTART, ["loss.truncated_policy=true", "rollout.top_p=0.9", "rollout.top_k=20"]).loss_settings
+    assert (settings.top_k, settings.top_p, settings.truncates) == (20, 0.9, True)
+    assert not load_config(QUICKSTART, ["rollout.top_p=0.9"]).loss_settings.truncates  # the default: false
+    # No truncation in the rollout: the very settings of truncated_policy=false.
+    assert load_config(QUICKSTART, ["loss.truncated_policy=true"]).loss_settings == load_config(QUICKSTART).loss_settings

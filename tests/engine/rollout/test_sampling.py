@@ -13,6 +13,7 @@ from grpo.engine.rollout._sampling import (
     filter_threshold,
     sample_tokens,
     step_keys,
+    truncated_logprobs,
 )
 from grpo.engine.rollout.decoding import effective_chunk, row_keys, segment_plan
 from grpo.engine.rollout.sampler import SamplingParams
@@ -112,6 +113,61 @@ def test_behaviour_logprobs_are_under_the_truncated_distribution():
     for kw in ({}, {"greedy": True, "top_p": 0.5}):
         _, full, behaviour = sample_tokens(jnp.asarray(logits), keys, **kw)
         assert behaviour is full
+
+
+def _np_kept(scaled, *, top_k=0, top_p=1.0):
+    """The sampler's kept set by the numpy reference: top-k, then the smallest nucleus of
+    the renormalised survivors reaching top_p (at least one token), ties at the boundary kept."""
+    order = np.argsort(-scaled, kind="stable")  # 0 / 1.0: off
+    kept = order[: top_k or len(scaled)]
+    p = _softmax(scaled[kept])
+    n = max(int(np.sum(np.cumsum(p) - p < top_p)), 1)
+    return np.flatnonzero(scaled >= scaled[kept[n - 1]])
+
+
+@pytest.mark.parametrize("kw", [{"top_k": 3}, {"top_p": 0.8}, {"top_k": 5, "top_p": 0.6}, {"top_p": 0.9}],
+                         ids=["top_k", "top_p", "both", "top_p_0.9"])
+def test_truncated_logprobs_are_the_behaviour_logprobs(kw):
+    """Issue 49 item 5: the trainer's truncated log-prob (``loss.truncated_policy``) of a
+    token, on [B, T, V] logits at a temperature, is by a numpy reference its log-prob
+    renormalised over the sampler's kept set, and equals the behaviour log-prob
+    ``sample_tokens`` reports for the tokens it draws from the same logits. A target
+    outside the kept set is flagged and renormalised over the kept set plus itself."""
+    kw = {"top_k": 0, "top_p": 1.0, **kw}
+    temperature = 0.7
+    logits = np.random.default_rng(1).normal(size=(4, 8, 13)).astype(np.float32) * 2
+    scaled = logits / np.float32(temperature)
+    # Every token of the vocabulary as a target, at every position: kept ones and not.
+    targets = np.broadcast_to(np.arange(13), (4, 8, 13))
+    for v in range(13):
+        logp, outside = jax.jit(lambda x, t: truncated_logprobs(x, t, **kw))(scaled, targets[..., v])
+        for b in range(4):
+            for t in range(8):
+                row = scaled[b, t].astype(np.float64)
+                kept = _np_kept(row, **kw)
+                support = kept if v in kept else np.append(kept, v)
+                want = row[v] - np.log(np.exp(row[support] - row.max()).sum()) - row.max()
+                np.testing.assert_allclose(float(logp[b, t]), want, atol=2e-5)
+                assert bool(outside[b, t]) == (v not in kept)
+    # The sampler's behaviour log-probs of what it draws from these logits are the same numbers.
+    flat = jnp.asarray(logits.reshape(32, 13))
+    toks, full, behaviour = sample_tokens(flat, row_keys(jax.random.key(3), 32), temperature=temperature, **kw)
+    mine, outside = truncated_logprobs(flat / temperature, toks, **kw)
+    np.testing.assert_allclose(np.asarray(mine), np.asarray(behaviour), atol=1e-6)
+    assert not np.any(np.asarray(outside))
+    assert np.all(np.asarray(behaviour) > np.asarray(full) + 1e-3)  # the test can tell the two apart
+    # Differentiable, and finite even for the outside targets.
+    grad = jax.grad(lambda x: truncated_logprobs(x, jnp.asarray(targets[..., 12]), **kw)[0].sum())(jnp.asarray(scaled))
+    assert np.all(np.isfinite(np.asarray(grad)))
+
+
+def test_truncated_logprobs_without_a_filter_are_the_full_ones():
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(3, 9)), jnp.float32)
+    t = jnp.asarray([0, 4, 8])
+    for kw in ({"top_k": 0, "top_p": 1.0}, {"top_k": 9, "top_p": 1.0}):  # top-k >= V is off
+        logp, outside = truncated_logprobs(x, t, **kw)
+        np.testing.assert_allclose(np.asarray(logp), np.asarray(jax.nn.log_softmax(x))[np.arange(3), t], atol=1e-6)
+        assert not np.any(np.asarray(outside))
 
 
 def test_filter_threshold_off_and_ties():

@@ -360,3 +360,47 @@ def test_token_logprobs_equal_compute_logprobs(impl):
     default = LossPlugin.token_logprobs(plugin, hidden=hidden, head_weight=head, targets=targets,
                                         settings=settings, options=options)
     np.testing.assert_allclose(np.asarray(default), np.asarray(metrics["logprobs"]), atol=1e-6)
+
+
+def test_truncated_settings_make_every_jax_logprob_truncated_and_pallas_refuse():
+    """Issue 49 item 5: with ``settings.top_k``/``top_p`` (``loss.truncated_policy``) the jax
+    loss's log-probs, in ``compute`` (old and current) and in ``token_logprobs`` (the
+    reference pass), are the truncated ones of its own logits, by a numpy reference (the
+    target renormalised over the top-p nucleus of ``logits / T``, the nucleus plus the
+    target when it falls outside, counted in ``truncated_policy/outside_frac``); the
+    defaults keep the full log-softmax and no such metric; the fused kernel refuses."""
+    rng = np.random.default_rng(0)
+    hidden = jnp.asarray(rng.normal(size=(2, 5, 16)), jnp.float32)
+    head = jnp.asarray(rng.normal(size=(16, 40)), jnp.float32)
+    scaled = np.asarray(hidden, np.float64) @ np.asarray(head, np.float64) / 0.7
+    # Every other target the most likely token (always kept), the rest random (often not).
+    targets = jnp.asarray(np.where(np.arange(5) % 2 == 0, scaled.argmax(-1), rng.integers(0, 40, (2, 5))), jnp.int32)
+    mask = jnp.ones((2, 5))
+    plugin, options = JaxLoss(), JaxLoss().parse_options({})
+    settings = LossSettings(temperature=0.7, top_p=0.6)
+    args = dict(hidden=hidden, head_weight=head, targets=targets, mask=mask, advantages=jnp.ones(2),
+                old_logprobs=None, ref_logprobs=None, options=options)
+    _, metrics = plugin.compute(**args, settings=settings)
+    ref = plugin.token_logprobs(hidden=hidden, head_weight=head, targets=targets, settings=settings, options=options)
+    want, outside = np.zeros((2, 5)), np.zeros((2, 5), bool)
+    for b in range(2):
+        for t in range(5):
+            row, y = scaled[b, t], int(targets[b, t])
+            order = np.argsort(-row)
+            p = np.exp(row[order] - row.max()) / np.exp(row[order] - row.max()).sum()
+            kept = set(order[: max(int(np.sum(np.cumsum(p) - p < 0.6)), 1)].tolist())
+            outside[b, t] = y not in kept
+            support = sorted(kept | {y})
+            want[b, t] = row[y] - np.log(np.exp(row[support]).sum())
+    assert outside.any() and not outside.all()  # both cases are exercised
+    np.testing.assert_allclose(np.asarray(metrics["logprobs"]), want, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(ref), want, atol=1e-4)
+    np.testing.assert_allclose(float(metrics["truncated_policy/outside_frac"]), outside.mean(), atol=1e-6)
+    _, full = plugin.compute(**args, settings=LossSettings(temperature=0.7))
+    assert "truncated_policy/outside_frac" not in full
+    np.testing.assert_allclose(np.asarray(full["logprobs"]), (scaled - np.log(np.exp(scaled).sum(-1, keepdims=True)))[
+        np.arange(2)[:, None], np.arange(5)[None], np.asarray(targets)], atol=1e-4)
+    assert JaxLoss.supports_truncation and not PallasLoss.supports_truncation
+    pallas = PallasLoss()
+    with pytest.raises(ValueError, match="loss.impl=pallas cannot compute truncated log-probs"):
+        pallas.compute(**dict(args, options=pallas.parse_options({"interpret": True})), settings=settings)
