@@ -67,6 +67,17 @@ class Interrupted(Exception):
 
 
 class Trainer:
+    def _log_lora(self, model: Any) -> None:
+        """One line on the LoRA run's trainable share (process 0)."""
+        n_train, n_base = count_params(self.params), count_params(self.frozen)
+        lora = self.config.model.lora
+        log.info(
+            "LoRA rank %d on %s: %s trainable parameters beside a frozen base of %s (%.3f%%)%s",
+            lora.rank, ",".join(model.lora_spec.targets), f"{n_train:,}", f"{n_base:,}",
+            100.0 * n_train / max(n_base, 1),
+            f", base quantized {lora.base_quantization}" if lora.base_quantization != "none" else "",
+        )
+
     def __init__(self, config: RunConfig, run_dir: str | Path):
         self.config = config
         # A local path or a bucket URL (gs://, s3://); probed before anything compiles.
@@ -94,14 +105,7 @@ class Trainer:
         self.graphdef, state = nnx.split(model)
         self.params, self.frozen = split_params(state)
         if self.frozen is not None and self.is_main:
-            n_train, n_base = count_params(self.params), count_params(self.frozen)
-            lora = config.model.lora
-            log.info(
-                "LoRA rank %d on %s: %s trainable parameters beside a frozen base of %s (%.3f%%)%s",
-                lora.rank, ",".join(model.lora_spec.targets), f"{n_train:,}", f"{n_base:,}",
-                100.0 * n_train / max(n_base, 1),
-                f", base quantized {lora.base_quantization}" if lora.base_quantization != "none" else "",
-            )
+            self._log_lora(model)
         self.ref_params = None
         if config.loss.beta > 0:
             # Full fine-tuning: a frozen copy of the initial policy; never updated, never
