@@ -311,13 +311,14 @@ def train(
     directory = run_directory(cfg, config_path, run_dir=None if run_dir is None else os.fspath(run_dir),
                               resume=resume, how=how, accept_changed=resume_changed,
                               name=run_name(cfg, config_path, objects=objects), cli=_cli)
-    done = _continue(directory, cfg, accept_changed=resume_changed, cli=_cli, picked=run_dir is None)
-    if done is not None:
-        return done
     created = [] if rundir.is_remote(directory) else _missing_dirs(directory)
     try:
-        # Unreachable bucket or missing credentials: a one-paragraph error now, not after compiling.
+        # Unreachable bucket or missing credentials: a one-paragraph error now, before the
+        # run directory is read (its checkpoints, its config) and before anything compiles.
         rundir.probe(directory)
+        done = _continue(directory, cfg, accept_changed=resume_changed, cli=_cli, picked=run_dir is None)
+        if done is not None:
+            return done
         trainer = Trainer(cfg, directory)
         summary = trainer.run()
     except Interrupted as stop:

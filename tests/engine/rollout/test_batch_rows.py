@@ -27,8 +27,8 @@ SAMPLING = SamplingParams(max_new_tokens=N, num_generations=K, temperature=0.7, 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), seed=0, tokenizer=False)
-    layout = MeshLayout(dp=1, fsdp=8, tp=1)
-    mesh = build_mesh(layout)
+    layout = MeshLayout(dp=1, fsdp=2, tp=1)
+    mesh = build_mesh(layout, devices=jax.devices()[:2])
     graphdef, params = nnx.split(load_hf(directory, mesh))
     kwargs = dict(mesh=mesh, batch_axes=LegacyStyle().batch_axes(layout, NoOptions()), sampling=SAMPLING)
     rs = np.random.default_rng(0)
