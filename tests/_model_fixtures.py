@@ -12,6 +12,7 @@ import functools
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -192,3 +193,26 @@ def packed_vs_alone(model, lengths=(5, 7, 4, 3), bin_length=12, vocab: int = 300
         worst = max(worst, float(np.abs(packed[b, t] - alone).max()))
     assert len(plan.row) < len(lengths)  # really packed: some bin holds two sequences
     return worst
+
+
+def engine_parts(directory: Path, sampling: Any, *, fsdp: int = 2) -> tuple[Any, Any, dict]:
+    """A tiny checkpoint loaded on a (1, fsdp, 1) mesh of the first devices, as rollout
+    engines take it: ``(graphdef, params, engine kwargs)`` (mesh, the legacy style's batch
+    axes, ``sampling``)."""
+    from grpo.core.contracts import MeshLayout, NoOptions
+    from grpo.engine.parallel.mesh import build_mesh
+    from grpo.models.loading import load_hf
+    from grpo.plugins.rollout import LegacyStyle
+
+    layout = MeshLayout(dp=1, fsdp=fsdp, tp=1)
+    on = build_mesh(layout, devices=jax.devices()[:fsdp])
+    graphdef, params = nnx.split(load_hf(directory, on))
+    return graphdef, params, dict(mesh=on, batch_axes=LegacyStyle().batch_axes(layout, NoOptions()), sampling=sampling)
+
+
+def left_padded(lengths: np.ndarray, width: int, *, seed: int, pad: int = 306) -> tuple[np.ndarray, np.ndarray]:
+    """Random prompts of ``lengths`` real tokens, left-padded with ``pad`` to ``width``."""
+    rs = np.random.default_rng(seed)
+    mask = (np.arange(width)[None, :] >= width - np.asarray(lengths)[:, None]).astype(np.int32)
+    tokens = np.where(mask == 1, rs.integers(0, 256, size=mask.shape), pad).astype(np.int32)
+    return tokens, mask

@@ -8,15 +8,12 @@ from __future__ import annotations
 import jax
 import numpy as np
 import pytest
-from flax import nnx
 
-from grpo.core.contracts import MeshLayout, NoOptions, RolloutEngine, Rows
-from grpo.engine.parallel.mesh import build_mesh
+from _model_fixtures import engine_parts, left_padded
+from grpo.core.contracts import RolloutEngine, Rows
 from grpo.engine.rollout.continuous import ContinuousSampler
 from grpo.engine.rollout.sampler import Sampler, SamplingParams
-from grpo.models.loading import load_hf
 from grpo.models.tiny import write_tiny_checkpoint
-from grpo.plugins.rollout import LegacyStyle
 
 P, LP, K, N = 6, 8, 2, 8
 LENGTHS = np.array([8, 5, 3, 1, 7, 4])
@@ -27,13 +24,8 @@ SAMPLING = SamplingParams(max_new_tokens=N, num_generations=K, temperature=0.7, 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), seed=0, tokenizer=False)
-    layout = MeshLayout(dp=1, fsdp=2, tp=1)
-    mesh = build_mesh(layout, devices=jax.devices()[:2])
-    graphdef, params = nnx.split(load_hf(directory, mesh))
-    kwargs = dict(mesh=mesh, batch_axes=LegacyStyle().batch_axes(layout, NoOptions()), sampling=SAMPLING)
-    rs = np.random.default_rng(0)
-    mask = (np.arange(LP)[None, :] >= LP - LENGTHS[:, None]).astype(np.int32)
-    tokens = np.where(mask == 1, rs.integers(0, 256, size=(P, LP)), 306).astype(np.int32)
+    graphdef, params, kwargs = engine_parts(directory, SAMPLING)
+    tokens, mask = left_padded(LENGTHS, LP, seed=0)
     static = Sampler(graphdef, **kwargs)
     reference = jax.device_get(static.generate(params, tokens, mask, jax.random.key(42)))
     return graphdef, params, kwargs, tokens, mask, static, reference

@@ -15,14 +15,12 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from grpo.core.contracts import MeshLayout, NoOptions, Rows
-from grpo.engine.parallel.mesh import build_mesh
+from _model_fixtures import engine_parts, left_padded
+from grpo.core.contracts import Rows
 from grpo.engine.rollout.continuous import ContinuousSampler
 from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.decoder import positions_from_mask
-from grpo.models.loading import load_hf
 from grpo.models.tiny import write_tiny_checkpoint
-from grpo.plugins.rollout import LegacyStyle
 
 ROWS, LP, N, T = 8, 6, 12, 0.8
 SAMPLING = SamplingParams(max_new_tokens=N, num_generations=1, temperature=T, pad_id=306, early_stop_chunk=2)
@@ -31,16 +29,10 @@ SAMPLING = SamplingParams(max_new_tokens=N, num_generations=1, temperature=T, pa
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     directory = write_tiny_checkpoint(tmp_path_factory.mktemp("tiny_ckpt"), seed=0, tokenizer=False)
-    layout = MeshLayout(dp=1, fsdp=2, tp=1)
-    mesh = build_mesh(layout, devices=jax.devices()[:2])
-    graphdef, old = nnx.split(load_hf(directory, mesh))
+    graphdef, old, kwargs = engine_parts(directory, SAMPLING)
     new = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, old)  # other weights
-    engine = ContinuousSampler(graphdef, slots=8, page_size=4, chunk=2, backend="reference", mesh=mesh,
-                               batch_axes=LegacyStyle().batch_axes(layout, NoOptions()), sampling=SAMPLING)
-    rs = np.random.default_rng(1)
-    lengths = rs.integers(2, LP + 1, size=ROWS)
-    mask = (np.arange(LP)[None, :] >= LP - lengths[:, None]).astype(np.int32)
-    tokens = np.where(mask == 1, rs.integers(0, 256, size=(ROWS, LP)), 306).astype(np.int32)
+    engine = ContinuousSampler(graphdef, slots=8, page_size=4, chunk=2, backend="reference", **kwargs)
+    tokens, mask = left_padded(np.random.default_rng(1).integers(2, LP + 1, size=ROWS), LP, seed=2)
     return graphdef, old, new, engine, tokens, mask
 
 
