@@ -33,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo.core.contracts.engine import FinishedRows, Progress, RolloutOutput, Rows
-from grpo.engine.rollout.decoding import left_align, row_key_data
+from grpo.engine.rollout.decoding import left_align_rows, row_key_data
 
 
 @dataclasses.dataclass
@@ -89,7 +89,7 @@ class BatchRows:
         if ids.size and (ids.min() < 0 or ids.max() >= len(ses.tokens)):
             raise ValueError(f"row ids must lie in [0, {len(ses.tokens)}) (this session's rows); got "
                              f"{ids.min()}..{ids.max()}")
-        t, m = (np.asarray(x) for x in left_align(np.asarray(rows.prompt_tokens), np.asarray(rows.prompt_mask)))
+        t, m = left_align_rows(np.asarray(rows.prompt_tokens), np.asarray(rows.prompt_mask))
         if ids.size and np.any(m.sum(axis=1) == 0):
             raise ValueError(f"rows {ids[m.sum(axis=1) == 0][:10].tolist()} have no prompt tokens")
         w = t.shape[1]

@@ -59,7 +59,7 @@ from grpo.core.contracts.engine import FinishedRows, Progress, Rows
 from grpo.engine.rollout.paged.core import DeviceRunner, EngineCore, SimulatedRunner, on_host
 from grpo.engine.rollout.paged.pages import PageAllocator
 from grpo.engine.rollout.paged.scheduler import Scheduler
-from grpo.engine.rollout.decoding import Outputs, draw, prefill_forward, row_key_data
+from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
 from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
 from grpo.sharding import fit_sharding
@@ -175,7 +175,7 @@ class ContinuousSampler(BaseSampler):
         if ids.size and (ids.min() < 0 or ids.max() >= len(runner.tokens)):
             raise ValueError(f"row ids must lie in [0, {len(runner.tokens)}) (this session's rows); got "
                              f"{ids.min()}..{ids.max()}")
-        t, m = _left_aligned(np.asarray(rows.prompt_tokens), np.asarray(rows.prompt_mask))
+        t, m = left_align_rows(np.asarray(rows.prompt_tokens), np.asarray(rows.prompt_mask))
         w = t.shape[1]
         runner.tokens[ids, -w:], runner.mask[ids, -w:] = t, m
         if rows.widths is not None:
@@ -258,7 +258,7 @@ class ContinuousSampler(BaseSampler):
         processes every one runs the same host schedule on gathered prompts and chunk
         boundaries (:func:`~grpo.engine.rollout.paged.core.on_host`), so each launches
         the same programs."""
-        tokens, mask = _left_aligned(*on_host(prompt_tokens, prompt_mask))
+        tokens, mask = left_align_rows(*on_host(prompt_tokens, prompt_mask))
         K = self.sampling.num_generations
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
@@ -555,13 +555,6 @@ def _axes(entry: Any) -> tuple[str, ...]:
     if entry is None:
         return ()
     return (entry,) if isinstance(entry, str) else tuple(entry)
-
-
-def _left_aligned(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Every row's real tokens moved to its end, in order (the static prefill's stable sort)."""
-    order = np.argsort(mask != 0, axis=1, kind="stable")
-    return np.take_along_axis(tokens, order, axis=1).astype(np.int32), (
-        np.take_along_axis(mask, order, axis=1) != 0).astype(np.int32)
 
 
 __all__ = ["ContinuousSampler", "SlotState"]

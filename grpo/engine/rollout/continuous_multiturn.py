@@ -62,11 +62,11 @@ import numpy as np
 
 from grpo.core.contracts import Environment
 from grpo.engine.rollout._sampling import step_keys
-from grpo.engine.rollout.continuous import ContinuousSampler, SlotState, _left_aligned
+from grpo.engine.rollout.continuous import ContinuousSampler, SlotState
 from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
 from grpo.engine.rollout.paged.core import EngineCore
 from grpo.engine.rollout.paged.scheduler import TurnScheduler, pow2
-from grpo.engine.rollout.decoding import draw, row_key_data
+from grpo.engine.rollout.decoding import draw, left_align_rows, row_key_data
 from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.models.decoder import KVCache
 
@@ -145,7 +145,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         every row's prompt."""
         if jax.process_count() != 1:
             raise ValueError("the continuous engine's multi-turn rollout runs on one process")
-        tokens, mask = _left_aligned(np.asarray(prompt_tokens), np.asarray(prompt_mask))
+        tokens, mask = left_align_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape

@@ -29,6 +29,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from grpo.engine.rollout._sampling import SamplingParams, sample_tokens, step_keys
 from grpo.models.decoder import KVCache, positions_from_mask
@@ -84,6 +85,14 @@ def left_align(tokens: jax.Array, mask: jax.Array) -> tuple[jax.Array, jax.Array
     order = jnp.argsort(mask != 0, axis=1, stable=True)
     tokens = jnp.take_along_axis(tokens, order, axis=1)
     return tokens, (jnp.take_along_axis(mask, order, axis=1) != 0).astype(jnp.int32)
+
+
+def left_align_rows(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`left_align` on the host, for rows an engine holds there (int32 tokens, 0/1
+    mask): the same stable sort."""
+    order = np.argsort(mask != 0, axis=1, kind="stable")
+    return np.take_along_axis(tokens, order, axis=1).astype(np.int32), (
+        np.take_along_axis(mask, order, axis=1) != 0).astype(np.int32)
 
 
 # --------------------------------------------------------------------------- draw and record
@@ -213,6 +222,6 @@ def run_chunks(step: Any, state: Any, *, first: int, n_chunks: int, chunk: int, 
 
 
 __all__ = [
-    "Drawn", "Outputs", "draw", "effective_chunk", "left_align", "prefill_forward", "row_key_data", "row_keys",
-    "run_chunks", "segment_plan",
+    "Drawn", "Outputs", "draw", "effective_chunk", "left_align", "left_align_rows", "prefill_forward", "row_key_data",
+    "row_keys", "run_chunks", "segment_plan",
 ]
