@@ -137,7 +137,24 @@ def plot(run_dir, output) -> None:
 
     if not rundir.readable_run_dir(run_dir):
         raise UserError(f"{run_dir} is not a run directory.")
-    click.echo(str(plot_run(run_dir, output)))
+    click.echo(str(plot_run(run_dir, output, weights=_reward_weights(run_dir))))
+
+
+def _reward_weights(run_dir: str) -> dict[str, float] | None:
+    """The run's reward weights, from its saved config; None when they cannot be had
+    (no config.yaml, or a task whose rewards were Python objects of the process that ran it)."""
+    from grpo.core.config import load_config, select_plugins
+    from grpo.engine.rollout.scoring import run_reward_weights
+    from grpo.engine.runs import identity, rundir
+
+    try:
+        if not rundir.readable_run_dir(run_dir, need="config.yaml"):
+            return None
+        config = load_config(identity.latest_config(run_dir, None)[1])
+        task = select_plugins(config)["task"]
+        return run_reward_weights(config, task.plugin, task.options)
+    except Exception:  # noqa: BLE001 - the plot then draws the rewards unweighted, and says so
+        return None
 
 
 @click.command("plan")

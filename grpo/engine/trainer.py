@@ -525,7 +525,9 @@ class Trainer:
         if self.is_main:
             rundir.write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))
             if cfg.logging.plot:
-                plot_run(self.run_dir)
+                from grpo.engine.rollout.scoring import run_reward_weights
+
+                plot_run(self.run_dir, weights=run_reward_weights(cfg, self.task, self.task_options))
         self.checkpointer.close()
         return summary
 

@@ -127,6 +127,15 @@ def reward_weights(task: TaskPlugin, options: BaseModel, functions: Mapping[str,
     return {name: float(weights.get(name, 1.0)) for name in functions}
 
 
+def run_reward_weights(config: Any, task: TaskPlugin, options: BaseModel) -> dict[str, float]:
+    """The weight of every reward a run logs in ``reward/mean``: the task's
+    (:func:`reward_weights`) and, with ``task.overlong``, the length penalty's (1)."""
+    weights = reward_weights(task, options)
+    if config.task.overlong.buffer:
+        weights[OVERLONG] = 1.0
+    return weights
+
+
 def score_completions(
     task: TaskPlugin,
     options: BaseModel,

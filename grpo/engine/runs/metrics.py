@@ -9,7 +9,7 @@ from __future__ import annotations
 import collections
 import math
 from pathlib import Path
-from typing import Any, Iterable, Mapping
+from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
@@ -306,10 +306,43 @@ def read_eval(run_dir: str | Path) -> list[dict[str, Any]]:
     return _read_rows(run_dir, "eval.jsonl")
 
 
-def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
+def reward_lines(rows: Sequence[Mapping[str, Any]], weights: Mapping[str, float] | None) -> list[tuple[str, list[float]]]:
+    """The reward panel's lines, ``(label, values per row)``: ``reward/mean`` first, then
+    each reward's share of it (``weight x reward/<name>/mean``, rewards of weight 0 left
+    out, so the shares sum to ``reward/mean``) or, without ``weights``, each
+    ``reward/<name>/mean`` as logged."""
+    nan = float("nan")
+    lines = [("reward/mean" + (" (the sum of the others)" if weights else ""), [r.get("reward/mean", nan) for r in rows])]
+    names = sorted({k[len("reward/"):-len("/mean")] for r in rows for k in r
+                    if k.startswith("reward/") and k.endswith("/mean") and k != "reward/mean"})
+    for name in names:
+        key = f"reward/{name}/mean"
+        if weights is None:
+            lines.append((f"{key} (unweighted)", [r.get(key, nan) for r in rows]))
+        elif weights.get(name, 0.0) != 0.0:
+            w = float(weights[name])
+            label = key if w == 1.0 else f"{w:g} x {key}"
+            lines.append((label, [w * r.get(key, nan) for r in rows]))
+    return lines
+
+
+def _plot_rewards(ax: Any, steps: list[int], rows: list[dict[str, Any]], weights: Mapping[str, float] | None) -> None:
+    for i, (label, values) in enumerate(reward_lines(rows, weights)):
+        ax.plot(steps, values, label=label, **({} if i == 0 else {"alpha": 0.6}))
+    ax.set_xlabel("step")
+    ax.set_title("reward (training rollouts)" + ("" if weights else ": rewards unweighted"))
+    ax.legend(fontsize=8)
+
+
+def plot_run(run_dir: str | Path, out: str | Path | None = None, *, weights: Mapping[str, float] | None = None) -> Any:
     """Reward, held-out evaluation (when ``eval.jsonl`` has rows), the tool-call rate (a
     multi-turn run: rows with ``tools/calls_per_sample``) and throughput over steps, as a
-    PNG (in the run directory, local or in a bucket, by default)."""
+    PNG (in the run directory, local or in a bucket, by default).
+
+    ``weights`` (reward name -> its weight in the total, :func:`grpo.engine.rollout.scoring.run_reward_weights`)
+    draws each weighted reward's share of ``reward/mean``, so the lines drawn add up to it
+    and a reward of weight 0 is left out; without them each ``reward/<name>/mean`` is drawn
+    as logged, labelled unweighted."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -326,13 +359,7 @@ def plot_run(run_dir: str | Path, out: str | Path | None = None) -> Any:
     tools = any("tools/calls_per_sample" in r for r in rows)
     panels = 2 + bool(evals) + tools
     fig, axes = plt.subplots(1, panels, figsize=(5.5 * panels, 4))
-    axes[0].plot(steps, [r.get("reward/mean", float("nan")) for r in rows], label="reward/mean")
-    for key in sorted({k for r in rows for k in r if k.startswith("reward/") and k.endswith("/mean")}):
-        if key != "reward/mean":
-            axes[0].plot(steps, [r.get(key, float("nan")) for r in rows], label=key, alpha=0.6)
-    axes[0].set_xlabel("step")
-    axes[0].set_title("reward (training rollouts)")
-    axes[0].legend(fontsize=8)
+    _plot_rewards(axes[0], steps, rows, weights)
     if evals:
         ax = axes[1]
         ev_steps = [r["step"] for r in evals]

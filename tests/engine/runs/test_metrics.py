@@ -53,3 +53,38 @@ def test_metrics_logger_and_plot(tmp_path):
     gib = 1024**3
     got = device_memory_metrics([Dev({"bytes_in_use": gib, "peak_bytes_in_use": 3 * gib}), Dev({"bytes_in_use": 2 * gib})])
     assert got == {"memory/train/bytes_in_use_max_gib": 2.0, "memory/train/peak_bytes_in_use_max_gib": 3.0}
+
+
+def test_the_reward_panel_draws_each_rewards_share_of_the_total():
+    """Issue 52: the quickstart's metrics.png drew ``close``/``format``/``length`` (weight 0)
+    beside ``correct`` and ``prefix``, each unweighted, so the lines did not add up to
+    ``reward/mean`` (max 1.5). With the run's weights, each line is a reward's share and
+    the shares sum to ``reward/mean``; rewards of weight 0 are not drawn."""
+    from grpo.engine.runs.metrics import reward_lines
+
+    rows = [{"reward/mean": 1.0 * c + 0.5 * p, "reward/correct/mean": c, "reward/prefix/mean": p,
+             "reward/close/mean": 0.9, "reward/format/mean": 1.0, "reward/length/mean": 1.0}
+            for c, p in ((0.25, 0.5), (0.5, 0.75), (1.0, 1.0))]
+    weights = {"correct": 1.0, "prefix": 0.5, "close": 0.0, "length": 0.0, "format": 0.0}
+    lines = dict(reward_lines(rows, weights))
+    assert list(lines) == ["reward/mean (the sum of the others)", "reward/correct/mean", "0.5 x reward/prefix/mean"]
+    total = lines.pop("reward/mean (the sum of the others)")
+    assert np.allclose(np.sum(list(lines.values()), axis=0), total)
+    # Without weights (a run whose rewards were objects of another process) it says so.
+    assert [label for label, _ in reward_lines(rows, None)][1:] == [
+        f"reward/{n}/mean (unweighted)" for n in ("close", "correct", "format", "length", "prefix")]
+
+
+def test_grpo_plot_reads_the_weights_from_the_runs_config(tmp_path):
+    """Issue 52: ``grpo plot RUN_DIR`` draws the weighted shares too, reading the weights
+    from the run's config.yaml (the quickstart's arithmetic task: correct 1, prefix 0.5)."""
+    import yaml
+
+    from grpo.core.config import load_config
+    from grpo.engine.cli import _reward_weights
+
+    assert _reward_weights(str(tmp_path)) is None  # no config.yaml: unweighted
+    cfg = load_config("configs/quickstart.yaml").model_dump(mode="json", by_alias=True)
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
+    weights = _reward_weights(str(tmp_path))
+    assert {k: v for k, v in weights.items() if v} == {"correct": 1.0, "prefix": 0.5}
