@@ -69,7 +69,7 @@ def test_skypilot_parses_the_task_files_offline():
         assert task["num_nodes"] == 1, path  # one slice; SkyPilot runs the commands on each of its hosts
         assert task["secret_names"] == ["WANDB_API_KEY"] and "WANDB_API_KEY" not in task["envs"], path
         assert task["refused_without_values"] and "RUN_DIR" in task["refused_without_values"][0], path
-        assert "grpo-jax[tpu]" in task["envs"]["GRPO_PIP_SPEC"] and "$GRPO_PIP_SPEC" in task["setup"], path
+        assert task["envs"]["GRPO_PIP_SPEC"] == ".[tpu]" and "$GRPO_PIP_SPEC" in task["setup"], path
 
 
 @pytest.mark.parametrize("path", TASKS, ids=lambda p: p.name)

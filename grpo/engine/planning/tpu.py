@@ -168,7 +168,7 @@ def chip_of(device: Any) -> ChipSpec | None:
     return None
 
 
-INSTALL_HINT = 'pip install "grpo-jax[plan]"  (or: pip install libtpu)'
+INSTALL_HINT = 'pip install libtpu  (from a clone of grpo: pip install -e ".[plan]")'
 
 
 def libtpu_available() -> bool:

@@ -40,7 +40,8 @@ SEGMENT_ROWS = 100
 SEGMENT_SECONDS = 120.0
 SEGMENT_SUFFIX = ".d"
 
-_PACKAGES = {"gs": ("gcsfs", "grpo-jax[gcs]"), "gcs": ("gcsfs", "grpo-jax[gcs]"), "s3": ("s3fs", "grpo-jax[s3]")}
+# (module, what installs it): the [gcs]/[s3] extras' own requirement, which works without a clone of grpo
+_PACKAGES = {"gs": ("gcsfs", "gcsfs>=2024.2"), "gcs": ("gcsfs", "gcsfs>=2024.2"), "s3": ("s3fs", "s3fs>=2024.2")}
 
 
 def scheme(p: str | os.PathLike) -> str | None:

@@ -235,7 +235,7 @@ def test_missing_gcsfs_is_a_user_error_with_the_install_command():
         "try:\n    rundir._probe_epath('gs://some-bucket/runs/x', '.probe')\nexcept UserError as e:\n    print(e)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert "gs://some-bucket/runs/x needs gcsfs" in out.stdout and 'pip install "grpo-jax[gcs]"' in out.stdout, out
+    assert "gs://some-bucket/runs/x needs gcsfs" in out.stdout and 'pip install "gcsfs>=2024.2"' in out.stdout, out
 
 
 # ------------------------------------------------------------------ preemption and resume from a bucket
