@@ -349,8 +349,8 @@ def evaluate(
     eval_dataset: Any = None,
 ) -> dict[str, Any]:
     """Evaluate a run's checkpoint (``grpo eval``): the run's own config and eval settings
-    (``overrides`` may change ``eval.*``, e.g. ``{"eval.greedy": False, "eval.k": 8}``), its latest checkpoint or
-    ``step``. Returns the metrics an evaluation during training logs (``eval/pass@1``, ...).
+    (``overrides`` may change ``eval.*``, e.g. ``{"eval.greedy": False, "eval.k": 8}``),
+    its latest checkpoint or ``step``. Returns the metrics an evaluation during training logs (``eval/pass@1``, ...).
     A run trained from Python callables needs them again (``reward_funcs``, ``eval_dataset``)."""
     from grpo.engine.parallel import distributed
     from grpo.engine.runs import rundir
