@@ -126,13 +126,15 @@ OPTIONS_KEY = {
 }
 
 
-def _table(rows: list[tuple[str, Any]]) -> list[str]:
-    lines = ["| Key | Type | Default | Bounds | Description |", "|---|---|---|---|---|"]
+def _table(rows: list[tuple[str, Any]], prefix: str) -> list[str]:
+    """A section's fields: the key below ``prefix`` (the section's heading names it), the
+    type with its bounds, the default and the description."""
+    lines = ["| Key | Type | Default | Description |", "|---|---|---|---|"]
     for key, field in rows:
-        lines.append(
-            f"| `{key}` | {_type_name(field.annotation)} | {_cell(_default(field))} | {_cell(_constraints(field))} "
-            f"| {_cell(field.description or '')} |"
-        )
+        bounds = _constraints(field)
+        kind = _type_name(field.annotation) + (f", {_cell(bounds)}" if bounds else "")
+        lines.append(f"| `{key.removeprefix(prefix + '.') if prefix else key}` | {kind} | {_cell(_default(field))} "
+                     f"| {_cell(field.description or '')} |")
     return lines
 
 
@@ -147,7 +149,8 @@ def config_page() -> str:
         "Every field of a run config (`grpo run FILE`), generated from the pydantic schema in "
         "`grpo/core/config/schema.py`. A field is set in the YAML file or with `--set key=value`; "
         "`grpo config show FILE` prints a config with every default filled in, and `grpo config validate FILE` "
-        "checks it. Every section refuses unknown keys.", "",
+        "checks it. Every section refuses unknown keys. Each table lists the keys of the section its heading "
+        "names (`rollout` > `max_new_tokens` is `rollout.max_new_tokens`).", "",
     ]
     # One table per section, in schema order; the top-level scalars first.
     sections: dict[str, tuple[str, list[tuple[str, Any]]]] = {"": ("", [])}
@@ -162,15 +165,15 @@ def config_page() -> str:
         lines += [f"## `{name}`" if name else "## Top level", ""]
         if text:
             lines += [text, ""]
-        lines += _table(rows) + [""]
+        lines += _table(rows, name) + [""]
     lines += [
         "## Plugin options", "",
         "The `options` of each built-in plugin: what the section's `options` key accepts when the plugin is "
         "chosen (`grpo plugins list` shows what is installed; a third-party plugin documents its own).", "",
     ]
     for kind, name, options in plugin_options():
-        lines += [f"### {kind} `{name}` (`{OPTIONS_KEY[kind]}`)", ""]
-        lines += _table([(f"{OPTIONS_KEY[kind]}.{k}", f) for k, f in options.model_fields.items()]) + [""]
+        lines += [f"### {kind} `{name}`: `{OPTIONS_KEY[kind]}`", ""]
+        lines += _table([(f"{OPTIONS_KEY[kind]}.{k}", f) for k, f in options.model_fields.items()], OPTIONS_KEY[kind]) + [""]
     assert RunConfig  # the page is about this model
     return "\n".join(lines).rstrip() + "\n"
 
