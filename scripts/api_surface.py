@@ -95,10 +95,10 @@ def surface() -> dict[str, Any]:
         for name, member in hooks.members.items()
         if not member.is_alias and member.is_function and any("hookspec" in str(d.value) for d in member.decorators)
     }
-    config = {key: {"type": repr(f.annotation), "default": _default(f)} for key, f, _ in config_fields()}
+    config = {key: _config_entry(f) for key, f, _ in config_fields()}
     for kind, name, options in plugin_options():
         for key, f in options.model_fields.items():
-            config[f"{OPTIONS_KEY[kind]}.{key} ({kind} {name})"] = {"type": repr(f.annotation), "default": _default(f)}
+            config[f"{OPTIONS_KEY[kind]}.{key} ({kind} {name})"] = _config_entry(f)
     plugins = load_plugins(entry_points=False)
     cli = {}
     for name, command, ctx in cli_commands():
@@ -113,6 +113,27 @@ def surface() -> dict[str, Any]:
         "config": config,
         "cli": cli,
     }
+
+
+def _config_entry(field: Any) -> dict[str, Any]:
+    """A config key's type (its Literal choices apart: a new choice breaks nothing) and default."""
+    import typing
+
+    choices: list[str] = []
+
+    def shape(t: Any) -> str:
+        if typing.get_origin(t) is typing.Literal:
+            choices.extend(repr(a) for a in typing.get_args(t))
+            return "Literal"
+        args = typing.get_args(t)
+        if args and typing.get_origin(t) is not None:
+            return f"{getattr(typing.get_origin(t), '__name__', typing.get_origin(t))}[{', '.join(map(shape, args))}]"
+        return getattr(t, "__name__", repr(t))
+
+    entry = {"type": shape(field.annotation), "default": _default(field)}
+    if choices:
+        entry["choices"] = sorted(choices)
+    return entry
 
 
 def _default(field: Any) -> str:
@@ -167,9 +188,12 @@ def breaking_changes(old: dict[str, Any], new: dict[str, Any]) -> list[tuple[str
         now = new["config"].get(key)
         if now is None:
             out.append((key.split(" (")[0], f"config key removed{key[len(key.split(' (')[0]):]}"))
-        elif now != field:
-            changes = ", ".join(f"{k} {field[k]} -> {now[k]}" for k in field if field[k] != now[k])
-            out.append((key.split(" (")[0], f"config key changed: {changes}"))
+        else:
+            changes = [f"{k} {field[k]} -> {now.get(k)}" for k in ("type", "default") if field[k] != now.get(k)]
+            gone = sorted(set(field.get("choices", [])) - set(now.get("choices", [])))
+            changes += [f"choices removed: {', '.join(gone)}"] if gone else []
+            if changes:
+                out.append((key.split(" (")[0], f"config key changed: {'; '.join(changes)}"))
     for command, options in old["cli"].items():
         if command not in new["cli"]:
             out.append((command, "command removed"))

@@ -104,22 +104,25 @@ def test_a_deliberate_break_fails_and_a_declared_one_passes(baseline):
     new["cli"]["grpo run"].remove("--resume")
     del new["hookspecs"]["register_losses"]
     new["config"]["train.new_key"] = {"type": "int", "default": "0"}  # an addition breaks nothing
+    new["config"]["model.random.preset"]["choices"].append("'qwen9-1b'")  # so does a new choice
+    new["config"]["train.optimizer.name"]["choices"].remove("'lion'")
     changes = dict(api_surface.breaking_changes(baseline, new))
     assert set(changes) == {
         "grpo.sequence_sum", "grpo.train(overrides)", "grpo.LossPlugin.compute", "loss.beta", "train.steps",
-        "grpo run --resume", "grpo.core.hookspecs.register_losses",
+        "grpo run --resume", "grpo.core.hookspecs.register_losses", "train.optimizer.name",
     }, changes
     assert changes["grpo.train(overrides)"] == "Parameter was removed"
     assert changes["grpo.sequence_sum"] == "Public object was removed"
     assert changes["grpo.LossPlugin.compute"] == "Public object was removed"
     assert changes["train.steps"] == "config key changed: default 100 -> 200"
+    assert changes["train.optimizer.name"] == "config key changed: choices removed: 'lion'"
     assert api_surface.breaking_changes(baseline, baseline) == []
 
     names = sorted(changes)
     undeclared = api_surface.undeclared(list(changes.items()), CHANGELOG.format(added=names[0], removed=""))
     assert sorted(n for n, _ in undeclared) == names
     message = api_surface.report(undeclared, "0.2.0")
-    assert "7 breaking change(s)" in message and "grpo.LossPlugin.compute: Public object was removed" in message
+    assert "8 breaking change(s)" in message and "grpo.LossPlugin.compute: Public object was removed" in message
     removed = "\n".join(f"- `{n}`" for n in names if n != "grpo.LossPlugin.compute") + "\n- `grpo.LossPlugin`: reworked"
     assert api_surface.undeclared(list(changes.items()), CHANGELOG.format(added="x", removed=removed)) == []
 
