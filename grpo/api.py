@@ -8,7 +8,7 @@ for notebooks and scripts (the CLI commands are thin layers over these functions
 
     result = grpo.train("configs/quickstart.yaml", overrides={"train.steps": 20},
                         reward_funcs=[exact], train_dataset=[{"prompt": "3+4=", "answer": "7"}, ...])
-    result.run_dir, result.metrics["reward/total/mean"]
+    result.run_dir, result.metrics["reward/mean"]
 
 - A config is a YAML path, a dict or a loaded :class:`~grpo.core.config.RunConfig`;
   ``overrides`` are ``--set`` overrides, as a dict of dotted keys (``{"train.steps": 10}``)
@@ -52,7 +52,7 @@ class RunResult:
 
     run_dir: str
     metrics: dict[str, Any]
-    """The last step's metrics row (``reward/total/mean``, ``loss``, ...)."""
+    """The last step's metrics row (``reward/mean``, ``loss``, ...; docs/reference/metrics.md)."""
     eval: dict[str, Any] | None
     """The last evaluation's metrics (``eval/pass@1``, ...), None without evaluation."""
     summary: dict[str, Any]

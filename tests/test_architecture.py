@@ -206,7 +206,7 @@ TESTS = Path(__file__).parent
 # Tests of the whole package (grpo.api is its top module, grpo/__init__.py its public
 # surface) or of the repository (configs/, configs/launch/) stay at the top.
 TOP_LEVEL_TESTS = {
-    "test_api.py", "test_architecture.py", "test_doc_commands.py", "test_install.py", "test_launch_recipes.py",
+    "test_api.py", "test_api_surface.py", "test_architecture.py", "test_doc_commands.py", "test_docs_reference.py", "test_install.py", "test_launch_recipes.py",
     "test_public_api.py",
 }
 # End-to-end runs (whole `grpo run`s, several processes, a third-party package installed)

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import yaml
 
+from _glossary import assert_glossary
 from _runs import TINY, _config, assert_same_run, preempted_and_resumed
 from conftest import ROOT
 
 from grpo.core.config import load_config
-from grpo.engine.runs.metrics import read_metrics
+from grpo.engine.runs.metrics import read_eval, read_metrics
 from grpo.engine.trainer import Trainer
 
 
@@ -39,6 +40,8 @@ def test_one_step_every_style_and_loss(tmp_path, example_plugin, style, loss):
     summary = trainer.run()
     assert summary["steps"] == 1
     [row] = read_metrics(tmp_path)
+    # Issue 52: every key is in the metrics glossary, and every key of these sections is logged.
+    assert_glossary(row, "Every step", "Sequence packing", *(["Entropy"] if loss == "jax" else []))
     for key in ("reward/mean", "reward/std", "loss", "grad_norm", "clip_frac/low", "clip_frac/high", "kl",
                 "logprob_gap/sampler_trainer", "completion/length_mean", "completion/clipped_frac",
                 "time/train/step_s", "time/train/rollout_generate_s", "time/train/update_s",
@@ -78,6 +81,8 @@ def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_
     summary = trainer.run()
     rows = read_metrics(tmp_path / "straight")
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    assert_glossary(rows, "Every step", "Mismatch correction")  # issue 52: the metrics glossary, both ways
+    assert_glossary(read_eval(tmp_path / "straight"), "Evaluation")
     for r in rows:
         assert r["kl"] >= 0 and r["approx_kl"] > 0
         assert r["ratio/mean"] != 1.0
@@ -465,6 +470,9 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         recording_score, recording_rows, recording_generate)
     trainer.run()
     rows = read_metrics(tmp_path)
+    # Issue 52: the metrics glossary, both ways (the degenerate-group count needs the step to
+    # track informative groups: with dynamic sampling here).
+    assert_glossary(rows, *(["Down-sampling", "Dynamic sampling"] if dynamic else []))
     for row, ub in zip(rows, batches, strict=True):
         # The rounds of this step: the rollout's groups (tokens, masks, rewards) in order.
         rounds = [rollouts.pop(0)] + ([rollouts.pop(0)] if dynamic and row["dynamic_sampling/rounds"] == 2 else [])
@@ -535,6 +543,7 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     trainer.collector.sampler.generate = recording_generate
     trainer.run()
     rows = read_metrics(tmp_path / "straight")
+    assert_glossary(rows, "Dynamic sampling")  # issue 52: the metrics glossary, both ways
     scored_copy = list(scored)
 
     rounds_seen = []
@@ -796,6 +805,7 @@ def test_truncated_policy_makes_the_top_p_weights_one(tmp_path):
         Trainer(_config(**base, **{"loss.truncated_policy": truncated}), run_dir).run()
         [rows[truncated]] = read_metrics(run_dir)
     old, new = rows[False], rows[True]
+    assert_glossary([old, new], "Truncated policy")  # issue 52: the metrics glossary, both ways
     assert old["mismatch/weight_mean"] < 0.99  # S: the old value
     assert "truncated_policy/outside_frac" not in old
     assert abs(new["mismatch/weight_mean"] - 1.0) < 1e-3

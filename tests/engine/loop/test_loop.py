@@ -11,6 +11,7 @@ import jax
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
 from _runs import _config, preempted_and_resumed
 from conftest import ROOT
 
@@ -42,6 +43,7 @@ def quickstart_pair(tmp_path_factory):
 def test_staleness_zero_equals_the_synchronous_run(quickstart_pair):
     sync, asy = (read_metrics(quickstart_pair[n].run_dir) for n in ("sync", "async"))
     assert len(sync) == len(asy) == 20
+    assert_glossary(asy, "Every step", "Asynchronous GRPO")  # issue 52: the metrics glossary, both ways
     assert [r["reward/mean"] for r in asy] == [r["reward/mean"] for r in sync]
     assert any(r["reward/mean"] > 0 for r in sync)  # something was learned from
     np.testing.assert_allclose([r["loss"] for r in asy], [r["loss"] for r in sync], rtol=0, atol=1e-5)

@@ -9,6 +9,8 @@ import logging
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
+
 from grpo.core.errors import UserError
 from grpo.engine.rollout.failures import RewardFailures
 
@@ -23,6 +25,7 @@ def test_first_failure_logged_once_and_written(caplog):
         metrics = failures.observe(1, names, np.array([0, 2]), np.array([1, 0, 8, 8]), first)
         failures.observe(2, names, np.array([0, 5]), np.array([0, 0, 8, 8]), {"shape": (0, "TypeError: again")})
     assert metrics == {"reward/exact/not_applicable": 1.0}
+    assert_glossary(metrics, "Reward failures")  # issue 52: what the trainer adds to the step's row
     assert rows == [{"step": 1, "reward": "shape", "row": 3, "error": "TypeError: returned str '1.0'"}]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "reward function 'shape' failed at step 1, row 3: TypeError: returned str" in warnings[0]

@@ -20,6 +20,7 @@ from grpo.engine.rollout.sampler import SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.decoder import positions_from_mask
 from grpo.models.tiny import special_token_ids, write_tiny_checkpoint
+from _glossary import assert_glossary
 from _multiturn import opening_prompts
 
 P, K, N, TURNS = 2, 4, 40, 3
@@ -319,6 +320,7 @@ def test_trainer_with_tools_that_raise_hang_flood_or_return_objects(tmp_path, mo
     trainer.run()
     rows = read_metrics(tmp_path)
     [row] = rows
+    assert_glossary(row, "Multi-turn tasks and tools")  # issue 52: the metrics glossary, both ways
     assert row["tools/calls_per_sample"] == 4.0
     assert row["tools/errors"] == 16.0 and row["tools/timeouts"] == 16.0  # every row's raise and hang
     assert row["tools/truncated"] == 16.0  # every row's flood

@@ -8,6 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
 from _runs import _config, preempted_and_resumed
 
 from grpo.engine.rollout.paged.core import mark_versions
@@ -121,6 +122,7 @@ def test_a_preempted_partial_run_crosses_updates_and_resumes_without_loss(tmp_pa
     assert stream.fed_log[0] == frontier and not set(stream.fed_log) & ahead
     rows = read_metrics(tmp_path)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert_glossary(rows, "Asynchronous GRPO", "Partial rollouts")  # issue 52: the metrics glossary, both ways
     assert max(r["async/crossed_rows"] for r in rows) > 0  # rows went on across a weight change
     assert max(r["async/token_staleness_max"] for r in rows) <= 3
     assert all(r["async/refused_groups"] == 0 or r["async/token_staleness_max"] > 2 for r in rows)

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
 from _runs import _config, assert_same_run, preempted_and_resumed
 from conftest import _on_path
 
@@ -106,6 +107,7 @@ def _reference(rec):
 def test_streamed_batch_is_the_informative_groups_in_finish_order(run):
     trainer, _, _, steps = run
     rows = read_metrics(trainer.run_dir)
+    assert_glossary(rows, "Dynamic sampling", "Dynamic sampling, streamed")  # issue 52: the glossary, both ways
     seen = []
     for row, rec in zip(rows, steps, strict=True):
         order, kept, spare, full_at = _reference(rec)

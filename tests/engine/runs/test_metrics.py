@@ -7,6 +7,8 @@ import json
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
+
 
 def test_metrics_logger_and_plot(tmp_path):
     from grpo.engine.runs.metrics import (
@@ -53,6 +55,7 @@ def test_metrics_logger_and_plot(tmp_path):
     gib = 1024**3
     got = device_memory_metrics([Dev({"bytes_in_use": gib, "peak_bytes_in_use": 3 * gib}), Dev({"bytes_in_use": 2 * gib})])
     assert got == {"memory/train/bytes_in_use_max_gib": 2.0, "memory/train/peak_bytes_in_use_max_gib": 3.0}
+    assert_glossary(got, "Accelerator memory")  # issue 52: what the trainer adds to the step's row on a GPU/TPU
 
 
 def test_the_reward_panel_draws_each_rewards_share_of_the_total():

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _glossary import assert_glossary
 from _packed import build, off_sequence, unpack
 
 from grpo.core.contracts import LossSettings, MismatchCorrection, ObjectivePlugin, sequence_sum
@@ -100,6 +101,7 @@ def test_packed_equals_padded(case, jitted_kernels, impl, objective):
     packed = {k: jnp.asarray(v) for k, v in case.packed.items()}
     turns = {"row": (padded["advantages"], packed["advantages"]),
              "turn": (jnp.asarray(case.turn_advantages), jnp.asarray(case.packed_turn_advantages))}
+    logged = []  # the loss's metrics, as the trainer's row takes them (issue 52: the metrics glossary)
     for i, (aggregation, level) in enumerate(itertools.product(AGGREGATIONS, LEVELS)):
         settings = _settings(objective, aggregation, level, i)
         normalizer = settings.normalizer(padded["mask"])  # the global batch's, as the engine passes it
@@ -108,6 +110,11 @@ def test_packed_equals_padded(case, jitted_kernels, impl, objective):
             want = _value_and_grad(plugin, options, settings, dict(padded, advantages=adv), normalizer)
             got = _value_and_grad(plugin, options, settings, dict(packed, advantages=packed_adv), normalizer)
             _check(case, want, got, what)
+            logged.append({k: v for k, v in got[1].items() if k not in ("logprobs", "num_tokens")})
+    # Both mismatch modes ride along; cispo and sapo carry the entropy bonus (_settings).
+    own = {"ppo_clip": [], "gspo": ["Objective gspo"], "cispo": ["Objective cispo", "Entropy"],
+           "sapo": ["Objective sapo", "Entropy"]}
+    assert_glossary(logged, "Mismatch correction", "Mismatch correction, mask mode", *own[objective])
 
 
 def test_the_case_exercises_what_it_claims(case):
