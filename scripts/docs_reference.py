@@ -191,7 +191,7 @@ def cli_commands() -> list[tuple[str, Any]]:
     out = []
 
     def walk(name: str, command: click.Command, parent: click.Context | None) -> None:
-        ctx = click.Context(command, info_name=name.rpartition(" ")[2], parent=parent)
+        ctx = click.Context(command, info_name=name.rpartition(" ")[2], parent=parent, **command.context_settings)
         out.append((name, command, ctx))
         if isinstance(command, click.Group):
             for sub in command.list_commands(ctx):

@@ -66,10 +66,14 @@ def _texts(path: Path) -> list[tuple[int, str, bool]]:
     lines = path.read_text().splitlines()
     out: list[tuple[int, str, bool]] = []
     fenced = False
+    output = False  # a ```text block shows what a command prints (usage lines), not commands
     pending = ""
     for i, line in enumerate(lines, 1):
         if path.suffix == ".md" and line.lstrip().startswith("```"):
             fenced = not fenced
+            output = fenced and line.strip() == "```text"
+            continue
+        if output:
             continue
         if path.suffix == ".yaml":
             hash_ = line.find("#")
