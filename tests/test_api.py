@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "compile/"))} for r in rows]
 
 
 def _params(run_dir, step):

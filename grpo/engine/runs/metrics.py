@@ -189,10 +189,13 @@ class MetricsLogger:
         self.is_main = is_main
         self.total_steps = total_steps
         self.step_times: collections.deque[float] = collections.deque(maxlen=10)
+        # The ETA's: only steps that compiled nothing (a compile says nothing of the steps left).
+        self.timed_steps: collections.deque[float] = collections.deque(maxlen=10)
         self._file: rundir.JsonlLog | None = None
         self._eval_file: rundir.JsonlLog | None = None
         self._wandb = None
         self._bar = None
+        self._compiling = 0  # programs compiled since the bar last moved
         if not is_main:
             return
         self._file = rundir.JsonlLog(self.run_dir, "metrics.jsonl")
@@ -222,12 +225,24 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+            # No tqdm remaining/rate: they time every step since the start, compiles included
+            # (hours for a run that compiled for a minute); the postfix's eta is the one ETA.
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def compiling(self, program: str) -> None:
+        """Say on the bar that the run waits for the compiler (``program``: the name JAX
+        gives the program, e.g. ``jit(update)``); the next logged row clears it."""
+        if self._bar is not None:
+            self._compiling += 1
+            self._bar.set_description_str(f"grpo (compiling {program}: {self._compiling} so far)", refresh=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
         if "time/train/step_s" in metrics:
             self.step_times.append(float(metrics["time/train/step_s"]))
             metrics["time/train/step_avg_last10_s"] = sum(self.step_times) / len(self.step_times)
+            if not metrics.get("compile/count"):
+                self.timed_steps.append(float(metrics["time/train/step_s"]))
         if not self.is_main:
             return
         row = {k: _jsonable(v) for k, v in metrics.items()}
@@ -238,15 +253,23 @@ class MetricsLogger:
         if self._bar is not None:
             step = int(row["step"])
             self._bar.n = step
-            avg = row.get("time/train/step_avg_last10_s", 0.0)
+            self._bar.set_description_str("grpo", refresh=False)
+            self._compiling = 0
             self._bar.set_postfix(
                 reward=f"{row.get('reward/mean', float('nan')):.3f}",
                 step_s=f"{row.get('time/train/step_s', 0.0):.2f}",
                 tok_s=f"{row.get('throughput/train/valid_tokens_per_s', 0.0):.0f}",
-                eta=_fmt_eta(avg * (self.total_steps - step)),
+                eta=self.eta(step),
                 refresh=False,
             )
             self._bar.refresh()
+
+    def eta(self, step: int) -> str:
+        """The time left after ``step``: the mean of the last 10 steps that compiled nothing,
+        times the steps left (``?`` before the first such step)."""
+        if not self.timed_steps:
+            return "?"
+        return _fmt_eta(sum(self.timed_steps) / len(self.timed_steps) * (self.total_steps - step))
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:

@@ -53,3 +53,28 @@ def test_metrics_logger_and_plot(tmp_path):
     gib = 1024**3
     got = device_memory_metrics([Dev({"bytes_in_use": gib, "peak_bytes_in_use": 3 * gib}), Dev({"bytes_in_use": 2 * gib})])
     assert got == {"memory/train/bytes_in_use_max_gib": 2.0, "memory/train/peak_bytes_in_use_max_gib": 3.0}
+
+
+def test_progress_bar_says_compiling_and_its_eta_counts_only_steps_without_compiles(tmp_path, capsys):
+    """Issue 50: the bar sat at 0/800 while compiling, then showed ``eta=4:25:09`` (the
+    compiling step in the average) beside tqdm's own remaining time. Now it names the
+    program it waits for, and its one ETA times only the steps that compiled nothing."""
+    from grpo.engine.runs.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=10, start_step=0, is_main=True, run_name="t", progress_bar=True)
+    assert logger.eta(0) == "?"
+    logger.compiling("jit(rollout)")
+    logger.compiling("jit(update)")
+    assert logger._bar.desc == "grpo (compiling jit(update): 2 so far)"
+    logger.log({"step": 1, "reward/mean": 0.0, "time/train/step_s": 60.0, "compile/count": 7})
+    assert logger._bar.desc == "grpo"
+    assert logger.eta(1) == "?"  # only a compiling step so far
+    logger.log({"step": 2, "reward/mean": 0.0, "time/train/step_s": 1.0, "compile/count": 0})
+    logger.log({"step": 3, "reward/mean": 0.0, "time/train/step_s": 3.0, "compile/count": 0})
+    assert logger.eta(3) == "0:14"  # 7 steps left at 2 s (the old average: 21.3 s -> 2:29)
+    logger.log({"step": 4, "reward/mean": 0.0, "time/train/step_s": 30.0, "compile/count": 1})
+    assert logger.eta(4) == "0:12"
+    shown = str(logger._bar)
+    logger.close()
+    assert "eta=0:12" in shown and "<" not in shown and "step/s" not in shown and "s/step" not in shown
+    assert "4/10" in capsys.readouterr().err
