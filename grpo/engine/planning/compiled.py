@@ -76,9 +76,10 @@ def compile_program(name: str, lower: Callable, takes: tuple[str, ...]) -> Progr
 
     import jax
 
-    # The persistent compilation cache stays off: a hit would skip the compile whose HLO
-    # dump the plan reads and whose time it reports, and a compile-only TPU client's
-    # executables are not this host's backend's to store.
+    # The persistent compilation cache stays off: a compile-only TPU client writes entries
+    # it cannot read back (jax 0.10.2, libtpu 0.0.52: a warning per program, "PjRtCompiler
+    # must be constructed with a Client to call DeserializeLoadedExecutable"), and a hit
+    # would skip the compile whose HLO dump the plan reads and whose time it reports.
     cache_on = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     dump = tempfile.mkdtemp(prefix="grpo-plan-hlo-")
