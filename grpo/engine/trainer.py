@@ -504,7 +504,11 @@ class Trainer:
                 logger.log_eval(ev)
             while self.step < cfg.train.steps:
                 self.compiles.read()  # set-up, evaluations, checkpoints: not the step's
+                host = time.thread_time()
                 row = self.train_step()
+                # This thread's CPU time in the step: Python, dispatch, host transfers, scoring
+                # (a background rollout's thread is not in it; on CPU devices XLA's work is).
+                row["time/train/host_s"] = time.thread_time() - host
                 row.update(self.compiles.read().metrics())  # 0 on a warm step
                 startup = startup or self.compiles.total()  # set-up through this session's first step
                 last_row = row

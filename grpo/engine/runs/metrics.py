@@ -83,31 +83,54 @@ def rollout_scalars(rollout: Any, trainer_logprobs: Any, *, truncated: bool = Fa
     generated over every round, and ``reward/*`` (see :func:`reward_scalars`).
     ``rollout``: a :class:`~grpo.engine.rollout.step.StepRollout`. ``truncated``: the
     trainer's log-probs are under the rollout's top-k/top-p (``loss.truncated_policy``),
-    so the sampler's to compare with are its behaviour ones, not its full-vocabulary ones."""
+    so the sampler's to compare with are its behaviour ones, not its full-vocabulary ones.
+
+    The device scalars are one program (:func:`_device_scalars`), not a dozen eager ops:
+    one dispatch a step, and one compile, at the first step."""
+    out = rollout.output
+    scalars = _device_scalars(out.behaviour if truncated else out.logprobs, trainer_logprobs, rollout.trained,
+                              out.lengths, out.truncated, rollout.generated_tokens)
+    return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
+
+
+def _scalars(sampler: Any, trainer_logprobs: Any, trained: Any, lengths: Any, truncated: Any,
+             generated: Any) -> dict[str, Any]:
+    """:func:`rollout_scalars`' device part: ``sampler``/``trainer_logprobs`` [B, N],
+    ``trained`` [B, N] (the tokens the loss trains on), ``lengths``/``truncated`` [B],
+    ``generated`` the tokens rolled out over every round."""
     import jax.numpy as jnp
 
-    out, trained = rollout.output, rollout.trained
-    sampler = out.behaviour if truncated else out.logprobs
     mask_f = trained.astype(jnp.float32)
     n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
     valid = trained > 0
     gap = jnp.sum(jnp.abs(sampler - trainer_logprobs) * mask_f) / n_valid
     # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
     is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - sampler, 0.0))
-    scalars = {
-        "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
-        "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
+    return {
+        "completion/length_mean": jnp.mean(lengths.astype(jnp.float32)),
+        "completion/clipped_frac": jnp.mean(truncated.astype(jnp.float32)),
         "logprob_gap/sampler_trainer": gap,
         "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
         "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
         "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
         # The completion tokens the loss trains on (multi-turn: not the environment's).
         "valid_tokens": jnp.sum(mask_f),
-        "rollout/generated_tokens": rollout.generated_tokens,  # every round's completions, trained on or not
+        "rollout/generated_tokens": generated,  # every round's completions, trained on or not
         # What a trained token cost in rolled-out ones (dynamic sampling's rounds or stream, dropped rows included).
-        "rollout/rolled_out_per_trained_token": rollout.generated_tokens / n_valid,
+        "rollout/rolled_out_per_trained_token": generated / n_valid,
     }
-    return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
+
+
+def _device_scalars(*args: Any) -> dict[str, Any]:
+    global _SCALARS_JIT
+    if _SCALARS_JIT is None:
+        import jax
+
+        _SCALARS_JIT = jax.jit(_scalars)
+    return _SCALARS_JIT(*args)
+
+
+_SCALARS_JIT: Any = None
 
 
 def reward_scalars(rewards: Any, by_fn: Mapping[str, Any]) -> dict[str, Any]:
