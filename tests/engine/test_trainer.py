@@ -130,6 +130,7 @@ def test_compiles_in_the_metrics_and_a_rerun_loads_them_from_the_persistent_cach
     rows = read_metrics(tmp_path / "first")
     assert rows[0]["compile/count"] > 0 and rows[0]["time/compile_s"] > 0
     assert all(isinstance(r["compile/count"], int) and r["time/compile_s"] >= 0 for r in rows)
+    assert all(0 < r["time/train/host_s"] for r in rows)  # the step's driving thread's CPU time
     a, b = first["compile"], second["compile"]
     assert json.loads((tmp_path / "first" / "summary.json").read_text())["compile"] == a
     assert a["cache_dir"] == str(cache) and any(cache.iterdir())
