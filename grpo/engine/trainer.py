@@ -83,9 +83,7 @@ class Trainer:
         # A local path or a bucket URL (gs://, s3://); probed before anything compiles.
         self.run_dir = rundir.path(run_dir)
         rundir.probe(run_dir)
-        # Every compile from here on is counted (metrics rows, summary.json); a rerun or a
-        # resume loads the programs compiled before from the persistent cache.
-        self.compiles = compiles.CompileCounter()
+        self.compiles = compiles.CompileCounter()  # every compile from here (rows, summary.json)
         self.cache_dir = compiles.use_cache(compiles.cache_dir(config.train.compile.cache_dir, self.run_dir))
         distributed.initialize(config.distributed)
         self.is_main = jax.process_index() == 0
