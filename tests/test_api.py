@@ -70,7 +70,7 @@ def runs(tmp_path_factory):
 
 
 def _strip(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/"))} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(("time/", "throughput/", "compile/"))} for r in rows]
 
 
 def _params(run_dir, step):
@@ -86,6 +86,16 @@ def test_resume_finds_the_latest_run_and_says_so(runs):
     assert f"--resume: continuing {os.path.join('runs', cli_dir.name)}" in runs["second"]
     assert "from its checkpoint at step 2" in runs["second"]
     assert rundir.checkpoint_steps(cli_dir) == [3]
+
+
+def test_a_run_says_what_it_compiled(runs):
+    """Issue 50: ``grpo run`` ends with its compiles and where its persistent cache is (the
+    suite's own cache here: JAX_COMPILATION_CACHE_DIR, set by tests/conftest.py)."""
+    import re
+
+    cache = re.escape(os.environ["JAX_COMPILATION_CACHE_DIR"])
+    for out in (runs["first"], runs["second"]):
+        assert re.search(rf"^Compiled \d+ programs in [\d.]+ s \(\d+ loaded from the cache in {cache}\)$", out, re.M), out
 
 
 def test_api_equals_cli_and_resume_is_bitwise(runs):

@@ -64,6 +64,11 @@ def run(config_path, run_dir, resume, resume_changed, overrides, coordinator_add
             f"Done: {result.summary['steps']} steps in {result.run_dir} "
             f"(last reward/mean {result.metrics.get('reward/mean', float('nan')):.4f})"
         )
+        compiled = result.summary.get("compile")
+        if compiled:  # not for a run that was already done
+            total, where = compiled["total"], compiled["cache_dir"]
+            cache = f"{total['cache_hits']} loaded from the cache in {where}" if where else "compilation cache off"
+            click.echo(f"Compiled {total['count']} programs in {total['seconds']:.1f} s ({cache})")
     distributed.leave(0)
 
 

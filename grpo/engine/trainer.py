@@ -34,7 +34,7 @@ from grpo.engine.rollout.conversations import Conversations
 from grpo.engine.rollout.failures import LOG_NAME, RewardFailures
 from grpo.engine.rollout.prompts import default_buckets, tokenize_prompts
 from grpo.engine.rollout.step import SampleGroup, StepCollector, StepRollout
-from grpo.engine.runs import identity, rundir
+from grpo.engine.runs import compiles, identity, rundir
 from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import (
     MetricsLogger,
@@ -83,6 +83,8 @@ class Trainer:
         # A local path or a bucket URL (gs://, s3://); probed before anything compiles.
         self.run_dir = rundir.path(run_dir)
         rundir.probe(run_dir)
+        self.compiles = compiles.CompileCounter()  # every compile from here (rows, summary.json)
+        self.cache_dir = compiles.use_cache(compiles.cache_dir(config.train.compile.cache_dir, self.run_dir))
         distributed.initialize(config.distributed)
         self.is_main = jax.process_index() == 0
         # Asynchronous GRPO: the update mesh is the trainer's; the rollout mesh its own.
@@ -391,6 +393,13 @@ class Trainer:
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, handler)
 
+    def _compile_summary(self, startup: compiles.Compiles | None) -> dict[str, Any]:
+        """``summary.json``'s compiles: at start-up (set-up through this session's first
+        step: what a rerun or resume loads from the persistent cache) and in the whole
+        session, and the cache's directory."""
+        total = self.compiles.total()
+        return {"startup": (startup or total).summary(), "total": total.summary(), "cache_dir": self.cache_dir}
+
     def _stop_requested(self) -> bool:
         flag = self._signal is not None
         if jax.process_count() > 1:
@@ -477,11 +486,13 @@ class Trainer:
             resume=resumed,
         )
         self._logger = logger
+        self.compiles.on_start = logger.compiling
         self._install_signal_handlers()
         t_start = time.perf_counter()
         first_step = self.step
         last_row: dict[str, Any] = {}
         eval_rows: list[dict[str, Any]] = []
+        startup: compiles.Compiles | None = None
         try:
             if cfg.eval.every_n_steps:
                 self.evaluator.prepare()  # an eval split with no usable prompt stops the run now
@@ -490,7 +501,14 @@ class Trainer:
                 eval_rows.append(ev)
                 logger.log_eval(ev)
             while self.step < cfg.train.steps:
+                self.compiles.read()  # set-up, evaluations, checkpoints: not the step's
+                host = time.thread_time()
                 row = self.train_step()
+                # This thread's CPU time in the step: Python, dispatch, host transfers, scoring
+                # (a background rollout's thread is not in it; on CPU devices XLA's work is).
+                row["time/train/host_s"] = time.thread_time() - host
+                row.update(self.compiles.read().metrics())  # 0 on a warm step
+                startup = startup or self.compiles.total()  # set-up through this session's first step
                 last_row = row
                 if self.step % cfg.logging.every_n_steps == 0 or self.step == cfg.train.steps:
                     logger.log(row)
@@ -508,6 +526,7 @@ class Trainer:
             if cfg.checkpoint.at_end and self.checkpointer.latest_step() != self.step:
                 self.save()
         finally:
+            self.compiles.on_start = None
             self.loop.close()
             logger.close()
             self._logger = None
@@ -521,6 +540,7 @@ class Trainer:
             "eval": eval_rows[-1] if eval_rows else None,
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": self.reward_errors,
+            "compile": self._compile_summary(startup),
         }
         if self.is_main:
             rundir.write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))

@@ -117,6 +117,33 @@ def test_resume_after_sigterm_is_bitwise_identical(tmp_path):
     assert_same_run(straight, preempted_and_resumed(_config(**steps), tmp_path / "resumed", after=3))
 
 
+@pytest.mark.slow
+def test_compiles_in_the_metrics_and_a_rerun_loads_them_from_the_persistent_cache(tmp_path):
+    """Issue 50: every row counts the step's compiles (``compile/count``, ``time/compile_s``),
+    summary.json the start-up total; a rerun of the same config in another run directory
+    loads every program from the persistent cache (hits, no miss: nothing new compiled).
+    Its own cache directory: the suite's session cache would answer the first run too."""
+    from grpo.engine.runs.compiles import CACHE_ENV, use_cache
+
+    cache = tmp_path / "cache"
+    cfg = _config(**{"train.steps": 2, "train.compile.cache_dir": str(cache)})
+    try:
+        first = Trainer(cfg, tmp_path / "first").run()
+        second = Trainer(cfg, tmp_path / "second").run()
+    finally:
+        use_cache(os.environ.get(CACHE_ENV))  # the session's cache back for the tests after this one
+    rows = read_metrics(tmp_path / "first")
+    assert rows[0]["compile/count"] > 0 and rows[0]["time/compile_s"] > 0
+    assert all(isinstance(r["compile/count"], int) and r["time/compile_s"] >= 0 for r in rows)
+    assert all(0 < r["time/train/host_s"] for r in rows)  # the step's driving thread's CPU time
+    a, b = first["compile"], second["compile"]
+    assert json.loads((tmp_path / "first" / "summary.json").read_text())["compile"] == a
+    assert a["cache_dir"] == str(cache) and any(cache.iterdir())
+    assert a["startup"]["count"] >= rows[0]["compile/count"] and a["total"]["count"] >= a["startup"]["count"]
+    assert a["startup"]["cache_misses"] > 0 and a["startup"]["cache_hits"] == 0
+    assert b["startup"]["cache_hits"] > 0 and b["startup"]["cache_misses"] == 0 == b["total"]["cache_misses"]
+
+
 def test_evaluation_pads_awkward_batches_and_matches_unpadded(tmp_path):
     """Any eval.k / batch_size / num_examples on 8 devices (before: an IndivisibleError
     when the prompts did not divide the rollout shards). Greedy completions and scores

@@ -14,7 +14,8 @@ variables except explicit ``${VAR}`` references.
 
 The modules, in the order a config passes through them:
 
-- :mod:`~grpo.core.config.schema`: the sections and :class:`RunConfig`;
+- :mod:`~grpo.core.config.schema`: the sections and :class:`RunConfig`
+  (:mod:`~grpo.core.config.compile`: the ``train.compile`` section);
 - :mod:`~grpo.core.config.load`: YAML, interpolation, ``--set``, :func:`load_config`;
 - :mod:`~grpo.core.config.validate`: validation errors as problems, plugin selection,
   cross-field checks and :func:`resolve_layout`;
@@ -37,6 +38,7 @@ from grpo.core.config.schema import (
     AdvantageConfig,
     AsyncConfig,
     CheckpointConfig,
+    CompileConfig,
     ContinuousEngineConfig,
     DistributedConfig,
     DownSamplingConfig,

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from grpo.core.config.compile import CompileConfig
 from grpo.core.contracts.loss import LossSettings, MismatchCorrection
 
 class Section(BaseModel):
@@ -563,6 +564,7 @@ class TrainConfig(Section):
         default_factory=AsyncConfig, alias="async",
         description="Asynchronous GRPO: rollout and update on their own devices at once, with bounded staleness.",
     )
+    compile: CompileConfig = Field(default_factory=CompileConfig, description="How the run compiles its programs.")
 
 
 class EvalConfig(Section):

@@ -1,7 +1,9 @@
 """One program compiled for the plan: the TPU compiler's verdict on it
 (:func:`compile_program`: its memory, the compiler's cost figures, its optimized HLO and
-collectives, or the compiler's error) and the report's entry of it (:func:`program_entry`:
-peak bytes beside the resident state, counted costs, communication).
+collectives, or the compiler's error, and its lowering and compile times) and the report's
+entry of it (:func:`program_entry`: peak bytes beside the resident state, counted costs,
+communication); the report's ``compile`` section (:func:`compile_report`: programs, the
+shapes a run compiles of them, :func:`run_shapes`, and the TPU compiler's time).
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ class ProgramResult:
     hlo: str | None = None  # the optimized HLO text
     hlo_source: str | None = None  # "xla_dump" or "as_text" (see :func:`compile_program`)
     collectives: list[Any] | None = None  # hlo.Collective, None without HLO
+    lower_s: float | None = None  # tracing and lowering to StableHLO (Python, this host)
+    compile_s: float | None = None  # the TPU compiler (libtpu) on this host, to its verdict: wall time
+    compile_cpu_s: float | None = None  # ... and this process's CPU time (every thread; steadier on a busy host)
 
 
 _SIZE = re.compile(r"\(([\d.]+)([KMGT])\)")
@@ -67,27 +72,37 @@ def compile_program(name: str, lower: Callable, takes: tuple[str, ...]) -> Progr
     """
     import shutil
     import tempfile
+    import time
 
     import jax
 
-    # A compile-only TPU client can neither read nor usefully write the persistent
-    # compilation cache of this host's backend.
+    # The persistent compilation cache stays off: a compile-only TPU client writes entries
+    # it cannot read back (jax 0.10.2, libtpu 0.0.52: a warning per program, "PjRtCompiler
+    # must be constructed with a Client to call DeserializeLoadedExecutable"), and a hit
+    # would skip the compile whose HLO dump the plan reads and whose time it reports.
     cache_on = jax.config.jax_enable_compilation_cache
     jax.config.update("jax_enable_compilation_cache", False)
     dump = tempfile.mkdtemp(prefix="grpo-plan-hlo-")
+    t0 = time.perf_counter()
+    t1 = c1 = None
     try:
         lowered = lower()
+        t1, c1 = time.perf_counter(), time.process_time()
         try:
             compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         except Exception as err:  # a compiler that refuses the dump options
             if "xla_dump" not in str(err):
                 raise
+            t1, c1 = time.perf_counter(), time.process_time()
             compiled = lowered.compile()
     except Exception as err:  # noqa: BLE001 - the compiler's verdict is the plan's result
         shutil.rmtree(dump, ignore_errors=True)
-        return ProgramResult(name, None, {}, compiler_text(err), takes)
+        t2, c2 = time.perf_counter(), time.process_time()
+        return ProgramResult(name, None, {}, compiler_text(err), takes, lower_s=(t1 or t2) - t0,
+                             compile_s=None if t1 is None else t2 - t1, compile_cpu_s=None if c1 is None else c2 - c1)
     finally:
         jax.config.update("jax_enable_compilation_cache", cache_on)
+    times = {"lower_s": t1 - t0, "compile_s": time.perf_counter() - t1, "compile_cpu_s": time.process_time() - c1}
     hlo_text, source = read_dump(dump), "xla_dump"
     shutil.rmtree(dump, ignore_errors=True)
     if hlo_text is None:
@@ -117,7 +132,7 @@ def compile_program(name: str, lower: Callable, takes: tuple[str, ...]) -> Progr
         xla = {k: float(v) for k, v in (ca or {}).items() if k in ("flops", "bytes accessed")}
     except Exception:  # noqa: BLE001 - cost analysis is optional
         pass
-    return ProgramResult(name, memory, xla, None, takes, hlo_text, source, ops)
+    return ProgramResult(name, memory, xla, None, takes, hlo_text, source, ops, **times)
 
 
 def program_entry(r: ProgramResult, cost: Cost, *, resident: int, state: dict[str, int], chip: Any,
@@ -146,4 +161,48 @@ def program_entry(r: ProgramResult, cost: Cost, *, resident: int, state: dict[st
     return entry
 
 
-__all__ = ["ProgramResult", "compile_program", "program_entry"]
+def run_shapes(programs: Any, names: list[str]) -> dict[str, int]:
+    """How many shapes of each program in ``names`` a run can compile: the packed passes
+    one per bin layout ``per`` and head width ``K`` of it, pack and unpack one per ``per``;
+    the static engine's rollout and eval programs one per prompt bucket; any other one."""
+    from grpo.engine.planning.packed import PACKED_PROGRAMS
+    from grpo.engine.rollout.prompts import default_buckets
+    from grpo.engine.training.packing import head_widths
+
+    config = programs.config
+    out = dict.fromkeys(names, 1)
+    if getattr(programs, "packing", False):
+        schedules = programs.schedule_shapes()
+        for name in names:
+            if name in PACKED_PROGRAMS:
+                out[name] = sum(len(head_widths(slots=per * config.bin_length)) for per in schedules)
+            elif name in ("pack", "unpack"):
+                out[name] = len(schedules)
+    if config.rollout.engine == "static":
+        buckets = len(config.rollout.prompt_buckets or default_buckets(config.rollout.max_prompt_length))
+        for name in names:
+            if name.removeprefix("eval_") in ("prefill", "decode", "append"):
+                out[name] = buckets
+    return out
+
+
+def compile_report(results: list[ProgramResult], shapes: dict[str, int]) -> dict[str, Any]:
+    """The plan's ``compile`` section: the programs it compiled (each once, at its largest
+    shape), the shapes a run compiles of them (``shapes``: :func:`run_shapes`), and the TPU
+    compiler's time on this host: wall and CPU time for the programs compiled, and CPU time
+    estimated for every shape (each timed as its program's compiled one)."""
+    by = {r.name: {"shapes": shapes.get(r.name, 1), "lower_s": r.lower_s, "compile_s": r.compile_s,
+                   "compile_cpu_s": r.compile_cpu_s} for r in results}
+    timed = [v for v in by.values() if v["compile_s"] is not None]
+    return {
+        "programs": len(by),
+        "shapes": sum(v["shapes"] for v in by.values()),
+        "lower_s": sum(v["lower_s"] or 0.0 for v in by.values()),
+        "compile_s": sum(v["compile_s"] for v in timed),
+        "compile_cpu_s": sum(v["compile_cpu_s"] for v in timed),
+        "run_compile_cpu_s": sum(v["compile_cpu_s"] * v["shapes"] for v in timed),
+        "by_program": by,
+    }
+
+
+__all__ = ["ProgramResult", "compile_program", "compile_report", "program_entry", "run_shapes"]

@@ -57,7 +57,7 @@ from typing import Any, Callable
 from grpo.core.config import RunConfig, resolve_layout
 from grpo.core.contracts import NotPlanned, Topology
 from grpo.core.errors import ConfigError, UserError
-from grpo.engine.planning.compiled import ProgramResult, compile_program, program_entry
+from grpo.engine.planning.compiled import ProgramResult, compile_program, compile_report, program_entry, run_shapes
 from grpo.engine.planning.costs import Cost, program_costs
 from grpo.engine.planning.headline import EVAL_PROGRAMS, rollout_headline, step_roofline, synchronous_step
 from grpo.engine.planning.memory import lora_report, quantization_scales, state_bytes
@@ -386,6 +386,7 @@ class Planner:
             if entry["peak_bytes"] is not None:
                 peaks.append(entry["peak_bytes"])
         report = self._report(s, results, entries, costs, peaks, errors)
+        report["compile"] = compile_report(results, run_shapes(s.programs, [r.name for r in results]))
         if lengths is not None:
             report["packing"] = self.packing(s, entries, lengths, slice_of)
         if s.sampler.simulates and s.not_planned is None:

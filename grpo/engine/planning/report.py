@@ -114,6 +114,8 @@ def format_report(rep: dict[str, Any]) -> str:
             f"{ev['padded_prompts_per_batch']}) x k={ev['k']} = {ev['rows_per_batch']} rows, KV cache "
             f"{_gib(ev['kv_cache_bytes'])} GiB per device; roofline of one batch {ev['roofline_batch_s']:.2f} s{whole}"
         )
+    if rep.get("compile"):
+        lines.append(format_compile(rep["compile"], rep["topology"]))
     if rep.get("packing"):
         lines += format_packing(rep["packing"], rep["hbm_bytes_per_device"], rollout=rep.get("step_rollout"))
     if rep.get("rollout_engine"):
@@ -128,6 +130,14 @@ def format_report(rep: dict[str, Any]) -> str:
     for w in rep.get("mesh_warnings", []):
         lines.append(f"warning: {w}")
     return "\n".join(lines)
+
+
+def format_compile(c: dict[str, Any], topology: str) -> str:
+    """The ``compile`` section as one line: programs, shapes, and the TPU compiler's time."""
+    return (f"compiles: {c['programs']} programs, {c['shapes']} shapes a run can compile; the TPU compiler (libtpu) "
+            f"took {c['compile_cpu_s']:.1f} s of CPU ({c['compile_s']:.1f} s wall) for the {c['programs']} on this "
+            f"host, lowering {c['lower_s']:.1f} s; about {c['run_compile_cpu_s']:.0f} s of CPU for all {c['shapes']} "
+            f"shapes (each timed as its program's largest; a {topology} host's CPU differs)")
 
 
 def step_rollout_text(sr: dict[str, Any]) -> str:

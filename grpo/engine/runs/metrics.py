@@ -83,31 +83,54 @@ def rollout_scalars(rollout: Any, trainer_logprobs: Any, *, truncated: bool = Fa
     generated over every round, and ``reward/*`` (see :func:`reward_scalars`).
     ``rollout``: a :class:`~grpo.engine.rollout.step.StepRollout`. ``truncated``: the
     trainer's log-probs are under the rollout's top-k/top-p (``loss.truncated_policy``),
-    so the sampler's to compare with are its behaviour ones, not its full-vocabulary ones."""
+    so the sampler's to compare with are its behaviour ones, not its full-vocabulary ones.
+
+    The device scalars are one program (:func:`_device_scalars`), not a dozen eager ops:
+    one dispatch a step, and one compile, at the first step."""
+    out = rollout.output
+    scalars = _device_scalars(out.behaviour if truncated else out.logprobs, trainer_logprobs, rollout.trained,
+                              out.lengths, out.truncated, rollout.generated_tokens)
+    return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
+
+
+def _scalars(sampler: Any, trainer_logprobs: Any, trained: Any, lengths: Any, truncated: Any,
+             generated: Any) -> dict[str, Any]:
+    """:func:`rollout_scalars`' device part: ``sampler``/``trainer_logprobs`` [B, N],
+    ``trained`` [B, N] (the tokens the loss trains on), ``lengths``/``truncated`` [B],
+    ``generated`` the tokens rolled out over every round."""
     import jax.numpy as jnp
 
-    out, trained = rollout.output, rollout.trained
-    sampler = out.behaviour if truncated else out.logprobs
     mask_f = trained.astype(jnp.float32)
     n_valid = jnp.maximum(jnp.sum(mask_f), 1.0)
     valid = trained > 0
     gap = jnp.sum(jnp.abs(sampler - trainer_logprobs) * mask_f) / n_valid
     # The sampler/trainer mismatch as the importance ratio it is (what loss.mismatch caps).
     is_ratio = jnp.exp(jnp.where(valid, trainer_logprobs - sampler, 0.0))
-    scalars = {
-        "completion/length_mean": jnp.mean(out.lengths.astype(jnp.float32)),
-        "completion/clipped_frac": jnp.mean(out.truncated.astype(jnp.float32)),
+    return {
+        "completion/length_mean": jnp.mean(lengths.astype(jnp.float32)),
+        "completion/clipped_frac": jnp.mean(truncated.astype(jnp.float32)),
         "logprob_gap/sampler_trainer": gap,
         "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
         "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
         "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
         # The completion tokens the loss trains on (multi-turn: not the environment's).
         "valid_tokens": jnp.sum(mask_f),
-        "rollout/generated_tokens": rollout.generated_tokens,  # every round's completions, trained on or not
+        "rollout/generated_tokens": generated,  # every round's completions, trained on or not
         # What a trained token cost in rolled-out ones (dynamic sampling's rounds or stream, dropped rows included).
-        "rollout/rolled_out_per_trained_token": rollout.generated_tokens / n_valid,
+        "rollout/rolled_out_per_trained_token": generated / n_valid,
     }
-    return {**scalars, **reward_scalars(rollout.logged_rewards, rollout.logged_by_fn)}
+
+
+def _device_scalars(*args: Any) -> dict[str, Any]:
+    global _SCALARS_JIT
+    if _SCALARS_JIT is None:
+        import jax
+
+        _SCALARS_JIT = jax.jit(_scalars)
+    return _SCALARS_JIT(*args)
+
+
+_SCALARS_JIT: Any = None
 
 
 def reward_scalars(rewards: Any, by_fn: Mapping[str, Any]) -> dict[str, Any]:
@@ -189,10 +212,13 @@ class MetricsLogger:
         self.is_main = is_main
         self.total_steps = total_steps
         self.step_times: collections.deque[float] = collections.deque(maxlen=10)
+        # The ETA's: only steps that compiled nothing (a compile says nothing of the steps left).
+        self.timed_steps: collections.deque[float] = collections.deque(maxlen=10)
         self._file: rundir.JsonlLog | None = None
         self._eval_file: rundir.JsonlLog | None = None
         self._wandb = None
         self._bar = None
+        self._compiling = 0  # programs compiled since the bar last moved
         if not is_main:
             return
         self._file = rundir.JsonlLog(self.run_dir, "metrics.jsonl")
@@ -222,12 +248,24 @@ class MetricsLogger:
         if progress_bar:
             from tqdm.auto import tqdm
 
-            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True)
+            # No tqdm remaining/rate: they time every step since the start, compiles included
+            # (hours for a run that compiled for a minute); the postfix's eta is the one ETA.
+            self._bar = tqdm(total=total_steps, initial=start_step, desc="grpo", unit="step", dynamic_ncols=True,
+                             bar_format="{desc}: {percentage:3.0f}%|{bar}| {n_fmt}/{total_fmt} [{elapsed}{postfix}]")
+
+    def compiling(self, program: str) -> None:
+        """Say on the bar that the run waits for the compiler (``program``: the name JAX
+        gives the program, e.g. ``jit(update)``); the next logged row clears it."""
+        if self._bar is not None:
+            self._compiling += 1
+            self._bar.set_description_str(f"grpo (compiling {program}: {self._compiling} so far)", refresh=True)
 
     def log(self, metrics: dict[str, Any]) -> None:
         if "time/train/step_s" in metrics:
             self.step_times.append(float(metrics["time/train/step_s"]))
             metrics["time/train/step_avg_last10_s"] = sum(self.step_times) / len(self.step_times)
+            if not metrics.get("compile/count"):
+                self.timed_steps.append(float(metrics["time/train/step_s"]))
         if not self.is_main:
             return
         row = {k: _jsonable(v) for k, v in metrics.items()}
@@ -238,15 +276,23 @@ class MetricsLogger:
         if self._bar is not None:
             step = int(row["step"])
             self._bar.n = step
-            avg = row.get("time/train/step_avg_last10_s", 0.0)
+            self._bar.set_description_str("grpo", refresh=False)
+            self._compiling = 0
             self._bar.set_postfix(
                 reward=f"{row.get('reward/mean', float('nan')):.3f}",
                 step_s=f"{row.get('time/train/step_s', 0.0):.2f}",
                 tok_s=f"{row.get('throughput/train/valid_tokens_per_s', 0.0):.0f}",
-                eta=_fmt_eta(avg * (self.total_steps - step)),
+                eta=self.eta(step),
                 refresh=False,
             )
             self._bar.refresh()
+
+    def eta(self, step: int) -> str:
+        """The time left after ``step``: the mean of the last 10 steps that compiled nothing,
+        times the steps left (``?`` before the first such step)."""
+        if not self.timed_steps:
+            return "?"
+        return _fmt_eta(sum(self.timed_steps) / len(self.timed_steps) * (self.total_steps - step))
 
     def log_eval(self, metrics: dict[str, Any]) -> None:
         if not self.is_main:

@@ -83,6 +83,12 @@ def test_tiny_plan_fits_and_update_memory_grows_with_micro_batch(tiny_config, tm
             # row_sums, to_train and packing's glue move arrays (their cost is bytes alone).
             assert p["argument_bytes"] > 0 and p["roofline_s"] > 0 and (
                 p["flops"] > 0 or name in ("row_sums", "to_train", "sequence_lengths", "pack", "unpack"))
+    # What the TPU compiler took for each program on this host (issue 50), and the shapes a
+    # run compiles of it (padded: one update shape).
+    c = small["compile"]
+    assert c["programs"] == 5 and set(c["by_program"]) == set(small["programs"]) and c["shapes"] == 5
+    assert all(p["compile_cpu_s"] > 0 and p["lower_s"] > 0 for p in c["by_program"].values())
+    assert c["compile_cpu_s"] == pytest.approx(sum(p["compile_cpu_s"] for p in c["by_program"].values()))
     s, b = small["programs"]["update"], big["programs"]["update"]
     assert b["temp_bytes"] > s["temp_bytes"]
     assert big["peak_bytes_per_device"] >= small["peak_bytes_per_device"]

@@ -91,3 +91,66 @@ def test_grpo_plot_reads_the_weights_from_the_runs_config(tmp_path):
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(cfg))
     weights = _reward_weights(str(tmp_path))
     assert {k: v for k, v in weights.items() if v} == {"correct": 1.0, "prefix": 0.5}
+
+
+def test_progress_bar_says_compiling_and_its_eta_counts_only_steps_without_compiles(tmp_path, capsys):
+    """Issue 50: the bar sat at 0/800 while compiling, then showed ``eta=4:25:09`` (the
+    compiling step in the average) beside tqdm's own remaining time. Now it names the
+    program it waits for, and its one ETA times only the steps that compiled nothing."""
+    from grpo.engine.runs.metrics import MetricsLogger
+
+    logger = MetricsLogger(tmp_path, total_steps=10, start_step=0, is_main=True, run_name="t", progress_bar=True)
+    assert logger.eta(0) == "?"
+    logger.compiling("jit(rollout)")
+    logger.compiling("jit(update)")
+    assert logger._bar.desc == "grpo (compiling jit(update): 2 so far)"
+    logger.log({"step": 1, "reward/mean": 0.0, "time/train/step_s": 60.0, "compile/count": 7})
+    assert logger._bar.desc == "grpo"
+    assert logger.eta(1) == "?"  # only a compiling step so far
+    logger.log({"step": 2, "reward/mean": 0.0, "time/train/step_s": 1.0, "compile/count": 0})
+    logger.log({"step": 3, "reward/mean": 0.0, "time/train/step_s": 3.0, "compile/count": 0})
+    assert logger.eta(3) == "0:14"  # 7 steps left at 2 s (the old average: 21.3 s -> 2:29)
+    logger.log({"step": 4, "reward/mean": 0.0, "time/train/step_s": 30.0, "compile/count": 1})
+    assert logger.eta(4) == "0:12"
+    shown = str(logger._bar)
+    logger.close()
+    assert "eta=0:12" in shown and "<" not in shown and "step/s" not in shown and "s/step" not in shown
+    assert "4/10" in capsys.readouterr().err
+
+
+def test_rollout_scalars_are_one_program_and_match_numpy():
+    """Issue 50 (host overhead): the rollout's metrics are one jitted program (one dispatch,
+    one compile) rather than a dozen eager ops, each of which compiled at step 1; the
+    values against numpy."""
+    from types import SimpleNamespace
+
+    import jax.numpy as jnp
+
+    from grpo.engine.runs.compiles import CompileCounter
+    from grpo.engine.runs.metrics import rollout_scalars
+
+    rng = np.random.default_rng(0)
+    B, N = 6, 5  # a shape no other test gives it
+    sampler = rng.normal(size=(B, N)).astype(np.float32)
+    trainer = (sampler + rng.normal(scale=0.1, size=(B, N))).astype(np.float32)
+    trained = (rng.random((B, N)) < 0.6).astype(np.int32)
+    lengths, clipped = trained.sum(1).astype(np.int32), np.array([1, 0, 0, 1, 0, 0], bool)
+    rewards = rng.random(B).astype(np.float32)
+    out = SimpleNamespace(logprobs=jnp.asarray(sampler), behaviour=None, lengths=jnp.asarray(lengths),
+                          truncated=jnp.asarray(clipped))
+    rollout = SimpleNamespace(output=out, trained=jnp.asarray(trained), generated_tokens=jnp.int32(40),
+                              logged_rewards=rewards, logged_by_fn={"r": rewards})
+    with CompileCounter() as counter:
+        got = {k: float(v) for k, v in rollout_scalars(rollout, jnp.asarray(trainer)).items()}
+        assert counter.read().count == 1  # the scalars' program (the rewards here are host arrays)
+    m = trained.astype(np.float64)
+    ratio = np.exp(trainer.astype(np.float64) - sampler)
+    want = {
+        "completion/length_mean": lengths.mean(), "completion/clipped_frac": clipped.mean(),
+        "logprob_gap/sampler_trainer": (np.abs(sampler - trainer) * m).sum() / m.sum(),
+        "is_ratio/sampler_trainer/mean": (ratio * m).sum() / m.sum(),
+        "is_ratio/sampler_trainer/max": ratio[trained > 0].max(), "is_ratio/sampler_trainer/min": ratio[trained > 0].min(),
+        "valid_tokens": m.sum(), "rollout/generated_tokens": 40.0, "rollout/rolled_out_per_trained_token": 40 / m.sum(),
+        "reward/mean": rewards.mean(), "reward/std": rewards.std(), "reward/r/mean": rewards.mean(),
+    }
+    assert got == pytest.approx(want, rel=1e-5)
