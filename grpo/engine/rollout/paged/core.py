@@ -80,6 +80,7 @@ class EngineCore:
         """Queue rows ``ids`` (after those already queued) whose prompts hold ``prompt_len`` tokens."""
         self.sched.prompt_len[ids] = prompt_len
         self.sched.queue.extend(int(r) for r in ids)
+        self.marks[ids] = 0  # a new row under these ids: nothing drawn yet
 
     def in_flight(self) -> int:
         """Rows decoding or queued."""
