@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 
 def tree_bytes(tree: Any) -> int:
     """The bytes of ``tree``'s arrays (global, not per device)."""
-    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype")))
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 class WeightSync:

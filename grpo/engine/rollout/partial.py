@@ -320,6 +320,9 @@ class PartialStream:
         """:meth:`snapshot`'s stream back, in a stream just begun: the feed goes on after
         the last position fed (every untrained position at or before it is in the stream
         or in the loop's buffer)."""
+        if arrays["prompts"].shape != self.prompts.shape:
+            self._incompatible(f"{arrays['prompts'].shape[0]} rows of prompt width {arrays['prompts'].shape[1]}, this "
+                               f"config's {self.prompts.shape[0]} of width {self.prompts.shape[1]}")
         self.prompts[:], self.prompt_masks[:] = arrays["prompts"], arrays["prompt_masks"]
         at = {r: i for i, r in enumerate(meta["done_rows"])}
         for p, rows, width, done in meta["groups"]:
@@ -330,10 +333,20 @@ class PartialStream:
         self.ready, self.free = list(meta["ready"]), collections.deque(meta["free"])
         self.fed, self.last_fed = int(meta["fed"]), int(meta["last_fed"])
         self.todo = (p for p in ledger.untrained() if p > self.last_fed)
-        seated = self.engine.restore(meta["engine"], {k[len("engine_"):]: v for k, v in arrays.items()
-                                                      if k.startswith("engine_")})
+        try:
+            seated = self.engine.restore(meta["engine"], {k[len("engine_"):]: v for k, v in arrays.items()
+                                                          if k.startswith("engine_")})
+        except ValueError as err:  # the engine's session is another shape
+            self._incompatible(str(err))
         self.regenerated = self.engine.regenerated_tokens()
         self.resumed_rows = seated + len(meta["done_rows"])
+
+    @staticmethod
+    def _incompatible(what: str) -> None:
+        raise UserError(
+            f"the checkpoint's partial-rollouts stream does not fit this config ({what}). To resume its rows in "
+            "flight keep train.async.max_staleness, train.prompts_per_step, rollout.num_generations, "
+            "rollout.max_prompt_length, rollout.max_new_tokens and rollout.continuous as they were saved.")
 
     def _example(self, position: int) -> int:
         return int(position_indices(len(self.c.prompts), start=position, count=1, seed=self.seed)[0])

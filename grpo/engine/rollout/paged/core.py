@@ -135,7 +135,7 @@ class EngineCore:
         if a._parked:
             raise NotImplementedError("a session with parked multi-turn rows cannot be checkpointed")
         order = sorted((slot for slot, r in enumerate(s.slot_row) if r >= 0), key=s.admitted_at.get)
-        meta = {"slot_row": [int(r) for r in s.slot_row], "order": order, "queue": [int(r) for r in s.queue],
+        meta = {"cap": int(s.cap), "slot_row": [int(r) for r in s.slot_row], "order": order, "queue": [int(r) for r in s.queue],
                 "version": int(self.version), "free": a._free, "held": a._held, "peak": int(a.peak),
                 "grow": self._grow is not None, "regenerated_tokens": int(self.regenerated_tokens)}
         arrays = {"prompt_len": np.asarray(s.prompt_len, np.int64), "marks": self.marks.copy()}
@@ -156,6 +156,10 @@ class EngineCore:
         ``on_weight_change: reprefill``), then decode on from their next token. Returns
         the rows seated."""
         s, a = self.sched, self.sched.alloc
+        saved = (len(meta["slot_row"]), len(sum(meta["free"] + meta["held"], [])), meta["cap"], len(arrays["marks"]))
+        if saved != (a.slots, a.pages, s.cap, len(self.marks)):
+            raise ValueError("the saved session has {} slots over {} pages, {} new tokens a row and {} rows; this one "
+                             "{} slots over {} pages, {} and {}".format(*saved, a.slots, a.pages, s.cap, len(self.marks)))
         s.prompt_len[:] = arrays["prompt_len"]
         self.marks[:] = arrays["marks"]
         if self.versions is not None:

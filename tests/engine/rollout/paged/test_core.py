@@ -131,3 +131,8 @@ def test_a_session_snapshot_goes_on_in_a_new_engine_with_the_same_tokens(setup):
     fresh.end()
     for name in ("tokens", "mask", "logprobs", "lengths", "truncated", "versions"):
         np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+    # A session of another shape refuses the snapshot (the partial stream names the fields).
+    other = ContinuousSampler(graphdef, slots=4, page_size=4, chunk=2, backend="reference", **kwargs)
+    begin(other)
+    with pytest.raises(ValueError, match="saved session has 8 slots"):
+        other.restore(meta, arrays)
