@@ -450,7 +450,7 @@ class Trainer:
         self.skipped_nonfinite = int(meta.get("skipped_nonfinite_steps", 0))
         self.reward_errors = dict(meta.get("reward_errors", {}))
         # The loop's ledger and the rollouts buffered when it was saved.
-        self.loop.restore(meta, lambda like: self.checkpointer.restore({"buffer": like}, latest)[0]["buffer"])
+        self.loop.restore(meta, lambda name, like: self.checkpointer.restore({name: like}, latest)[0][name])
         if self.is_main:
             print(f"Resuming from the checkpoint at step {self.step} in {self.checkpointer.directory}", flush=True)
         return True

@@ -292,6 +292,25 @@ class RolloutEngine(abc.ABC):
         """The session's figures so far (for the logs and benchmarks)."""
         return {}
 
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The session between two steps as JSON and host (numpy) arrays, for a
+        checkpoint (partial rollouts keep their rows in flight across a preemption): what
+        :meth:`restore` needs to go on with every row, queued or running, from the tokens
+        it has drawn. An engine that cannot leaves this default: its rows in flight are
+        drawn again after a resume (``async/regenerated_tokens``)."""
+        raise NotImplementedError(f"{type(self).__name__} cannot checkpoint its rows in flight")
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, Any]) -> int:
+        """Put a session just begun (:meth:`begin`, with the same arguments) back where
+        :meth:`snapshot` left one, under the weights of the latest :meth:`update_weights`
+        (a cache is rebuilt from the tokens, not stored). Returns the running rows put
+        back."""
+        raise NotImplementedError(f"{type(self).__name__} cannot checkpoint its rows in flight")
+
+    def regenerated_tokens(self) -> int:
+        """Tokens the session has drawn a second time (e.g. rows evicted and restarted)."""
+        return 0
+
     def pause(self) -> None:
         """Hold every row at the current boundary: nothing runs until the next
         :meth:`step`, which reads the weights of the latest :meth:`update_weights`. A

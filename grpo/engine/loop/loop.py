@@ -184,6 +184,12 @@ class Loop:
             items["buffer"] = arrays
         meta = {**meta, "partial_trained_ahead": sorted(self.ledger.ahead),
                 "async": {"entries": specs, "max_staleness": self.max_staleness}}
+        inflight = self.source.inflight() if self.source.checkpoints_buffer else None
+        if inflight is not None:  # the rows in flight: in the same step as the params
+            rows_meta, rows = inflight
+            items["inflight"] = rows
+            meta["async"]["inflight"] = {"meta": rows_meta, "arrays": {
+                name: [list(np.shape(x)), str(np.asarray(x).dtype)] for name, x in rows.items()}}
         return items, meta
 
     def held_like(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -196,18 +202,23 @@ class Loop:
 
     def restore(self, meta: dict[str, Any], read: Any) -> None:
         """After the trainer restored its state: the ledger and the buffer back (``meta``
-        the checkpoint's; ``read(like)`` restores the ``buffer`` item into ``like``). A
-        checkpoint without a buffer (a synchronous run's, or one whose source re-draws):
-        the buffered steps are drawn again at the restored weights from the data position."""
+        the checkpoint's; ``read(name, like)`` restores the item ``name`` into ``like``),
+        and the rows in flight (``inflight``) to the source. A checkpoint without a buffer
+        (a synchronous run's, or one whose source re-draws): the buffered steps are drawn
+        again at the restored weights from the data position."""
         tr = self.trainer
         self.buffer.clear()
         self.next_step, self.version = None, -1
         self.ledger = Ledger(tr.data_position, meta.get("partial_trained_ahead", ()))
         self.source.reset(self.ledger)
+        saved = (meta.get("async") or {}).get("inflight")
+        if saved is not None and self.source.checkpoints_buffer:
+            like = {name: np.zeros(tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in saved["arrays"].items()}
+            self.source.resume_inflight((saved["meta"], read("inflight", like)))
         specs = (meta.get("async") or {}).get("entries")
         if not specs or not self.source.checkpoints_buffer:
             return
-        arrays = read(host_like(specs))
+        arrays = read("buffer", host_like(specs))
         up = tr.programs
         for spec in specs:
             host = {leaf["name"]: arrays[key(spec, leaf["name"])] for leaf in leaves(spec)}
@@ -217,7 +228,7 @@ class Loop:
                 entry.rollout = dataclasses.replace(entry.rollout, group=None)
             self.append(entry)
         first = self.buffer[0]
-        if (first.step, first.position) != (tr.step, tr.data_position):
+        if first.step != tr.step or (self.source.in_order and first.position != tr.data_position):
             raise RuntimeError(f"async GRPO: the checkpoint's buffer starts at step {first.step + 1} (data position "
                                f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
 

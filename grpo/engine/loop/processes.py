@@ -296,13 +296,13 @@ class RolloutSide:
         return state  # the update side's arrays: this side keeps its placeholders (it never reads them)
 
     def restore(self, meta: dict[str, Any], read: Any) -> None:
-        """The checkpoint's buffer back, as host arrays (``read(like)``: Orbax's restore
-        of the ``buffer`` item into ``like``)."""
+        """The checkpoint's buffer back, as host arrays (``read(name, like)``: Orbax's
+        restore of the item ``name``, here ``buffer``, into ``like``)."""
         self.stored.clear()
         self.started = False
         specs = (meta.get("async") or {}).get("entries")
         if specs:
-            arrays = read(host_like(specs))
+            arrays = read("buffer", host_like(specs))
             for spec in specs:
                 self.stored.append((spec, {leaf["name"]: np.asarray(arrays[key(spec, leaf["name"])])
                                            for leaf in leaves(spec)}))

@@ -94,6 +94,14 @@ class RolloutSource:
     def keep(self, spec: Any, arrays: dict[str, np.ndarray]) -> None:
         """A checkpoint's entry, as stored, restored into the buffer."""
 
+    def inflight(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        """The rows in flight for a checkpoint (JSON, host arrays), or None: nothing is
+        in flight between steps (whole batches), or it is drawn again after a resume."""
+        return None
+
+    def resume_inflight(self, saved: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        """A checkpoint's :meth:`inflight`, to go on from (after :meth:`reset`)."""
+
     def failed(self, err: BaseException) -> None:
         """The step failed on this side with ``err`` (a source with a far end tells it)."""
 
@@ -164,17 +172,25 @@ class BackgroundSource(RolloutSource):
 class PartialSource(BackgroundSource):
     """Partial rollouts: one stream across steps (:class:`PartialRollouts`), at most one
     step ahead (so that rows may go on across weight changes within the staleness
-    budget). Nothing buffered is checkpointed: a resume re-feeds the groups not yet
-    trained from the ledger's frontier, skipping its groups trained ahead, as it does the
-    rows in flight."""
+    budget). A checkpoint keeps the buffered batch and the stream's rows in flight
+    (:meth:`~grpo.engine.rollout.partial.PartialStream.snapshot`), so a resume neither
+    loses a token nor draws one twice; with an engine that cannot checkpoint its rows, a
+    resume re-feeds the groups not yet trained from the ledger's frontier, skipping its
+    groups trained ahead."""
 
-    checkpoints_buffer = False
     in_order = False
 
     def __init__(self, collector: Any, *, update: Any, max_staleness: int):
         super().__init__(collector, update=update, max_staleness=max_staleness)
         self.partial = PartialRollouts(collector, max_staleness=max_staleness)
         self.lead = min(max_staleness, 1)
+        self.checkpoints_buffer = self.partial.keeps_rows
+
+    def inflight(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        return self.partial.snapshot()
+
+    def resume_inflight(self, saved: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        self.partial.saved = saved
 
     def reset(self, ledger: Ledger) -> None:
         self.partial.reset(frontier=ledger.frontier, ahead=sorted(ledger.ahead))

@@ -14,7 +14,13 @@ them, and drops the prepared copy when the draw is done. Three of them:
   checkpoint, the next step's batch) and the next rollout's first program waits for the
   weights on the device side (``time/train/weight_sync_s``: that transfer's seconds
   from dispatch to arrival, timed by a thread that waits for it;
-  ``time/train/weight_sync_dispatch_s``: what the main thread spent dispatching it).
+  ``time/train/weight_sync_dispatch_s``: what the main thread spent dispatching it;
+  ``weight_sync/bytes``: the bytes it moves, the whole trainable state's). Under LoRA the
+  trainable state is the adapters alone: the frozen base moves once, when the sync is
+  made, and every step moves only the adapters, which the engine's weight preparation
+  reads beside the base already there (unmerged, or merged on the rollout side with
+  ``model.lora.sampler: merged``). Qwen2.5-3B at rank 16 on every projection: 120 MB of
+  f32 adapters a step against 6.2 GB of bf16 weights (1.9%).
 - two processes: the weights cross in the step's exchange
   (:class:`~grpo.engine.loop.processes.ProcessLink`, which is the run's source and its
   sync at once); on the rollout process an :class:`OtherMesh` hands them to its engine.
@@ -23,10 +29,18 @@ them, and drops the prepared copy when the draw is done. Three of them:
 from __future__ import annotations
 
 import concurrent.futures
+import logging
 import time
 from typing import Any
 
 import jax
+
+log = logging.getLogger(__name__)
+
+
+def tree_bytes(tree: Any) -> int:
+    """The bytes of ``tree``'s arrays (global, not per device)."""
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
 
 
 class WeightSync:
@@ -82,6 +96,12 @@ class OtherMesh(WeightSync):
         self.shardings = state_shardings(params, programs.mesh, PARAM_RULES)
         programs.frozen = None if frozen is None else jax.device_put(
             frozen, state_shardings(frozen, programs.mesh, PARAM_RULES))
+        self.bytes = tree_bytes(params)  # what each step moves
+        if frozen is not None:
+            base = tree_bytes(frozen)
+            log.info("weight sync: the LoRA base (%.1f MB) moved to the rollout mesh once; each step moves the "
+                     "adapters (%.2f MB, %.2f%% of the whole weights)", base / 1e6, self.bytes / 1e6,
+                     100 * self.bytes / (base + self.bytes))
         self.dispatch_s = 0.0
         self.previous_s = 0.0
         self._arrival: concurrent.futures.Future | None = None  # the last transfer's seconds to arrival
@@ -96,6 +116,7 @@ class OtherMesh(WeightSync):
         t = time.perf_counter()
         moved = jax.device_put(params, self.shardings)
         self.dispatch_s = time.perf_counter() - t
+        self.bytes = tree_bytes(params)
 
         def arrival() -> float:
             jax.block_until_ready(moved)
@@ -108,7 +129,8 @@ class OtherMesh(WeightSync):
 
     def figures(self) -> dict[str, float]:
         # The transfer the step's rollout drew with, and the dispatch of the new one.
-        return {"time/train/weight_sync_s": self.previous_s, "time/train/weight_sync_dispatch_s": self.dispatch_s}
+        return {"time/train/weight_sync_s": self.previous_s, "time/train/weight_sync_dispatch_s": self.dispatch_s,
+                "weight_sync/bytes": self.bytes}
 
     def close(self) -> None:
         if self._waiter is not None:
@@ -116,4 +138,4 @@ class OtherMesh(WeightSync):
             self._waiter = None
 
 
-__all__ = ["OtherMesh", "SameDevices", "WeightSync"]
+__all__ = ["OtherMesh", "SameDevices", "WeightSync", "tree_bytes"]

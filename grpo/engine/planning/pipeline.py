@@ -42,14 +42,20 @@ def split_devices(*, devices: int, per_process: int, processes: int, rollout_dev
 
 
 def weight_sync(*, rollout_bytes_per_chip: float, rollout_chips: int, update_chips: int,
-                ici_bandwidth: float) -> dict[str, float]:
-    """One transfer of the rollout's weights from the update mesh: bytes each rollout chip
-    receives and each update chip sends (all the rollout chips' shards, split evenly), time
-    ``max(received, sent) / (ici_bandwidth / 2)``."""
-    received = rollout_bytes_per_chip
-    sent = rollout_bytes_per_chip * rollout_chips / update_chips
+                ici_bandwidth: float, adapter_bytes_per_chip: float | None = None) -> dict[str, Any]:
+    """One step's transfer of the rollout's weights from the update mesh: bytes each
+    rollout chip receives and each update chip sends (all the rollout chips' shards, split
+    evenly), time ``max(received, sent) / (ici_bandwidth / 2)``. Under LoRA
+    (``adapter_bytes_per_chip``: the adapters as the rollout side holds them) a step moves
+    only the adapters; the base moved once, at the start (``full_bytes_per_chip``: what a
+    step would move with the whole weights; ``share``: the step's part of it)."""
+    full = rollout_bytes_per_chip
+    received = full if adapter_bytes_per_chip is None else adapter_bytes_per_chip
+    sent = received * rollout_chips / update_chips
     return {"received_bytes_per_chip": received, "sent_bytes_per_chip": sent,
-            "seconds": max(received, sent) / (ici_bandwidth / 2)}
+            "seconds": max(received, sent) / (ici_bandwidth / 2),
+            "moves": "weights" if adapter_bytes_per_chip is None else "adapters",
+            "full_bytes_per_chip": full, "share": received / full if full else None}
 
 
 def pipelined(*, rollout_s: float, update_s: float, sync_s: float) -> float:

@@ -60,7 +60,7 @@ from grpo.core.errors import ConfigError, UserError
 from grpo.engine.planning.compiled import ProgramResult, compile_program, compile_report, program_entry, run_shapes
 from grpo.engine.planning.costs import Cost, program_costs
 from grpo.engine.planning.headline import EVAL_PROGRAMS, rollout_headline, step_roofline, synchronous_step
-from grpo.engine.planning.memory import lora_report, quantization_scales, state_bytes
+from grpo.engine.planning.memory import bytes_per_device, lora_report, quantization_scales, state_bytes
 from grpo.engine.planning.packed import PACKED_PROGRAMS, scheduled_collectives
 from grpo.engine.planning.profiles import LengthProfile
 from grpo.engine.planning.report import attention_report
@@ -494,7 +494,8 @@ class Planner:
                               and not e["compiler_error"] for e in e_up.values())
         weights = s_ro.state["rollout_parameters"] or s_ro.state["parameters"]
         sync = weight_sync(rollout_bytes_per_chip=weights, rollout_chips=k, update_chips=u,
-                           ici_bandwidth=self.topology.chip.ici_bandwidth)
+                           ici_bandwidth=self.topology.chip.ici_bandwidth,  # LoRA: the adapters alone move
+                           adapter_bytes_per_chip=None if s_ro.frozen is None else bytes_per_device(s_ro.params))
         rollout_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
                            and not e["compiler_error"] for e in e_ro.values())
         out = async_section(split=(k, u), synchronous_s=synchronous_step(report), rollout=rollout, update_s=update_s,

@@ -215,6 +215,23 @@ class ContinuousSampler(BaseSampler):
         """Rows of the session decoding or queued."""
         return self._session().in_flight()
 
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The session's rows in flight, queued and seated, as JSON and host arrays
+        (:meth:`~grpo.engine.rollout.paged.core.EngineCore.snapshot`: the KV cache is not
+        kept)."""
+        return self._session().snapshot()
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
+        """A session just begun (same rows, prompt length, slots) put back where
+        :meth:`snapshot` left one; its seated rows rebuild their pages under the weights
+        of the next :meth:`step` and decode on from their next token. Returns the rows
+        seated."""
+        return self._session().restore(meta, arrays)
+
+    def regenerated_tokens(self) -> int:
+        """Tokens the session has drawn a second time (rows evicted and admitted again)."""
+        return self._session().regenerated_tokens
+
     def outputs(self) -> RolloutOutput:
         """Every row of the session as the rollout's global arrays (row ``r`` at index
         ``r``; rows never submitted are blank)."""

@@ -38,8 +38,20 @@ their slots and pages for the next call.
 - **Nothing lost** (:class:`Ledger`): trained groups are not a prefix of the data order
   (they finish out of order), so the checkpoint holds the *frontier* (every data
   position below it trained: the trainer's ``data_position``) and the few positions
-  above it already trained. In-flight, queued and buffered groups are not saved: a
-  resumed stream feeds again from the frontier, skipping the positions trained ahead.
+  above it already trained.
+- **Nothing drawn twice** (:meth:`PartialStream.snapshot`): the same checkpoint step
+  holds the stream: each row's tokens so far, behaviour log-probs and per-token
+  versions, its key, its group and its place (slot and pages, or the queue), the
+  finished rows of unfinished groups, the groups ready for a batch and the feed's
+  position. A resumed stream puts every row back; the rows that were decoding rebuild
+  their KV cache under the restored weights (the re-prefill of ``on_weight_change:
+  reprefill``: the cache is rebuilt, not stored) and draw on from their next token
+  (``async/resumed_inflight_rows``; ``async/regenerated_tokens`` counts tokens drawn a
+  second time). Under ``reprefill`` the resumed run draws the very tokens the
+  uninterrupted one does; under ``continue`` the rows in flight read a cache rebuilt
+  under the new weights where the uninterrupted run's held the old ones, so their
+  remaining tokens may differ (none is lost or drawn twice). An engine without
+  ``snapshot`` re-feeds its rows in flight from the ledger's frontier instead.
 - **Keys.** The prompt at data position ``p`` draws its row ``j`` from
   ``fold_in(fold_in(key(seed), p // P), (p % P) * K + j)``: the key the synchronous run's
   step ``p // P`` gives that row, so ``max_staleness = 0`` reproduces it.
@@ -57,7 +69,7 @@ import jax
 import numpy as np
 
 from grpo.core.errors import UserError
-from grpo.core.contracts.engine import Rows
+from grpo.core.contracts.engine import RolloutEngine, Rows
 from grpo.engine.rollout.decoding import row_keys
 from grpo.engine.rollout.prompts import bucket_for, position_indices
 from grpo.engine.rollout.sampler import RolloutOutput
@@ -133,9 +145,11 @@ class PartialStream:
     """The persistent stream of a run (see the module docstring). ``collector``: the
     run's :class:`~grpo.engine.rollout.step.StepCollector` on the rollout mesh (sampler,
     prompts, scoring); ``ledger``: what the update has trained (read once, here);
-    ``version``: the policy version of the first call."""
+    ``version``: the policy version of the first call; ``saved``: a checkpoint's
+    :meth:`snapshot` (meta, arrays) to go on from."""
 
-    def __init__(self, collector: Any, *, max_staleness: int, ledger: Ledger, version: int):
+    def __init__(self, collector: Any, *, max_staleness: int, ledger: Ledger, version: int,
+                 saved: tuple[dict, dict] | None = None):
         cfg = collector.config
         self.c, self.engine = collector, collector.sampler
         self.P, self.K, self.N = cfg.train.prompts_per_step, cfg.rollout.num_generations, cfg.rollout.max_new_tokens
@@ -156,6 +170,11 @@ class PartialStream:
         self.ready: list[int] = []  # finished groups not yet in a batch, in finish order
         self.widths: dict[int, int] = {}  # nominal step -> its prompts' bucket
         self.fed_log: list[int] = []  # data positions fed, in order (tests read it)
+        self.last_fed = -1  # the last data position fed (in this life or before a resume)
+        self.resumed_rows = 0  # rows put back from a checkpoint holding tokens (logged once)
+        self.regenerated = 0  # tokens drawn a second time, already logged
+        if saved is not None:
+            self._restore(*saved, ledger=ledger)
 
     # ------------------------------------------------------------------ feeding
 
@@ -190,6 +209,7 @@ class PartialStream:
                                     widths=np.full(self.K, self.groups[p]["width"])))
             self.fed += 1
             self.fed_log.append(p)
+            self.last_fed = p
 
     # ------------------------------------------------------------------ the engine
 
@@ -231,7 +251,11 @@ class PartialStream:
                 self.free.append(r)
                 del self.row_group[r]
         in_flight = self.engine.in_flight()
-        rollout.metrics.update({"partial/in_flight_rows": in_flight, "partial/ready_groups": len(self.ready)})
+        regenerated = self.engine.regenerated_tokens()
+        rollout.metrics.update({"partial/in_flight_rows": in_flight, "partial/ready_groups": len(self.ready),
+                                "async/resumed_inflight_rows": self.resumed_rows,
+                                "async/regenerated_tokens": regenerated - self.regenerated})
+        self.resumed_rows, self.regenerated = 0, regenerated
         rollout.rollout_s = time.perf_counter() - t0
         return rollout, versions, picked
 
@@ -267,6 +291,63 @@ class PartialStream:
                                           sample=sample), drawn=len(picked))
         return rollout, versions
 
+    # ------------------------------------------------------------------ checkpoint
+
+    # A finished row's host arrays, in the order ``_run_chunk`` keeps them.
+    DONE = ("tokens", "mask", "logprobs", "lengths", "truncated", "behaviour", "versions")
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The stream between two batches as JSON and host arrays (see the module
+        docstring): its groups (rows, bucket, finished rows' arrays), the groups ready,
+        the free rows, the feed's position and budget, and the engine's session
+        (:meth:`~grpo.core.contracts.engine.RolloutEngine.snapshot`; raises
+        NotImplementedError for an engine that cannot)."""
+        engine_meta, engine_arrays = self.engine.snapshot()
+        done_rows = sorted(r for g in self.groups.values() for r in g["done"])
+        arrays = {"prompts": self.prompts.copy(), "prompt_masks": self.prompt_masks.copy()}
+        for i, name in enumerate(self.DONE):
+            vals = [self.groups[self.row_group[r]]["done"][r][i] for r in done_rows]
+            if vals and vals[0] is not None:
+                arrays[f"done_{name}"] = np.stack(vals)
+        arrays.update({f"engine_{k}": np.asarray(v) for k, v in engine_arrays.items()})
+        meta = {"groups": [[int(p), [int(r) for r in g["rows"]], int(g["width"]), sorted(int(r) for r in g["done"])]
+                           for p, g in self.groups.items()],
+                "ready": [int(p) for p in self.ready], "free": [int(r) for r in self.free], "fed": int(self.fed),
+                "last_fed": int(self.last_fed), "done_rows": [int(r) for r in done_rows], "engine": engine_meta}
+        return meta, arrays
+
+    def _restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray], *, ledger: Ledger) -> None:
+        """:meth:`snapshot`'s stream back, in a stream just begun: the feed goes on after
+        the last position fed (every untrained position at or before it is in the stream
+        or in the loop's buffer)."""
+        if arrays["prompts"].shape != self.prompts.shape:
+            self._incompatible(f"{arrays['prompts'].shape[0]} rows of prompt width {arrays['prompts'].shape[1]}, this "
+                               f"config's {self.prompts.shape[0]} of width {self.prompts.shape[1]}")
+        self.prompts[:], self.prompt_masks[:] = arrays["prompts"], arrays["prompt_masks"]
+        at = {r: i for i, r in enumerate(meta["done_rows"])}
+        for p, rows, width, done in meta["groups"]:
+            self.groups[p] = {"rows": rows, "width": width, "done": {
+                r: tuple(arrays[f"done_{n}"][at[r]] if f"done_{n}" in arrays else None for n in self.DONE)
+                for r in done}}
+            self.row_group.update({r: p for r in rows})
+        self.ready, self.free = list(meta["ready"]), collections.deque(meta["free"])
+        self.fed, self.last_fed = int(meta["fed"]), int(meta["last_fed"])
+        self.todo = (p for p in ledger.untrained() if p > self.last_fed)
+        try:
+            seated = self.engine.restore(meta["engine"], {k[len("engine_"):]: v for k, v in arrays.items()
+                                                          if k.startswith("engine_")})
+        except ValueError as err:  # the engine's session is another shape
+            self._incompatible(str(err))
+        self.regenerated = self.engine.regenerated_tokens()
+        self.resumed_rows = seated + len(meta["done_rows"])
+
+    @staticmethod
+    def _incompatible(what: str) -> None:
+        raise UserError(
+            f"the checkpoint's partial-rollouts stream does not fit this config ({what}). To resume its rows in "
+            "flight keep train.async.max_staleness, train.prompts_per_step, rollout.num_generations, "
+            "rollout.max_prompt_length, rollout.max_new_tokens and rollout.continuous as they were saved.")
+
     def _example(self, position: int) -> int:
         return int(position_indices(len(self.c.prompts), start=position, count=1, seed=self.seed)[0])
 
@@ -287,19 +368,30 @@ class PartialRollouts:
         self.collector, self.max_staleness = collector, max_staleness
         self.ledger = Ledger()
         self.stream: PartialStream | None = None
+        self.saved: tuple[dict, dict] | None = None  # a checkpoint's stream, put back at the next draw
+        # Whether the engine can checkpoint its rows in flight (else a resume re-feeds them).
+        self.keeps_rows = type(sampler).snapshot is not RolloutEngine.snapshot
         self.trained_log: list[list[int]] = []  # each trained batch's data positions (this process's life)
 
-    def reset(self, *, frontier: int = 0, ahead: Any = ()) -> None:
-        """Forget the stream (in-flight rows are re-fed) and start the ledger at a checkpoint's."""
-        self.stream = None
+    def reset(self, *, frontier: int = 0, ahead: Any = (), saved: tuple[dict, dict] | None = None) -> None:
+        """Start the ledger at a checkpoint's and the stream at its ``saved`` one
+        (:meth:`PartialStream.snapshot`; None: in-flight rows are re-fed)."""
+        self.stream, self.saved = None, saved
         self.ledger = Ledger(frontier, ahead)
+
+    def snapshot(self) -> tuple[dict, dict] | None:
+        """The stream for a checkpoint (None: no stream yet, or an engine that cannot)."""
+        if self.stream is None:
+            return self.saved  # nothing drawn since the resume
+        return self.stream.snapshot() if self.keeps_rows else None
 
     def draw(self, *, step: int, version: int, sample_group: bool):
         """Step ``step``'s batch at policy ``version``, the weights the engine was last
         synced (:meth:`PartialStream.next_batch`)."""
         if self.stream is None:
             self.stream = PartialStream(self.collector, max_staleness=self.max_staleness, ledger=self.ledger,
-                                        version=version)
+                                        version=version, saved=self.saved)
+            self.saved = None
         return self.stream.next_batch(step=step, version=version, sample_group=sample_group)
 
     def trained(self, positions: list[int]) -> int:

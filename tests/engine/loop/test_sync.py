@@ -67,3 +67,33 @@ def test_weights_enter_the_engine_through_update_weights_and_the_prepared_copy_d
     for a, b in zip(jax.tree.leaves(rollout_reads), jax.tree.leaves(eval_reads[0]), strict=True):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert evaluating.__dict__["_prepared"] is None  # released after the evaluation
+
+
+@pytest.mark.slow
+def test_lora_moves_only_the_adapters_and_the_rollout_reads_what_a_full_merged_sync_gives(tmp_path):
+    """Issue 51 (LoRA: adapter-only sync). Asynchronous GRPO in one process with LoRA
+    merged on the rollout side: the base moved to the rollout mesh once, and each step's
+    sync moves only the trained adapters (``weight_sync/bytes``: their bytes). What the
+    rollout engine reads after a trained step (the adapters merged into the base there)
+    is bit for bit what a full merged sync gives: the adapters merged into the base on the
+    update mesh, the whole merged state moved to the rollout mesh."""
+    from grpo.engine.loop.sync import tree_bytes
+    from grpo.models.lora import merge_into_state
+
+    trainer = Trainer(_config(**{"model.lora": {"rank": 4, "alpha": 8, "sampler": "merged"},
+                                 "train.async": {"enabled": True, "max_staleness": 1}}), tmp_path)
+    sync, engine = trainer.loop.sync, trainer.loop.sync.engine
+    row = trainer.loop.step()
+    adapters = tree_bytes(trainer.params)
+    assert row["weight_sync/bytes"] == adapters < tree_bytes(trainer.frozen)
+    assert any(np.abs(np.asarray(x)).max() > 0 for x in jax.tree.leaves(trainer.params))  # B moved off zero
+    # The adapter-only sync: the moved adapters, merged on the rollout side by the engine.
+    adapter_only = engine.weights
+    # The full merged sync: merged on the update side, the whole state moved.
+    merged = jax.jit(lambda p, f: merge_into_state(trainer.programs.graphdef, p, f))(trainer.params, trainer.frozen)
+    full = jax.device_put(merged, jax.tree.map(lambda x: x.sharding, adapter_only))
+    assert tree_bytes(full) > 10 * adapters
+    rollout_devices = set(sync.programs.mesh.devices.flat)
+    for a, b in zip(jax.tree.leaves(adapter_only), jax.tree.leaves(full), strict=True):
+        assert set(a.sharding.device_set) <= rollout_devices
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

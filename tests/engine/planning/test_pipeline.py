@@ -28,7 +28,18 @@ def test_a_split_without_devices_or_across_a_host_names_the_field(kw, needle):
 def test_weight_sync_is_the_larger_side_over_half_the_ici():
     # 4 rollout chips of 1.5 GB each from 2 update chips: 3 GB sent by each, at 400 GB/s.
     ws = weight_sync(rollout_bytes_per_chip=1.5e9, rollout_chips=4, update_chips=2, ici_bandwidth=800e9)
-    assert ws == {"received_bytes_per_chip": 1.5e9, "sent_bytes_per_chip": 3e9, "seconds": pytest.approx(3e9 / 400e9)}
+    assert ws == {"received_bytes_per_chip": 1.5e9, "sent_bytes_per_chip": 3e9, "seconds": pytest.approx(3e9 / 400e9),
+                  "moves": "weights", "full_bytes_per_chip": 1.5e9, "share": 1.0}
+
+
+def test_a_lora_weight_sync_moves_the_adapters_alone():
+    """Issue 51 (LoRA: adapter-only sync): the step's transfer is the adapters' bytes; the
+    whole weights' are kept beside it for the share."""
+    ws = weight_sync(rollout_bytes_per_chip=1.5e9, rollout_chips=4, update_chips=2, ici_bandwidth=800e9,
+                     adapter_bytes_per_chip=3e7)
+    assert ws["moves"] == "adapters" and ws["received_bytes_per_chip"] == 3e7 and ws["sent_bytes_per_chip"] == 6e7
+    assert ws["seconds"] == pytest.approx(6e7 / 400e9) and ws["share"] == pytest.approx(0.02)
+    assert ws["full_bytes_per_chip"] == 1.5e9
 
 
 def test_pipelined_step_and_section():

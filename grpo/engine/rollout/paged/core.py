@@ -70,6 +70,9 @@ class EngineCore:
         # under the new weights before the next chunk (runner.refresh).
         self.reprefill = self.refresh_pending = False
         self.refreshed_rows = self.refreshed_tokens = 0
+        # Tokens drawn a second time: a row evicted and admitted again restarts from its
+        # first token (its earlier draws are counted here, from its version marks).
+        self.regenerated_tokens = 0
 
     # ------------------------------------------------------------------ rows
 
@@ -77,6 +80,7 @@ class EngineCore:
         """Queue rows ``ids`` (after those already queued) whose prompts hold ``prompt_len`` tokens."""
         self.sched.prompt_len[ids] = prompt_len
         self.sched.queue.extend(int(r) for r in ids)
+        self.marks[ids] = 0  # a new row under these ids: nothing drawn yet
 
     def in_flight(self) -> int:
         """Rows decoding or queued."""
@@ -100,6 +104,7 @@ class EngineCore:
         if admitted:
             if self.versions is not None:  # a row (re)starts from its first token
                 for _, r in admitted:
+                    self.regenerated_tokens += int(self.marks[r])
                     self.versions[r], self.marks[r] = -1, 0
             self.runner.admit(admitted)
         if not sched.live():
@@ -117,6 +122,63 @@ class EngineCore:
         finished = sched.release_done(done, lengths)
         self._grow = lengths
         return Progress(finished=tuple(finished))
+
+    # ------------------------------------------------------------------ checkpoint
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The session between two steps as JSON and host arrays (what a checkpoint keeps
+        of the rows in flight): the queue, which row each slot holds and in what order
+        they were admitted, the allocator's pages, the last boundary's lengths, the token
+        versions and the runner's rows (:meth:`DeviceRunner.snapshot`). The KV cache is
+        not kept: :meth:`restore` rebuilds it."""
+        s, a = self.sched, self.sched.alloc
+        if a._parked:
+            raise NotImplementedError("a session with parked multi-turn rows cannot be checkpointed")
+        order = sorted((slot for slot, r in enumerate(s.slot_row) if r >= 0), key=s.admitted_at.get)
+        meta = {"cap": int(s.cap), "slot_row": [int(r) for r in s.slot_row], "order": order, "queue": [int(r) for r in s.queue],
+                "version": int(self.version), "free": a._free, "held": a._held, "peak": int(a.peak),
+                "grow": self._grow is not None, "regenerated_tokens": int(self.regenerated_tokens)}
+        arrays = {"prompt_len": np.asarray(s.prompt_len, np.int64), "marks": self.marks.copy()}
+        if self.versions is not None:
+            arrays["versions"] = self.versions.copy()
+        if self._grow is not None:
+            arrays["grow"] = np.asarray(self._grow, np.int64)
+        runner_meta, runner_arrays = self.runner.snapshot()
+        meta["runner"] = runner_meta
+        arrays.update({f"runner_{k}": v for k, v in runner_arrays.items()})
+        return meta, arrays
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> int:
+        """A fresh session (same rows, slots and pool) put back where :meth:`snapshot`
+        left it: every row in the slot it held, with the pages it held, its tokens so
+        far and their versions, the queue in its order. The rows in slots rebuild their
+        pages under the session's weights before the next chunk (the re-prefill of
+        ``on_weight_change: reprefill``), then decode on from their next token. Returns
+        the rows seated."""
+        s, a = self.sched, self.sched.alloc
+        saved = (len(meta["slot_row"]), len(sum(meta["free"] + meta["held"], [])), meta["cap"], len(arrays["marks"]))
+        if saved != (a.slots, a.pages, s.cap, len(self.marks)):
+            raise ValueError("the saved session has {} slots over {} pages, {} new tokens a row and {} rows; this one "
+                             "{} slots over {} pages, {} and {}".format(*saved, a.slots, a.pages, s.cap, len(self.marks)))
+        s.prompt_len[:] = arrays["prompt_len"]
+        self.marks[:] = arrays["marks"]
+        if self.versions is not None:
+            self.versions[:] = arrays["versions"]
+        a._free, a._held = [list(map(int, f)) for f in meta["free"]], [list(map(int, h)) for h in meta["held"]]
+        a.peak = int(meta["peak"])
+        s.queue.clear()
+        s.queue.extend(meta["queue"])
+        for slot in meta["order"]:  # admission order: eviction picks the latest
+            s.slot_row[slot] = int(meta["slot_row"][slot])
+            s.admitted_at[slot] = s.counter
+            s.counter += 1
+        self._grow = arrays["grow"] if meta["grow"] else None
+        self.version = int(meta["version"])
+        self.regenerated_tokens = int(meta.get("regenerated_tokens", 0))
+        self.runner.restore(meta["runner"], {k[len("runner_"):]: v for k, v in arrays.items()
+                                             if k.startswith("runner_")})
+        self.refresh_pending = bool(meta["order"])  # the cache is rebuilt, not stored
+        return len(meta["order"])
 
     def run(self) -> None:
         """Step until nothing is queued or running."""
@@ -151,10 +213,43 @@ class DeviceRunner:
         self.keys, self.impl, self.stop_at, self.params = keys, impl, stop_at, params
         self.key_data: np.ndarray | None = None  # rows' own keys on the host (submitted with their rows)
         self.state = None
+        self._restored: dict[str, np.ndarray] | None = None  # a checkpoint's state, put back at start()
 
     def start(self) -> None:
         if self.state is None:
             self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages)
+            if self._restored is not None:  # every field but the (zero) page pool, as saved
+                st, saved = self.state, self._restored
+                self.state = st._replace(**{
+                    f: None if getattr(st, f) is None else jax.device_put(saved[f], getattr(st, f).sharding)
+                    for f in st._fields if f not in ("k", "v")})
+                self._restored = None
+
+    def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """The rows' prompts, widths and keys, and the device state but its page pool
+        (each slot's row, length, step and next token; every row's tokens, log-probs and
+        mask so far), on the host."""
+        arrays = {"tokens": self.tokens.copy(), "mask": self.mask.copy(), "widths": np.asarray(self.widths, np.int64)}
+        if self.key_data is not None:
+            arrays["key_data"] = self.key_data.copy()
+        st = self.state
+        if st is None and self._restored is not None:
+            arrays.update({f"state_{k}": v for k, v in self._restored.items()})
+        elif st is not None:
+            names = [f for f in st._fields if f not in ("k", "v") and getattr(st, f) is not None]
+            arrays.update({f"state_{f}": x for f, x in zip(names, on_host(*(getattr(st, f) for f in names)))})
+        return {"impl": self.impl, "keys": self.key_data is not None, "state": st is not None or
+                self._restored is not None}, arrays
+
+    def restore(self, meta: dict[str, Any], arrays: dict[str, np.ndarray]) -> None:
+        """:meth:`snapshot`'s rows back; the device state is put back at :meth:`start`
+        (the weights are read there)."""
+        self.tokens[:], self.mask[:], self.widths[:] = arrays["tokens"], arrays["mask"], arrays["widths"]
+        if meta["keys"]:
+            self.key_data, self.impl = np.asarray(arrays["key_data"]), meta["impl"]
+            self.keys, _ = self.engine.place_key(self.key_data)
+        if meta["state"]:
+            self._restored = {k[len("state_"):]: v for k, v in arrays.items() if k.startswith("state_")}
 
     def admit(self, admitted: list[tuple[int, int]]) -> None:
         self.start()
@@ -176,6 +271,7 @@ class DeviceRunner:
         :attr:`params`: each row's prompt and its drawn tokens but the last (the one the
         next step feeds) run through the model again, padded to a power of two of rows
         and of tokens. Returns the tokens recomputed."""
+        self.start()
         e, alloc, place = self.engine, self.alloc, self.engine._place
         slots, rows = (np.asarray(x, np.int64) for x in zip(*held))
         gen, drawn = on_host(self.state.tokens, self.state.out_len)

@@ -33,7 +33,7 @@ def setup(tmp_path_factory):
     new = jax.tree.map(lambda x: x * 1.5 if jnp.issubdtype(x.dtype, jnp.floating) else x, old)  # other weights
     engine = ContinuousSampler(graphdef, slots=8, page_size=4, chunk=2, backend="reference", **kwargs)
     tokens, mask = left_padded(np.random.default_rng(1).integers(2, LP + 1, size=ROWS), LP, seed=2)
-    return graphdef, old, new, engine, tokens, mask
+    return graphdef, old, new, engine, tokens, mask, kwargs
 
 
 def _run(engine, old, new, tokens, mask, on_weight_change):
@@ -67,7 +67,7 @@ def _teacher_forced(graphdef, params, tokens, mask, got):
 
 
 def test_reprefill_rebuilds_the_cache_under_the_new_weights(setup):
-    graphdef, old, new, engine, tokens, mask = setup
+    graphdef, old, new, engine, tokens, mask, _ = setup
     re, stats = _run(engine, old, new, tokens, mask, "reprefill")
     after = (re.versions == 1) & (re.mask == 1)
     crossed = after.any(axis=1) & ((re.versions == 0) & (re.mask == 1)).any(axis=1)
@@ -96,3 +96,43 @@ def test_on_weight_change_is_checked():
 
     with pytest.raises(UserError, match="on_weight_change=reprefill needs train.async.partial_rollouts"):
         load_config("configs/quickstart.yaml", overrides=["train.async.on_weight_change=reprefill"])
+
+
+def test_a_session_snapshot_goes_on_in_a_new_engine_with_the_same_tokens(setup):
+    """Issue 51 (in-flight rows kept across preemption), at the engine: two chunks under
+    ``old``, then new weights arrive; the session is snapshot (host JSON and arrays, no
+    KV cache) and restored into a new engine's fresh session, whose seated rows rebuild
+    their cache under ``new`` and decode on. Under ``reprefill`` that is exactly what the
+    uninterrupted session does at the change: the same tokens, log-probs and versions,
+    and no token drawn twice."""
+    graphdef, old, new, engine, tokens, mask, kwargs = setup
+    ref, _ = _run(engine, old, new, tokens, mask, "reprefill")
+
+    def begin(e):
+        e.begin(rows=ROWS, prompt_length=LP, key=jax.random.key(3), versions=True, on_weight_change="reprefill")
+
+    engine.update_weights(old, 0)
+    begin(engine)
+    engine.submit(Rows(ids=np.arange(ROWS), prompt_tokens=tokens, prompt_mask=mask, keys=None))
+    for _ in range(2):
+        engine.step()
+    engine.update_weights(new, 1)
+    meta, arrays = engine.snapshot()
+    engine.end()
+    assert len(meta["order"]) >= 2, "the test needs rows in flight at the snapshot"
+    fresh = ContinuousSampler(graphdef, slots=8, page_size=4, chunk=2, backend="reference", **kwargs)
+    fresh.update_weights(new, 1)
+    begin(fresh)
+    assert fresh.restore(meta, {k: np.array(v) for k, v in arrays.items()}) == len(meta["order"])
+    while not fresh.step().idle:
+        pass
+    got, stats = fresh.read(range(ROWS)), fresh.stats()
+    assert stats["refreshed_rows"] == len(meta["order"]) and fresh.regenerated_tokens() == 0
+    fresh.end()
+    for name in ("tokens", "mask", "logprobs", "lengths", "truncated", "versions"):
+        np.testing.assert_array_equal(getattr(got, name), getattr(ref, name), err_msg=name)
+    # A session of another shape refuses the snapshot (the partial stream names the fields).
+    other = ContinuousSampler(graphdef, slots=4, page_size=4, chunk=2, backend="reference", **kwargs)
+    begin(other)
+    with pytest.raises(ValueError, match="saved session has 8 slots"):
+        other.restore(meta, arrays)
