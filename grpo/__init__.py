@@ -56,6 +56,12 @@ class _NoTorchNotice(_logging.Filter):
 
 _logging.getLogger("transformers").addFilter(_NoTorchNotice())
 
+# XLA:CPU's thread pool and flags, before JAX starts a backend: CPU numerics that do not
+# depend on the machine, and no collective deadlock with several virtual CPU devices.
+from grpo.core import cpu as _cpu  # noqa: E402
+
+_cpu.configure()
+
 from grpo.core.contracts import (
     MESH_AXES,
     AttentionPlugin,

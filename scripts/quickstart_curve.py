@@ -7,15 +7,24 @@ runs ``configs/quickstart.yaml`` (evaluated every 50 steps from step 0, no check
 no plot) and prints the table of held-out greedy pass@1 in the README's format (steps
 whose values repeat merged into ranges, e.g. ``450-650``), then one line saying what it
 was measured on and how long it took. ``--suite-xla`` runs it under the test suite's
-XLA setup (8 virtual CPU devices, its compile flags), whose numerics the suite's
-``test_quickstart_learns_held_out_sums`` checks the README's early columns against:
-XLA:CPU's code generation changes the low bits, and 800 steps of RL amplify them.
+XLA setup (8 virtual CPU devices, its compile flags), whose curve the suite's
+``test_quickstart_learns_held_out_sums`` records: the device count and the compile flags
+change the low bits, and 800 steps of RL amplify them.
+
+The machine does not: ``import grpo`` sizes XLA:CPU's thread pool from the device count
+(not the machine's cores) and turns off the CPU-dependent code paths
+(:mod:`grpo.core.cpu`), so an x86-64 machine with AVX2 gives this curve bit for bit
+(before, a machine with another core count or CPU gave another curve: six columns off).
+Measured: the quickstart on one core (``taskset -c 0``) and on two gave the same 800
+metrics rows; without that set-up, one core, two and a pool of 16 threads gave three
+different losses from step 5.
 
 ``--check RUN_DIR`` reads a finished ``grpo run configs/quickstart.yaml`` run's
 ``eval.jsonl`` and compares it with the README's table: CI runs it on the README's
 quickstart, so a change to the numerics updates the table or fails. It allows
-:data:`TOLERANCE` per column (one held-out prompt of 11, plus rounding): another CPU's
-float arithmetic may flip a prompt at one evaluation, a changed curve fails.
+:data:`TOLERANCE` per column (one held-out prompt of 11, plus rounding), for what is not
+pinned: a CPU without AVX2, another architecture (ARM), another jaxlib. A changed curve
+(another seed, learning rate or loss) moves several columns by more than that and fails.
 """
 
 from __future__ import annotations

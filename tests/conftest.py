@@ -48,6 +48,9 @@ def _compilation_cache() -> None:
     # cores, several programs with collectives in flight at once (the CPU client's async
     # dispatch) can starve each other's rendezvous (a suite run hung twice and aborted
     # once that way under -n 2); what the tests check does not depend on the overlap.
+    # This alone does not stop it (a program over several devices is still dispatched
+    # asynchronously: 300 all-gathers in flight aborted with it as without it); the pool
+    # of two threads a device that `import grpo` sets does (grpo/core/cpu.py).
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 

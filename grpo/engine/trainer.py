@@ -311,24 +311,33 @@ class Trainer:
         jax.block_until_ready(self.params)
         return epoch_metrics, trainer_logprobs  # in ub's layout: bins when packed
 
+    def observe_rewards(self, rollout: StepRollout) -> dict[str, float]:
+        """The step's reward failures, read as soon as the rows are scored and before
+        anything trains on them: counted in ``reward_errors``, each function's first
+        failure reported once, and the run stopped (a UserError, exit 2) when a function
+        failed on every row the step scored, so no update ever trains on a reward that was
+        never computed. Returns the step's ``reward/<name>/not_applicable`` metrics (those
+        not 0), for :meth:`metrics_row`."""
+        errors, counts = jax.device_get((rollout.reward_errors, rollout.reward_counts))
+        for name, n in zip(rollout.reward_names, errors):  # over every process's rows
+            self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
+        return self.reward_failures.observe(self.step + 1, rollout.reward_names, errors, counts,
+                                            rollout.first_errors)
+
     def metrics_row(self, rollout: StepRollout, epochs: list[dict[str, Any]], trainer_logprobs: jax.Array,
-                    times: dict[str, float], selection: dict[str, jax.Array] | None = None) -> dict[str, Any]:
+                    times: dict[str, float], selection: dict[str, jax.Array] | None = None,
+                    not_applicable: dict[str, float] | None = None) -> dict[str, Any]:
         """The step's metrics row (read back from the devices in one transfer);
-        ``selection``: :meth:`selection_scalars`."""
+        ``selection``: :meth:`selection_scalars`; ``not_applicable``: what
+        :meth:`observe_rewards` returned for the step."""
         cfg = self.config
         tools = rollout.tools
         # Under loss.truncated_policy the trainer's log-probs compare with the behaviour ones.
         rollout_row = rollout_scalars(rollout, trainer_logprobs, truncated=cfg.loss_settings.truncates)
-        scalars, errors, counts, tool_totals, selected = jax.device_get((
-            rollout_row, rollout.reward_errors, rollout.reward_counts, tools and tools.counts, selection or {}))
-        for name, n in zip(rollout.reward_names, errors):  # over every process's rows
-            self.reward_errors[name] = self.reward_errors.get(name, 0) + int(n)
-        # Logs each function's first failure; stops the run when one failed on every row.
-        not_applicable = self.reward_failures.observe(self.step, rollout.reward_names, errors, counts,
-                                                      rollout.first_errors)
+        scalars, tool_totals, selected = jax.device_get((rollout_row, tools and tools.counts, selection or {}))
         extra = {
             **rollout.metrics,
-            **not_applicable,
+            **(not_applicable or {}),
             **{k: float(v) for k, v in selected.items()},
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": sum(self.reward_errors.values()),

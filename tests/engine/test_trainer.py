@@ -266,7 +266,10 @@ def test_quickstart_learns_held_out_sums(quickstart_350):
     at step 300 on the commit before it); with packing on (issue 38: the same first 20
     steps within 1e-5, other low bits after) 0.27 at 100, 0.64 at 300 and 350; with the
     loss's head only on the slots predicting a completion token (issue 38's head layout:
-    the same losses, other summation order) 0.27 at 100, 0.55 at 300 and 350."""
+    the same losses, other summation order) 0.27 at 100, 0.55 at 300 and 350. Since issue
+    49's XLA:CPU set-up (grpo.core.cpu: 16 threads for the 8 devices instead of one a
+    device, CPU-dependent paths off) the curve no longer depends on the machine, only on
+    the set-up: 0.27 at 100, 0.64 at 300, 0.73 at 350."""
     rows, examples, _ = quickstart_350
     answers = [ex["answer"] for ex in examples]
     constant = max(answers.count(a) for a in set(answers)) / len(answers)  # best single answer: 3/11
@@ -280,7 +283,7 @@ def test_quickstart_learns_held_out_sums(quickstart_350):
     assert {step: round(value, 2) for step, value in curve.items()} == SUITE_CURVE, curve
 
 
-SUITE_CURVE = {0: 0.0, 50: 0.0, 100: 0.27, 150: 0.36, 200: 0.36, 250: 0.36, 300: 0.55, 350: 0.55}
+SUITE_CURVE = {0: 0.0, 50: 0.0, 100: 0.27, 150: 0.36, 200: 0.36, 250: 0.36, 300: 0.64, 350: 0.73}
 """The shortened quickstart's held-out pass@1 under the suite's XLA setup (8 virtual CPU
 devices, its compile flags), packing on."""
 

@@ -8,8 +8,11 @@ optimizer steps applied to them):
   ``s .. s + max(lead, 1) - 1`` (at the start they are drawn there and then, at the
   start weights; after a resume they come back from the checkpoint, as drawn); the
   rollout side holds the weights of version ``s`` before it draws for step ``s``;
-- the entry due leaves the buffer, and the source starts drawing step ``s + lead`` (at
-  version ``s``, so it trains at staleness exactly ``m``) while the update trains;
+- the entry due leaves the buffer, and its reward failures are read (the trainer's
+  :meth:`~grpo.engine.trainer.Trainer.observe_rewards`) before anything trains on it: a
+  reward function that failed on every row stops the run here, before any update;
+- the source starts drawing step ``s + lead`` (at version ``s``, so it trains at
+  staleness exactly ``m``) while the update trains;
 - acceptance: groups staler than ``m`` are refused (exactly zero advantage; synchronous
   runs draw every row at the version that trains it, and check nothing);
 - advantages -> update batch -> optimizer steps (the trainer's stages);
@@ -113,10 +116,13 @@ class Loop:
         t0 = time.perf_counter()
         self._fill()
         entry = self._due()
+        if entry.rollout.group is not None:
+            tr._write_samples(entry.rollout.group, step=entry.step)
+        # Before anything trains on the step: a reward function that failed on every row
+        # stops the run here (nothing drawn ahead, no optimizer step on zero rewards).
+        not_applicable = tr.observe_rewards(entry.rollout)
         pending = self.source.ahead(self)  # the rollout side works while the update trains
         try:
-            if entry.rollout.group is not None:
-                tr._write_samples(entry.rollout.group, step=entry.step)
             accepted, selection, epochs, trainer_logprobs, t_update = self._train(entry)
         finally:
             arrived = self.source.arrived(pending)  # re-raises the rollout's failure
@@ -127,7 +133,7 @@ class Loop:
         self._sync()
         rollout = entry.rollout
         times = {"rollout": rollout.rollout_s, "update": t_update, "step": time.perf_counter() - t0}
-        row = tr.metrics_row(rollout, epochs, trainer_logprobs, times, selection)
+        row = tr.metrics_row(rollout, epochs, trainer_logprobs, times, selection, not_applicable)
         if self.max_staleness is not None:
             row.update(self._figures(entry, accepted))
         row.update(self.sync.figures())

@@ -10,6 +10,7 @@ import pytest
 
 from _runs import _config
 
+from grpo.core.errors import UserError
 from grpo.engine.loop.buffer import Buffered
 from grpo.engine.loop.factory import build_loop
 from grpo.engine.loop.loop import Loop
@@ -69,7 +70,7 @@ class _Trainer:
     def __init__(self):
         self.config = types.SimpleNamespace(group_size=2, logging=types.SimpleNamespace(every_n_steps=1))
         self.step, self.data_position, self.is_main, self.params = 0, 0, True, "weights"
-        self.trained = []
+        self.trained, self.observed, self.rewards_fail_at = [], [], ()
 
     def advantages(self, rollout):
         return np.zeros(6)
@@ -87,8 +88,14 @@ class _Trainer:
     def row_logprobs(self, logprobs, shape):
         return logprobs
 
-    def metrics_row(self, rollout, epochs, logprobs, times, selection):
-        return {"step": self.step}
+    def observe_rewards(self, rollout):
+        self.observed.append(self.step)
+        if self.step in self.rewards_fail_at:  # a reward function failed on every row of this step
+            raise UserError(f"reward function 'r' failed on every completion of step {self.step + 1}")
+        return {"reward/r/not_applicable": 1.0}
+
+    def metrics_row(self, rollout, epochs, logprobs, times, selection, not_applicable=None):
+        return {"step": self.step, **(not_applicable or {})}
 
 
 def test_the_loop_advances_the_step_ledger_and_weights_once_a_step():
@@ -100,3 +107,36 @@ def test_the_loop_advances_the_step_ledger_and_weights_once_a_step():
     assert (trainer.step, trainer.data_position, loop.ledger.frontier) == (3, 9, 9)
     assert sync.versions == [0, 1, 2, 3]  # the start's weights, then once after every update
     assert not loop.buffer
+    assert trainer.observed == [0, 1, 2] and rows[0]["reward/r/not_applicable"] == 1.0
+
+
+class _Ahead(_Drawn):
+    """A source that draws one step ahead while the update trains (as the asynchronous
+    ones do), recording when it was asked to."""
+
+    lead = 1
+
+    def __init__(self):
+        self.asked = []
+
+    def ahead(self, loop):
+        self.asked.append(loop.cursor()["step"])
+        return None
+
+
+@pytest.mark.parametrize("source", [_Drawn, _Ahead])
+def test_a_step_whose_reward_failed_everywhere_stops_before_its_update(source):
+    """Issue 49 item 8: a reward function failing on every row of a step stopped the run
+    only in the metrics row, after that step's optimizer step had trained on its zero
+    rewards. Now the loop reads the failures before the update (and before drawing
+    ahead): step 2 stops with nothing of it trained, in every mode (one loop)."""
+    trainer, src = _Trainer(), source()
+    trainer.rewards_fail_at = (1,)
+    loop = Loop(trainer, src, _Synced(), max_staleness=None if source is _Drawn else 1)
+    loop.step()
+    with pytest.raises(UserError, match="step 2"):
+        loop.step()
+    assert trainer.trained == [(0, 0)]  # step 1's update only
+    assert (trainer.step, trainer.data_position) == (1, 3)
+    if source is _Ahead:
+        assert src.asked == [1]  # asked once, while step 1 trained; not by the failed step 2

@@ -66,15 +66,20 @@ def broken(completions, prompts, answer, **kwargs):
 def test_grpo_run_stops_with_exit_2_when_a_reward_fails_on_every_completion(tmp_path, monkeypatch):
     """The newcomer's case: before, the run printed OK with reward_errors=256 and no
     exception text anywhere; now the first failure is logged and kept in the run directory,
-    and a function failing on every completion of a step exits 2 with that message."""
+    and a function failing on every completion of a step exits 2 with that message, before
+    that step's update (the stop used to come after it: one optimizer step on zero rewards)."""
     import json
 
     import yaml
     from click.testing import CliRunner
 
     from grpo.core.cli import cli
+    from grpo.engine.trainer import Trainer
     from tests._runs import TINY
 
+    updates = []
+    optimize = Trainer.optimize
+    monkeypatch.setattr(Trainer, "optimize", lambda self, ub: updates.append(self.step) or optimize(self, ub))
     monkeypatch.chdir(tmp_path)
     monkeypatch.syspath_prepend(str(tmp_path))
     (tmp_path / "my_rewards.py").write_text(FAILING_REWARDS)
@@ -85,6 +90,7 @@ def test_grpo_run_stops_with_exit_2_when_a_reward_fails_on_every_completion(tmp_
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(config))
     result = CliRunner().invoke(cli, ["run", "c.yaml", "--run-dir", "run"])
     assert result.exit_code == 2, result.output
+    assert updates == []  # nothing trained on the failed step
     assert "Traceback" not in result.output
     assert "reward function 'broken' failed on every completion of step 1 (16 of 16)" in result.output
     assert "task.options.rewards[1] (broken) returned dict" in result.output
