@@ -168,7 +168,8 @@ class Trainer:
             render=self.render, buckets=self.buckets,
         )
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
-        self._ahead: Any = None  # the packed passes' compile ahead: pending (schedule.Pending), then its figures
+        self._pending: Any = None  # the packed passes' compile ahead while it runs (schedule.Pending)
+        self._ahead: dict[str, float] | None = None  # its figures once done
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
         # The step's loop for this run's mode (a rollout source x a weight sync).
@@ -478,8 +479,8 @@ class Trainer:
 
     def compiled_ahead(self) -> dict[str, float] | None:
         """The ahead-of-time compile's figures once it finished (waits for it; None: none ran)."""
-        if self._ahead is not None and not isinstance(self._ahead, dict):
-            self._ahead = self._ahead.wait()
+        if self._pending is not None:
+            self._ahead, self._pending = self._pending.wait(), None
         return self._ahead
 
     def run(self) -> dict[str, Any]:
@@ -507,7 +508,7 @@ class Trainer:
         last_row: dict[str, Any] = {}
         eval_rows: list[dict[str, Any]] = []
         try:
-            self._ahead = self.compile_ahead()
+            self._pending = self.compile_ahead()
             if cfg.eval.every_n_steps:
                 self.evaluator.prepare()  # an eval split with no usable prompt stops the run now
             if cfg.eval.every_n_steps and cfg.eval.at_start and self.step == 0:
