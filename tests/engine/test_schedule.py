@@ -140,3 +140,29 @@ def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
     assert counts[0] > 0 and counts[1:] == [0, 0]
     assert set(taken) == set(listed), taken
     assert trainer.programs.watch.total == 0
+
+
+def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_the_widest(tmp_path):
+    """``all``: a chain per (per, K) of the grid and prompt bucket (``pack`` takes the
+    padded batch, as wide as the step's bucket); ``first``: the widest shape at the
+    widest bucket only (the most memory a step needs). Listing compiles nothing."""
+    from _runs import _config
+
+    from grpo.engine.schedule import packed_shapes
+    from grpo.engine.trainer import Trainer
+
+    cfg = _config(**{"rollout.max_prompt_length": 40, "train.packing.bins_per_device": "pow2",
+                     "train.packing.head_buckets": 2})
+    trainer = Trainer(cfg, tmp_path / "run")
+    progs = trainer.programs
+    before = compiles()
+    state = dict(params=trainer.params, opt_state=trainer.opt_state, frozen=trainer.frozen)
+    every, first = packed_shapes(progs, **state), packed_shapes(progs, **state, first=True)
+    assert compiles() == before
+    buckets = prompt_lengths(progs)
+    assert buckets == (16, 32, 40)
+    pairs = shape_list(progs)
+    assert len(pairs) > 2 and pairs[0] == max(pairs)
+    assert [s.shape for s in every] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in buckets]
+    assert {s.program for s in every} == {"packed"}
+    assert [s.shape for s in first] == [f"per={pairs[0][0]} K={pairs[0][1]} prompt=40"]
