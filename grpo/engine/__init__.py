@@ -20,6 +20,8 @@ One floor above the rooms, the modules that wire them together:
 
 - ``programs``: the program builder, every jitted program a run executes; ``grpo run``,
   ``grpo plan`` and ``grpo bench`` all build theirs here (the plan lists each one).
+- ``schedule``: the shapes the packed passes can take, listed from the config and
+  compiled ahead of step 1 in parallel; a compile outside the list warned of and counted.
 - ``trainer``: a run's state and stages (one :class:`~grpo.engine.trainer.Trainer` per
   process); its step is the loop's (``loop/``).
 - ``evaluation``: periodic evaluation (pass@k) through the builder's sampler.

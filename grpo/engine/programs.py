@@ -4,7 +4,8 @@
 ``grpo plan`` lowers and compiles the very same jitted functions on abstract state
 (``jax.ShapeDtypeStruct`` with the real shardings) for a TPU topology it does not have.
 ``grpo bench rollout`` makes a run config of its flags and times this builder's sampler,
-and ``grpo bench loss`` times :func:`loss_program`, the loss called the way the update
+and ``grpo bench loss`` times
+:func:`~grpo.engine.training.update.loss_program`, the loss called the way the update
 calls it. Keeping one builder is the point: a plan or a bench that measured something
 other than what runs would be worse than none.
 
@@ -43,7 +44,8 @@ The programs of one GRPO step, in the order they run (``grpo plan`` lists exactl
   ``train.micro_batch_size`` micro-batches with the model's remat policy, then the
   optimizer step (params and optimizer state donated). Packed, the step's own micro-batch
   schedule (:meth:`RunPrograms.pack_plan`): one compile per bins-per-device width and
-  head width (at most 8 of those per width: :func:`~grpo.engine.training.packing.head_widths`).
+  head width on the run's grid (:attr:`RunPrograms.shape_grid`), every one of them listed
+  and compiled ahead of step 1 by :mod:`grpo.engine.schedule` (``train.compile.ahead``).
 
 Where the rollout runs is the rollout style's choice (:mod:`grpo.engine.rollout.layout`):
 on the training layout (``legacy``, ``maxtext``), or in the style's own layout
@@ -77,6 +79,7 @@ from jax.sharding import PartitionSpec as P
 
 from grpo.core.config import RunConfig, select_plugins
 from grpo.core.contracts import MeshLayout
+from grpo.engine.schedule import ShapeWatch
 
 
 def eval_batch_size(prompts: int, *, k: int, shards: int, processes: int) -> int:
@@ -119,6 +122,8 @@ class RunPrograms:
     packing: bool = False
     _samplers: dict = dataclasses.field(default_factory=dict)
     _jitted: dict = dataclasses.field(default_factory=dict)  # name -> jitted program, built on first use
+    # Warns of a compile outside the run's shape schedule once armed (grpo.engine.schedule).
+    watch: ShapeWatch = dataclasses.field(default_factory=ShapeWatch)
 
     # ------------------------------------------------------------------ shardings
 
@@ -241,7 +246,7 @@ class RunPrograms:
     def _program(self, name: str, build: Any) -> Any:
         """The jitted program ``name``, built by ``build()`` on first use (one per run)."""
         if name not in self._jitted:
-            self._jitted[name] = build()
+            self._jitted[name] = self.watch.wrap(name, build())
         return self._jitted[name]
 
     def jitted(self) -> dict[str, list[Any]]:
@@ -392,6 +397,15 @@ class RunPrograms:
         return max_bins_per_device(micro_batch_size=cfg.micro_batch_size, devices=self.update_devices,
                                    sequence_length=lp + cfg.rollout.max_new_tokens, bin_length=cfg.bin_length)
 
+    @property
+    def shape_grid(self) -> tuple[tuple[int, ...], int]:
+        """``(pers, head_buckets)``: the bins-per-device widths a step may schedule and the
+        head widths per width (:func:`~grpo.engine.training.packing.shape_grid`)."""
+        from grpo.engine.training.packing import shape_grid
+
+        cpu = self.mesh.devices.flat[0].platform == "cpu"
+        return shape_grid(self.config.train.packing, max_per=self.max_bins_per_device, cpu=cpu)
+
     def schedule_shapes(self) -> dict[int, list[tuple[int, int]]]:
         """The micro-batch schedules a step can take, by bins per device per micro-batch
         (each key one compiled shape of each packed pass: their count is the compile
@@ -399,7 +413,7 @@ class RunPrograms:
         from grpo.engine.training.packing import schedule_shapes
 
         return schedule_shapes(rows=self.config.sequences_per_step, devices=self.update_devices,
-                               max_per=self.max_bins_per_device)
+                               max_per=self.max_bins_per_device, pers=self.shape_grid[0])
 
     def scheduled_shape(self, per: int | None = None) -> tuple[int, int, int]:
         """``(m_cap, devices x per, L)``: the scheduled bins' layout at ``per`` bins per
@@ -423,7 +437,7 @@ class RunPrograms:
         lengths = row_range(self._lengths_jit()(batch.prompt_mask, batch.mask), slice(None))  # B 2
         return schedule_packing(lengths[:, 0], bin_length=self.config.bin_length, devices=self.update_devices,
                                 max_per=self.max_bins_per_device, rows=self.config.sequences_per_step,
-                                completions=lengths[:, 1])
+                                completions=lengths[:, 1], pers=self.shape_grid[0], head_buckets=self.shape_grid[1])
 
     @property
     def bins_sharding(self) -> NamedSharding:
@@ -579,42 +593,6 @@ class RunPrograms:
 
 
 
-def loss_program(
-    plugin: Any,
-    options: Any,
-    settings: Any,
-    *,
-    old_logprobs: bool,
-    ref_logprobs: bool,
-    mesh: Mesh | None = None,
-) -> Any:
-    """The loss plugin's value and gradient with respect to ``(hidden, head_weight)``,
-    called exactly as the update calls it (:class:`~grpo.engine.training.update.LossCall`:
-    the global normaliser of the batch's mask, shard_map for a ``per_shard`` loss on a
-    mesh, traced for the mesh's platform). ``grpo bench loss`` measures this program.
-
-    Jitted ``(hidden [B, N, D], head_weight [D, V], targets [B, N], mask [B, N],
-    advantages [B], old [B, N], ref [B, N]) -> (loss, (d_hidden, d_head_weight))``;
-    ``old``/``ref`` are read only when ``old_logprobs``/``ref_logprobs``."""
-    from grpo.engine.training.update import LossCall
-
-    call = LossCall(plugin, options, settings, mesh)
-
-    def step(hidden, head_weight, targets, mask, advantages, old, ref):
-        def loss_fn(h, w):
-            args = dict(
-                hidden=h, head_weight=w, targets=targets, mask=mask, advantages=advantages,
-                old_logprobs=old if old_logprobs else None, ref_logprobs=ref if ref_logprobs else None,
-            )
-            loss, metrics = call(args, settings.normalizer(mask))
-            return loss, metrics["ratio/mean"]
-
-        (loss, _), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(hidden, head_weight)
-        return loss, grads
-
-    return jax.jit(call.for_mesh(step))
-
-
 def build_programs(
     config: RunConfig,
     *,
@@ -688,4 +666,4 @@ def build_programs(
     )
 
 
-__all__ = ["RunPrograms", "build_programs", "eval_batch_size", "loss_program"]
+__all__ = ["RunPrograms", "build_programs", "eval_batch_size"]

@@ -170,6 +170,8 @@ class Trainer:
             render=self.render, buckets=self.buckets,
         )
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
+        self._pending: Any = None  # the packed passes' compile ahead while it runs (schedule.Pending)
+        self._ahead: dict[str, float] | None = None  # its figures once done
         self._samples: rundir.JsonlLog | None = None
         self._logger: MetricsLogger | None = None
         # The step's loop for this run's mode (a rollout source x a weight sync).
@@ -256,6 +258,7 @@ class Trainer:
         and the step's LoRA-dropout keys: rows, or with packing the step's sequences in
         bins (every pass then runs on the bins)."""
         ub = self.row_batch(rollout, advantages)
+        self.compiled_ahead()  # the packed passes' executables, compiled ahead (while step 1 rolled out)
         self._packing = None
         if self.programs.packing:
             plan = self.programs.pack_plan(ub)
@@ -476,6 +479,28 @@ class Trainer:
     def evaluate(self) -> dict[str, Any]:
         return self.evaluator(self.step, self.params)
 
+    def compile_ahead(self) -> Any:
+        """Start compiling the packed passes' shape schedule (``train.compile.ahead``:
+        ``all`` every listed shape, ``first`` the widest, ``lazy`` none;
+        :mod:`grpo.engine.schedule`) on background threads, in parallel, with a progress
+        line: step 1's rollout compiles meanwhile, and its first packed pass waits for it
+        (:meth:`update_batch`). Returns the :class:`~grpo.engine.schedule.Pending`
+        compile, or None when nothing compiles ahead."""
+        from grpo.engine.schedule import packed_shapes, start_compile
+
+        mode = self.config.train.compile.ahead
+        if mode == "lazy" or not self.programs.packing:
+            return None
+        shapes = packed_shapes(self.programs, params=self.params, opt_state=self.opt_state, frozen=self.frozen,
+                               ref_params=self.ref_params, first=mode == "first")
+        return start_compile(shapes, progress=log.info if self.is_main else (lambda _: None))
+
+    def compiled_ahead(self) -> dict[str, float] | None:
+        """The ahead-of-time compile's figures once it finished (waits for it; None: none ran)."""
+        if self._pending is not None:
+            self._ahead, self._pending = self._pending.wait(), None
+        return self._ahead
+
     def run(self) -> dict[str, Any]:
         cfg = self.config
         resumed = self.maybe_resume()
@@ -503,6 +528,7 @@ class Trainer:
         eval_rows: list[dict[str, Any]] = []
         startup: compiles.Compiles | None = None
         try:
+            self._pending = self.compile_ahead()
             if cfg.eval.every_n_steps:
                 self.evaluator.prepare()  # an eval split with no usable prompt stops the run now
             if cfg.eval.every_n_steps and cfg.eval.at_start and self.step == 0:
@@ -518,6 +544,10 @@ class Trainer:
                 row["time/train/host_s"] = time.thread_time() - host
                 row.update(self.compiles.read().metrics())  # 0 on a warm step
                 startup = startup or self.compiles.total()  # set-up through this session's first step
+                # Step 1 compiled the glue; every later compile of the builder's programs is
+                # outside the schedule (compiled ahead: all of it), warned of and counted.
+                row["compile/out_of_list"] = float(self.programs.watch.take())
+                self.programs.watch.armed = cfg.train.compile.ahead == "all"
                 last_row = row
                 if self.step % cfg.logging.every_n_steps == 0 or self.step == cfg.train.steps:
                     logger.log(row)
@@ -550,6 +580,7 @@ class Trainer:
             "skipped_nonfinite_steps": self.skipped_nonfinite,
             "reward_errors": self.reward_errors,
             "compile": self._compile_summary(startup),
+            "compiled_ahead": self.compiled_ahead(),
         }
         if self.is_main:
             rundir.write_text(self.run_dir / "summary.json", json.dumps(summary, indent=2, default=float))

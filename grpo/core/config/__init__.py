@@ -14,8 +14,11 @@ variables except explicit ``${VAR}`` references.
 
 The modules, in the order a config passes through them:
 
-- :mod:`~grpo.core.config.schema`: the sections and :class:`RunConfig`
-  (:mod:`~grpo.core.config.compile`: the ``train.compile`` section);
+- :mod:`~grpo.core.config.section`: the base of every section;
+- :mod:`~grpo.core.config.training`: the ``train`` sub-sections (advantages, dynamic and
+  down-sampling, packing, async; :mod:`~grpo.core.config.compile`: the ``train.compile``
+  section, when and where the programs compile);
+- :mod:`~grpo.core.config.schema`: the other sections and :class:`RunConfig`;
 - :mod:`~grpo.core.config.load`: YAML, interpolation, ``--set``, :func:`load_config`;
 - :mod:`~grpo.core.config.validate`: validation errors as problems, plugin selection,
   cross-field checks and :func:`resolve_layout`;

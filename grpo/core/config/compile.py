@@ -1,16 +1,26 @@
-"""The ``train.compile`` section: how a run compiles its programs (the persistent
-compilation cache). Its own module: :mod:`grpo.core.config.schema` is at its size limit."""
+"""The ``train.compile`` section: when the run's programs compile (ahead of step 1, from the
+shape schedule) and where compiled programs are kept (JAX's persistent compilation cache)."""
 
 from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
+
+from grpo.core.config.section import Section
 
 
-class CompileConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_default=True)  # as schema.Section
+class CompileConfig(Section):
+    """When the run's programs compile and where they are kept. Every shape a step can
+    execute is listed from the config (:mod:`grpo.engine.schedule`); a shape outside the
+    list compiles when it comes, with a warning naming the program and the shape."""
 
+    ahead: Literal["all", "first", "lazy"] = Field(
+        "all",
+        description="all: compile every listed shape of the packed passes ahead, in parallel, while step 1 rolls out "
+        "(a later compile of the run's programs is then warned of and counted: compile/out_of_list); first: only the "
+        "widest (the most memory a step needs), the others when a step first takes them; lazy: none ahead.",
+    )
     cache_dir: str | Literal[False] | None = Field(
         "auto",
         description="JAX's persistent compilation cache: a rerun or a resume of the same config loads its compiled "

@@ -18,9 +18,8 @@ The excluded fields only extend, observe or lay out the same run:
   kv_segment``: they change which devices and kernels draw from the same distribution),
   the loss implementation (``loss.impl/options``: the same loss, fused or not), activation
   memory and attention kernels (``model.remat/attention/attention_options``), exact
-  gradient accumulation and packing (``train.micro_batch_size``, ``train.packing``), the
-  async device split (``train.async.rollout_devices``) and how the programs are compiled
-  (``train.compile``).
+  gradient accumulation and packing (``train.micro_batch_size``, ``train.packing``), when and
+  where the programs compile (``train.compile``), and the async device split (``train.async.rollout_devices``).
 
 Everything else defines the run: the model (source, path, architecture, tokenizer, random
 preset and overrides, dtypes, LoRA), the task (name, options, data files, train split,
@@ -61,8 +60,8 @@ NOT_IDENTITY: tuple[str, ...] = (
     "model.attention_options",
     "train.micro_batch_size",
     "train.packing",
-    "train.async.rollout_devices",
     "train.compile",
+    "train.async.rollout_devices",
 )
 """Dotted paths (of the config as YAML spells it) that do not define a run; everything
 under a listed section is excluded with it."""

@@ -7,7 +7,8 @@ prompt and a completion of the drawn lengths, random token ids, the prompt left-
 to ``--prompt-len`` and the completion padded to ``--new-tokens`` as a rollout pads them.
 Both updates are the program ``grpo run`` executes (:meth:`grpo.engine.programs.RunPrograms.update`),
 from the same parameters: padded on the rows, packed on the bins the trainer packs them
-into and the micro-batch schedule the trainer runs them in
+into and the micro-batch schedule the trainer runs them in, on the finest shape grid
+(``train.packing.bins_per_device: exact``, ``head_buckets: 8``)
 (:meth:`~grpo.engine.programs.RunPrograms.pack_plan` and
 :meth:`~grpo.engine.programs.RunPrograms.pack`, whose time is reported as ``pack_s``).
 
@@ -48,7 +49,10 @@ def bench_config(*, preset: str, dtype: str, rows: int, generations: int, prompt
                   "attention": attention},
         "rollout": {"num_generations": generations, "max_prompt_length": prompt_len, "prompt_buckets": [prompt_len],
                     "max_new_tokens": new_tokens},
-        "train": {"prompts_per_step": rows // generations, "micro_batch_size": micro_batch, "seed": seed},
+        # The finest shape grid (every bins-per-device width, 8 head widths): what packing
+        # saves before a coarse grid's padding (CPU runs compile one shape: the padded work).
+        "train": {"prompts_per_step": rows // generations, "micro_batch_size": micro_batch, "seed": seed,
+                  "packing": {"bins_per_device": "exact", "head_buckets": 8}},
         "loss": {"impl": loss},
         "task": {"name": "arithmetic"},
     }

@@ -53,6 +53,7 @@ class BinPlan:
     draws: list[dict[str, Any]]
     schedules: dict[int, list[tuple[int, int]]]  # the schedule space by per (packing.schedule_shapes)
     micro_batches: int  # the config's (the padded update's)
+    head_buckets: int = 8  # head widths per per (the run's shape grid: RunPrograms.shape_grid)
 
     @property
     def bin_shapes(self) -> int:
@@ -62,10 +63,10 @@ class BinPlan:
     @property
     def compile_bound(self) -> int:
         """How many shapes of each packed pass a run can compile: one per ``per`` and head
-        width ``K`` of it (at most ``HEAD_BUCKETS`` per ``per``)."""
+        width ``K`` of it (at most ``head_buckets`` per ``per``)."""
         from grpo.engine.training.packing import head_widths
 
-        return sum(len(head_widths(slots=per * self.bin_length)) for per in self.schedules)
+        return sum(len(head_widths(slots=per * self.bin_length, buckets=self.head_buckets)) for per in self.schedules)
 
     @property
     def per(self) -> int:
@@ -91,7 +92,7 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
               seed: int = 0) -> BinPlan:
     """Pack ``draws`` steps of the profile and schedule their micro-batches as the trainer
     does (:meth:`~grpo.engine.programs.RunPrograms.pack_plan`)."""
-    from grpo.engine.training.packing import max_bins_per_device, schedule_packing, schedule_shapes
+    from grpo.engine.training.packing import max_bins_per_device, schedule_packing, schedule_shapes, shape_grid
 
     cfg, layout = programs.config, programs.layout
     rows, cap = cfg.sequences_per_step, cfg.rollout.max_new_tokens
@@ -104,12 +105,14 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
         )
     max_per = max_bins_per_device(micro_batch_size=cfg.micro_batch_size, devices=devices,
                                   sequence_length=prompt_length + cap, bin_length=length)
+    # The run's shape grid (on the plan's target, an accelerator) at this prompt length's max_per.
+    pers, buckets = shape_grid(cfg.train.packing, max_per=max_per, cpu=False)
     out = []
     for i in range(draws):
         prompts, completions = draw(profile, rows=rows, cap=cap, prompt_length=prompt_length, seed=seed + i)
         seq = prompts + completions
         plan = schedule_packing(seq, bin_length=length, devices=devices, max_per=max_per, rows=rows,
-                                completions=completions)
+                                completions=completions, pers=pers, head_buckets=buckets)
         m, per, bins = plan.micro_batches, plan.per, plan.bins
         out.append({
             "bins_used": plan.used, "bins": bins, "micro_batches": m, "per": per, "head": plan.head,
@@ -119,8 +122,9 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
         })
     return BinPlan(
         profile=summary(profile, cap=cap, prompt_length=prompt_length), bin_length=length, max_per=max_per,
-        rows=rows, devices=devices, draws=out, schedules=schedule_shapes(rows=rows, devices=devices, max_per=max_per),
-        micro_batches=rows // cfg.micro_batch_size,
+        rows=rows, devices=devices, draws=out,
+        schedules=schedule_shapes(rows=rows, devices=devices, max_per=max_per, pers=pers),
+        micro_batches=rows // cfg.micro_batch_size, head_buckets=buckets,
     )
 
 

@@ -108,11 +108,15 @@ def max_bins_per_device(*, micro_batch_size: int, devices: int, sequence_length:
     return max(1, (micro_batch_size * sequence_length) // (devices * bin_length))
 
 
-def micro_schedule(bins: int, *, devices: int, max_per: int) -> tuple[int, int]:
+def micro_schedule(bins: int, *, devices: int, max_per: int, pers: tuple[int, ...] | None = None) -> tuple[int, int]:
     """``(m, per)`` for a step that uses ``bins`` bins: ``m`` micro-batches of ``per`` bins
     per device, ``m x devices x per >= bins`` the smallest with ``1 <= per <= max_per``,
     ties to fewer micro-batches (each reads the weights once more). E.g. 56 bins on 8
-    devices: 7 micro-batches of 1 bin a device (56), not 2 of 4 (64)."""
+    devices: 7 micro-batches of 1 bin a device (56), not 2 of 4 (64).
+
+    ``pers`` (a coarse grid, :func:`per_grid`): that ``per`` rounded up to the grid's next
+    width, and the micro-batches that width needs (never more than before; the padding
+    bins are the price of fewer compiled shapes)."""
     need = max(1, math.ceil(bins / devices))  # bins per device
     best = None
     for per in range(1, max_per + 1):
@@ -120,7 +124,30 @@ def micro_schedule(bins: int, *, devices: int, max_per: int) -> tuple[int, int]:
         key = (m * per, m)
         if best is None or key < best[0]:
             best = (key, (m, per))
-    return best[1]
+    m, per = best[1]
+    if pers is None:
+        return m, per
+    per = min(p for p in pers if p >= per)
+    return math.ceil(need / per), per
+
+
+PER_GRIDS = ("exact", "pow2", "widest")
+"""The bins-per-device grids a step's schedule picks ``per`` from
+(``train.packing.bins_per_device``): every width up to the most a device holds
+(``exact``: no bin computed beyond the step's need, a compile per width), powers of two
+and the most (``pow2``), or the most only (``widest``: one compiled bin layout; a step
+computes up to ``per - 1`` padding bins a device more than it needs)."""
+
+
+def per_grid(max_per: int, grid: str = "exact") -> tuple[int, ...]:
+    """The ``per`` values of ``grid`` (:data:`PER_GRIDS`) up to ``max_per``, ascending."""
+    if grid == "exact":
+        return tuple(range(1, max_per + 1))
+    if grid == "pow2":
+        return tuple(sorted({1 << i for i in range(max_per.bit_length()) if 1 << i <= max_per} | {max_per}))
+    if grid == "widest":
+        return (max_per,)
+    raise ValueError(f"unknown bins-per-device grid {grid!r}: one of {', '.join(PER_GRIDS)}")
 
 
 def micro_capacity(*, rows: int, devices: int, per: int) -> int:
@@ -130,34 +157,46 @@ def micro_capacity(*, rows: int, devices: int, per: int) -> int:
     return math.ceil(math.ceil(rows / devices) / per)
 
 
-def schedule_shapes(*, rows: int, devices: int, max_per: int) -> dict[int, list[tuple[int, int]]]:
+def schedule_shapes(*, rows: int, devices: int, max_per: int,
+                    pers: tuple[int, ...] | None = None) -> dict[int, list[tuple[int, int]]]:
     """The schedule space: for every ``per`` a step of at most ``rows`` sequences can be
     scheduled at, the ``(m, per)`` pairs that use it. Each ``per`` is one compiled bin
     layout of each packed pass, and each of its :func:`head_widths` one compile of it."""
     out: dict[int, list[tuple[int, int]]] = {}
     for bins in range(1, rows + 1):
-        m, per = micro_schedule(bins, devices=devices, max_per=max_per)
+        m, per = micro_schedule(bins, devices=devices, max_per=max_per, pers=pers)
         if (m, per) not in out.setdefault(per, []):
             out[per].append((m, per))
     return out
 
 
+def shape_grid(packing: Any, *, max_per: int, cpu: bool) -> tuple[tuple[int, ...], int]:
+    """``(pers, head_buckets)`` of a run's ``train.packing`` section: the bins-per-device
+    widths (:func:`per_grid`) and head widths per width it compiles. ``auto``: one shape on
+    CPU (``widest``, 1), where a compile costs more than the padding; ``pow2`` and 4 head
+    widths elsewhere (12 shapes a pass on the v6e-8 recipe rather than 32: the same bins
+    at its profile, 12% more head slots)."""
+    grid = packing.bins_per_device if packing.bins_per_device != "auto" else ("widest" if cpu else "pow2")
+    return per_grid(max_per, grid), packing.head_buckets or (1 if cpu else 4)
+
+
 HEAD_BUCKETS = 8
-"""The head widths a ``per`` can compile to: ``K`` is a multiple of an eighth of ``per x L``
-(rounded up to 8 slots, the TPU sublane tile), at most ``per x L``."""
+"""The head widths a ``per`` can compile to by default (``train.packing.head_buckets``):
+``K`` is a multiple of an eighth of ``per x L`` (rounded up to 8 slots, the TPU sublane
+tile), at most ``per x L``."""
 
 
-def head_width(count: int, *, slots: int) -> int:
+def head_width(count: int, *, slots: int, buckets: int = HEAD_BUCKETS) -> int:
     """The compiled head width ``K`` for a step whose fullest loss row (a device's bins of
     one micro-batch, ``slots`` = ``per x L``) has ``count`` predicting slots: ``count``
-    rounded up to a multiple of ``slots / HEAD_BUCKETS`` (in 8s), capped at ``slots``."""
-    unit = 8 * math.ceil(math.ceil(slots / HEAD_BUCKETS) / 8)
+    rounded up to a multiple of ``slots / buckets`` (in 8s), capped at ``slots``."""
+    unit = 8 * math.ceil(math.ceil(slots / buckets) / 8)
     return min(slots, unit * max(1, math.ceil(count / unit)))
 
 
-def head_widths(*, slots: int) -> tuple[int, ...]:
+def head_widths(*, slots: int, buckets: int = HEAD_BUCKETS) -> tuple[int, ...]:
     """Every :func:`head_width` of ``slots`` (its length: the compiles per ``per``)."""
-    return tuple(sorted({head_width(c, slots=slots) for c in range(slots + 1)}))
+    return tuple(sorted({head_width(c, slots=slots, buckets=buckets) for c in range(slots + 1)}))
 
 
 def head_count(plan: "PackPlan", completions: np.ndarray) -> int:
@@ -238,7 +277,8 @@ def plan_packing(lengths: np.ndarray, *, bin_length: int, unit: int = 1) -> Pack
 
 
 def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_per: int,
-                     rows: int | None = None, completions: np.ndarray | None = None) -> PackPlan:
+                     rows: int | None = None, completions: np.ndarray | None = None,
+                     pers: tuple[int, ...] | None = None, head_buckets: int = HEAD_BUCKETS) -> PackPlan:
     """The packing of ``lengths`` [B] laid out for the step's micro-batch schedule
     (:func:`micro_schedule`): arrays [m_cap, devices x per, L], bin ``b`` of first-fit in
     micro-batch ``b // (devices x per)``. ``rows``: the most sequences a step has (the
@@ -248,9 +288,10 @@ def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_
     ``completions`` [B] (each row's completion tokens): the bins are dealt to the step's
     loss rows (a device's ``per`` bins of a micro-batch) evenly by completion tokens
     (:func:`balance_bins`) rather than in first-fit order, and the plan's ``head`` is the
-    head width of the fullest row (:func:`head_count`)."""
+    head width of the fullest row (:func:`head_count`). ``pers`` and ``head_buckets``: the
+    run's shape grid (:func:`per_grid`, :func:`head_width`)."""
     flat = plan_packing(lengths, bin_length=bin_length)
-    m, per = micro_schedule(flat.used, devices=devices, max_per=max_per)
+    m, per = micro_schedule(flat.used, devices=devices, max_per=max_per, pers=pers)
     cap = micro_capacity(rows=rows or len(lengths), devices=devices, per=per)
     width = devices * per
     where = np.arange(flat.used)
@@ -269,7 +310,7 @@ def schedule_packing(lengths: np.ndarray, *, bin_length: int, devices: int, max_
                          micro_batches=m, per=per)
     if completions is None:
         return plan
-    return plan._replace(head=head_width(head_count(plan, completions), slots=per * bin_length))
+    return plan._replace(head=head_width(head_count(plan, completions), slots=per * bin_length, buckets=head_buckets))
 
 
 def balance_bins(counts: np.ndarray, *, groups: int, per: int) -> np.ndarray:
@@ -545,6 +586,7 @@ def unpack_program(*, out_sharding: Any) -> Any:
 
 __all__ = [
     "HEAD_BUCKETS",
+    "PER_GRIDS",
     "PackPlan",
     "PackedBatch",
     "Placement",
@@ -565,11 +607,13 @@ __all__ = [
     "pack_program",
     "packing_active",
     "packing_stats",
+    "per_grid",
     "plan_packing",
     "real_order",
     "round_bins",
     "schedule_packing",
     "schedule_shapes",
+    "shape_grid",
     "sequence_lengths",
     "to_head",
     "unpack_logprobs",

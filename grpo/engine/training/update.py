@@ -583,3 +583,37 @@ class UpdateStep:
         """The jitted :meth:`policy_logprobs` (no donation: the update reads the same
         parameters next)."""
         return jax.jit(self.loss_call.for_mesh(self.policy_logprobs))
+
+
+def loss_program(
+    plugin: Any,
+    options: Any,
+    settings: Any,
+    *,
+    old_logprobs: bool,
+    ref_logprobs: bool,
+    mesh: Any = None,
+) -> Any:
+    """The loss plugin's value and gradient with respect to ``(hidden, head_weight)``,
+    called exactly as the update calls it (:class:`~grpo.engine.training.update.LossCall`:
+    the global normaliser of the batch's mask, shard_map for a ``per_shard`` loss on a
+    mesh, traced for the mesh's platform). ``grpo bench loss`` measures this program.
+
+    Jitted ``(hidden [B, N, D], head_weight [D, V], targets [B, N], mask [B, N],
+    advantages [B], old [B, N], ref [B, N]) -> (loss, (d_hidden, d_head_weight))``;
+    ``old``/``ref`` are read only when ``old_logprobs``/``ref_logprobs``."""
+    call = LossCall(plugin, options, settings, mesh)
+
+    def step(hidden, head_weight, targets, mask, advantages, old, ref):
+        def loss_fn(h, w):
+            args = dict(
+                hidden=h, head_weight=w, targets=targets, mask=mask, advantages=advantages,
+                old_logprobs=old if old_logprobs else None, ref_logprobs=ref if ref_logprobs else None,
+            )
+            loss, metrics = call(args, settings.normalizer(mask))
+            return loss, metrics["ratio/mean"]
+
+        (loss, _), grads = jax.value_and_grad(loss_fn, argnums=(0, 1), has_aux=True)(hidden, head_weight)
+        return loss, grads
+
+    return jax.jit(call.for_mesh(step))

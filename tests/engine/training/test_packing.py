@@ -20,6 +20,7 @@ from grpo.engine.training.packing import (
     max_bins_per_device,
     micro_capacity,
     micro_schedule,
+    per_grid,
     pack_batch,
     plan_packing,
     round_bins,
@@ -91,6 +92,43 @@ def test_micro_schedule_against_brute_force():
             for bins in range(1, 70):
                 assert micro_schedule(bins, devices=devices, max_per=max_per) == _brute_schedule(
                     bins, devices, max_per), (bins, devices, max_per)
+
+
+def test_shape_grids_and_their_schedules():
+    """Issue 50 (coarse buckets): the bins-per-device grids list their widths; a schedule
+    on a grid rounds the exact schedule's width up to the grid's next one, with the
+    micro-batches that width needs: never more than the exact schedule's, and enough."""
+    assert per_grid(4, "exact") == (1, 2, 3, 4)
+    assert per_grid(12, "pow2") == (1, 2, 4, 8, 12) and per_grid(8, "pow2") == (1, 2, 4, 8)
+    assert per_grid(5, "widest") == (5,)
+    with pytest.raises(ValueError, match="bins-per-device grid"):
+        per_grid(4, "odd")
+    assert micro_schedule(24, devices=8, max_per=4) == (1, 3)
+    assert micro_schedule(24, devices=8, max_per=4, pers=(1, 2, 4)) == (1, 4)  # 3 -> 4: 8 padding bins
+    assert micro_schedule(24, devices=8, max_per=4, pers=(4,)) == (1, 4)
+    for devices in (1, 8):
+        for max_per in (1, 5, 16):
+            for grid in ("exact", "pow2", "widest"):
+                pers = per_grid(max_per, grid)
+                for bins in range(1, 70):
+                    m0, per0 = micro_schedule(bins, devices=devices, max_per=max_per)
+                    m, per = micro_schedule(bins, devices=devices, max_per=max_per, pers=pers)
+                    assert per == min(p for p in pers if p >= per0) and m <= m0
+                    assert m * devices * per >= bins and (m - 1) * devices * per < bins
+    assert schedule_shapes(rows=128, devices=8, max_per=4, pers=(4,)) == {4: [(1, 4), (2, 4), (3, 4), (4, 4)]}
+
+
+def test_head_buckets():
+    """Issue 50: ``head_buckets`` head widths per bin width, each a multiple of
+    ``slots / buckets`` in 8s; one bucket is every slot."""
+    assert head_widths(slots=96, buckets=1) == (96,)
+    assert head_widths(slots=96, buckets=2) == (48, 96)
+    assert head_widths(slots=96, buckets=4) == (24, 48, 72, 96)
+    assert head_widths(slots=96) == head_widths(slots=96, buckets=HEAD_BUCKETS)
+    for buckets in (1, 2, 4, 8):
+        for count in range(97):
+            k = head_width(count, slots=96, buckets=buckets)
+            assert count <= k <= 96 and k in head_widths(slots=96, buckets=buckets)
 
 
 def test_memory_limit_and_compile_bound():

@@ -413,9 +413,10 @@ def _packing_loss():
 @pytest.mark.slow
 @pytest.mark.parametrize("micro, aggregation", [(2, "sequence_mean")])  # per segment: the head layout renumbers them
 def test_packed_update_equals_padded(tiny, micro, aggregation):
-    """Same rows packed into bins, in two micro-batch schedules (every bin its own
-    micro-batch; one micro-batch of every bin; each in a layout with spare micro-batches
-    that never run): equal loss, gradients, metrics and per-token log-probs (unpacked to
+    """Same rows packed into bins, in three micro-batch schedules (every bin its own
+    micro-batch; one micro-batch of every bin; one of 8 bins, the used ones and padding,
+    with the head on every slot: the coarse shape grid; each in a layout with spare
+    micro-batches that never run): equal loss, gradients, metrics and per-token log-probs (unpacked to
     the rows) to the padded batch's, for the update and the forward-only log-prob pass.
     The schedule changes only the summation order (the global normaliser is the same)."""
     from grpo.engine.training.packing import pack_batch, schedule_packing, sequence_lengths, unpack_logprobs
@@ -432,13 +433,17 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
     loss_r, g_r, m_r, lp_r = jax.jit(step.grads)(params, batch)
     trained = np.asarray(batch.trained) > 0
     completions = np.asarray(batch.mask).sum(axis=1)
-    for max_per in (8, 1):
+    # Issue 50: the coarse shape grid (one bin width, the widest; one head width, every
+    # slot) computes padding bins and a full head, and changes nothing but the summation.
+    for max_per, pers, buckets in ((8, None, 8), (1, None, 8), (8, (8,), 1)):
         plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=12,  # rows are 11 wide
-                                completions=completions)
+                                completions=completions, pers=pers, head_buckets=buckets)
         assert plan.used < 8  # really packed
         assert plan.micro_batches == (1 if max_per == 8 else plan.used) and plan.row.shape[0] > plan.micro_batches
-        # The head sees only the predicting slots, fewer than a micro-batch's (one loss row a micro-batch).
-        assert plan.head < plan.per * 22
+        if pers is None:  # the head sees only the predicting slots, fewer than a micro-batch's
+            assert plan.head < plan.per * 22
+        else:  # padding bins computed, the head on every slot
+            assert plan.bins > plan.used and plan.head == plan.per * 22
         packed, place = pack_batch(
             prompt_tokens=batch.prompt_tokens, prompt_mask=batch.prompt_mask, tokens=batch.tokens, mask=batch.mask,
             row=plan.row, index=plan.index, segment_ids=plan.segment_ids, loss_mask=step.loss_tokens(batch),

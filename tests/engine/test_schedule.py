@@ -1,0 +1,168 @@
+"""The run's shape schedule (issue 50, "Compile once"): the packed passes' shapes listed
+from the config, compiled ahead of step 1 so that no step compiles, and a compile outside
+the list warned of and counted."""
+
+from __future__ import annotations
+
+import logging
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from grpo.engine.schedule import ProgramShape, ShapeWatch, compile_ahead, compiles, prompt_lengths, shape_list
+from grpo.engine.training.packing import per_grid, schedule_packing, schedule_shapes
+
+
+def _programs(*, rows, max_per, grid, buckets, bin_length):
+    """The slice of RunPrograms that shape_list reads."""
+    pers = per_grid(max_per, grid)
+    return types.SimpleNamespace(
+        shape_grid=(pers, buckets), config=types.SimpleNamespace(bin_length=bin_length),
+        schedule_shapes=lambda: schedule_shapes(rows=rows, devices=2, max_per=max_per, pers=pers),
+    )
+
+
+@pytest.mark.parametrize("grid, buckets", [("exact", 8), ("pow2", 4), ("pow2", 1), ("widest", 1)])
+def test_shape_list_holds_every_plan_a_step_makes(grid, buckets):
+    """Every (per, K) a step's plan takes, over many length draws, is on the list; the
+    list's length is the compile bound of each packed pass."""
+    rows, length, max_per = 32, 40, 8
+    progs = _programs(rows=rows, max_per=max_per, grid=grid, buckets=buckets, bin_length=length)
+    listed = set(shape_list(progs))
+    assert len(listed) <= len(per_grid(max_per, grid)) * buckets
+    seen = set()
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(1, rows + 1))
+        prompts = rng.integers(1, 9, size=n)
+        completions = rng.integers(1, 32, size=n) * (rng.random(n) < rng.random())  # some very short
+        completions = np.maximum(completions, 1)
+        plan = schedule_packing(prompts + completions, bin_length=length, devices=2, max_per=max_per, rows=rows,
+                                completions=completions, pers=progs.shape_grid[0], head_buckets=buckets)
+        seen.add((plan.per, plan.head))
+    assert seen <= listed
+    if grid == "widest" and buckets == 1:
+        assert listed == {(max_per, max_per * length)}  # one shape: what the CPU default compiles
+
+
+def test_compiled_ahead_executable_is_the_one_a_call_runs():
+    """A program compiled ahead on abstract arguments (the shardings a call gives it) is
+    not compiled again when called on concrete ones: jit's cache holds it."""
+    sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    fn = jax.jit(lambda x, m: jax.lax.fori_loop(0, m, lambda i, c: c + x[i].sum(), 0.0))
+    lines = []
+    shapes = [ProgramShape("f", f"rows={r}", lambda r=r: fn.lower(
+        jax.ShapeDtypeStruct((r, 4), jnp.float32, sharding=sh), jax.ShapeDtypeStruct((), jnp.int32, sharding=sh)))
+        for r in (2, 3)]
+    stats = compile_ahead(shapes, workers=2, progress=lines.append)
+    assert stats["programs"] == 2 and stats["failed"] == 0 and lines[0] == "compiling 2 programs: 0/2" and lines[-1] == "compiling 2 programs: 2/2"
+    xs = [jax.device_put(np.ones((r, 4), np.float32), sh) for r in (2, 3)]
+    m = jax.device_put(np.int32(2), sh)
+    before = compiles()
+    assert [float(fn(x, m)) for x in xs] == [8.0, 8.0]
+    assert compiles() == before
+    fn(jax.device_put(np.ones((5, 4), np.float32), sh), m)  # not compiled ahead
+    assert compiles() == before + 1
+
+
+def test_a_shape_that_fails_to_compile_ahead_is_logged_not_fatal(caplog):
+    def broken():
+        raise ValueError("no such layout\nsecond line")
+
+    ok = jax.jit(lambda x: x + 1)
+    shapes = [ProgramShape("packed", "per=3 K=8", broken),
+              ProgramShape("f", "x", lambda: ok.lower(jax.ShapeDtypeStruct((2,), jnp.float32)))]
+    with caplog.at_level(logging.WARNING, logger="grpo.engine.schedule"):
+        stats = compile_ahead(shapes, progress=lambda _: None)
+    assert stats["programs"] == 2 and stats["failed"] == 1
+    [record] = caplog.records
+    assert "packed (per=3 K=8) ahead failed" in record.getMessage() and "no such layout" in record.getMessage()
+
+
+def test_out_of_list_shape_warns_and_counts(caplog):
+    """Once armed, a watched program that compiles (a shape not compiled ahead) logs a
+    warning naming the program and the shape, and is counted once per compile."""
+    watch = ShapeWatch()
+    fn = watch.wrap("update", jax.jit(lambda x: x * 2))
+    x2, x3 = np.ones((2, 7), np.float32), np.ones((3, 7), np.float32)
+    fn(x2)  # step 1: compiles, unwatched
+    watch.armed = True
+    with caplog.at_level(logging.WARNING, logger="grpo.engine.schedule"):
+        fn(x2)
+        assert watch.out_of_list == 0 and not caplog.records
+        fn(x3)
+    assert watch.take() == 1 and watch.take() == 0 and watch.total == 1
+    [record] = caplog.records
+    assert "compiled update" in record.getMessage() and "float32[3, 7]" in record.getMessage()
+    assert fn.lower(x3).compile() is not None  # the program's own attributes pass through
+
+
+@pytest.mark.slow
+def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
+    """Issue 50: a run whose completions vary in length (a random policy's, stopped at its
+    chance EOS), its packed shapes compiled ahead (two head widths here), compiles nothing
+    after step 1 though its steps take every listed shape: step 1 its own plan's, step 2
+    the same plan at the wider head width (the shapes a longer step takes)."""
+    from _runs import _config
+
+    from grpo.engine.trainer import Trainer
+
+    cfg = _config(**{"train.steps": 3, "train.packing.bins_per_device": "widest", "train.packing.head_buckets": 2,
+                     "train.compile.ahead": "all"})
+    trainer = Trainer(cfg, tmp_path / "run")
+    listed = shape_list(trainer.programs)
+    # (per, K): the widest per, its head on every slot and on about half of them
+    assert len(listed) == 2 and listed[0][1] == listed[0][0] * cfg.bin_length > listed[1][1] and listed[1][0] == listed[0][0]
+    counts, taken, seen = [], [], [0]
+    jax.monitoring.register_event_duration_secs_listener(
+        lambda event, _d, **_k: seen.__setitem__(0, seen[0] + 1) if event.endswith("backend_compile_duration") else None)
+    step, plan_of = trainer.train_step, trainer.programs.pack_plan
+
+    def counted_step():
+        before = seen[0]
+        row = step()
+        counts.append(seen[0] - before)
+        return row
+
+    def plan_then_widen(batch):
+        plan = plan_of(batch)
+        if len(taken) == 1:  # step 2: the widest head
+            plan = plan._replace(head=listed[0][1])
+        taken.append((plan.per, plan.head))
+        return plan
+
+    trainer.train_step, trainer.programs.pack_plan = counted_step, plan_then_widen
+    summary = trainer.run()
+    assert summary["compiled_ahead"]["programs"] == len(listed) * len(prompt_lengths(trainer.programs))
+    assert counts[0] > 0 and counts[1:] == [0, 0]
+    assert set(taken) == set(listed), taken
+    assert trainer.programs.watch.total == 0
+
+
+def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_the_widest(tmp_path):
+    """``all``: a chain per (per, K) of the grid and prompt bucket (``pack`` takes the
+    padded batch, as wide as the step's bucket); ``first``: the widest shape at the
+    widest bucket only (the most memory a step needs). Listing compiles nothing."""
+    from _runs import _config
+
+    from grpo.engine.schedule import packed_shapes
+    from grpo.engine.trainer import Trainer
+
+    cfg = _config(**{"rollout.max_prompt_length": 40, "train.packing.bins_per_device": "pow2",
+                     "train.packing.head_buckets": 2})
+    trainer = Trainer(cfg, tmp_path / "run")
+    progs = trainer.programs
+    before = compiles()
+    state = dict(params=trainer.params, opt_state=trainer.opt_state, frozen=trainer.frozen)
+    every, first = packed_shapes(progs, **state), packed_shapes(progs, **state, first=True)
+    assert compiles() == before
+    buckets = prompt_lengths(progs)
+    assert buckets == (16, 32, 40)
+    pairs = shape_list(progs)
+    assert len(pairs) > 2 and pairs[0] == max(pairs)
+    assert [s.shape for s in every] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in buckets]
+    assert {s.program for s in every} == {"packed"}
+    assert [s.shape for s in first] == [f"per={pairs[0][0]} K={pairs[0][1]} prompt=40"]
