@@ -47,12 +47,15 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from grpo.core.errors import ConfigError
 from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
 from grpo.engine.loop.sources import RolloutSource
 from grpo.engine.loop.sync import OtherMesh, WeightSync
 from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
+from grpo.engine.parallel.rows import host_value
 from grpo.engine.rollout.partial import Ledger
 
 
@@ -82,7 +85,7 @@ def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) ->
     them.) Both processes call it at the same point."""
     flat, treedef = jax.tree.flatten(state)
     if role == "update":
-        host = [np.asarray(x) for x in flat]
+        host = [host_value(x) for x in flat]  # gathered over the update side's processes
         exchange.exchange({f"c{i:05d}": x for i, x in enumerate(host)}, None)
     else:
         got, _, _ = exchange.exchange({}, None)
@@ -93,6 +96,24 @@ def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) ->
 def _host_like(state: dict[str, Any]) -> dict[str, Any]:
     """What Orbax restores the held state into: host arrays."""
     return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+
+def sent_weights(params: Any) -> Any:
+    """What a weight sync moves from the update side to the rollout side: the one place
+    that says it (both sides call it, the rollout side on its placeholders for the
+    shapes). Today the whole trainable tree."""
+    return params
+
+
+def received_weights(exchange: SideExchange, like: Any, replicated: NamedSharding) -> Any:
+    """The rollout side's end of :meth:`SideExchange.swap_arrays`: the weights
+    :func:`sent_weights` sent, each leaf whole on every rollout device (``replicated``),
+    on device; the sync's ``device_put`` then lays them out for the engine."""
+    blocks = exchange.swap_arrays(like)
+    leaves, treedef = jax.tree.flatten(like)
+    out = [jax.make_array_from_single_device_arrays(x.shape, replicated, [row[i] for row in blocks])
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 class ProcessLink(RolloutSource, WeightSync):
@@ -108,7 +129,7 @@ class ProcessLink(RolloutSource, WeightSync):
         self.rows, self.replicated = trainer.programs.train_sharding, trainer.programs.replicated
         self.forms: dict[int, tuple[Any, dict[str, np.ndarray]]] = {}  # each buffered step as it crossed
         self.staged: Any = None
-        self.sync_s = 0.0
+        self.sync_s, self.sync_bytes = 0.0, 0
 
     # ------------------------------------------------------------------ weight sync
 
@@ -119,22 +140,26 @@ class ProcessLink(RolloutSource, WeightSync):
         self.staged = params
 
     def figures(self) -> dict[str, float]:
-        # The previous weights' exchange, seen from the update side.
-        return {"time/train/weight_sync_s": self.sync_s}
+        # The previous weights' move, seen from the update side.
+        return {"time/train/weight_sync_s": self.sync_s, "weight_sync/bytes": float(self.sync_bytes)}
 
     # ------------------------------------------------------------------ source
 
     def _swap(self, row: dict[str, Any] | None = None) -> list[Buffered]:
         """One exchange: the staged weights (if any), the trainer's state and ``row`` out;
         the entries the rollout side drew in."""
-        tr, t = self.trainer, time.perf_counter()
+        tr = self.trainer
         weights = self.staged
-        payload = {} if weights is None else {f"w{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(weights))}
         state = {"step": tr.step, "data_position": tr.data_position, "skipped": tr.skipped_nonfinite,
-                 "reward_errors": tr.reward_errors, "row": row}
-        got, _, _ = self.exchange.exchange(payload, state)
-        if weights is not None:  # the weights' move: this side's seconds in the exchange (host copies and all)
+                 "reward_errors": tr.reward_errors, "row": row, "weights": weights is not None}
+        got, _, _ = self.exchange.exchange({}, state)
+        if weights is not None:  # the weights' move, on device: its seconds until it has arrived
+            t = time.perf_counter()
+            sent = sent_weights(weights)
+            self.exchange.swap_arrays(sent)
+            jax.block_until_ready(sent)
             self.sync_s, self.staged = time.perf_counter() - t, None
+            self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(sent))
         out = []
         for spec, arrays in _specs(got):
             self.keep(spec, arrays)
@@ -195,7 +220,9 @@ class RolloutSide:
     def __init__(self, trainer: Any, exchange: SideExchange, programs: Any):
         self.trainer, self.exchange = trainer, exchange
         self.max_staleness = trainer.config.train.async_.max_staleness
-        self.treedef = jax.tree.structure(trainer.params)
+        # What the weights arrive into: the update side's shapes, whole on the rollout mesh.
+        self.like = sent_weights(trainer.params)
+        self.replicated = NamedSharding(programs.mesh, P())
         # Where the weights enter the rollout side: its engine's update_weights.
         self.sync = OtherMesh(programs, trainer.collector.sampler, trainer.params, None)
         self.version = -1
@@ -236,11 +263,10 @@ class RolloutSide:
         payload = {key(e, k): v for e, arrays in entries for k, v in arrays.items()}
         if entries:  # their structure (with the logged group's texts) as JSON bytes: no header limit
             payload["specs"] = np.frombuffer(json.dumps([[e, sorted(a)] for e, a in entries]).encode(), np.uint8)
-        got, state, _ = self.exchange.exchange(payload, None)
-        if got:  # the weights, onto the rollout mesh
+        _, state, _ = self.exchange.exchange(payload, None)
+        if state["weights"]:  # the weights, on device, onto the rollout mesh
             self.version = int(state["step"])
-            self.sync.sync(jax.tree.unflatten(self.treedef, [got[f"w{i:05d}"] for i in range(len(got))]),
-                           self.version)
+            self.sync.sync(received_weights(self.exchange, self.like, self.replicated), self.version)
         tr.step, tr.data_position = int(state["step"]), int(state["data_position"])
         tr.skipped_nonfinite, tr.reward_errors = int(state["skipped"]), dict(state["reward_errors"])
         return state["row"]
@@ -264,7 +290,7 @@ class RolloutSide:
         versions = np.full(rollout.rewards.shape[0], self.version, np.int64)
         arrays: dict[str, Any] = {}
         spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
-        entry = (spec, {k: np.asarray(v) for k, v in arrays.items()})
+        entry = (spec, {k: host_value(v) for k, v in arrays.items()})  # gathered over the rollout side's processes
         self.stored.append(entry)
         return entry
 
@@ -311,4 +337,4 @@ class RolloutSide:
         self.sync.close()
 
 
-__all__ = ["ProcessLink", "RolloutSide", "side_exchange"]
+__all__ = ["ProcessLink", "RolloutSide", "received_weights", "sent_weights", "side_exchange"]

@@ -30,7 +30,7 @@ def split_devices(*, devices: int, per_process: int, processes: int, rollout_dev
     the rollout; with several hosts, whole hosts only. Refuses a split that leaves a side
     without devices, naming the field."""
     k = devices // 2 if rollout_devices is None else rollout_devices
-    if processes > 1 and rollout_devices is None:
+    if processes > 1 and rollout_devices is None:  # the run's default (split.default_rollout_devices)
         k = (processes // 2) * per_process
     if not 0 < k < devices:
         raise UserError(f"train.async.rollout_devices={k} must leave devices to both sides: between 1 and "

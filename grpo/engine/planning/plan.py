@@ -356,7 +356,7 @@ class Planner:
             report = self.plan(sync, lengths)
             if not report.get("not_planned"):  # a split needs the rollout side's programs
                 report["async"] = self.plan_async(sync, lengths, report,
-                                                  rollout_devices=config.train.async_.rollout_devices)
+                                                  rollout_devices=config.train.async_.rollout_devices, checked=config)
             return report
         s = self.subject(config)
         results, costs = self._compiled(s)
@@ -448,11 +448,20 @@ class Planner:
         return s, entries, costs, slice_of
 
     def plan_async(self, config: RunConfig, lengths: LengthProfile | None, report: dict[str, Any], *,
-                   rollout_devices: int | None) -> dict[str, Any]:
+                   rollout_devices: int | None, checked: RunConfig | None = None) -> dict[str, Any]:
         """The ``async`` section (:mod:`grpo.engine.planning.pipeline`) of ``config`` (its
-        synchronous form, whose plan is ``report``) split at ``rollout_devices``."""
+        synchronous form, whose plan is ``report``) split at ``rollout_devices``; the
+        asynchronous config ``checked``'s split is first checked as the run checks it
+        (:func:`~grpo.engine.parallel.split.check_split` on the topology's processes), so
+        the plan refuses, with the run's message, every split the run would refuse."""
         from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync
 
+        if checked is not None:
+            from grpo.engine.parallel.split import validate_split
+
+            a = checked.train.async_.model_copy(update={"enabled": True, "rollout_devices": rollout_devices})
+            validate_split(checked.model_copy(update={"train": checked.train.model_copy(update={"async_": a})}),
+                           self.topo.process_count, self.topo.local_device_count)
         k, u = split_devices(devices=len(self.devices), per_process=self.topo.local_device_count,
                              processes=self.topo.process_count, rollout_devices=rollout_devices)
         # Both sides laid out before either compiles: a split one side cannot run is

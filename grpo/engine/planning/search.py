@@ -27,7 +27,8 @@ def search_split(config_path: str, overrides: list[str], planner: Planner, lengt
     """``--search train.async.rollout_devices``: every split the topology allows (whole
     hosts on several hosts) planned with ``train.async.enabled``; the best is the one with
     the shortest pipelined step (with partial rollouts where the plan has them). A split a
-    side cannot lay out is skipped (``tried`` says why)."""
+    side cannot lay out, or that the run would refuse (its own check,
+    :func:`~grpo.engine.parallel.split.check_split`), is skipped (``tried`` says why)."""
     from grpo.engine.planning.plan import synchronous
 
     base = load_config(config_path, list(overrides) + ["train.async.enabled=true"])
@@ -39,7 +40,7 @@ def search_split(config_path: str, overrides: list[str], planner: Planner, lengt
     sections: dict[int, dict[str, Any]] = {}
     for k in values:
         try:
-            sec = planner.plan_async(sync, lengths, report, rollout_devices=k)
+            sec = planner.plan_async(sync, lengths, report, rollout_devices=k, checked=base)
         except UserError as err:
             tried.append([k, str(err)])
             continue

@@ -82,16 +82,31 @@ def test_two_processes_split_one_a_side():
         assert [(d.process_index, d.id) for d in update] == [(1, 4 + i) for i in range(4)]
 
 
+@pytest.mark.parametrize("processes, per, rollout_devices, want", [
+    (4, 2, 4, ([0, 1], [2, 3])),  # 2 + 2
+    (4, 2, None, ([0, 1], [2, 3])),  # the default: half the processes
+    (3, 2, None, ([0], [1, 2])),  # ... rounded down: whole processes (half the devices, 3, would split one)
+    (3, 2, 4, ([0, 1], [2])),
+    (8, 4, 8, ([0, 1], [2, 3, 4, 5, 6, 7])),  # v6e-32 as 2 + 6 hosts
+])
+def test_several_processes_a_side(processes, per, rollout_devices, want):
+    """Issue 51: any number of whole processes a side (a v6e-16 as 2 + 2 hosts), and the
+    default split is whole processes (it was half the devices: 3 of 3 x 2 split a process)."""
+    devices = [_Device(p, per * p + i) for p in reversed(range(processes)) for i in range(per)]
+    rollout, update = split_devices(devices, rollout_devices=rollout_devices)
+    assert (sorted({d.process_index for d in rollout}), sorted({d.process_index for d in update})) == want
+    assert [d.id for d in rollout + update] == list(range(processes * per))
+
+
 @pytest.mark.parametrize("devices, rollout_devices, why", [
     (_TWO_BY_FOUR, 2, "does not split this run's 8 devices (of 2 processes) by whole processes"),
     (_TWO_BY_FOUR, 6, "does not split this run's 8 devices (of 2 processes) by whole processes"),
-    ([_Device(p, 2 * p + i) for p in range(3) for i in range(2)], 2,
-     "by whole processes (rollout: processes [0], update: processes [1, 2]), but asynchronous GRPO over "
-     "several processes runs one process a side"),
+    ([_Device(p, 2 * p + i) for p in range(4) for i in range(2)], 3,
+     "does not split this run's 8 devices (of 4 processes) by whole processes"),
 ])
 def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout_devices, why):
-    """A process on both sides (2 or 6 of 2 x 4), or a side of several processes (3 x 2):
-    exit status 2, the message naming ``train.async.rollout_devices`` and the case."""
+    """A process on both sides (2 or 6 of 2 x 4, 3 of 4 x 2): exit status 2, the message
+    naming ``train.async.rollout_devices`` and the case."""
     with pytest.raises(ConfigError) as err:
         split_devices(devices, rollout_devices=rollout_devices)
     msg = str(err.value)
