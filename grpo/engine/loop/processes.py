@@ -54,8 +54,8 @@ from grpo.core.errors import ConfigError
 from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
 from grpo.engine.loop.sources import RolloutSource
 from grpo.engine.loop.sync import OtherMesh, WeightSync
-from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
-from grpo.engine.parallel.rows import host_value
+from grpo.engine.parallel.exchange import RemoteFailure, SideExchange, pack, unpack
+from grpo.engine.parallel.rows import gather_processes, host_value
 from grpo.engine.rollout.partial import Ledger
 
 
@@ -291,8 +291,26 @@ class RolloutSide:
         arrays: dict[str, Any] = {}
         spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
         entry = (spec, {k: host_value(v) for k, v in arrays.items()})  # gathered over the rollout side's processes
+        entry = self._as_first(*entry)
         self.stored.append(entry)
         return entry
+
+    def _as_first(self, spec: Any, arrays: dict[str, np.ndarray]) -> tuple[Any, dict[str, np.ndarray]]:
+        """The entry as the rollout side's first process drew it, on every process of the
+        side: the same but for the logged sample group, which process 0 alone makes (and
+        every process of a side must hand the exchange and the checkpoint the same)."""
+        mesh = self.sync.programs.mesh
+        if len({d.process_index for d in mesh.devices.flat}) == 1:
+            return spec, arrays
+        data, layout = pack(arrays)
+        head = np.frombuffer(json.dumps([spec, layout]).encode(), np.uint8)
+        sizes = gather_processes(np.array([head.size, data.size], np.int64), mesh)  # [processes, 2]
+        buf = np.zeros(int(sizes[:, 0].max() + sizes[:, 1].max()), np.uint8)
+        buf[: head.size], buf[head.size : head.size + data.size] = head, data
+        first = gather_processes(buf, mesh)[0]
+        h, n = (int(x) for x in sizes[0])
+        spec, layout = json.loads(first[:h].tobytes())
+        return spec, unpack(first[h : h + n], layout)
 
     def _trained(self) -> None:
         """The buffer's first step is the one training now: its sample group written, as
