@@ -221,6 +221,11 @@ class Loop:
             raise RuntimeError(f"async GRPO: the checkpoint's buffer starts at step {first.step + 1} (data position "
                                f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
 
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        """The evaluation row of the policy at ``step`` (``params``), where the source
+        says it runs (split by processes: on the rollout side)."""
+        return self.source.evaluate(evaluator, step, params)
+
     def close(self) -> None:
         self.source.close()
         self.sync.close()

@@ -194,6 +194,11 @@ class ProcessLink(RolloutSource, WeightSync):
     def reset(self, ledger: Ledger) -> None:
         self.forms.clear()
 
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        # The rollout side evaluates (RolloutSide.evaluate) while this side goes on training;
+        # process 0, on that side, logs its row.
+        return {"step": step}
+
     def failed(self, err: BaseException) -> None:
         if not isinstance(err, RemoteFailure):  # the other side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
@@ -244,6 +249,20 @@ class RolloutSide:
         except RemoteFailure:
             raise
         except BaseException as err:  # a KeyboardInterrupt or a library's sys.exit too: the other side must hear
+            self.exchange.fail(f"{type(err).__name__}: {err}")
+            raise
+
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        """The evaluation at ``step`` on this side's mesh, at the weights of version
+        ``step`` it was sent (a run's first, before its first step, once they are here);
+        the update side trains on meanwhile."""
+        try:
+            if not self.started:
+                self._start()
+            return evaluator(step, self.sync.params)
+        except RemoteFailure:
+            raise
+        except BaseException as err:  # the update side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
             raise
 

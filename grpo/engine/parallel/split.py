@@ -106,25 +106,23 @@ def split_devices(devices: Sequence[Any], *, rollout_devices: int | None) -> tup
 
 
 def multiprocess_problems(config) -> list[str]:
-    """What a two-process asynchronous run does not carry, one line a field. The run is
-    the one loop (:mod:`grpo.engine.loop`); what stays refused needs work beyond it:
-    the LoRA base lives on the update process (it would have to cross once); the
-    partial-rollouts stream and its ledger would live on the rollout process while the
-    trained positions are known on the update side; the continuous engine's host side
-    gathers over every process, not its mesh's; dynamic sampling's rounds gather rows
-    over processes (unverified with one side a process); evaluation runs on the update
-    side while process 0 writes its rows."""
+    """What an asynchronous run split by processes does not carry yet, one line a field
+    (:func:`check_split` refuses them, so ``grpo config validate --processes`` and ``grpo
+    plan --topology`` do too, before start-up). The run is the one loop
+    (:mod:`grpo.engine.loop`); what stays refused needs work beyond it: the LoRA base
+    lives on the update side (it would have to cross once, and the sync should move the
+    adapters only); the partial-rollouts stream and its ledger would live on the rollout
+    side while the trained positions are known on the update side; the continuous
+    engine and dynamic sampling are unverified over a side of processes."""
     a, out = config.train.async_, []
     if config.model.lora is not None:
-        out.append("model.lora is set: the two-process loop moves full weights only (no frozen base)")
+        out.append("model.lora is set: the multi-process loop moves full weights only (no frozen base)")
     if a.partial_rollouts:
         out.append("train.async.partial_rollouts=true: the stream's in-flight rows do not cross processes")
     if config.rollout.engine != "static":
-        out.append(f"rollout.engine={config.rollout.engine}: the two-process loop runs the static sampler")
+        out.append(f"rollout.engine={config.rollout.engine}: the multi-process loop runs the static sampler")
     if config.train.dynamic_sampling.enabled:
-        out.append("train.dynamic_sampling.enabled=true: not carried by the two-process loop")
-    if config.eval.every_n_steps:
-        out.append(f"eval.every_n_steps={config.eval.every_n_steps}: evaluation is not run by the two-process loop")
+        out.append("train.dynamic_sampling.enabled=true: not carried by the multi-process loop")
     return out
 
 
