@@ -2,10 +2,12 @@
 `grpo run` processes x 2 CPU devices (gloo), processes 0-1 rolling out and 2-3 updating
 (``rollout_devices: 4``), against the one-process runs of the same config in this
 process (8 devices): at ``max_staleness: 0`` the synchronous run, at 1 the asynchronous
-run with the same split (4 + 4)."""
+run with the same split (4 + 4). Each test takes about 400 s on 2 shared cores (4
+processes compile the same programs at once)."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -64,14 +66,27 @@ def _one_process(tmp: Path, config: dict) -> Trainer:
     return trainer
 
 
+# Evaluation every step, on the rollout side (issue 51); a few prompts.
+EVAL = {"every_n_steps": 1, "num_examples": 8, "at_start": False}
+# Staleness 1 also runs the continuous engine, dynamic sampling (rounds gathered over the
+# rollout side's processes) and the evaluation before the first step.
+FEATURES = {"rollout": {**CONFIG["rollout"], "engine": "continuous"}, "eval": {**EVAL, "at_start": True},
+            "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}}}
+
+
 @pytest.mark.parametrize("staleness", [0, 1])
 def test_two_plus_two_processes_equal_the_one_process_run(tmp_path, staleness):
     """2 + 2 processes: every step once at its data position and staleness, the same
-    rewards, losses within 1e-5 of the one-process synchronous run (staleness 0) or the
-    one-process asynchronous run with the same split (staleness 1); the weights moved on
-    device every step (``weight_sync/bytes``: the whole parameter tree's bytes)."""
-    config = dict(CONFIG, train={**CONFIG["train"], "async": {**CONFIG["train"]["async"], "max_staleness": staleness}})
-    rows = read_metrics(_pod_run(tmp_path, config))
+    rewards and evaluation rows, losses within 1e-5 of the one-process synchronous run
+    (staleness 0) or the one-process asynchronous run with the same split (staleness 1,
+    with the continuous engine, dynamic sampling and an evaluation at the start); the
+    weights moved on device every step (``weight_sync/bytes``: the parameter tree's)."""
+    train = {**CONFIG["train"], "async": {**CONFIG["train"]["async"], "max_staleness": staleness}}
+    config = dict(CONFIG, train=train, eval=EVAL)
+    if staleness:
+        config.update(FEATURES, train={**train, **FEATURES["train"]})
+    run_dir = _pod_run(tmp_path, config)
+    rows = read_metrics(run_dir)
     single = dict(config, train={**config["train"], "async": {"enabled": False}}) if staleness == 0 else config
     trainer = _one_process(tmp_path, single)
     want = read_metrics(trainer.run_dir)
@@ -84,3 +99,8 @@ def test_two_plus_two_processes_equal_the_one_process_run(tmp_path, staleness):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
         assert got["weight_sync/bytes"] > 0 and got["time/train/weight_sync_s"] > 0
     assert {r["weight_sync/bytes"] for r in rows} == {sum(x.nbytes for x in jax.tree.leaves(trainer.params))}
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    want_evals = [json.loads(line) for line in (trainer.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals] == list(range(0 if staleness else 1, STEPS + 1))
+    for got, ref in zip(evals, want_evals, strict=True):
+        assert {k: v for k, v in got.items() if k != "time/eval_s"} == {k: v for k, v in ref.items() if k != "time/eval_s"}

@@ -18,7 +18,7 @@ optimizer steps applied to them):
   rollout side through the one :meth:`~grpo.engine.loop.sync.WeightSync.sync` (the
   rollout engine's ``update_weights``, in every mode);
 - the metrics row, with the asynchronous figures when the run is asynchronous; then the
-  source's end of step (two processes: the step's one exchange).
+  source's end of step (split by processes: the step's one exchange).
 
 With ``m = 0`` nothing overlaps: every rollout is drawn at the weights that train on it,
 and the run equals the synchronous one (up to the reduction order of a smaller mesh).

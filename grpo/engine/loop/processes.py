@@ -1,18 +1,29 @@
-"""The loop over two processes: process 0's devices roll out, process 1's update
-(``train.async.rollout_devices`` = process 0's device count, e.g. 4 of 2 x 4).
+"""The loop split by processes: the first processes' devices roll out, the others'
+update (``train.async.rollout_devices`` = the rollout processes' devices, e.g. 8 of a
+v6e-16's 4 x 4: 2 + 2 hosts), any number of processes a side.
 
-The same ``grpo run`` runs on both (JAX's multi-controller model) and builds the same
-trainer; each process then plays its side. Programs whose devices are all the other
-process's are not run here (and would do nothing if they were: JAX runs a program on the
-processes holding its devices). The rollout side's host side (prompts, scoring, the
-logged sample group) runs as if it were the only process, over its own mesh
-(:func:`~grpo.engine.parallel.mesh.mesh_processes`).
+The same ``grpo run`` runs on every process (JAX's multi-controller model) and builds the
+same trainer; each process then plays its side. Programs whose devices are all the other
+side's are not run here. Each side's host side runs over its own processes alone: the
+rollout side's (prompts, scoring, dynamic sampling's rounds, the logged sample group,
+evaluation) gathers over the rollout processes
+(:func:`~grpo.engine.parallel.mesh.mesh_processes`,
+:func:`~grpo.engine.parallel.rows.gather_processes`), the update side's over the update
+processes. Every process of a side hands the exchange the same thing: the rollout side's
+entries as its first process drew them (process 0 alone makes the logged group), the
+update side's weights and state.
 
-On the update process the run is the one :class:`~grpo.engine.loop.loop.Loop`, with a
+On the update processes the run is the one :class:`~grpo.engine.loop.loop.Loop`, with a
 :class:`ProcessLink` as both its rollout source and its weight sync. The rollout
-process runs the link's far end, :class:`RolloutSide`: it draws, and takes the weights
-in through the same :meth:`~grpo.engine.loop.sync.WeightSync.sync` a one-process run
-reshards them with (:class:`~grpo.engine.loop.sync.OtherMesh`).
+processes run the link's far end, :class:`RolloutSide`: they draw, take the weights in
+through the same :meth:`~grpo.engine.loop.sync.WeightSync.sync` a one-process run
+reshards them with (:class:`~grpo.engine.loop.sync.OtherMesh`), and evaluate, at the
+weights they were sent, while the update side trains on.
+
+The weights move on device (:meth:`~grpo.engine.parallel.exchange.SideExchange.swap_arrays`:
+no host round trip), what moves is :func:`sent_weights` (one function), and each move
+logs ``time/train/weight_sync_s`` (the update side's seconds until it arrived) and
+``weight_sync/bytes``.
 
 The sides meet in :class:`~grpo.engine.parallel.exchange.SideExchange`, always both at
 once and in the same order (``m = max_staleness``, ``s`` the step):
@@ -24,18 +35,18 @@ once and in the same order (``m = max_staleness``, ``s`` the step):
   it, then waits while the update side trains it (nothing overlaps: the run equals the
   one-process one);
 - step ``s`` with ``m >= 1``: the update side trains step ``s`` while the rollout side
-  draws step ``s + m`` at version ``s`` (on its own process: the two overlap);
+  draws step ``s + m`` at version ``s`` (on its own processes: the two overlap);
 - then one exchange: the new weights (version ``s + 1``), the step's metrics row and the
   state one way, the drawn rollout the other.
 
 So both sides hold the same buffer at every checkpoint: the rollouts drawn and not yet
-trained, as the host arrays that crossed, which both processes hand Orbax alike
+trained, as the host arrays that crossed, which every process hands Orbax alike
 (process 0 writes them) in the one format (:mod:`grpo.engine.loop.buffer`); a resumed
 run trains them as drawn, with no group lost or drawn twice. Process 0 writes the logs,
 samples and checkpoint metadata, as in every run, from the state the update side sends.
-A failure on one side is sent in place of its next exchange, so the other side stops
-with its message (:class:`~grpo.engine.parallel.exchange.RemoteFailure`) instead of
-waiting.
+A failure on one process is sent in place of its next exchange, so every other process
+stops with its message, naming the side and the process
+(:class:`~grpo.engine.parallel.exchange.RemoteFailure`), instead of waiting.
 """
 
 from __future__ import annotations
@@ -50,7 +61,6 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo.core.errors import ConfigError
 from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
 from grpo.engine.loop.sources import RolloutSource
 from grpo.engine.loop.sync import OtherMesh, WeightSync
@@ -60,14 +70,9 @@ from grpo.engine.rollout.partial import Ledger
 
 
 def side_exchange(trainer: Any) -> SideExchange:
-    """The run's exchange (this process's side: its ``name``); a run whose rollout is
-    conversations (tools) is refused: the two-process loop does not carry them."""
+    """The run's exchange (this process's side: its ``name``). A multi-turn task was
+    refused before (:func:`~grpo.engine.parallel.split.check_split`)."""
     meshes = trainer.meshes
-    if trainer.conversations is not None:
-        raise ConfigError(
-            f"train.async.rollout_devices={meshes.rollout.mesh.devices.size} splits the run by processes, and "
-            f"task.name={trainer.config.task.name} rolls out conversations (tools), which the two-process loop "
-            f"does not: run it asynchronously on one host, or set train.async.enabled=false.")
     return SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
 
 
@@ -236,7 +241,7 @@ class RolloutSide:
         self.started = False
 
     def step(self) -> dict[str, Any]:
-        """One step of the two-process loop on the rollout side: the row the update side
+        """One step of the multi-process loop on the rollout side: the row the update side
         sent."""
         try:
             if not self.started:

@@ -15,9 +15,12 @@ them, and drops the prepared copy when the draw is done. Three of them:
   weights on the device side (``time/train/weight_sync_s``: that transfer's seconds
   from dispatch to arrival, timed by a thread that waits for it;
   ``time/train/weight_sync_dispatch_s``: what the main thread spent dispatching it).
-- two processes: the weights cross in the step's exchange
+- split by processes: the weights cross on device in the step's exchange
   (:class:`~grpo.engine.loop.processes.ProcessLink`, which is the run's source and its
-  sync at once); on the rollout process an :class:`OtherMesh` hands them to its engine.
+  sync at once); on the rollout processes an :class:`OtherMesh` hands them to their
+  engine.
+
+Every sync logs ``weight_sync/bytes``: the bytes the move carried.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class OtherMesh(WeightSync):
             frozen, state_shardings(frozen, programs.mesh, PARAM_RULES))
         self.dispatch_s = 0.0
         self.previous_s = 0.0
+        self.bytes = 0  # the last move's (the whole tree's bytes)
         self._arrival: concurrent.futures.Future | None = None  # the last transfer's seconds to arrival
         self._waiter: concurrent.futures.ThreadPoolExecutor | None = None
 
@@ -96,6 +100,7 @@ class OtherMesh(WeightSync):
         t = time.perf_counter()
         moved = jax.device_put(params, self.shardings)
         self.dispatch_s = time.perf_counter() - t
+        self.bytes = sum(x.nbytes for x in jax.tree.leaves(params))
 
         def arrival() -> float:
             jax.block_until_ready(moved)
@@ -108,7 +113,8 @@ class OtherMesh(WeightSync):
 
     def figures(self) -> dict[str, float]:
         # The transfer the step's rollout drew with, and the dispatch of the new one.
-        return {"time/train/weight_sync_s": self.previous_s, "time/train/weight_sync_dispatch_s": self.dispatch_s}
+        return {"time/train/weight_sync_s": self.previous_s, "time/train/weight_sync_dispatch_s": self.dispatch_s,
+                "weight_sync/bytes": float(self.bytes)}
 
     def close(self) -> None:
         if self._waiter is not None:

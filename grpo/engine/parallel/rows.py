@@ -79,7 +79,7 @@ def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
     gathered from every process first (host arrays: prompts, rewards)."""
     from grpo.engine.parallel.mesh import mesh_processes
 
-    # The processes holding the mesh (in a two-process async run, the rollout side's own).
+    # The processes holding the mesh (split by processes: its side's own).
     processes = mesh_processes(sharding.mesh)[1] if jax.process_count() > 1 else 1
     if processes > 1:
         rows = local.shape[0] * processes

@@ -119,11 +119,21 @@ def multiprocess_problems(config) -> list[str]:
         out.append("model.lora is set: the multi-process loop moves full weights only (no frozen base)")
     if a.partial_rollouts:
         out.append("train.async.partial_rollouts=true: the stream's in-flight rows do not cross processes")
-    if config.rollout.engine != "static":
-        out.append(f"rollout.engine={config.rollout.engine}: the multi-process loop runs the static sampler")
-    if config.train.dynamic_sampling.enabled:
-        out.append("train.dynamic_sampling.enabled=true: not carried by the multi-process loop")
     return out
+
+
+def _multiturn_problems(config, plugins=None) -> list[str]:
+    """A task with tools or environments of its own rolls out conversations, which the
+    multi-process loop does not carry (their turns' host side gathers over every
+    process)."""
+    from grpo.core.config import select_plugins
+    from grpo.core.contracts import TaskPlugin
+
+    task = select_plugins(config, plugins)["task"]
+    if type(task.plugin).environment is TaskPlugin.environment and not task.plugin.tools(options=task.options):
+        return []
+    return [f"task.name={config.task.name}: the task has tools or environments (multi-turn rollouts), which the "
+            f"multi-process loop does not carry"]
 
 
 def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, list, list[tuple[Topology, MeshLayout]]]:
@@ -139,13 +149,14 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
     from grpo.core.config import resolve_layout
 
     rollout, update = split_devices(list(devices), rollout_devices=config.train.async_.rollout_devices)
-    if len({d.process_index for d in rollout + update}) > 1 and multiprocess_problems(config):
-        procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
-        raise ConfigError(
-            f"train.async.rollout_devices={len(rollout)} splits the run by processes (processes {procs[0]} roll "
-            f"out, processes {procs[1]} update), which this config cannot run that way:",
-            problems=multiprocess_problems(config),
-        )
+    if len({d.process_index for d in rollout + update}) > 1:
+        problems = multiprocess_problems(config) + _multiturn_problems(config, plugins)
+        if problems:
+            procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
+            raise ConfigError(
+                f"train.async.rollout_devices={len(rollout)} splits the run by processes (processes {procs[0]} roll "
+                f"out, processes {procs[1]} update), which this config cannot run that way:", problems=problems,
+            )
     sides = []
     for name, devs in (("rollout", rollout), ("update", update)):
         topology = current_topology(devs)

@@ -114,18 +114,34 @@ def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout
     assert why in msg and "train.async.enabled=false" in msg
 
 
-def test_what_the_two_process_loop_does_not_carry_is_listed_by_field():
+def test_what_the_multi_process_loop_does_not_carry_is_listed_by_field():
+    """Issue 51: evaluation, the continuous engine and dynamic sampling run over
+    processes now (tests/integration/test_asynchronous_pod.py); LoRA and partial
+    rollouts are still listed."""
     assert multiprocess_problems(_config(**{"train.async": {"enabled": True}})) == []
     problems = multiprocess_problems(_config(**{
         "train.async": {"enabled": True, "max_staleness": 2, "partial_rollouts": True}, "rollout.engine": "continuous",
         "model.lora": {"rank": 4}, "eval.every_n_steps": 2}))
     fields = [p.split("=")[0].split(" ")[0] for p in problems]
-    # Evaluation runs over processes (issue 51: on the rollout side).
-    assert fields == ["model.lora", "train.async.partial_rollouts", "rollout.engine"]
-    assert [p.split("=")[0] for p in multiprocess_problems(_config(**{
-        "train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True}))] == ["train.dynamic_sampling.enabled"]
+    assert fields == ["model.lora", "train.async.partial_rollouts"]
+    assert multiprocess_problems(_config(**{"train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True,
+                                            "rollout.engine": "continuous"})) == []
 
 
 def test_a_side_without_devices_is_reported_before_the_processes():
     with pytest.raises(ConfigError, match="leaves the update mesh without devices"):
         split_devices(_TWO_BY_FOUR, rollout_devices=8)
+
+
+def test_a_multi_turn_task_over_processes_is_refused_before_start_up():
+    """Issue 51: a task with tools was refused only at start-up (the exchange's check);
+    the split's one check (validate, plan and run) now names it, and the same task runs
+    asynchronously in one process."""
+    from grpo.engine.parallel.split import validate_split
+
+    config = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True}})
+    with pytest.raises(ConfigError) as err:
+        validate_split(config, 2, 4)
+    assert "task.name=lookup: the task has tools or environments" in str(err.value)
+    validate_split(config, 1, 8)
+    validate_split(_config(**{"train.async": {"enabled": True}, "eval.every_n_steps": 1}), 2, 4)
