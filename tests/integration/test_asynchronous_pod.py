@@ -90,8 +90,10 @@ def test_two_plus_two_processes_equal_the_one_process_run(tmp_path, staleness):
     single = dict(config, train={**config["train"], "async": {"enabled": False}}) if staleness == 0 else config
     trainer = _one_process(tmp_path, single)
     want = read_metrics(trainer.run_dir)
-    assert [(r["step"], r["async/data_position"], r["async/staleness_max"]) for r in rows] == \
-        [(s + 1, s * PROMPTS, min(s, staleness)) for s in range(STEPS)]
+    assert [(r["step"], r["async/staleness_max"]) for r in rows] == [(s + 1, min(s, staleness)) for s in range(STEPS)]
+    # Each step's prompts start where the one-process run's do (dynamic sampling draws more).
+    assert [r["async/data_position"] for r in rows] == \
+        ([r["async/data_position"] for r in want] if staleness else [s * PROMPTS for s in range(STEPS)])
     assert any(r["grad_norm"] > 0 for r in want) and any(r["reward/mean"] > 0 for r in want)
     for got, ref in zip(rows, want, strict=True):
         assert got["reward/mean"] == ref["reward/mean"]

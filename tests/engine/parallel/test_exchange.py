@@ -113,3 +113,29 @@ def test_route_sends_each_block_once_a_round():
                 received[d] = s
         assert sorted(received) == list(range(n_rollout + n_update))
         assert len(rounds) == -(-max(n_rollout, n_update) // min(n_rollout, n_update))
+
+
+@pytest.mark.parametrize("topology, rollout_devices", [("v6e-16", 8), ("v6e-32", 16), ("v6e-16", 4)])
+def test_the_move_compiles_to_point_to_point_permutes_on_tpu(topology, rollout_devices):
+    """Issue 51: the on-device move (weights and bytes alike) on the TPU compiler (libtpu,
+    no TPU): a v6e-16 split 2 + 2 hosts and a v6e-32 4 + 4 compile to one
+    collective-permute (each rollout chip receives one update chip's block), 1 + 3 hosts
+    to three rounds; never an all-gather of the blocks."""
+    pytest.importorskip("libtpu")
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from grpo.engine.parallel.exchange import SideExchange
+    from grpo.engine.parallel.split import split_devices
+    from grpo.engine.planning.tpu import parse_topology
+
+    rollout, update = split_devices(parse_topology(topology).devices(), rollout_devices=rollout_devices)
+    ex = SideExchange(rollout, update)
+    x = jax.ShapeDtypeStruct((len(ex.devices), 1 << 16), jnp.bfloat16, sharding=ex._blocks)
+    hlo = ex._move.lower({"w": x}).compile().as_text()
+    permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+    small, large = sorted((len(rollout), len(update)))
+    assert len(permutes) == -(-large // small)  # rounds: a device sends at most once a round
+    assert not re.search(r"\b(all-gather|all-to-all|all-reduce)(-start)?\(", hlo)
