@@ -454,7 +454,9 @@ class Planner:
         asynchronous config ``checked``'s split is first checked as the run checks it
         (:func:`~grpo.engine.parallel.split.check_split` on the topology's processes), so
         the plan refuses, with the run's message, every split the run would refuse."""
-        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync
+        import jax
+
+        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync, weight_sync_by_processes
 
         if checked is not None:
             from grpo.engine.parallel.split import validate_split
@@ -503,6 +505,10 @@ class Planner:
         weights = s_ro.state["rollout_parameters"] or s_ro.state["parameters"]
         sync = weight_sync(rollout_bytes_per_chip=weights, rollout_chips=k, update_chips=u,
                            ici_bandwidth=self.topology.chip.ici_bandwidth)
+        if self.topo.process_count > 1:  # split by hosts: the sent tree, whole, to every rollout chip
+            sent = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s_up.params))
+            sync = weight_sync_by_processes(sent_bytes=sent, rollout_chips=k, update_chips=u,
+                                            ici_bandwidth=self.topology.chip.ici_bandwidth)
         rollout_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
                            and not e["compiler_error"] for e in e_ro.values())
         out = async_section(split=(k, u), synchronous_s=synchronous_step(report), rollout=rollout, update_s=update_s,
