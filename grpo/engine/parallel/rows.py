@@ -40,12 +40,12 @@ def gather_processes(local, mesh: Mesh, *, tiled: bool = False) -> np.ndarray:
     process's ``local`` has the same shape and dtype."""
     local = np.asarray(local)
     owners = _owners(mesh.devices.flat)
+    if len(owners) == 1:
+        return local if tiled else local[None]
     if len(owners) == jax.process_count():
         from jax.experimental import multihost_utils
 
         return np.asarray(multihost_utils.process_allgather(local, tiled=tiled))
-    if len(owners) == 1:
-        return local if tiled else local[None]
     first: dict[int, jax.Device] = {}
     for d in sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id)):
         first.setdefault(d.process_index, d)
