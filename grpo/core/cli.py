@@ -171,7 +171,8 @@ def config_validate(file: str, overrides: tuple[str, ...], processes: int | None
     """Check FILE; print `ok`, or every problem and exit 2.
 
     With --processes and --local-devices the mesh and batch arithmetic are checked for
-    that topology too (e.g. a v6e-16 pod is 4 processes x 4 devices).
+    that topology too (e.g. a v6e-16 pod is 4 processes x 4 devices), and an asynchronous
+    run's split of it into rollout and update devices, as the run checks it.
     """
     from grpo.core.config import load_config, resolve_layout
     from grpo.core.contracts import Topology
@@ -181,6 +182,10 @@ def config_validate(file: str, overrides: tuple[str, ...], processes: int | None
         raise UserError("--processes and --local-devices go together.")
     if processes is not None:
         resolve_layout(cfg, Topology(process_count=processes, local_device_count=local_devices))
+        if cfg.train.async_.enabled:  # the split the run would make, by its own check
+            from grpo.engine.parallel.split import validate_split
+
+            validate_split(cfg, processes, local_devices)
     if cfg.model.lora is not None:
         _check_lora(cfg)
     click.echo("ok")

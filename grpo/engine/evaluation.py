@@ -13,7 +13,9 @@ Every process places the whole (small) prompt batch; prefill splits it over the 
 the rollout shards the prompts divide (replicated at worst), decode splits their ``k``
 samples over all of them. Each process decodes and scores the samples of its own slice of prompts
 (the rows it holds); per-prompt results are then gathered so every process reports the
-same numbers.
+same numbers. "Every process" is every process of the mesh it samples on: in an
+asynchronous run split by processes, the rollout side's, which evaluates on its own mesh
+at the weights it was sent (:mod:`grpo.engine.loop.processes`).
 
 The :class:`Evaluator` is built from the run's pieces (config, program builder, task,
 tokenizer), never from the trainer: the sampler comes from
@@ -39,6 +41,8 @@ import jax
 import numpy as np
 
 from grpo.core.config import RunConfig
+from grpo.engine.parallel.mesh import mesh_processes
+from grpo.engine.parallel.rows import gather_processes
 from grpo.engine.programs import RunPrograms
 from grpo.engine.rollout.prompts import (
     PromptSet,
@@ -121,7 +125,8 @@ class Evaluator:
         n = len(prompts)
         real, size = self.programs.eval_batch(n)
         width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
-        local = process_slice(size, jax.process_index(), jax.process_count())
+        # The processes of the mesh it samples on: every process, or (split by processes) the rollout side's.
+        local = process_slice(size, *mesh_processes(self.programs.mesh))
         starts = range(0, n, real)
         mine = np.zeros((len(starts), local.stop - local.start, 2), np.float64)  # correct, reward
         for b, start in enumerate(starts):
@@ -144,12 +149,7 @@ class Evaluator:
             scored = score_completions(self.task, self.task_options, examples, texts)
             mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)
             mine[b, :keep, 1] = np.asarray(scored.totals, np.float64).reshape(keep, k).sum(1)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            every = np.asarray(multihost_utils.process_allgather(mine))  # processes, batches, per, 2
-        else:
-            every = mine[None]
+        every = gather_processes(mine, self.programs.mesh)  # processes, batches, per, 2
         every = every.transpose(1, 0, 2, 3).reshape(len(starts), size, 2)  # batch, slot, 2
         real_slots = np.arange(size)[None, :] < np.minimum(real, n - np.asarray(starts))[:, None]
         flat = every[real_slots]  # n 2, eval-split order

@@ -165,9 +165,12 @@ class Trainer:
         self.reward_failures = RewardFailures(self._write_reward_failure if self.is_main else None,
                                               where=str(self.run_dir / LOG_NAME))
         self._signal: int | None = None
+        # Split by processes, the rollout side evaluates, on its mesh at the weights it was sent.
+        by_processes = self.meshes is not None and len(
+            {d.process_index for side in (self.meshes.rollout, self.meshes.update) for d in side.mesh.devices.flat}) > 1
         self.evaluator = Evaluator(
-            config, self.programs, task=self.task, task_options=self.task_options, policy=self.policy,
-            render=self.render, buckets=self.buckets,
+            config, rollout_programs if by_processes else self.programs, task=self.task,
+            task_options=self.task_options, policy=self.policy, render=self.render, buckets=self.buckets,
         )
         self._packing: tuple[Any, Any] | None = None  # this step's (PackPlan, Placement) when packed
         self._pending: Any = None  # the packed passes' compile ahead while it runs (schedule.Pending)
@@ -477,7 +480,7 @@ class Trainer:
         return self.loop.step()
 
     def evaluate(self) -> dict[str, Any]:
-        return self.evaluator(self.step, self.params)
+        return self.loop.evaluate(self.evaluator, self.step, self.params)
 
     def compile_ahead(self) -> Any:
         """Start compiling the packed passes' shape schedule (``train.compile.ahead``:

@@ -255,3 +255,30 @@ def test_packing_bin_length_shorter_than_a_sequence_is_refused():
     [problem] = [p for p in cross_field_problems(cfg) if "packing" in p]
     assert "train.packing.bin_length=95" in problem and "96" in problem
     assert RunConfig.model_validate({"rollout": {"max_prompt_length": 64, "max_new_tokens": 32}}).bin_length == 96
+
+
+def test_validate_refuses_the_split_the_run_refuses_with_its_message():
+    """Issue 51: `grpo config validate --processes 4 --local-devices 4` on the v6e-16
+    recipe split 8 + 8 with partial rollouts and the continuous engine printed ``ok`` and
+    the run refused it at start-up on the pod. Now validate runs the run's own check
+    (grpo.engine.parallel.split.check_split, which the run calls on its real devices) and
+    prints the same message; the plain split (2 + 2 hosts, evaluation on) is ok."""
+    from grpo.engine.parallel.split import check_split, topology_devices
+
+    recipe = str(ROOT / "configs" / "gsm8k_qwen25_3b_v6e16.yaml")
+    sets = ["--set", "train.async.enabled=true", "--set", "train.async.rollout_devices=8"]
+    extra = ["--set", "train.async.partial_rollouts=true", "--set", "rollout.engine=continuous"]
+    result = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets, *extra)
+    assert result.exit_code == 2
+    with pytest.raises(ConfigError) as err:
+        check_split(load_config(recipe, [a for a in sets + extra if a != "--set"]), topology_devices(4, 4))
+    assert str(err.value) in result.output
+    assert "processes [0, 1] roll out, processes [2, 3] update" in result.output
+    assert "train.async.partial_rollouts=true" in result.output and "rollout.engine=continuous" in result.output
+    ok = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets)
+    assert ok.exit_code == 0 and ok.output.strip() == "ok", ok.output
+    # A process on both sides (6 of 4 x 4): the run's message too.
+    result = _validate(recipe, "--processes", "4", "--local-devices", "4", "--set", "train.async.enabled=true",
+                       "--set", "train.async.rollout_devices=6")
+    assert result.exit_code == 2 and "does not split this run's 16 devices (of 4 processes) by whole processes" \
+        in result.output

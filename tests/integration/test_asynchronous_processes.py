@@ -150,5 +150,5 @@ def test_a_rollout_failure_stops_both_processes_with_its_message(tmp_path):
         assert "the reward server went away" in out + err, f"process {pid}:\n{(out + err)[-3000:]}"
     assert "Done:" not in results[0][1]
     # The update side says what failed on the other process, without a traceback of its own.
-    assert "Error: the rollout side failed: SystemExit: the reward server went away" in results[1][2]
+    assert "Error: the rollout side failed (process 0): SystemExit: the reward server went away" in results[1][2]
     assert "Traceback" not in results[1][2], results[1][2][-3000:]

@@ -7,7 +7,7 @@
   the rollout mesh (whole batches, or the partial-rollouts stream).
 - ``sync``: how weights reach the rollout side: nothing to move, or resharded onto the
   rollout mesh; :meth:`WeightSync.sync` is the one way in.
-- ``processes``: the source and sync of a two-process run (the exchange), and the
+- ``processes``: the source and sync of a run split by processes (the exchange), and the
   rollout process's far end.
 - ``buffer``: the record every source yields (:class:`Buffered`), the staleness
   refusal, and the one checkpoint format of buffered rollouts.

@@ -6,11 +6,11 @@ mode                                       source                     weight syn
 synchronous                                :class:`InlineSource`      :class:`SameDevices`
 asynchronous, one process                  :class:`BackgroundSource`  :class:`OtherMesh`
 ... with ``train.async.partial_rollouts``  :class:`PartialSource`     :class:`OtherMesh`
-asynchronous, two processes (update side)  :class:`ProcessLink`       the same link
+asynchronous, by processes (update side)   :class:`ProcessLink`       the same link
 =========================================  =========================  ===================
 
-The rollout process of a two-process run runs the link's far end
-(:class:`~grpo.engine.loop.processes.RolloutSide`) in place of the loop.
+The rollout processes of a run split by processes (any number a side) run the link's far
+end (:class:`~grpo.engine.loop.processes.RolloutSide`) in place of the loop.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from grpo.engine.loop.sync import OtherMesh, SameDevices
 
 
 def processes(meshes: Any) -> int:
-    """The processes holding an asynchronous run's devices (2: one a side)."""
+    """The processes holding an asynchronous run's devices (over 1: split by processes)."""
     return len({d.process_index for side in (meshes.rollout, meshes.update) for d in side.mesh.devices.flat})
 
 

@@ -21,7 +21,7 @@ optimizer steps applied to them):
   rollout side through the one :meth:`~grpo.engine.loop.sync.WeightSync.sync` (the
   rollout engine's ``update_weights``, in every mode);
 - the metrics row, with the asynchronous figures when the run is asynchronous; then the
-  source's end of step (two processes: the step's one exchange).
+  source's end of step (split by processes: the step's one exchange).
 
 With ``m = 0`` nothing overlaps: every rollout is drawn at the weights that train on it,
 and the run equals the synchronous one (up to the reduction order of a smaller mesh).
@@ -237,6 +237,11 @@ class Loop:
         if first.step != tr.step or (self.source.in_order and first.position != tr.data_position):
             raise RuntimeError(f"async GRPO: the checkpoint's buffer starts at step {first.step + 1} (data position "
                                f"{first.position}) where its state is at step {tr.step + 1} ({tr.data_position})")
+
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        """The evaluation row of the policy at ``step`` (``params``), where the source
+        says it runs (split by processes: on the rollout side)."""
+        return self.source.evaluate(evaluator, step, params)
 
     def close(self) -> None:
         self.source.close()

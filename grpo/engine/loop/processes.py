@@ -1,18 +1,29 @@
-"""The loop over two processes: process 0's devices roll out, process 1's update
-(``train.async.rollout_devices`` = process 0's device count, e.g. 4 of 2 x 4).
+"""The loop split by processes: the first processes' devices roll out, the others'
+update (``train.async.rollout_devices`` = the rollout processes' devices, e.g. 8 of a
+v6e-16's 4 x 4: 2 + 2 hosts), any number of processes a side.
 
-The same ``grpo run`` runs on both (JAX's multi-controller model) and builds the same
-trainer; each process then plays its side. Programs whose devices are all the other
-process's are not run here (and would do nothing if they were: JAX runs a program on the
-processes holding its devices). The rollout side's host side (prompts, scoring, the
-logged sample group) runs as if it were the only process, over its own mesh
-(:func:`~grpo.engine.parallel.mesh.mesh_processes`).
+The same ``grpo run`` runs on every process (JAX's multi-controller model) and builds the
+same trainer; each process then plays its side. Programs whose devices are all the other
+side's are not run here. Each side's host side runs over its own processes alone: the
+rollout side's (prompts, scoring, dynamic sampling's rounds, the logged sample group,
+evaluation) gathers over the rollout processes
+(:func:`~grpo.engine.parallel.mesh.mesh_processes`,
+:func:`~grpo.engine.parallel.rows.gather_processes`), the update side's over the update
+processes. Every process of a side hands the exchange the same thing: the rollout side's
+entries as its first process drew them (process 0 alone makes the logged group), the
+update side's weights and state.
 
-On the update process the run is the one :class:`~grpo.engine.loop.loop.Loop`, with a
+On the update processes the run is the one :class:`~grpo.engine.loop.loop.Loop`, with a
 :class:`ProcessLink` as both its rollout source and its weight sync. The rollout
-process runs the link's far end, :class:`RolloutSide`: it draws, and takes the weights
-in through the same :meth:`~grpo.engine.loop.sync.WeightSync.sync` a one-process run
-reshards them with (:class:`~grpo.engine.loop.sync.OtherMesh`).
+processes run the link's far end, :class:`RolloutSide`: they draw, take the weights in
+through the same :meth:`~grpo.engine.loop.sync.WeightSync.sync` a one-process run
+reshards them with (:class:`~grpo.engine.loop.sync.OtherMesh`), and evaluate, at the
+weights they were sent, while the update side trains on.
+
+The weights move on device (:meth:`~grpo.engine.parallel.exchange.SideExchange.swap_arrays`:
+no host round trip), what moves is :func:`sent_weights` (one function), and each move
+logs ``time/train/weight_sync_s`` (the update side's seconds until it arrived) and
+``weight_sync/bytes``.
 
 The sides meet in :class:`~grpo.engine.parallel.exchange.SideExchange`, always both at
 once and in the same order (``m = max_staleness``, ``s`` the step):
@@ -24,18 +35,18 @@ once and in the same order (``m = max_staleness``, ``s`` the step):
   it, then waits while the update side trains it (nothing overlaps: the run equals the
   one-process one);
 - step ``s`` with ``m >= 1``: the update side trains step ``s`` while the rollout side
-  draws step ``s + m`` at version ``s`` (on its own process: the two overlap);
+  draws step ``s + m`` at version ``s`` (on its own processes: the two overlap);
 - then one exchange: the new weights (version ``s + 1``), the step's metrics row and the
   state one way, the drawn rollout the other.
 
 So both sides hold the same buffer at every checkpoint: the rollouts drawn and not yet
-trained, as the host arrays that crossed, which both processes hand Orbax alike
+trained, as the host arrays that crossed, which every process hands Orbax alike
 (process 0 writes them) in the one format (:mod:`grpo.engine.loop.buffer`); a resumed
 run trains them as drawn, with no group lost or drawn twice. Process 0 writes the logs,
 samples and checkpoint metadata, as in every run, from the state the update side sends.
-A failure on one side is sent in place of its next exchange, so the other side stops
-with its message (:class:`~grpo.engine.parallel.exchange.RemoteFailure`) instead of
-waiting.
+A failure on one process is sent in place of its next exchange, so every other process
+stops with its message, naming the side and the process
+(:class:`~grpo.engine.parallel.exchange.RemoteFailure`), instead of waiting.
 """
 
 from __future__ import annotations
@@ -47,24 +58,21 @@ from typing import Any
 
 import jax
 import numpy as np
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from grpo.core.errors import ConfigError
 from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
 from grpo.engine.loop.sources import RolloutSource
 from grpo.engine.loop.sync import OtherMesh, WeightSync
-from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
+from grpo.engine.parallel.exchange import RemoteFailure, SideExchange, pack, unpack
+from grpo.engine.parallel.rows import gather_processes, host_value
 from grpo.engine.rollout.partial import Ledger
 
 
 def side_exchange(trainer: Any) -> SideExchange:
-    """The run's exchange (this process's side: its ``name``); a run whose rollout is
-    conversations (tools) is refused: the two-process loop does not carry them."""
+    """The run's exchange (this process's side: its ``name``). A multi-turn task was
+    refused before (:func:`~grpo.engine.parallel.split.check_split`)."""
     meshes = trainer.meshes
-    if trainer.conversations is not None:
-        raise ConfigError(
-            f"train.async.rollout_devices={meshes.rollout.mesh.devices.size} splits the run by processes, and "
-            f"task.name={trainer.config.task.name} rolls out conversations (tools), which the two-process loop "
-            f"does not: run it asynchronously on one host, or set train.async.enabled=false.")
     return SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
 
 
@@ -82,7 +90,7 @@ def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) ->
     them.) Both processes call it at the same point."""
     flat, treedef = jax.tree.flatten(state)
     if role == "update":
-        host = [np.asarray(x) for x in flat]
+        host = [host_value(x) for x in flat]  # gathered over the update side's processes
         exchange.exchange({f"c{i:05d}": x for i, x in enumerate(host)}, None)
     else:
         got, _, _ = exchange.exchange({}, None)
@@ -93,6 +101,24 @@ def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) ->
 def _host_like(state: dict[str, Any]) -> dict[str, Any]:
     """What Orbax restores the held state into: host arrays."""
     return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+
+def sent_weights(params: Any) -> Any:
+    """What a weight sync moves from the update side to the rollout side: the one place
+    that says it (both sides call it, the rollout side on its placeholders for the
+    shapes). Today the whole trainable tree."""
+    return params
+
+
+def received_weights(exchange: SideExchange, like: Any, replicated: NamedSharding) -> Any:
+    """The rollout side's end of :meth:`SideExchange.swap_arrays`: the weights
+    :func:`sent_weights` sent, each leaf whole on every rollout device (``replicated``),
+    on device; the sync's ``device_put`` then lays them out for the engine."""
+    blocks = exchange.swap_arrays(like)
+    leaves, treedef = jax.tree.flatten(like)
+    out = [jax.make_array_from_single_device_arrays(x.shape, replicated, [row[i] for row in blocks])
+           for i, x in enumerate(leaves)]
+    return jax.tree.unflatten(treedef, out)
 
 
 class ProcessLink(RolloutSource, WeightSync):
@@ -108,7 +134,7 @@ class ProcessLink(RolloutSource, WeightSync):
         self.rows, self.replicated = trainer.programs.train_sharding, trainer.programs.replicated
         self.forms: dict[int, tuple[Any, dict[str, np.ndarray]]] = {}  # each buffered step as it crossed
         self.staged: Any = None
-        self.sync_s = 0.0
+        self.sync_s, self.sync_bytes = 0.0, 0
 
     # ------------------------------------------------------------------ weight sync
 
@@ -119,22 +145,26 @@ class ProcessLink(RolloutSource, WeightSync):
         self.staged = params
 
     def figures(self) -> dict[str, float]:
-        # The previous weights' exchange, seen from the update side.
-        return {"time/train/weight_sync_s": self.sync_s}
+        # The previous weights' move, seen from the update side.
+        return {"time/train/weight_sync_s": self.sync_s, "weight_sync/bytes": float(self.sync_bytes)}
 
     # ------------------------------------------------------------------ source
 
     def _swap(self, row: dict[str, Any] | None = None) -> list[Buffered]:
         """One exchange: the staged weights (if any), the trainer's state and ``row`` out;
         the entries the rollout side drew in."""
-        tr, t = self.trainer, time.perf_counter()
+        tr = self.trainer
         weights = self.staged
-        payload = {} if weights is None else {f"w{i:05d}": np.asarray(x) for i, x in enumerate(jax.tree.leaves(weights))}
         state = {"step": tr.step, "data_position": tr.data_position, "skipped": tr.skipped_nonfinite,
-                 "reward_errors": tr.reward_errors, "row": row}
-        got, _, _ = self.exchange.exchange(payload, state)
-        if weights is not None:  # the weights' move: this side's seconds in the exchange (host copies and all)
+                 "reward_errors": tr.reward_errors, "row": row, "weights": weights is not None}
+        got, _, _ = self.exchange.exchange({}, state)
+        if weights is not None:  # the weights' move, on device: its seconds until it has arrived
+            t = time.perf_counter()
+            sent = sent_weights(weights)
+            self.exchange.swap_arrays(sent)
+            jax.block_until_ready(sent)
             self.sync_s, self.staged = time.perf_counter() - t, None
+            self.sync_bytes = sum(x.nbytes for x in jax.tree.leaves(sent))
         out = []
         for spec, arrays in _specs(got):
             self.keep(spec, arrays)
@@ -169,6 +199,11 @@ class ProcessLink(RolloutSource, WeightSync):
     def reset(self, ledger: Ledger) -> None:
         self.forms.clear()
 
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        # The rollout side evaluates (RolloutSide.evaluate) while this side goes on training;
+        # process 0, on that side, logs its row.
+        return {"step": step}
+
     def failed(self, err: BaseException) -> None:
         if not isinstance(err, RemoteFailure):  # the other side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
@@ -195,7 +230,9 @@ class RolloutSide:
     def __init__(self, trainer: Any, exchange: SideExchange, programs: Any):
         self.trainer, self.exchange = trainer, exchange
         self.max_staleness = trainer.config.train.async_.max_staleness
-        self.treedef = jax.tree.structure(trainer.params)
+        # What the weights arrive into: the update side's shapes, whole on the rollout mesh.
+        self.like = sent_weights(trainer.params)
+        self.replicated = NamedSharding(programs.mesh, P())
         # Where the weights enter the rollout side: its engine's update_weights.
         self.sync = OtherMesh(programs, trainer.collector.sampler, trainer.params, None)
         self.version = -1
@@ -204,7 +241,7 @@ class RolloutSide:
         self.started = False
 
     def step(self) -> dict[str, Any]:
-        """One step of the two-process loop on the rollout side: the row the update side
+        """One step of the multi-process loop on the rollout side: the row the update side
         sent."""
         try:
             if not self.started:
@@ -217,6 +254,20 @@ class RolloutSide:
         except RemoteFailure:
             raise
         except BaseException as err:  # a KeyboardInterrupt or a library's sys.exit too: the other side must hear
+            self.exchange.fail(f"{type(err).__name__}: {err}")
+            raise
+
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        """The evaluation at ``step`` on this side's mesh, at the weights of version
+        ``step`` it was sent (a run's first, before its first step, once they are here);
+        the update side trains on meanwhile."""
+        try:
+            if not self.started:
+                self._start()
+            return evaluator(step, self.sync.params)
+        except RemoteFailure:
+            raise
+        except BaseException as err:  # the update side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
             raise
 
@@ -236,11 +287,10 @@ class RolloutSide:
         payload = {key(e, k): v for e, arrays in entries for k, v in arrays.items()}
         if entries:  # their structure (with the logged group's texts) as JSON bytes: no header limit
             payload["specs"] = np.frombuffer(json.dumps([[e, sorted(a)] for e, a in entries]).encode(), np.uint8)
-        got, state, _ = self.exchange.exchange(payload, None)
-        if got:  # the weights, onto the rollout mesh
+        _, state, _ = self.exchange.exchange(payload, None)
+        if state["weights"]:  # the weights, on device, onto the rollout mesh
             self.version = int(state["step"])
-            self.sync.sync(jax.tree.unflatten(self.treedef, [got[f"w{i:05d}"] for i in range(len(got))]),
-                           self.version)
+            self.sync.sync(received_weights(self.exchange, self.like, self.replicated), self.version)
         tr.step, tr.data_position = int(state["step"]), int(state["data_position"])
         tr.skipped_nonfinite, tr.reward_errors = int(state["skipped"]), dict(state["reward_errors"])
         return state["row"]
@@ -264,9 +314,27 @@ class RolloutSide:
         versions = np.full(rollout.rewards.shape[0], self.version, np.int64)
         arrays: dict[str, Any] = {}
         spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
-        entry = (spec, {k: np.asarray(v) for k, v in arrays.items()})
+        entry = (spec, {k: host_value(v) for k, v in arrays.items()})  # gathered over the rollout side's processes
+        entry = self._as_first(*entry)
         self.stored.append(entry)
         return entry
+
+    def _as_first(self, spec: Any, arrays: dict[str, np.ndarray]) -> tuple[Any, dict[str, np.ndarray]]:
+        """The entry as the rollout side's first process drew it, on every process of the
+        side: the same but for the logged sample group, which process 0 alone makes (and
+        every process of a side must hand the exchange and the checkpoint the same)."""
+        mesh = self.sync.programs.mesh
+        if len({d.process_index for d in mesh.devices.flat}) == 1:
+            return spec, arrays
+        data, layout = pack(arrays)
+        head = np.frombuffer(json.dumps([spec, layout]).encode(), np.uint8)
+        sizes = gather_processes(np.array([head.size, data.size], np.int64), mesh)  # [processes, 2]
+        buf = np.zeros(int(sizes[:, 0].max() + sizes[:, 1].max()), np.uint8)
+        buf[: head.size], buf[head.size : head.size + data.size] = head, data
+        first = gather_processes(buf, mesh)[0]
+        h, n = (int(x) for x in sizes[0])
+        spec, layout = json.loads(first[:h].tobytes())
+        return spec, unpack(first[h : h + n], layout)
 
     def _trained(self) -> None:
         """The buffer's first step is the one training now: its sample group written, as
@@ -311,4 +379,4 @@ class RolloutSide:
         self.sync.close()
 
 
-__all__ = ["ProcessLink", "RolloutSide", "side_exchange"]
+__all__ = ["ProcessLink", "RolloutSide", "received_weights", "sent_weights", "side_exchange"]

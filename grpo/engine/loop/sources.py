@@ -57,6 +57,10 @@ class RolloutSource:
     # Whether batches come in data order (each starts where the ledger's frontier is).
     in_order = True
 
+    def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
+        """The evaluation of the trainer's weights ``params`` at ``step``: here."""
+        return evaluator(step, params)
+
     def reset(self, ledger: Ledger) -> None:
         """Forget what is in flight (after a resume), drawing from ``ledger`` next."""
 

@@ -21,9 +21,12 @@ them, and drops the prepared copy when the draw is done. Three of them:
   reads beside the base already there (unmerged, or merged on the rollout side with
   ``model.lora.sampler: merged``). Qwen2.5-3B at rank 16 on every projection: 120 MB of
   f32 adapters a step against 6.2 GB of bf16 weights (1.9%).
-- two processes: the weights cross in the step's exchange
+- split by processes: the weights cross on device in the step's exchange
   (:class:`~grpo.engine.loop.processes.ProcessLink`, which is the run's source and its
-  sync at once); on the rollout process an :class:`OtherMesh` hands them to its engine.
+  sync at once); on the rollout processes an :class:`OtherMesh` hands them to their
+  engine.
+
+Every sync logs ``weight_sync/bytes``: the bytes the move carried.
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ class OtherMesh(WeightSync):
     def figures(self) -> dict[str, float]:
         # The transfer the step's rollout drew with, and the dispatch of the new one.
         return {"time/train/weight_sync_s": self.previous_s, "time/train/weight_sync_dispatch_s": self.dispatch_s,
-                "weight_sync/bytes": self.bytes}
+                "weight_sync/bytes": float(self.bytes)}
 
     def close(self) -> None:
         if self._waiter is not None:

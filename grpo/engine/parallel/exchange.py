@@ -1,39 +1,50 @@
 """The rendezvous between the two sides of a multi-process asynchronous run: the
-rollout side on one process's devices, the update side on another's, and one jitted
-program over both that swaps what each side hands it.
+rollout side on some processes' devices, the update side on the others', any number of
+processes a side, and programs over both sides' devices that move what each side hands
+them to the other.
 
-Why a program and not a ``device_put``: with the installed JAX (0.10.2, CPU, gloo) a
+Why programs and not a ``device_put``: with the installed JAX (0.10.2, CPU, gloo) a
 ``device_put`` between processes needs ``jax_cross_host_transfer_socket_address`` and
 then only moves an array between equal shardings (a resharding transfer fails with
-"Cannot reshard an input that is not fully addressable"). A program over a global mesh
-of both sides' devices, shaped ``(side=2, n)``, whose input is stacked on the ``side``
-axis (each process supplies its own side's shards with
-``jax.make_array_from_single_device_arrays``) and whose output is the same stack
-reversed, needs neither: XLA moves the blocks with its own collectives, and every process
-runs it, in the same order, as the multi-controller model wants (measured on CPU, 2
-processes x 4 devices: the swap arrives bit for bit, and each side's own programs on its
-local devices run between swaps without the other process taking part).
+"Cannot reshard an input that is not fully addressable"). A program over a mesh of every
+device of both sides (one axis, ``d``, rollout devices first) whose input is stacked on
+``d`` (each process supplies its own devices' blocks with
+``jax.make_array_from_single_device_arrays``) needs neither: XLA moves the blocks with
+its own collectives, every process runs it, in the same order, as the multi-controller
+model wants, and each side's own programs on its own devices run between swaps without
+the other side's processes taking part (measured on CPU, gloo: 2 processes x 4 devices,
+and 4 processes x 2 devices split 2 + 2 and 1 + 3).
 
-What is swapped is bytes: each side's payload (named arrays of any dtype and shape, the
-two sides' differing) is packed into one byte vector, so one program of one shape
-serves weights one way and rollouts the other. A fixed-size header goes first (one
-program of its own): the payload's layout, the side's metadata (JSON), its stop flag and
-its failure, if any; so both sides learn the byte count to pad to before the payload
-program, a stop on one side (SIGTERM) stops both at the same step, and a failure on one
-side raises :class:`RemoteFailure` with its message on the other instead of leaving it
-waiting in a collective.
+The move is point to point (:func:`route`): rollout device ``i`` receives the block of
+update device ``i mod n_update`` and update device ``j`` that of rollout device
+``j mod n_rollout``, in as many ``ppermute`` rounds as the larger side needs (a device
+sends at most once a round). Every device of a side holds the side's whole block, so
+each receiver gets a whole copy.
 
-Limits: one process a side (each swaps its whole payload through its own devices); the
-payload goes through the host on both ends (packing), which on an accelerator costs a
-device-to-host copy of the weights per step.
+What is swapped:
+
+- bytes (:meth:`SideExchange.exchange`): each side's payload (named arrays of any dtype
+  and shape, the two sides' differing) packed into one byte vector, so one program of
+  one shape serves rollouts one way and state the other. A fixed-size header goes first,
+  gathered from every process of both sides (one program of its own): the payload's
+  layout, the side's metadata (JSON), its stop flag and its failure, if any; so both
+  sides learn the byte count to pad to before the payload program, a stop on one process
+  stops all at the same step, and a failure on one process raises
+  :class:`RemoteFailure` with its message on every other instead of leaving them waiting
+  in a collective;
+- device arrays (:meth:`SideExchange.swap_arrays`): the weights, from the update mesh to
+  the rollout side's devices with no host round trip (each leaf made whole on the update
+  side's devices first, on device).
 """
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any, Mapping, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -96,47 +107,83 @@ def read_header(buf: np.ndarray) -> dict[str, Any]:
     return json.loads(buf[4 : 4 + n].tobytes())
 
 
+def route(n_rollout: int, n_update: int) -> tuple[list[list[tuple[int, int]]], np.ndarray]:
+    """The point-to-point rounds of a swap over ``n_rollout + n_update`` devices (rollout
+    devices first): each round's ``(source, destination)`` pairs (a device sends and
+    receives at most once a round), and the round each device receives in."""
+    rollout, update = list(range(n_rollout)), list(range(n_rollout, n_rollout + n_update))
+    rounds: list[list[tuple[int, int]]] = []
+    when = np.zeros(n_rollout + n_update, np.int32)
+    for src, dst in ((update, rollout), (rollout, update)):
+        for i, d in enumerate(dst):
+            t = i // len(src)
+            while len(rounds) <= t:
+                rounds.append([])
+            rounds[t].append((src[i % len(src)], d))
+            when[d] = t
+    return rounds, when
+
+
 class SideExchange:
-    """The swap between the rollout side (``rollout`` devices, one process) and the
-    update side (``update`` devices, another): both processes call :meth:`exchange` (or
-    :meth:`fail`) the same number of times, in the same order."""
+    """The swap between the rollout side (``rollout`` devices, of one or more processes)
+    and the update side (``update`` devices, of the others): every process calls
+    :meth:`exchange` (or :meth:`fail`) and :meth:`swap_arrays` the same number of times,
+    in the same order. Every process of a side hands in the same payload."""
 
     def __init__(self, rollout: Sequence[jax.Device], update: Sequence[jax.Device]):
-        k = min(len(rollout), len(update))
-        rows = [list(rollout[:k]), list(update[:k])]
-        owners = [{d.process_index for d in row} for row in rows]
-        if any(len(o) != 1 for o in owners) or owners[0] == owners[1]:
-            raise ValueError(f"the exchange needs each side on one process of its own; the sides' processes "
-                             f"are {[sorted(o) for o in owners]}")
+        owners = [sorted({d.process_index for d in side}) for side in (rollout, update)]
+        if set(owners[0]) & set(owners[1]):
+            raise ValueError(f"the exchange needs each side on processes of its own; the sides' processes "
+                             f"are {owners}")
         me = jax.process_index()
-        if me not in owners[0] | owners[1]:
+        if me not in owners[0] + owners[1]:
             raise ValueError(f"process {me} holds neither side's devices")
         self.side = 0 if me in owners[0] else 1
         self.name = SIDES[self.side]
-        self.local = rows[self.side]  # [k], this process's devices, in mesh order
-        self.k = k
-        self.mesh = Mesh(np.array(rows, dtype=object), ("side", "n"))
-        self._header_sharding = NamedSharding(self.mesh, P("side", None))  # each row's block on all its n devices
-        self._data_sharding = NamedSharding(self.mesh, P("side", "n"))  # [2, k * c]: chunk j on device j
-        self._swap_header = jax.jit(lambda x: x[::-1], out_shardings=self._header_sharding)
-        self._swap_data = jax.jit(lambda x: x[::-1], out_shardings=self._data_sharding)
+        self.processes = owners  # each side's processes
+        self.devices = list(rollout) + list(update)
+        self.sizes = (len(rollout), len(update))
+        self.local = [d for d in self.devices if d.process_index == me]  # in mesh order
+        self.mesh = Mesh(np.array(self.devices, dtype=object), ("d",))
+        self._blocks = NamedSharding(self.mesh, P("d"))
+        self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))
+        rounds, when = route(*self.sizes)
 
-    def _swap(self, local: np.ndarray, sharding: NamedSharding, program) -> np.ndarray:
-        """Program ``program`` over the stack of both sides' ``local`` vectors ([m] uint8
-        each); the other side's vector back. Header: each device holds the whole vector;
-        data: device j the j-th of ``k`` equal chunks."""
-        split = sharding is self._data_sharding
-        blocks = np.split(local[None], self.k, axis=1) if split else [local[None]] * self.k
-        shards = [jax.device_put(b, d) for b, d in zip(blocks, self.local)]
-        stacked = jax.make_array_from_single_device_arrays((2, local.shape[0]), sharding, shards)
-        out = program(stacked)
-        mine = sorted(out.addressable_shards, key=lambda s: s.index[1].start or 0)
-        if not split:
-            return np.asarray(mine[0].data)[0]
-        return np.concatenate([np.asarray(s.data)[0] for s in mine])
+        def move(x):  # [1, ...] a device: the block its partner on the other side sent
+            t = jnp.asarray(when)[jax.lax.axis_index("d")]
+            out = jnp.zeros_like(x)
+            for i, pairs in enumerate(rounds):
+                out = jnp.where(t == i, jax.lax.ppermute(x, "d", pairs), out)
+            return out
+
+        self._move = jax.jit(jax.shard_map(lambda tree: jax.tree.map(move, tree), mesh=self.mesh,
+                                           in_specs=P("d"), out_specs=P("d")))
+
+    def _stacked(self, blocks: Sequence[Any], shape: tuple[int, ...]) -> jax.Array:
+        """The ``[D, *shape]`` array of this process's ``blocks`` (one ``[1, *shape]`` a
+        local device)."""
+        return jax.make_array_from_single_device_arrays((len(self.devices),) + tuple(shape), self._blocks, list(blocks))
+
+    def _host_stack(self, local: np.ndarray) -> jax.Array:
+        return self._stacked([jax.device_put(local[None], d) for d in self.local], local.shape)
 
     def _headers(self, header: dict[str, Any]) -> dict[str, Any]:
-        theirs = read_header(self._swap(header_bytes(header), self._header_sharding, self._swap_header))
+        """Every process's header gathered; the other side's (its processes' agree), or
+        :class:`RemoteFailure` with the first failure another process sent."""
+        every = np.asarray(self._gather(self._host_stack(header_bytes(header))).addressable_data(0))
+        first = {}
+        for i, d in enumerate(self.devices):
+            first.setdefault(d.process_index, i)
+        me, theirs = jax.process_index(), None
+        for p, i in sorted(first.items()):
+            h = read_header(every[i])
+            if p != me and "error" in h:
+                side = SIDES[0] if p in self.processes[0] else SIDES[1]
+                if "error" not in header:
+                    raise RemoteFailure(f"the {side} side failed (process {p}): {h['error']}")
+            if p in self.processes[1 - self.side] and theirs is None:
+                theirs = h
+        assert theirs is not None
         if theirs.get("side") not in (None, 1 - self.side):
             raise RemoteFailure(f"the exchange's other end is the {SIDES[self.side]} side too")
         return theirs
@@ -145,25 +192,60 @@ class SideExchange:
                  ) -> tuple[dict[str, np.ndarray], Any, bool]:
         """Swap ``payload`` (named arrays) and ``meta`` (JSON) with the other side:
         its payload, its meta, and whether either side asked to stop. Raises
-        :class:`RemoteFailure` when the other side called :meth:`fail`."""
+        :class:`RemoteFailure` when another process called :meth:`fail`."""
         data, layout = pack(payload)
         theirs = self._headers({"side": self.side, "layout": layout, "bytes": int(data.size), "meta": meta,
                                 "stop": bool(stop)})
-        if "error" in theirs:
-            raise RemoteFailure(f"the {SIDES[1 - self.side]} side failed: {theirs['error']}")
-        # Both sides pad to the same length: the larger payload, rounded up to k chunks.
+        # Both sides pad to the same length: the larger payload.
         n = max(data.size, int(theirs["bytes"]), 1)
-        n = -(-n // self.k) * self.k
         padded = np.zeros(n, np.uint8)
         padded[: data.size] = data
-        got = self._swap(padded, self._data_sharding, self._swap_data)
+        got = np.asarray(self._move(self._host_stack(padded)).addressable_data(0))[0]
         return unpack(got, theirs["layout"]), theirs.get("meta"), bool(stop or theirs.get("stop"))
 
+    def swap_arrays(self, tree: Any) -> Any:
+        """The update side's device arrays ``tree`` onto the rollout side's devices, with
+        no host round trip: on the update side ``tree`` is the arrays (on its mesh), on
+        the rollout side anything of the same structure, shapes and dtypes (it receives).
+        Returns, on the rollout side, each leaf whole on each of this process's devices
+        (``[device][leaf]`` single-device arrays, in :attr:`local` order); on the update
+        side None."""
+        leaves, treedef = jax.tree.flatten(tree)
+        if self.side == 1:  # each leaf whole on every update device (one program, on device), then its blocks
+            whole = _replicate_tree(leaves[0].sharding.mesh)(leaves) if leaves else []
+            mine = [[_row(x, d) for d in self.local] for x in whole]
+        else:
+            mine = [[jnp.zeros((1,) + tuple(x.shape), x.dtype, device=d) for d in self.local] for x in leaves]
+        stacked = [self._stacked(blocks, x.shape) for blocks, x in zip(mine, leaves)]
+        moved = self._move(jax.tree.unflatten(treedef, stacked))
+        if self.side == 1:
+            return None
+        by_device = {d: [] for d in self.local}
+        for x in jax.tree.leaves(moved):
+            for s in x.addressable_shards:
+                by_device[s.device].append(s.data[0])
+        return [by_device[d] for d in self.local]
+
     def fail(self, message: str) -> None:
-        """Tell the other side this one failed (it raises :class:`RemoteFailure` in its
-        pending :meth:`exchange`); call it where that exchange would have been called."""
-        theirs = self._headers({"side": self.side, "error": str(message)})
-        del theirs  # whatever the other side sent: this side is stopping
+        """Tell every other process this one failed (each raises :class:`RemoteFailure`
+        in its pending :meth:`exchange`); call it where that exchange would have been
+        called."""
+        try:
+            self._headers({"side": self.side, "error": str(message)})
+        except RemoteFailure:
+            pass  # another process failed too: this side is stopping anyway
 
 
-__all__ = ["HEADER_BYTES", "RemoteFailure", "SideExchange", "header_bytes", "pack", "read_header", "unpack"]
+@functools.lru_cache(maxsize=None)
+def _replicate_tree(mesh: Mesh):
+    """A program that makes every leaf of a tree on ``mesh`` whole on each of its devices."""
+    return jax.jit(lambda tree: tree, out_shardings=NamedSharding(mesh, P()))
+
+
+def _row(x: jax.Array, device: jax.Device) -> jax.Array:
+    """``x``'s copy on ``device`` as a ``[1, ...]`` block (on that device)."""
+    data = next(s.data for s in x.addressable_shards if s.device == device)
+    return jax.device_put(data[None], device)
+
+
+__all__ = ["HEADER_BYTES", "RemoteFailure", "SideExchange", "header_bytes", "pack", "read_header", "route", "unpack"]

@@ -24,7 +24,7 @@ def current_topology(devices: Sequence[jax.Device] | None = None) -> Topology:
         process_count=len(counts),
         local_device_count=counts[jax.process_index()] if jax.process_index() < len(counts) else counts[0],
         devices_per_process=counts,
-        platform=devices[0].platform,
+        platform=getattr(devices[0], "platform", "unknown"),
     )
 
 

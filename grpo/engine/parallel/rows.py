@@ -5,13 +5,68 @@
 hands a process back the rows it owns, in global row order; ``row_range`` reads a given
 range of global rows from the shards this process holds (evaluation, whose batches need
 not shard the way a training step's do). On one process all three are plain conversions.
+
+The gathers are over the processes that hold the mesh's devices, not over the run's:
+in a multi-process asynchronous run each side is a group of processes that runs its own
+programs (:mod:`grpo.engine.loop.processes`), so a side's host code gathers over its
+own processes alone (``gather_processes``, ``host_value``: one small program over the
+side's devices; ``multihost_utils.process_allgather`` when the mesh spans every process).
 """
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+
+def _owners(devices) -> list[int]:
+    return sorted({d.process_index for d in devices})
+
+
+@functools.lru_cache(maxsize=None)
+def _replicate(sharding: NamedSharding):
+    """A program that makes an array on ``sharding``'s mesh whole on every device."""
+    return jax.jit(lambda x: x, out_shardings=NamedSharding(sharding.mesh, P()))
+
+
+def gather_processes(local, mesh: Mesh, *, tiled: bool = False) -> np.ndarray:
+    """``multihost_utils.process_allgather(local, tiled=tiled)`` over the processes that
+    hold ``mesh``'s devices (in process order), on every one of them: a collective of
+    those processes alone (the others may run programs of their own meanwhile). Each
+    process's ``local`` has the same shape and dtype."""
+    local = np.asarray(local)
+    owners = _owners(mesh.devices.flat)
+    if len(owners) == 1:
+        return local if tiled else local[None]
+    if len(owners) == jax.process_count():
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(local, tiled=tiled))
+    first: dict[int, jax.Device] = {}
+    for d in sorted(mesh.devices.flat, key=lambda d: (d.process_index, d.id)):
+        first.setdefault(d.process_index, d)
+    sharding = NamedSharding(Mesh(np.array([first[p] for p in owners], dtype=object), ("p",)), P("p"))
+    x = jax.make_array_from_single_device_arrays(
+        (len(owners),) + local.shape, sharding, [jax.device_put(local[None], first[jax.process_index()])])
+    full = np.asarray(_replicate(sharding)(x).addressable_data(0))
+    return full.reshape((-1,) + local.shape[1:]) if tiled and local.ndim else full
+
+
+def host_value(x) -> np.ndarray:
+    """The whole value of ``x`` on this process's host: a device array whose shards span
+    other processes is made whole over its own mesh's processes first (a collective of
+    those processes); anything else as it is."""
+    if not isinstance(x, jax.Array) or x.is_fully_addressable:
+        return np.asarray(x)
+    if x.is_fully_replicated:
+        return np.asarray(x.addressable_data(0))
+    if not isinstance(x.sharding, NamedSharding):
+        raise TypeError(f"host_value needs a NamedSharding array, not {x.sharding}")
+    return np.asarray(_replicate(x.sharding)(x).addressable_data(0))
 
 
 def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
@@ -24,16 +79,14 @@ def to_global(local: np.ndarray, sharding: NamedSharding) -> jax.Array:
     gathered from every process first (host arrays: prompts, rewards)."""
     from grpo.engine.parallel.mesh import mesh_processes
 
-    # The processes holding the mesh (in a two-process async run, the rollout side's own).
+    # The processes holding the mesh (split by processes: its side's own).
     processes = mesh_processes(sharding.mesh)[1] if jax.process_count() > 1 else 1
     if processes > 1:
         rows = local.shape[0] * processes
         index = sharding.addressable_devices_indices_map((rows,) + tuple(local.shape[1:]))
         blocks = {(i[0].indices(rows)[:2] if i else (0, rows)) for i in index.values()}
         if sum(b - a for a, b in blocks) != local.shape[0]:
-            from jax.experimental import multihost_utils
-
-            full = np.asarray(multihost_utils.process_allgather(np.asarray(local), tiled=True))
+            full = gather_processes(local, sharding.mesh, tiled=True)
             return jax.make_array_from_callback(full.shape, sharding, lambda idx: full[idx])
     return jax.make_array_from_process_local_data(sharding, local)
 
@@ -83,4 +136,4 @@ def row_range(x: jax.Array, rows: slice) -> np.ndarray:
     return out
 
 
-__all__ = ["local_rows", "row_range", "to_global"]
+__all__ = ["gather_processes", "host_value", "local_rows", "row_range", "to_global"]

@@ -2,24 +2,23 @@
 rollout mesh (the first ``train.async.rollout_devices``, laid out by the rollout style)
 and an update mesh (the rest, in the training layout).
 
-The split is inside one process, or by whole processes: with 2 processes (e.g. 2 x 4
-devices, ``rollout_devices: 4``) process 0's devices roll out and process 1's update, each
-side running its own programs on its own devices and its host side as if it were alone,
-and the two meet once a step in :class:`~grpo.engine.parallel.exchange.SideExchange`
-(:mod:`grpo.engine.loop.processes`). Anything else over several processes is a
-config error naming ``train.async.rollout_devices`` (exit status 2): a split that puts a
-process on both sides (its host would score rollouts and train at once, and a
-``device_put`` between processes works only between equal shardings: JAX 0.10.2 on CPU
-with ``jax_cross_host_transfer_socket_address`` set; a resharding transfer fails with
-"Cannot reshard an input that is not fully addressable"), or more than one process a
-side. Features the two-process loop does not carry (:func:`multiprocess_problems`) are
-config errors naming theirs.
+The split is inside one process, or by whole processes, any number a side: with 4
+processes x 4 devices and ``rollout_devices: 8``, processes 0 and 1 roll out and 2 and 3
+update, each side running its own programs on its own devices and its host side over its
+own processes (:mod:`grpo.engine.loop.processes`), and the two meet once a step in
+:class:`~grpo.engine.parallel.exchange.SideExchange`. A split that puts a process on both
+sides is a config error naming ``train.async.rollout_devices`` (exit status 2): its host
+would score rollouts and train at once. Features the multi-process loop does not carry
+(:func:`multiprocess_problems`) are config errors naming theirs; :func:`split_problems`
+is the one check, which ``grpo config validate --processes``, ``grpo plan --topology``
+and the run all call.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
-from typing import Sequence
+from typing import Any, Sequence
 
 import jax
 from jax.sharding import Mesh
@@ -44,20 +43,6 @@ class AsyncMeshes:
     update: MeshSide
 
 
-def _sides_refusal(devices: list, r: int) -> str | None:
-    """Why a split by whole processes is refused (more than one process a side), or None."""
-    n = len(devices)
-    rollout = sorted({d.process_index for d in devices[:r]})
-    update = sorted({d.process_index for d in devices[r:]})
-    if len(rollout) > 1 or len(update) > 1:
-        return (
-            f"train.async.rollout_devices={r} splits this run's {n} devices by whole processes (rollout: processes "
-            f"{rollout}, update: processes {update}), but asynchronous GRPO over several processes runs one "
-            f"process a side (2 processes). Run with 2 processes, or set train.async.enabled=false."
-        )
-    return None
-
-
 def _whole_processes_refusal(devices: list, r: int) -> str | None:
     """Why ``devices[:r]`` / ``devices[r:]`` is refused for splitting a process, or None."""
     n = len(devices)
@@ -71,17 +56,42 @@ def _whole_processes_refusal(devices: list, r: int) -> str | None:
             f"processes' devices (a multiple of {n // max(len(set(rollout) | set(update)), 1)}), or set "
             f"train.async.enabled=false."
         )
-    return _sides_refusal(devices, r)
+    return None
 
 
-def split_devices(devices: Sequence[jax.Device], *, rollout_devices: int | None) -> tuple[list, list]:
-    """``(rollout, update)`` devices: the first ``rollout_devices`` (None: half) of the
-    host-major order and the rest; a side left without devices, or devices of several
-    processes (see the module docstring), is a config error naming
-    ``train.async.rollout_devices``."""
+@dataclasses.dataclass(frozen=True)
+class HostDevice:
+    """A device as the split reads one, without a runtime (``grpo config validate
+    --processes``, ``grpo plan --topology``): its process and id."""
+
+    process_index: int
+    id: int
+    platform: str = "unknown"
+
+
+def topology_devices(processes: int, local_devices: int) -> list[HostDevice]:
+    """The devices of ``processes`` x ``local_devices``, as :func:`split_devices` reads them."""
+    return [HostDevice(p, p * local_devices + i) for p in range(processes) for i in range(local_devices)]
+
+
+def default_rollout_devices(devices: Sequence[Any]) -> int:
+    """What ``train.async.rollout_devices: null`` means: half the devices; over several
+    processes, the devices of the first half of the processes (whole processes)."""
+    counts = collections.Counter(d.process_index for d in devices)
+    if len(counts) == 1:
+        return len(devices) // 2
+    owners = sorted(counts)
+    return sum(counts[p] for p in owners[: len(owners) // 2])
+
+
+def split_devices(devices: Sequence[Any], *, rollout_devices: int | None) -> tuple[list, list]:
+    """``(rollout, update)`` devices: the first ``rollout_devices`` (None:
+    :func:`default_rollout_devices`) of the host-major order and the rest; a side left
+    without devices, or a process on both sides (see the module docstring), is a config
+    error naming ``train.async.rollout_devices``."""
     devices = ordered_devices(devices)
     n = len(devices)
-    r = n // 2 if rollout_devices is None else int(rollout_devices)
+    r = default_rollout_devices(devices) if rollout_devices is None else int(rollout_devices)
     if not 1 <= r < n:
         side = "update" if r >= n else "rollout"
         raise ConfigError(
@@ -96,45 +106,57 @@ def split_devices(devices: Sequence[jax.Device], *, rollout_devices: int | None)
 
 
 def multiprocess_problems(config) -> list[str]:
-    """What a two-process asynchronous run does not carry, one line a field. The run is
-    the one loop (:mod:`grpo.engine.loop`); what stays refused needs work beyond it:
-    the LoRA base lives on the update process (it would have to cross once); the
-    partial-rollouts stream and its ledger would live on the rollout process while the
-    trained positions are known on the update side; the continuous engine's host side
-    gathers over every process, not its mesh's; dynamic sampling's rounds gather rows
-    over processes (unverified with one side a process); evaluation runs on the update
-    side while process 0 writes its rows."""
+    """What an asynchronous run split by processes does not carry yet, one line a field
+    (:func:`check_split` refuses them, so ``grpo config validate --processes`` and ``grpo
+    plan --topology`` do too, before start-up). The run is the one loop
+    (:mod:`grpo.engine.loop`); what stays refused needs work beyond it: the LoRA base
+    lives on the update side (it would have to cross once, and the sync should move the
+    adapters only); the partial-rollouts stream and its ledger would live on the rollout
+    side while the trained positions are known on the update side; the continuous
+    engine and dynamic sampling are unverified over a side of processes."""
     a, out = config.train.async_, []
     if config.model.lora is not None:
-        out.append("model.lora is set: the two-process loop moves full weights only (no frozen base)")
+        out.append("model.lora is set: the multi-process loop moves full weights only (no frozen base)")
     if a.partial_rollouts:
         out.append("train.async.partial_rollouts=true: the stream's in-flight rows do not cross processes")
-    if config.rollout.engine != "static":
-        out.append(f"rollout.engine={config.rollout.engine}: the two-process loop runs the static sampler")
-    if config.train.dynamic_sampling.enabled:
-        out.append("train.dynamic_sampling.enabled=true: not carried by the two-process loop")
-    if config.eval.every_n_steps:
-        out.append(f"eval.every_n_steps={config.eval.every_n_steps}: evaluation is not run by the two-process loop")
     return out
 
 
-def async_meshes(config, devices: Sequence[jax.Device] | None = None, *, plugins=None) -> AsyncMeshes:
-    """The rollout and update meshes of ``config`` (``train.async.enabled``), each with
-    the layout the config's mesh policy resolves for its devices and every
-    topology-dependent check (batch divisible by the rollout shards, micro-batch by the
-    update's dp x fsdp); a failing side's problems are reported under
-    ``train.async.rollout_devices``."""
+def _multiturn_problems(config, plugins=None) -> list[str]:
+    """A task with tools or environments of its own rolls out conversations, which the
+    multi-process loop does not carry (their turns' host side gathers over every
+    process)."""
+    from grpo.core.config import select_plugins
+    from grpo.core.contracts import TaskPlugin
+
+    task = select_plugins(config, plugins)["task"]
+    if type(task.plugin).environment is TaskPlugin.environment and not task.plugin.tools(options=task.options):
+        return []
+    return [f"task.name={config.task.name}: the task has tools or environments (multi-turn rollouts), which the "
+            f"multi-process loop does not carry"]
+
+
+def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, list, list[tuple[Topology, MeshLayout]]]:
+    """The runtime's one check of ``config``'s split of ``devices`` (real ones, or
+    :class:`HostDevice` s of a topology): ``(rollout, update, [(topology, layout) a
+    side])``, each side laid out as the config's mesh policy resolves it for its devices
+    with every topology-dependent check (batch divisible by the rollout shards,
+    micro-batch by the update's dp x fsdp); a split that cannot run is a
+    :class:`ConfigError` naming ``train.async.rollout_devices`` (or the features the
+    multi-process loop does not carry). ``grpo config validate --processes``, ``grpo
+    plan --topology`` and the run call it alike, so they refuse the same splits with the
+    same message."""
     from grpo.core.config import resolve_layout
 
-    requested = config.train.async_.rollout_devices
-    rollout, update = split_devices(list(devices if devices is not None else jax.devices()),
-                                    rollout_devices=requested)
-    if len({d.process_index for d in rollout + update}) > 1 and multiprocess_problems(config):
-        raise ConfigError(
-            f"train.async.rollout_devices={len(rollout)} splits the run by processes (process "
-            f"{rollout[0].process_index} rolls out, process {update[0].process_index} updates), which this config "
-            f"cannot run that way:", problems=multiprocess_problems(config),
-        )
+    rollout, update = split_devices(list(devices), rollout_devices=config.train.async_.rollout_devices)
+    if len({d.process_index for d in rollout + update}) > 1:
+        problems = multiprocess_problems(config) + _multiturn_problems(config, plugins)
+        if problems:
+            procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
+            raise ConfigError(
+                f"train.async.rollout_devices={len(rollout)} splits the run by processes (processes {procs[0]} roll "
+                f"out, processes {procs[1]} update), which this config cannot run that way:", problems=problems,
+            )
     sides = []
     for name, devs in (("rollout", rollout), ("update", update)):
         topology = current_topology(devs)
@@ -147,8 +169,24 @@ def async_meshes(config, devices: Sequence[jax.Device] | None = None, *, plugins
                 f"{'an' if name == 'update' else 'a'} {name} mesh of {len(devs)} devices that does not fit this config "
                 f"(rollout.style={config.rollout.style}):", problems=problems,
             ) from None
-        sides.append(MeshSide(topology=topology, layout=layout, mesh=build_mesh(layout, devs)))
-    return AsyncMeshes(rollout=sides[0], update=sides[1])
+        sides.append((topology, layout))
+    return rollout, update, sides
 
 
-__all__ = ["AsyncMeshes", "MeshSide", "async_meshes", "multiprocess_problems", "split_devices"]
+def validate_split(config, processes: int, local_devices: int, *, plugins=None) -> None:
+    """:func:`check_split` of ``config`` on ``processes`` x ``local_devices`` devices."""
+    check_split(config, topology_devices(processes, local_devices), plugins=plugins)
+
+
+def async_meshes(config, devices: Sequence[jax.Device] | None = None, *, plugins=None) -> AsyncMeshes:
+    """The rollout and update meshes of ``config`` (``train.async.enabled``) as
+    :func:`check_split` lays them out."""
+    rollout, update, sides = check_split(config, list(devices if devices is not None else jax.devices()),
+                                         plugins=plugins)
+    built = [MeshSide(topology=t, layout=layout, mesh=build_mesh(layout, devs))
+             for (t, layout), devs in zip(sides, (rollout, update))]
+    return AsyncMeshes(rollout=built[0], update=built[1])
+
+
+__all__ = ["AsyncMeshes", "HostDevice", "MeshSide", "async_meshes", "check_split", "default_rollout_devices",
+           "multiprocess_problems", "split_devices", "topology_devices", "validate_split"]

@@ -4,8 +4,9 @@ their own meshes at once, the new weights moved to the rollout mesh after each u
 Each side is compiled on its own devices (:meth:`~grpo.engine.planning.plan.Planner.side`):
 the rollout mesh is the first ``train.async.rollout_devices`` devices (whole hosts when the
 topology has several; default half) in the rollout style's layout, the update mesh the
-rest in the training layout. The weight transfer is one resharding copy of the rollout's
-weights: each rollout chip receives its shard (the rollout state's bytes per chip), and
+rest in the training layout. Split by hosts, the weights move as the run moves them
+(:func:`weight_sync_by_processes`). In one host, the weight transfer is one resharding
+copy of the rollout's weights: each rollout chip receives its shard (the rollout state's bytes per chip), and
 the update chips send all the rollout chips' shards between them; its time is the larger
 of the two per chip over half the chip's bidirectional ICI bandwidth, as the plan's
 collectives (one slice: ICI even across hosts).
@@ -30,7 +31,7 @@ def split_devices(*, devices: int, per_process: int, processes: int, rollout_dev
     the rollout; with several hosts, whole hosts only. Refuses a split that leaves a side
     without devices, naming the field."""
     k = devices // 2 if rollout_devices is None else rollout_devices
-    if processes > 1 and rollout_devices is None:
+    if processes > 1 and rollout_devices is None:  # the run's default (split.default_rollout_devices)
         k = (processes // 2) * per_process
     if not 0 < k < devices:
         raise UserError(f"train.async.rollout_devices={k} must leave devices to both sides: between 1 and "
@@ -56,6 +57,20 @@ def weight_sync(*, rollout_bytes_per_chip: float, rollout_chips: int, update_chi
             "seconds": max(received, sent) / (ici_bandwidth / 2),
             "moves": "weights" if adapter_bytes_per_chip is None else "adapters",
             "full_bytes_per_chip": full, "share": received / full if full else None}
+
+
+def weight_sync_by_processes(*, sent_bytes: float, rollout_chips: int, update_chips: int,
+                             ici_bandwidth: float) -> dict[str, float]:
+    """One on-device move of the weights between sides of whole hosts, as the run makes it
+    (:meth:`~grpo.engine.parallel.exchange.SideExchange.swap_arrays`): the sent tree
+    (``sent_bytes``, whole) arrives on every rollout chip, each update chip sending it
+    once a round, ``ceil(rollout / update)`` rounds; the chips of one slice are linked by
+    ICI across hosts, so the time is ``max(received, sent) / (ici_bandwidth / 2)``
+    (``bytes``: what ``weight_sync/bytes`` logs)."""
+    rounds = -(-rollout_chips // update_chips)
+    received, sent = sent_bytes, sent_bytes * rounds
+    return {"received_bytes_per_chip": received, "sent_bytes_per_chip": sent, "bytes": sent_bytes,
+            "seconds": max(received, sent) / (ici_bandwidth / 2)}
 
 
 def pipelined(*, rollout_s: float, update_s: float, sync_s: float) -> float:
@@ -95,4 +110,4 @@ def async_section(*, split: tuple[int, int], synchronous_s: float, rollout: dict
     return out
 
 
-__all__ = ["async_section", "pipelined", "split_devices", "weight_sync"]
+__all__ = ["async_section", "pipelined", "split_devices", "weight_sync", "weight_sync_by_processes"]

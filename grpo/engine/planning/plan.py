@@ -356,7 +356,7 @@ class Planner:
             report = self.plan(sync, lengths)
             if not report.get("not_planned"):  # a split needs the rollout side's programs
                 report["async"] = self.plan_async(sync, lengths, report,
-                                                  rollout_devices=config.train.async_.rollout_devices)
+                                                  rollout_devices=config.train.async_.rollout_devices, checked=config)
             return report
         s = self.subject(config)
         results, costs = self._compiled(s)
@@ -449,11 +449,22 @@ class Planner:
         return s, entries, costs, slice_of
 
     def plan_async(self, config: RunConfig, lengths: LengthProfile | None, report: dict[str, Any], *,
-                   rollout_devices: int | None) -> dict[str, Any]:
+                   rollout_devices: int | None, checked: RunConfig | None = None) -> dict[str, Any]:
         """The ``async`` section (:mod:`grpo.engine.planning.pipeline`) of ``config`` (its
-        synchronous form, whose plan is ``report``) split at ``rollout_devices``."""
-        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync
+        synchronous form, whose plan is ``report``) split at ``rollout_devices``; the
+        asynchronous config ``checked``'s split is first checked as the run checks it
+        (:func:`~grpo.engine.parallel.split.check_split` on the topology's processes), so
+        the plan refuses, with the run's message, every split the run would refuse."""
+        import jax
 
+        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync, weight_sync_by_processes
+
+        if checked is not None:
+            from grpo.engine.parallel.split import validate_split
+
+            a = checked.train.async_.model_copy(update={"enabled": True, "rollout_devices": rollout_devices})
+            validate_split(checked.model_copy(update={"train": checked.train.model_copy(update={"async_": a})}),
+                           self.topo.process_count, self.topo.local_device_count)
         k, u = split_devices(devices=len(self.devices), per_process=self.topo.local_device_count,
                              processes=self.topo.process_count, rollout_devices=rollout_devices)
         # Both sides laid out before either compiles: a split one side cannot run is
@@ -496,6 +507,10 @@ class Planner:
         sync = weight_sync(rollout_bytes_per_chip=weights, rollout_chips=k, update_chips=u,
                            ici_bandwidth=self.topology.chip.ici_bandwidth,  # LoRA: the adapters alone move
                            adapter_bytes_per_chip=None if s_ro.frozen is None else bytes_per_device(s_ro.params))
+        if self.topo.process_count > 1:  # split by hosts: the sent tree, whole, to every rollout chip
+            sent = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s_up.params))
+            sync = weight_sync_by_processes(sent_bytes=sent, rollout_chips=k, update_chips=u,
+                                            ici_bandwidth=self.topology.chip.ici_bandwidth)
         rollout_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
                            and not e["compiler_error"] for e in e_ro.values())
         out = async_section(split=(k, u), synchronous_s=synchronous_step(report), rollout=rollout, update_s=update_s,

@@ -23,23 +23,50 @@ if TYPE_CHECKING:
 SEARCH_FIELDS = ("train.micro_batch_size", "train.prompts_per_step", "train.async.rollout_devices")
 
 
+def split_candidates(config: RunConfig, processes: int, per_process: int) -> tuple[list[int], list[list[Any]]]:
+    """The splits ``--search train.async.rollout_devices`` plans for ``config`` on
+    ``processes`` x ``per_process`` devices: every one the run's own check accepts
+    (:func:`~grpo.engine.parallel.split.validate_split`: whole processes, the features a
+    split by processes carries, both sides laid out), and ``[[k, why], ...]`` for those it
+    refuses, with the run's message."""
+    from grpo.engine.parallel.split import validate_split
+
+    n = processes * per_process
+    ok, refused = [], []
+    for k in range(1, n):
+        if processes > 1 and k % per_process:
+            continue  # a process on both sides: never a candidate
+        a = config.train.async_.model_copy(update={"enabled": True, "rollout_devices": k})
+        try:
+            validate_split(config.model_copy(update={"train": config.train.model_copy(update={"async_": a})}),
+                           processes, per_process)
+        except UserError as err:
+            refused.append([k, str(err)])
+            continue
+        ok.append(k)
+    return ok, refused
+
+
 def search_split(config_path: str, overrides: list[str], planner: Planner, lengths: Any = None) -> dict[str, Any]:
     """``--search train.async.rollout_devices``: every split the topology allows (whole
     hosts on several hosts) planned with ``train.async.enabled``; the best is the one with
     the shortest pipelined step (with partial rollouts where the plan has them). A split a
-    side cannot lay out is skipped (``tried`` says why)."""
+    side cannot lay out, or that the run would refuse (its own check,
+    :func:`~grpo.engine.parallel.split.check_split`), is skipped (``tried`` says why)."""
     from grpo.engine.planning.plan import synchronous
 
     base = load_config(config_path, list(overrides) + ["train.async.enabled=true"])
+    n, per = len(planner.devices), planner.topo.local_device_count
+    values, tried = split_candidates(base, planner.topo.process_count, per)
+    if not values:  # the run would refuse every split: said before compiling anything
+        raise UserError(f"--search train.async.rollout_devices: no split of {planner.topology.name}'s {n} devices can "
+                        "run this config: " + "; ".join(str(t[1]) for t in tried))
     sync = synchronous(base)
     report = planner.plan(sync, lengths)  # compiled once for every split
-    n, per = len(planner.devices), planner.topo.local_device_count
-    values = [k for k in range(1, n) if planner.topo.process_count == 1 or k % per == 0]
-    tried: list[list[Any]] = []
     sections: dict[int, dict[str, Any]] = {}
     for k in values:
         try:
-            sec = planner.plan_async(sync, lengths, report, rollout_devices=k)
+            sec = planner.plan_async(sync, lengths, report, rollout_devices=k, checked=base)
         except UserError as err:
             tried.append([k, str(err)])
             continue

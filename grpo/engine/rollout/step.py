@@ -45,7 +45,7 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.engine.parallel.mesh import mesh_processes
-from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.parallel.rows import gather_processes, local_rows, to_global
 from grpo.engine.rollout.feeders import StreamFeeder, stream
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down_sample, selection_scores
 from grpo.engine.rollout.prompts import PromptSet, bucket_for, build_batch, position_indices, process_slice
@@ -254,7 +254,7 @@ class StepCollector:
 
     def _all(self, local: np.ndarray) -> np.ndarray:
         """Every rollout process's rows of a host array (:func:`_all_rows`)."""
-        return _all_rows(local, processes=self.programs.process_count)
+        return _all_rows(local, mesh=self.programs.mesh)
 
     def _prompt_batch(self, position: int):
         """The prompts at ``position .. position + prompts_per_step`` of the data order
@@ -558,14 +558,10 @@ def _first_errors(parts: Any) -> dict[str, Any]:
     return out
 
 
-def _all_rows(local: np.ndarray, *, processes: int) -> np.ndarray:
+def _all_rows(local: np.ndarray, *, mesh: Any) -> np.ndarray:
     """Every process's rows of a host array, in global row order (tiny: rewards), over the
-    rollout mesh's ``processes`` (1: this process's rows are all of them)."""
-    if processes == 1:
-        return local
-    from jax.experimental import multihost_utils
-
-    return np.asarray(multihost_utils.process_allgather(local, tiled=True))
+    processes of the rollout ``mesh`` (one: this process's rows are all of them)."""
+    return gather_processes(local, mesh, tiled=True)
 
 
 __all__ = ["SampleGroup", "StepCollector", "StepRollout", "ToolTotals"]

@@ -49,6 +49,8 @@ def test_staleness_zero_equals_the_synchronous_run(quickstart_pair):
     np.testing.assert_allclose([r["loss"] for r in asy], [r["loss"] for r in sync], rtol=0, atol=1e-5)
     assert {r["async/staleness_max"] for r in asy} == {0} and {r["async/refused_groups"] for r in asy} == {0}
     assert all(r["time/train/weight_sync_s"] > 0 for r in asy)
+    params = quickstart_pair["async"].params  # issue 51: the bytes each sync moved, the whole tree
+    assert {r["weight_sync/bytes"] for r in asy} == {float(sum(x.nbytes for x in jax.tree.leaves(params)))}
 
 
 @pytest.mark.slow

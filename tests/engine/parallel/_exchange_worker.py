@@ -1,8 +1,10 @@
-"""One process of the 2-process exchange test (tests/engine/parallel/test_exchange.py):
-``python _exchange_worker.py PROCESS_ID PORT OUT_DIR``. Process 0 is the rollout side
-(its 4 devices), process 1 the update side; each runs a program of its own on its local
-devices, then three exchanges: payloads both ways, a stop asked by the update side, a
-failure of the rollout side. What it received goes to OUT_DIR/p<id>.npz and .json."""
+"""One process of the multi-process exchange tests (tests/engine/parallel/test_exchange.py):
+``python _exchange_worker.py PROCESS_ID PORT OUT_DIR PROCESSES ROLLOUT_PROCESSES``. The
+first ROLLOUT_PROCESSES processes' devices are the rollout side, the rest the update
+side; each process runs a program of its own side on its side's devices, then three
+exchanges (payloads both ways, a stop asked by the update side, a failure of the last
+rollout process) and one on-device move of the update side's weights. What it received
+goes to OUT_DIR/p<id>.npz and .json."""
 
 from __future__ import annotations
 
@@ -14,8 +16,8 @@ import numpy as np
 
 
 def payload(side: int) -> tuple[dict[str, np.ndarray], dict]:
-    """What ``side`` sends in the first exchange: arrays whose sizes do not divide the 4
-    devices, of several dtypes, and JSON metadata."""
+    """What ``side`` sends in the first exchange (every process of the side alike):
+    arrays whose sizes do not divide the devices, of several dtypes, and JSON metadata."""
     import ml_dtypes
 
     rng = np.random.default_rng(side)
@@ -30,39 +32,70 @@ def payload(side: int) -> tuple[dict[str, np.ndarray], dict]:
             {"version": 1})
 
 
-def main(pid: int, port: int, out: Path) -> None:
+def weights() -> dict[str, np.ndarray]:
+    """The update side's weights for the on-device move (values to check bit for bit:
+    a negative zero, a NaN, bf16)."""
+    import ml_dtypes
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((8, 6)).astype(np.float32)
+    w[0, 0], w[0, 1] = -0.0, np.nan
+    return {"w": w, "e": rng.standard_normal((5, 3)).astype(ml_dtypes.bfloat16)}
+
+
+def main(pid: int, port: int, out: Path, processes: int, rollout_processes: int) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=pid)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=pid)
     from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
-    ex = SideExchange(devices[:4], devices[4:])
-    # Each side's own program on its own devices only (the other process runs another).
-    local = Mesh(np.array(ex.local), ("x",))
-    x = jax.device_put(jnp.arange(8.0), NamedSharding(local, P("x")))
-    own = float(jax.jit(lambda a: jnp.sum(a * (2 if pid == 0 else 3)))(x))
-    mine, meta = payload(pid)
+    r = sum(1 for d in devices if d.process_index < rollout_processes)
+    ex = SideExchange(devices[:r], devices[r:])
+    side = ex.side
+    own_devices = devices[:r] if side == 0 else devices[r:]
+    # Each side's own program on its own devices only (the other side runs another).
+    mesh = Mesh(np.array(own_devices), ("x",))
+    x = jax.device_put(jnp.arange(float(len(own_devices))), NamedSharding(mesh, P("x")))
+    own = float(jax.jit(lambda a: jnp.sum(a * (2 if side == 0 else 3)), out_shardings=NamedSharding(mesh, P()))(x)
+                .addressable_data(0))
+    mine, meta = payload(side)
     got, their_meta, stop = ex.exchange(mine, meta)
-    _, _, stop2 = ex.exchange({} if pid == 0 else mine, None, stop=pid == 1)
+    _, _, stop2 = ex.exchange({} if side == 0 else mine, None, stop=side == 1)
+    # The weights, on device: sharded on the update side's mesh, received whole on each rollout device.
+    w = weights()
+    if side == 1:
+        tree = {"w": jax.device_put(w["w"], NamedSharding(mesh, P("x" if 8 % len(own_devices) == 0 else None))),
+                "e": jax.device_put(w["e"], NamedSharding(mesh, P()))}
+    else:
+        tree = {k: jax.ShapeDtypeStruct(v.shape, v.dtype) for k, v in w.items()}
+    moved = ex.swap_arrays(tree)
+    received = {}
+    if side == 0:
+        for i, device_leaves in enumerate(moved):
+            for name, leaf in zip(sorted(w), device_leaves):
+                assert leaf.devices() == {ex.local[i]}
+                received[f"{name}@{i}"] = np.asarray(leaf)
     failure = None
-    if pid == 0:
+    if pid == rollout_processes - 1:
         ex.fail("rollout of step 3 failed: boom")
     else:
         try:
             ex.exchange(mine, None)
         except RemoteFailure as err:
             failure = str(err)
-    np.savez(out / f"p{pid}.npz", **{k: np.frombuffer(v.tobytes(), np.uint8) for k, v in got.items()})
+    np.savez(out / f"p{pid}.npz", **{k: np.frombuffer(v.tobytes(), np.uint8) for k, v in got.items()},
+             **{f"moved_{k}": np.frombuffer(v.tobytes(), np.uint8) for k, v in received.items()})
     (out / f"p{pid}.json").write_text(json.dumps({
         "side": ex.name, "own": own, "meta": their_meta, "stop": [stop, stop2], "failure": failure,
         "layout": {k: [list(v.shape), str(v.dtype)] for k, v in got.items()},
+        "moved": sorted(received), "local": len(ex.local),
     }))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]))
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))

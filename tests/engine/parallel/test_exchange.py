@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from _runs import free_port
-from grpo.engine.parallel.exchange import HEADER_BYTES, header_bytes, pack, read_header, unpack
+from grpo.engine.parallel.exchange import HEADER_BYTES, header_bytes, pack, read_header, route, unpack
 
 WORKER = Path(__file__).with_name("_exchange_worker.py")
 
@@ -53,28 +53,36 @@ def test_header_round_trips_and_an_overlong_one_becomes_a_failure():
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.timeout(300)
-def test_two_processes_swap_payloads_stop_and_failures(tmp_path):
-    """Process 0 (rollout side, devices 0-3) and process 1 (update side, 4-7), each after
-    a program of its own on its own devices: the first exchange hands each the other's
-    arrays bit for bit (bf16 weights one way, a rollout's ints, floats and bools the
-    other, sizes that do not divide the 4 devices) and metadata; a stop asked by one side
-    reaches both in the same exchange; a failure on the rollout side raises on the
-    update side with its message instead of leaving it waiting."""
+@pytest.mark.timeout(400)
+@pytest.mark.parametrize("processes, per, rollout_processes", [(4, 2, 2), (4, 2, 1)])
+def test_processes_swap_payloads_weights_stop_and_failures(tmp_path, processes, per, rollout_processes):
+    """Real processes (gloo) split into a rollout side and an update side: 1 + 1 of 2 x 4
+    devices, and (issue 51) 2 + 2 and 1 + 3 of 4 x 2. Each process, after a program of
+    its own side on its side's devices: the first exchange hands every process of a side
+    the other side's arrays bit for bit (bf16 weights one way, a rollout's ints, floats
+    and bools the other, sizes that do not divide the devices) and metadata; a stop asked
+    by one side reaches all in the same exchange; the update side's weights (sharded on
+    its mesh) arrive on every rollout device bit for bit, on device; a failure on one
+    rollout process raises on every other process, the other rollout processes too, with
+    its message and the process, instead of leaving them waiting."""
     port = free_port()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS="--xla_force_host_platform_device_count=4")
-    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(tmp_path)], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per}")
+    procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(tmp_path), str(processes),
+                               str(rollout_processes)], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
     for p in procs:
-        _, err = p.communicate(timeout=240)
+        _, err = p.communicate(timeout=300)
         assert p.returncode == 0, err[-3000:]
     worker = _worker()
-    for pid in range(2):
+    n_rollout = rollout_processes * per
+    sums = {"rollout": 2 * sum(range(n_rollout)), "update": 3 * sum(range(processes * per - n_rollout))}
+    for pid in range(processes):
+        side = 0 if pid < rollout_processes else 1
         result = json.loads((tmp_path / f"p{pid}.json").read_text())
-        sent, sent_meta = worker.payload(1 - pid)  # what the other process sent
+        sent, sent_meta = worker.payload(1 - side)  # what the other side sent
         got = np.load(tmp_path / f"p{pid}.npz")
-        assert result["side"] == ("rollout", "update")[pid]
-        assert result["own"] == [56.0, 84.0][pid]  # sum(0..7) x 2 on the rollout side, x 3 on the update side
+        assert result["side"] == ("rollout", "update")[side]
+        assert result["own"] == sums[result["side"]]
         assert result["meta"] == sent_meta
         assert sorted(result["layout"]) == sorted(sent)
         for name, value in sent.items():
@@ -82,5 +90,52 @@ def test_two_processes_swap_payloads_stop_and_failures(tmp_path):
             assert result["layout"][name] == [list(value.shape), str(value.dtype)]
             assert got[name].tobytes() == value.tobytes(), (pid, name)
         assert result["stop"] == [False, True]
-    assert json.loads((tmp_path / "p1.json").read_text())["failure"] == \
-        "the rollout side failed: rollout of step 3 failed: boom"
+        if side == 0:  # every local device holds every leaf, bit for bit
+            assert result["moved"] == sorted(f"{k}@{i}" for k in ("e", "w") for i in range(per))
+            for key in result["moved"]:
+                assert got[f"moved_{key}"].tobytes() == worker.weights()[key.split("@")[0]].tobytes(), (pid, key)
+        if pid != rollout_processes - 1:
+            assert result["failure"] == (f"the rollout side failed (process {rollout_processes - 1}): "
+                                         "rollout of step 3 failed: boom"), pid
+
+
+def test_route_sends_each_block_once_a_round():
+    """The swap's rounds (issue 51: sides of any size): every device of each side
+    receives exactly one block, from a device of the other side; no device sends or
+    receives twice in a round."""
+    for n_rollout, n_update in [(1, 1), (4, 4), (2, 6), (6, 2), (3, 5)]:
+        rounds, when = route(n_rollout, n_update)
+        received = {}
+        for t, pairs in enumerate(rounds):
+            assert len({s for s, _ in pairs}) == len(pairs) == len({d for _, d in pairs})
+            for s, d in pairs:
+                assert (s < n_rollout) != (d < n_rollout) and d not in received and when[d] == t
+                received[d] = s
+        assert sorted(received) == list(range(n_rollout + n_update))
+        assert len(rounds) == -(-max(n_rollout, n_update) // min(n_rollout, n_update))
+
+
+@pytest.mark.parametrize("topology, rollout_devices", [("v6e-16", 8), ("v6e-32", 16), ("v6e-16", 4)])
+def test_the_move_compiles_to_point_to_point_permutes_on_tpu(topology, rollout_devices):
+    """Issue 51: the on-device move (weights and bytes alike) on the TPU compiler (libtpu,
+    no TPU): a v6e-16 split 2 + 2 hosts and a v6e-32 4 + 4 compile to one
+    collective-permute (each rollout chip receives one update chip's block), 1 + 3 hosts
+    to three rounds; never an all-gather of the blocks."""
+    pytest.importorskip("libtpu")
+    import re
+
+    import jax
+    import jax.numpy as jnp
+
+    from grpo.engine.parallel.exchange import SideExchange
+    from grpo.engine.parallel.split import split_devices
+    from grpo.engine.planning.tpu import parse_topology
+
+    rollout, update = split_devices(parse_topology(topology).devices(), rollout_devices=rollout_devices)
+    ex = SideExchange(rollout, update)
+    x = jax.ShapeDtypeStruct((len(ex.devices), 1 << 16), jnp.bfloat16, sharding=ex._blocks)
+    hlo = ex._move.lower({"w": x}).compile().as_text()
+    permutes = re.findall(r"collective-permute(?:-start)?\(", hlo)
+    small, large = sorted((len(rollout), len(update)))
+    assert len(permutes) == -(-large // small)  # rounds: a device sends at most once a round
+    assert not re.search(r"\b(all-gather|all-to-all|all-reduce)(-start)?\(", hlo)

@@ -82,16 +82,31 @@ def test_two_processes_split_one_a_side():
         assert [(d.process_index, d.id) for d in update] == [(1, 4 + i) for i in range(4)]
 
 
+@pytest.mark.parametrize("processes, per, rollout_devices, want", [
+    (4, 2, 4, ([0, 1], [2, 3])),  # 2 + 2
+    (4, 2, None, ([0, 1], [2, 3])),  # the default: half the processes
+    (3, 2, None, ([0], [1, 2])),  # ... rounded down: whole processes (half the devices, 3, would split one)
+    (3, 2, 4, ([0, 1], [2])),
+    (8, 4, 8, ([0, 1], [2, 3, 4, 5, 6, 7])),  # v6e-32 as 2 + 6 hosts
+])
+def test_several_processes_a_side(processes, per, rollout_devices, want):
+    """Issue 51: any number of whole processes a side (a v6e-16 as 2 + 2 hosts), and the
+    default split is whole processes (it was half the devices: 3 of 3 x 2 split a process)."""
+    devices = [_Device(p, per * p + i) for p in reversed(range(processes)) for i in range(per)]
+    rollout, update = split_devices(devices, rollout_devices=rollout_devices)
+    assert (sorted({d.process_index for d in rollout}), sorted({d.process_index for d in update})) == want
+    assert [d.id for d in rollout + update] == list(range(processes * per))
+
+
 @pytest.mark.parametrize("devices, rollout_devices, why", [
     (_TWO_BY_FOUR, 2, "does not split this run's 8 devices (of 2 processes) by whole processes"),
     (_TWO_BY_FOUR, 6, "does not split this run's 8 devices (of 2 processes) by whole processes"),
-    ([_Device(p, 2 * p + i) for p in range(3) for i in range(2)], 2,
-     "by whole processes (rollout: processes [0], update: processes [1, 2]), but asynchronous GRPO over "
-     "several processes runs one process a side"),
+    ([_Device(p, 2 * p + i) for p in range(4) for i in range(2)], 3,
+     "does not split this run's 8 devices (of 4 processes) by whole processes"),
 ])
 def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout_devices, why):
-    """A process on both sides (2 or 6 of 2 x 4), or a side of several processes (3 x 2):
-    exit status 2, the message naming ``train.async.rollout_devices`` and the case."""
+    """A process on both sides (2 or 6 of 2 x 4, 3 of 4 x 2): exit status 2, the message
+    naming ``train.async.rollout_devices`` and the case."""
     with pytest.raises(ConfigError) as err:
         split_devices(devices, rollout_devices=rollout_devices)
     msg = str(err.value)
@@ -99,17 +114,34 @@ def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout
     assert why in msg and "train.async.enabled=false" in msg
 
 
-def test_what_the_two_process_loop_does_not_carry_is_listed_by_field():
+def test_what_the_multi_process_loop_does_not_carry_is_listed_by_field():
+    """Issue 51: evaluation, the continuous engine and dynamic sampling run over
+    processes now (tests/integration/test_asynchronous_pod.py); LoRA and partial
+    rollouts are still listed."""
     assert multiprocess_problems(_config(**{"train.async": {"enabled": True}})) == []
     problems = multiprocess_problems(_config(**{
         "train.async": {"enabled": True, "max_staleness": 2, "partial_rollouts": True}, "rollout.engine": "continuous",
         "model.lora": {"rank": 4}, "eval.every_n_steps": 2}))
     fields = [p.split("=")[0].split(" ")[0] for p in problems]
-    assert fields == ["model.lora", "train.async.partial_rollouts", "rollout.engine", "eval.every_n_steps"]
-    assert [p.split("=")[0] for p in multiprocess_problems(_config(**{
-        "train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True}))] == ["train.dynamic_sampling.enabled"]
+    assert fields == ["model.lora", "train.async.partial_rollouts"]
+    assert multiprocess_problems(_config(**{"train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True,
+                                            "rollout.engine": "continuous"})) == []
 
 
 def test_a_side_without_devices_is_reported_before_the_processes():
     with pytest.raises(ConfigError, match="leaves the update mesh without devices"):
         split_devices(_TWO_BY_FOUR, rollout_devices=8)
+
+
+def test_a_multi_turn_task_over_processes_is_refused_before_start_up():
+    """Issue 51: a task with tools was refused only at start-up (the exchange's check);
+    the split's one check (validate, plan and run) now names it, and the same task runs
+    asynchronously in one process."""
+    from grpo.engine.parallel.split import validate_split
+
+    config = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True}})
+    with pytest.raises(ConfigError) as err:
+        validate_split(config, 2, 4)
+    assert "task.name=lookup: the task has tools or environments" in str(err.value)
+    validate_split(config, 1, 8)
+    validate_split(_config(**{"train.async": {"enabled": True}, "eval.every_n_steps": 1}), 2, 4)

@@ -70,3 +70,15 @@ def test_the_section_says_how_the_rollout_side_was_costed():
         lines = format_async({**a, "rollout_mesh": {"tp": 4}, "update_mesh": {"fsdp": 8}, "rollout_peak_bytes": 1,
                               "update_peak_bytes": 1})
         assert f"  rollout side costed as {text}" in lines
+
+
+def test_the_weight_sync_between_hosts_is_costed_as_the_run_moves_it():
+    """Issue 51: split by hosts the sent tree arrives whole on every rollout chip, each
+    update chip sending it once a round (2 + 2 hosts of a v6e-16: one round; 1 + 3: one
+    round; 3 + 1: three), over ICI."""
+    from grpo.engine.planning.pipeline import weight_sync_by_processes
+
+    even = weight_sync_by_processes(sent_bytes=6e9, rollout_chips=8, update_chips=8, ici_bandwidth=4e11)
+    assert even == {"received_bytes_per_chip": 6e9, "sent_bytes_per_chip": 6e9, "bytes": 6e9, "seconds": 6e9 / 2e11}
+    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=12, update_chips=4, ici_bandwidth=2.0)["seconds"] == 3.0
+    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=4, update_chips=12, ici_bandwidth=2.0)["seconds"] == 1.0

@@ -343,6 +343,12 @@ def on_host(*arrays: Any) -> list[np.ndarray]:
     spans = [isinstance(x, jax.Array) and not x.is_fully_addressable for x in arrays]
     gathered = iter([])
     if any(spans):
+        everyone = all(len({d.process_index for d in x.sharding.device_set}) == jax.process_count()
+                       for x, s in zip(arrays, spans) if s)
+        if not everyone:  # the rollout side of a multi-process async run: its own processes gather
+            from grpo.engine.parallel.rows import host_value
+
+            return [host_value(x) if s else np.asarray(jax.device_get(x)) for x, s in zip(arrays, spans)]
         from jax.experimental import multihost_utils
 
         gathered = iter(multihost_utils.process_allgather([x for x, s in zip(arrays, spans) if s], tiled=True))

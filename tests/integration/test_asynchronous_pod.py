@@ -1,0 +1,108 @@
+"""Asynchronous GRPO split by whole processes, several a side (issue 51): 4 real
+`grpo run` processes x 2 CPU devices (gloo), processes 0-1 rolling out and 2-3 updating
+(``rollout_devices: 4``), against the one-process runs of the same config in this
+process (8 devices): at ``max_staleness: 0`` the synchronous run, at 1 the asynchronous
+run with the same split (4 + 4). Each test takes about 400 s on 2 shared cores (4
+processes compile the same programs at once)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from _runs import free_port, wait_all
+from _xla import CPU_FAST_COMPILE
+
+from grpo.core.config import load_config
+from grpo.engine.runs.metrics import read_metrics
+from grpo.engine.trainer import Trainer
+
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+
+STEPS, PROMPTS, PROCESSES = 2, 8, 4
+CONFIG = {
+    "model": {"source": "random", "random": {"preset": "tiny"}},
+    "rollout": {"num_generations": 2, "max_prompt_length": 32, "max_new_tokens": 3, "early_stop_chunk": 0},
+    # Shaping rewards give the random policy non-zero advantages, so the weights move.
+    "task": {"name": "arithmetic", "options": {"max_operand": 4, "num_examples": 64,
+                                               "reward_weights": {"close": 0.5, "length": 0.25, "format": 0.25}}},
+    "train": {"steps": STEPS, "prompts_per_step": PROMPTS, "optimizer": {"learning_rate": 1e-2},
+              "async": {"enabled": True, "max_staleness": 0, "rollout_devices": 4}},
+    "checkpoint": {"every_n_steps": 0, "at_end": False},
+    "logging": {"progress_bar": False, "plot": False},
+    "distributed": {"heartbeat_timeout_s": 10, "initialization_timeout_s": 120},
+}
+
+
+def _pod_run(tmp: Path, config: dict) -> Path:
+    """The run of ``config`` on 4 processes x 2 devices; its run directory."""
+    path, run_dir, port = tmp / "config.yaml", tmp / "run", free_port()
+    path.write_text(yaml.safe_dump(config))
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=2 {CPU_FAST_COMPILE}",
+               JAX_PLATFORMS="cpu")
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "grpo.core.cli", "run", str(path), "--run-dir", str(run_dir),
+         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(PROCESSES), "--process-id", str(i)],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(PROCESSES)]
+    for pid, (code, out, err) in enumerate(wait_all(procs, timeout=600)):
+        assert code == 0, f"process {pid}:\n{(out + err)[-3000:]}"
+        assert ("Done: " in out) == (pid == 0)
+    return run_dir
+
+
+def _one_process(tmp: Path, config: dict) -> Trainer:
+    path = tmp / "single.yaml"
+    path.write_text(yaml.safe_dump(config))
+    trainer = Trainer(load_config(str(path)), tmp / "single")
+    trainer.run()
+    return trainer
+
+
+# Evaluation every step, on the rollout side (issue 51); a few prompts.
+EVAL = {"every_n_steps": 1, "num_examples": 8, "at_start": False}
+# Staleness 1 also runs the continuous engine, dynamic sampling (rounds gathered over the
+# rollout side's processes) and the evaluation before the first step.
+FEATURES = {"rollout": {**CONFIG["rollout"], "engine": "continuous"}, "eval": {**EVAL, "at_start": True},
+            "train": {"dynamic_sampling": {"enabled": True, "max_rounds": 2}}}
+
+
+@pytest.mark.parametrize("staleness", [0, 1])
+def test_two_plus_two_processes_equal_the_one_process_run(tmp_path, staleness):
+    """2 + 2 processes: every step once at its data position and staleness, the same
+    rewards and evaluation rows, losses within 1e-5 of the one-process synchronous run
+    (staleness 0) or the one-process asynchronous run with the same split (staleness 1,
+    with the continuous engine, dynamic sampling and an evaluation at the start); the
+    weights moved on device every step (``weight_sync/bytes``: the parameter tree's)."""
+    train = {**CONFIG["train"], "async": {**CONFIG["train"]["async"], "max_staleness": staleness}}
+    config = dict(CONFIG, train=train, eval=EVAL)
+    if staleness:
+        config.update(FEATURES, train={**train, **FEATURES["train"]})
+    run_dir = _pod_run(tmp_path, config)
+    rows = read_metrics(run_dir)
+    single = dict(config, train={**config["train"], "async": {"enabled": False}}) if staleness == 0 else config
+    trainer = _one_process(tmp_path, single)
+    want = read_metrics(trainer.run_dir)
+    assert [(r["step"], r["async/staleness_max"]) for r in rows] == [(s + 1, min(s, staleness)) for s in range(STEPS)]
+    # Each step's prompts start where the one-process run's do (dynamic sampling draws more).
+    assert [r["async/data_position"] for r in rows] == \
+        ([r["async/data_position"] for r in want] if staleness else [s * PROMPTS for s in range(STEPS)])
+    assert any(r["grad_norm"] > 0 for r in want) and any(r["reward/mean"] > 0 for r in want)
+    for got, ref in zip(rows, want, strict=True):
+        assert got["reward/mean"] == ref["reward/mean"]
+        for key in ("loss", "grad_norm", "kl", "completion/length_mean"):
+            np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
+        assert got["weight_sync/bytes"] > 0 and got["time/train/weight_sync_s"] > 0
+    assert {r["weight_sync/bytes"] for r in rows} == {sum(x.nbytes for x in jax.tree.leaves(trainer.params))}
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    want_evals = [json.loads(line) for line in (trainer.run_dir / "eval.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in evals] == list(range(0 if staleness else 1, STEPS + 1))
+    for got, ref in zip(evals, want_evals, strict=True):
+        assert {k: v for k, v in got.items() if k != "time/eval_s"} == {k: v for k, v in ref.items() if k != "time/eval_s"}
