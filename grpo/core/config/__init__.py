@@ -15,6 +15,7 @@ variables except explicit ``${VAR}`` references.
 The modules, in the order a config passes through them:
 
 - :mod:`~grpo.core.config.schema`: the sections and :class:`RunConfig`;
+- :mod:`~grpo.core.config.engine`: the rollout engines' option sections;
 - :mod:`~grpo.core.config.load`: YAML, interpolation, ``--set``, :func:`load_config`;
 - :mod:`~grpo.core.config.validate`: validation errors as problems, plugin selection,
   cross-field checks and :func:`resolve_layout`;

@@ -154,7 +154,8 @@ class DeviceRunner:
 
     def start(self) -> None:
         if self.state is None:
-            self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages)
+            self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages,
+                                               slots=self.alloc.slots)
 
     def admit(self, admitted: list[tuple[int, int]]) -> None:
         self.start()
