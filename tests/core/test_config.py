@@ -108,6 +108,7 @@ BAD = [
     ({"rollout.continuous": {"chunk": 0}}, "rollout.continuous.chunk", "greater than or equal to 1"),
     ({"rollout.continuous": {"page_size": 0}}, "rollout.continuous.page_size", "greater than or equal to 1"),
     ({"rollout.continuous": {"slots": -1}}, "rollout.continuous.slots", "greater than or equal to 0"),
+    ({"rollout.continuous": {"slots": "many"}}, "rollout.continuous.slots", "must be auto or an integer"),  # issue 49 item 7
     ({"rollout.continuous": {"attention": "cuda"}}, "rollout.continuous.attention", "'auto'"),
     ({"rollout.engine": "continuous", "rollout.continuous": {"pool_pages": 1, "page_size": 4}},
      "rollout.continuous.pool_pages=1", "cannot hold one row"),

@@ -19,6 +19,7 @@ The modules, in the order a config passes through them:
   down-sampling, packing, async; :mod:`~grpo.core.config.compile`: the ``train.compile``
   section, when and where the programs compile);
 - :mod:`~grpo.core.config.schema`: the other sections and :class:`RunConfig`;
+- :mod:`~grpo.core.config.engine`: the rollout engines' option sections;
 - :mod:`~grpo.core.config.load`: YAML, interpolation, ``--set``, :func:`load_config`;
 - :mod:`~grpo.core.config.validate`: validation errors as problems, plugin selection,
   cross-field checks and :func:`resolve_layout`;

@@ -12,6 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, model_validator
 
+from grpo.core.config.engine import ContinuousEngineConfig
 from grpo.core.config.section import Section
 from grpo.core.config.training import (  # noqa: F401 (re-exported: the train sub-sections)
     AdvantageConfig,
@@ -216,30 +217,6 @@ class DistributedConfig(Section):
                     f"distributed.process_id={self.process_id} must be < distributed.num_processes={self.num_processes}"
                 )
         return self
-
-
-class ContinuousEngineConfig(Section):
-    """The continuous-batching rollout engine's options (``rollout.engine: continuous``)."""
-
-    slots: int = Field(
-        0, ge=0, le=1_000_000,
-        description="Decode slots (rows decoded at once, over all devices); 0 = every row of the rollout at once.",
-    )
-    page_size: int = Field(16, ge=1, le=65536, description="Tokens per page of the paged KV cache.")
-    pool_pages: int = Field(
-        0, ge=0, le=100_000_000,
-        description="KV pages per device along the rows' mesh axes (each holds the pages of its own slots); "
-        "0 = enough for every slot at the length cap (no row is ever evicted). It must hold at least one row of "
-        "prompt + max_new_tokens.",
-    )
-    chunk: int = Field(
-        16, ge=1, le=131072,
-        description="Decode steps between host boundaries (finished rows leave, queued rows are prefilled).",
-    )
-    attention: Literal["auto", "reference", "tpu", "gpu"] = Field(
-        "auto",
-        description="Paged decode attention: auto = the Pallas kernel of a TPU or GPU backend, else the plain-JAX reference.",
-    )
 
 
 class RolloutConfig(Section):

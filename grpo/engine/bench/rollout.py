@@ -524,8 +524,9 @@ def _roofline(built: _Built, settings: dict[str, Any], timing: _Timing, *, weigh
               "valid tokens/s, slot occupancy, the page pool's peak.")
 @click.option("--engine", "engines", type=click.Choice(["static", "continuous"]), multiple=True,
               help="With --lengths: the engines to time (repeatable; default both).")
-@click.option("--slots", type=click.IntRange(min=0), default=0, show_default=True,
-              help="With --lengths: rollout.continuous.slots (0 = every row at once).")
+@click.option("--slots", default="auto", show_default=True,
+              help="With --lengths: rollout.continuous.slots (auto = the engine's rule, 0 = every row at once, or a "
+              "count).")
 @click.option("--page-size", type=click.IntRange(min=1), default=16, show_default=True,
               help="With --lengths: rollout.continuous.page_size.")
 @click.option("--pool-pages", type=click.IntRange(min=0), default=0, show_default=True,
@@ -553,6 +554,9 @@ def bench_rollout(
         tensor_parallel=int(tensor_parallel) if str(tensor_parallel).isdigit() else tensor_parallel,
     )
     if lengths is not None:
+        if slots != "auto" and not (str(slots).isdigit()):
+            raise UserError(f"--slots must be auto or a non-negative integer (got {slots!r}).")
+        slots = slots if slots == "auto" else int(slots)
         continuous = {"slots": slots, "page_size": page_size, "pool_pages": pool_pages, "chunk": chunk}
         result = run_lengths_bench(repeats=repeats, lengths=lengths, engines=tuple(engines) or ENGINES,
                                    continuous=continuous, **settings)

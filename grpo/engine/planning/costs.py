@@ -305,11 +305,11 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int,
                                           ("eval_start", programs.eval_batch()[1], cfg.eval.k,
                                            programs.eval_sampler() if cfg.eval.every_n_steps > 0 else None)):
             if sampler is not None:
-                rows = sampler.slots_for(prompts * k) if paged else prompts * k
+                rows = sampler.slots_for(prompts * k, Lp) if paged else prompts * k
                 out[name] = moved(rows / split.shards * (Lp + sampler.cache_slots(Lp)) * kv_tok)
                 if "read" in sampler.jitted():  # the continuous engine's multi-turn turn reads
                     read = name.replace("start", "read")
-                    out[read] = moved(sampler.slots_for(prompts * k) / split.shards * N * 4 * 3)
+                    out[read] = moved(sampler.slots_for(prompts * k, Lp) / split.shards * N * 4 * 3)
     if programs.merged_sampling and cfg.model.lora is not None and not programs.rollout.resharded:
         out["merge"] = moved((m.weight_bytes + m.base_bytes) / (layout.fsdp * layout.tp))
     out["row_sums"] = moved(4 * rows_ro * 8)

@@ -183,7 +183,7 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     config, sampler = s.config, s.sampler
     P, Lp = s.inputs["prompt_tokens"].shape
     rows, N = P * config.rollout.num_generations, config.rollout.max_new_tokens
-    S = sampler.slots_for(rows)
+    S = sampler.slots_for(rows, Lp)
     shards = sampler.shards(S)
     pool_pages = sampler.pool_size(Lp, S // shards)  # per part of the pool (per device)
     out: dict[str, Any] = {"engine": config.rollout.engine, "pool_bytes_per_device": s.state["kv_cache"],

@@ -21,11 +21,11 @@ number of decode slots (``slots``) runs in chunks of ``chunk`` decode steps:
    (row) order. When a live row cannot grow, the most recently admitted row is evicted:
    its pages are freed and it goes back to the head of the queue. A row's draws depend
    only on its key and step, so when it runs again it samples the very same tokens.
-2. **Prefill** (one jit per admission-batch size, a power of two up to ``slots``): the
-   admitted rows' prompts run through the model's dense prefill (left-aligned as the
-   static sampler does), their keys/values are scattered into the rows' pages with the
-   prompt's first real token at token 0, and step 0 is drawn from the last position's
-   logits.
+2. **Prefill** (one jit per admission-batch size and distinct-prompt count, powers of two
+   up to ``slots``): the admitted rows' distinct prompts (a group's K samples share one)
+   run once through the model's dense prefill (left-aligned as the static sampler does),
+   their keys/values are scattered into each row's pages with the prompt's first real
+   token at token 0, and each row draws step 0 from its prompt's last logits.
 3. **Decode** (one jit, the state donated): ``chunk`` steps in a ``lax.fori_loop``, no
    host sync inside; each live slot feeds its previous token at position = its cached
    length, writes its key/value into its pages and attends over them alone
@@ -37,8 +37,9 @@ queue is empty and every slot is free. Row ``r`` draws step ``t`` from
 so the two give the same tokens (and log-probs to float rounding: attention sums the
 same keys in another order).
 
-Limits of this first version (issue 39): prefill runs once per row (no
-sharing of a prompt's pages between its K samples); the pool's pages are not split per
+Limits of this first version (issue 39): a prompt admitted in one batch with its group
+is prefilled once, but its pages are copied into each row (not shared between its K
+samples); the pool's pages are not split per
 device (each device holds the pool of its KV heads; rows are sharded over the batch
 axes as in the static sampler); the plan's costs of this engine are the static ones.
 """
@@ -58,7 +59,8 @@ from grpo.engine.rollout._sampling import step_keys
 from grpo.core.contracts.engine import FinishedRows, Progress, Rows
 from grpo.engine.rollout.paged.core import DeviceRunner, EngineCore, SimulatedRunner, on_host
 from grpo.engine.rollout.paged.pages import PageAllocator
-from grpo.engine.rollout.paged.scheduler import Scheduler
+from grpo.engine.rollout.paged.scheduler import Scheduler, pow2
+from grpo.engine.rollout.paged.slots import auto_slots
 from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
 from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
@@ -92,17 +94,17 @@ class ContinuousSampler(BaseSampler):
     """Continuous batching over a paged cache; :meth:`sample` as the static sampler's.
 
     Args (beside :class:`BaseSampler`'s): ``slots`` decode slots (0: every row of the
-    rollout at once), ``page_size`` tokens a
+    rollout at once; ``auto``: :func:`~grpo.engine.rollout.paged.slots.auto_slots`), ``page_size`` tokens a
     page, ``pool_pages`` pages in the pool (0: enough for every slot at the cap, so no row
     is ever evicted), ``chunk`` decode steps between host boundaries, ``backend`` the
     paged attention (:data:`grpo.kernels.paged_attention.BACKENDS`), ``detokenize`` as
     the static sampler's."""
 
-    def __init__(self, graphdef: Any, *, slots: int, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,
+    def __init__(self, graphdef: Any, *, slots: int | str, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,
                  backend: str = "auto", detokenize: Any = None, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
-        for name, value, low in (("slots", slots, 0), ("page_size", page_size, 1), ("pool_pages", pool_pages, 0),
-                                 ("chunk", chunk, 1)):
+        checks = (("page_size", page_size, 1), ("pool_pages", pool_pages, 0), ("chunk", chunk, 1))
+        for name, value, low in checks + ((("slots", slots, 0),) if slots != "auto" else ()):
             if not (isinstance(value, int) and value >= low):
                 raise ValueError(f"{name} must be an integer >= {low} (got {value!r})")
         if backend not in BACKENDS:
@@ -113,7 +115,7 @@ class ContinuousSampler(BaseSampler):
         self.slots, self.page_size, self.pool_pages, self.chunk_steps = slots, page_size, pool_pages, chunk
         self.backend = backend
         self.detokenize = detokenize
-        self.start_jit = jax.jit(self._start_impl, static_argnames=("rows", "pages"))
+        self.start_jit = jax.jit(self._start_impl, static_argnames=("rows", "pages", "slots"))
         self.prefill_jit = jax.jit(self._prefill_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.decode_jit = jax.jit(self._decode_impl, static_argnames=("key_impl",), donate_argnums=(1,))
         self.refresh_jit = jax.jit(self._refresh_impl, donate_argnums=(1,))
@@ -147,7 +149,7 @@ class ContinuousSampler(BaseSampler):
     def _new_core(self, *, rows: int, prompt_length: int, key: Any, versions: bool, slots: int | None, stop_at: Any,
                   params: Any) -> EngineCore:
         """An engine core of ``rows`` rows over the device programs (see :meth:`begin`)."""
-        S = self.slots_for(rows) if slots is None else slots
+        S = self.slots_for(rows, prompt_length) if slots is None else slots
         alloc = self._allocator(prompt_length, S)
         sched = Scheduler(alloc, prompt_len=np.zeros(rows, np.int64), cap=self.sampling.max_new_tokens,
                           chunk=self.chunk_steps)
@@ -302,7 +304,7 @@ class ContinuousSampler(BaseSampler):
         that rollout's. ``trace``: see :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
         plen = np.asarray(prompt_lengths, np.int64)
         comp = np.asarray(completions, np.int64)
-        alloc = self._allocator(prompt_length, self.slots_for(len(comp)))
+        alloc = self._allocator(prompt_length, self.slots_for(len(comp), prompt_length))
         sched = Scheduler(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=self.chunk_steps)
         core = EngineCore(sched, SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace),
                           rows=len(comp))
@@ -313,8 +315,12 @@ class ContinuousSampler(BaseSampler):
         """Pages of a row at the cap (prompt + every token fed back)."""
         return math.ceil((prompt_length + self.sampling.max_new_tokens) / self.page_size)
 
-    def slots_for(self, rows: int) -> int:
-        """Decode slots of a rollout of ``rows`` rows."""
+    def slots_for(self, rows: int, prompt_length: int = 0) -> int:
+        """Decode slots of a rollout of ``rows`` rows (prompts padded to ``prompt_length``:
+        what ``auto`` fits into a given ``pool_pages``)."""
+        if self.slots == "auto":
+            return auto_slots(rows, shards=self.shards(rows), pool_pages=self.pool_pages, prompt_length=prompt_length,
+                              cap=self.sampling.max_new_tokens, page_size=self.page_size)
         return self.slots or rows
 
     def pool_size(self, prompt_length: int, slots: int) -> int:
@@ -344,7 +350,7 @@ class ContinuousSampler(BaseSampler):
 
     def cache_bytes(self, params: Any, *, rows: int, prompt_length: int) -> int:
         """Per-device bytes of the page pool (keys and values)."""
-        S = self.slots_for(rows)
+        S = self.slots_for(rows, prompt_length)
         pool = self._abstract_pool(params, self.shards(S) * self.pool_size(prompt_length, S // self.shards(S)), S)
         return 2 * math.prod(pool.sharding.shard_shape(pool.shape)) * jnp.dtype(pool.dtype).itemsize
 
@@ -354,16 +360,16 @@ class ContinuousSampler(BaseSampler):
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
         rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
-        S = self.slots_for(rows)
+        S = self.slots_for(rows, prompt_length)
         pages = self.shards(S) * self.pool_size(prompt_length, S // self.shards(S))
 
         def state():
-            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages), params)
+            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages, slots=S), params)
 
         def prefill():
             raw, impl = self._abstract_key(key)
-            tok = self._rows(S, prompt_length)
-            return self.prefill_jit.lower(params, state(), tok, tok, self._rows(S), self._rows(S),
+            tok = self._rows(S, prompt_length)  # the widest variant: every slot, every prompt distinct
+            return self.prefill_jit.lower(params, state(), tok, tok, self._rows(S), self._rows(S), self._rows(S),
                                           self._rows(S, maxp), raw, key_impl=impl)
 
         def decode():
@@ -372,28 +378,32 @@ class ContinuousSampler(BaseSampler):
             return self.decode_jit.lower(params, state(), self._rows(S, maxp), self._rows(S), self._rows(S), raw,
                                          key_impl=impl)
 
-        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages), "prefill": prefill,
+        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages, slots=S), "prefill": prefill,
                 "decode": decode}
 
     # ------------------------------------------------------------------ host pieces
 
     def prefill_rows(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
-        two (padding rows write nowhere: row -1, slot ``slots``)."""
+        two (padding rows write nowhere: row -1, slot ``slots``). Rows with the same prompt
+        (a group's K samples) share one forward pass (:func:`shared_prompts`), as the
+        static sampler's prefill of each prompt once; every row still draws its own step 0."""
         S = alloc.slots
-        n = min(1 << (len(admitted) - 1).bit_length(), S)
+        n = min(pow2(len(admitted)), S)
         slots = np.full(n, S, np.int32)
         rows = np.full(n, -1, np.int32)
         slots[: len(admitted)], rows[: len(admitted)] = zip(*admitted)
-        live = rows >= 0
         table = np.zeros((n, alloc.max_pages), np.int32)
         table[: len(admitted)] = alloc.table()[slots[: len(admitted)]]
-        ptok = np.where(live[:, None], tokens[np.maximum(rows, 0)], 0)
-        pmask = np.where(live[:, None], mask[np.maximum(rows, 0)], 1)
+        firsts, src = shared_prompts(tokens, mask, rows[: len(admitted)])
+        u = min(pow2(len(firsts)), n)
+        src = np.concatenate([src, np.zeros(n - len(src), np.int32)])  # padding rows read prompt 0
+        ptok, pmask = np.zeros((u, tokens.shape[1]), np.int32), np.ones((u, tokens.shape[1]), np.int32)
+        ptok[: len(firsts)], pmask[: len(firsts)] = tokens[firsts], mask[firsts]
         place = self._place
         return self.prefill_jit(params, state, place(ptok, ("batch", "length")), place(pmask, ("batch", "length")),
-                                place(rows, ("batch",)), place(slots, ("batch",)), place(table, ("batch", None)), raw,
-                                stop_at, key_impl=impl)
+                                place(src, ("batch",)), place(rows, ("batch",)), place(slots, ("batch",)),
+                                place(table, ("batch", None)), raw, stop_at, key_impl=impl)
 
     # ------------------------------------------------------------------ programs
 
@@ -409,9 +419,10 @@ class ContinuousSampler(BaseSampler):
         spec = self.spec(slots, c.num_key_value_heads).pool_spec()
         return jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=NamedSharding(self.mesh, spec))
 
-    def _start_impl(self, params: Any, *, rows: int, pages: int) -> SlotState:
-        """The empty state: a zero pool of ``pages`` pages, free slots, every row's outputs blank."""
-        s, S, N = self.sampling, self.slots_for(rows), self.sampling.max_new_tokens
+    def _start_impl(self, params: Any, *, rows: int, pages: int, slots: int | None = None) -> SlotState:
+        """The empty state: a zero pool of ``pages`` pages, ``slots`` free slots (None:
+        :meth:`slots_for` ``rows``), every row's outputs blank."""
+        s, S, N = self.sampling, self.slots_for(rows) if slots is None else slots, self.sampling.max_new_tokens
         pool = self._abstract_pool(params, pages, S)
         zeros = jax.lax.with_sharding_constraint(jnp.zeros(pool.shape, pool.dtype), pool.sharding)
 
@@ -428,15 +439,19 @@ class ContinuousSampler(BaseSampler):
             behaviour=batch(jnp.zeros((rows, N), jnp.float32), "length") if s.truncates else None,
         )
 
-    def _prefill_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, rows: jax.Array,
-                      slots: jax.Array, table: jax.Array, raw_key: jax.Array, stop_at: jax.Array | None = None, *,
-                      key_impl: str | None) -> SlotState:
-        """Prefill n rows [n, Lp] (left-aligned) into their pages and draw their step 0."""
+    def _prefill_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, src: jax.Array,
+                      rows: jax.Array, slots: jax.Array, table: jax.Array, raw_key: jax.Array,
+                      stop_at: jax.Array | None = None, *, key_impl: str | None) -> SlotState:
+        """Prefill u distinct prompts [u, Lp] (left-aligned) once, then seat n rows, row i
+        over prompt ``src[i]``: its keys/values scattered into its pages, its step 0 drawn
+        (with its own key) from its prompt's last logits."""
         s, model = self.sampling, self._model(params)
         N = state.tokens.shape[1]
-        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=state.k.dtype)  # n V
+        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=state.k.dtype)  # u V
+        logits = logits[src]  # n V
+        cache = cache._replace(k=cache.k[:, src], v=cache.v[:, src])
         live = rows >= 0
-        plen = mask.sum(axis=1).astype(jnp.int32)  # n
+        plen = mask.sum(axis=1).astype(jnp.int32)[src]  # n
         eos = jnp.asarray(s.eos_ids, jnp.int32) if s.eos_ids else None
         drawn = draw(logits, row_key_data(raw_key, key_impl, rows), jnp.int32(0), live, sampling=s, stops=eos,
                      stop_at=_per_row(stop_at, rows))
@@ -562,6 +577,22 @@ class ContinuousSampler(BaseSampler):
         return jax.lax.fori_loop(0, self.chunk_steps, step, state)
 
 
+def shared_prompts(tokens: np.ndarray, mask: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The distinct prompts among ``rows`` [n] of ``tokens``/``mask`` [R, Lp]: ``firsts``
+    [u] the first row of each (in order of appearance) and ``src`` [n] int32 each row's
+    index into ``firsts`` (rows whose prompt tokens and mask are equal share one)."""
+    seen: dict[bytes, int] = {}
+    firsts: list[int] = []
+    src = np.zeros(len(rows), np.int32)
+    for i, r in enumerate(rows):
+        key = tokens[r].tobytes() + mask[r].tobytes()
+        if key not in seen:
+            seen[key] = len(firsts)
+            firsts.append(int(r))
+        src[i] = seen[key]
+    return np.asarray(firsts, np.int64), src
+
+
 def _per_row(stop_at: jax.Array | None, rows: jax.Array) -> jax.Array | None:
     """The forced stop lengths [B] (None: none) of ``rows`` [n] (-1: any)."""
     return None if stop_at is None else stop_at[jnp.maximum(rows, 0)]
@@ -574,4 +605,4 @@ def _axes(entry: Any) -> tuple[str, ...]:
     return (entry,) if isinstance(entry, str) else tuple(entry)
 
 
-__all__ = ["ContinuousSampler", "SlotState"]
+__all__ = ["ContinuousSampler", "SlotState", "shared_prompts"]

@@ -109,12 +109,12 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
         rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
-        S = self.slots_for(rows)
+        S = self.slots_for(rows, prompt_length)
         pages = self.shards(S) * self.pool_size(prompt_length, S // self.shards(S))
         L = append_bucket(prompt_length + self.sampling.max_new_tokens)  # the widest chunk: a re-prefill
 
         def state():
-            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages), params)
+            return jax.eval_shape(lambda p: self._start_impl(p, rows=rows, pages=pages, slots=S), params)
 
         def append():
             raw, impl = self._abstract_key(key)
@@ -132,7 +132,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             st = state()
             return self.read_jit.lower(st.tokens, st.logprobs, st.behaviour, st.out_len, st.truncated, self._rows(S))
 
-        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages), "append": append,
+        return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages, slots=S), "append": append,
                 "decode": decode, "read": read}
 
     # ------------------------------------------------------------------ the host loop
@@ -151,7 +151,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         B, Lp = tokens.shape
         if len(envs) != B:
             raise ValueError(f"{len(envs)} environments for {B} rows")
-        alloc = self._allocator(Lp, self.slots_for(B))
+        alloc = self._allocator(Lp, self.slots_for(B, Lp))
         talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
         sched = TurnScheduler(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
         runner = _TurnRunner(self, sched, talk, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng, rows=B,
@@ -318,7 +318,7 @@ class _TurnRunner:
                  prompts: list[np.ndarray], key: jax.Array, rows: int, params: Any):
         self.engine, self.sched, self.talk, self.prompts, self.params = engine, sched, talk, prompts, params
         self.raw, self.impl = engine.place_key(key)
-        self.state = engine.start_jit(params, rows=rows, pages=sched.alloc.pages)
+        self.state = engine.start_jit(params, rows=rows, pages=sched.alloc.pages, slots=sched.alloc.slots)
 
     def admit(self, admitted: list[tuple[int, int]]) -> None:
         t0 = time.perf_counter()

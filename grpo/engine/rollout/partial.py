@@ -158,7 +158,7 @@ class PartialStream:
         self.width = bucket_for(max(len(t) for t in collector.prompts.token_ids), collector.buckets)
         # The step's rows' slots (P*K, or the engine's count): the rows fed ahead wait in its queue.
         self.engine.begin(rows=self.rows, prompt_length=self.width, versions=True,
-                          slots=self.engine.slots_for(self.P * self.K),
+                          slots=self.engine.slots_for(self.P * self.K, self.width),
                           on_weight_change=cfg.train.async_.on_weight_change)
         self.prompts = np.zeros((self.rows, self.width), np.int32)  # each buffer row's prompt (left-padded)
         self.prompt_masks = np.zeros((self.rows, self.width), np.int32)

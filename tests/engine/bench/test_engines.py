@@ -39,3 +39,12 @@ def test_engines_on_drawn_lengths():
 def test_engine_needs_lengths():
     result = CliRunner().invoke(cli, ARGS + ["--engine", "continuous"])
     assert result.exit_code == 2 and "--lengths" in result.output and "Traceback" not in result.output
+
+
+def test_slots_flag_takes_auto_or_a_count():
+    """Issue 49 item 7: ``--slots`` defaults to the config's ``auto``; anything but auto or
+    a count is refused before any model is built."""
+    result = CliRunner().invoke(cli, ARGS + ["--lengths", "gsm8k-qwen25-3b-v6e8", "--slots", "many"])
+    assert result.exit_code == 2 and "--slots must be auto" in result.output and "Traceback" not in result.output
+    slots = next(p for p in cli.commands["bench"].commands["rollout"].params if p.name == "slots")
+    assert slots.default == "auto"

@@ -12,7 +12,7 @@ from flax import nnx
 
 from grpo.core.contracts import MeshLayout, NoOptions
 from grpo.engine.parallel.mesh import build_mesh
-from grpo.engine.rollout.continuous import ContinuousSampler
+from grpo.engine.rollout.continuous import ContinuousSampler, shared_prompts
 from grpo.engine.rollout.sampler import Sampler, SamplingParams
 from grpo.models.loading import load_hf
 from grpo.models.tiny import write_tiny_checkpoint
@@ -77,6 +77,29 @@ def test_continuous_equals_static(setup, static):
     assert "f32[2,2,5,4,16]" in hlo and "[2,2,40,4,16]" not in hlo
     # Rows stop at different steps.
     assert 0 < static.lengths.min() and static.truncated.any() and not static.truncated.all()
+
+
+@pytest.mark.slow
+def test_default_options_equal_static(setup, static):
+    """Issue 49 item 7: the engine as a config builds it by default (``slots: auto``, pages
+    of 16, chunks of 16, the pool for every slot) draws the static engine's tokens in f32;
+    ``auto`` seats all 24 rows at once and their 12 prompts are prefilled once each."""
+    graphdef, params, kwargs, tokens, mask = setup
+    cont = ContinuousSampler(graphdef, slots="auto", backend="reference", **kwargs)
+    out = _np(cont.generate(params, tokens, mask, jax.random.key(42)))
+    assert cont.last_stats["slots"] == P * K and cont.last_stats["prefills"] == 1, cont.last_stats
+    _assert_same(out, static)
+
+
+def test_shared_prompts():
+    """Rows with equal prompt tokens and mask share one prefill (a group's K samples);
+    a different mask is a different prompt (issue 49 item 7)."""
+    tokens = np.array([[0, 5, 6], [0, 5, 6], [0, 7, 6], [0, 5, 6], [9, 5, 6]], np.int32)
+    mask = np.array([[0, 1, 1], [0, 1, 1], [0, 1, 1], [0, 1, 1], [1, 1, 1]], np.int32)
+    firsts, src = shared_prompts(tokens, mask, np.array([3, 2, 1, 4, 0]))
+    np.testing.assert_array_equal(firsts, [3, 2, 4])
+    np.testing.assert_array_equal(src, [0, 1, 0, 2, 0])
+    np.testing.assert_array_equal(tokens[firsts][src], tokens[[3, 2, 1, 4, 0]])
 
 
 @pytest.mark.slow

@@ -6,6 +6,8 @@ scheduler, KV-cache manager and engine core):
 - ``scheduler``: the queue, the slots, refill at chunk boundaries and eviction
   (:class:`Scheduler`; :class:`TurnScheduler` for multi-turn rows that park their pages
   between turns);
+- ``slots``: ``rollout.continuous.slots: auto``, the slot count of a rollout
+  (:func:`~grpo.engine.rollout.paged.slots.auto_slots`);
 - ``core``: the one loop, schedule -> run -> read the boundary (:class:`EngineCore`),
   over a runner: the engine's jitted programs (:class:`DeviceRunner`) or a cost model
   (:class:`SimulatedRunner`, what ``grpo plan --lengths`` runs).
