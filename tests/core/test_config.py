@@ -275,7 +275,8 @@ def test_validate_refuses_the_split_the_run_refuses_with_its_message():
         check_split(load_config(recipe, [a for a in sets + extra if a != "--set"]), topology_devices(4, 4))
     assert str(err.value) in result.output
     assert "processes [0, 1] roll out, processes [2, 3] update" in result.output
-    assert "train.async.partial_rollouts=true" in result.output and "rollout.engine=continuous" in result.output
+    assert "train.async.partial_rollouts=true" in result.output
+    assert "rollout.engine" not in result.output  # the continuous engine runs over processes now
     ok = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets)
     assert ok.exit_code == 0 and ok.output.strip() == "ok", ok.output
     # A process on both sides (6 of 4 x 4): the run's message too.
