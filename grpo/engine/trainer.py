@@ -156,12 +156,9 @@ class Trainer:
         self.policy_logprobs = self.programs.policy_logprobs()  # LoRA dropout only
         self.checkpointer = Checkpointer(self.run_dir / "checkpoints", keep=config.checkpoint.keep)
         self.step = 0
-        # Prompts drawn so far in the data order: step * prompts_per_step, or more with
-        # dynamic sampling (checkpointed either way).
-        self.data_position = 0
+        self.data_position = 0  # prompts drawn so far in the data order (more with dynamic sampling)
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
-        # Each reward function's first failure, logged once and kept in the run directory.
         self.reward_failures = RewardFailures(self._write_reward_failure if self.is_main else None,
                                               where=str(self.run_dir / LOG_NAME))
         self._signal: int | None = None

@@ -68,7 +68,7 @@ def bench_loss(impl, batch, time_, vocab, hidden, dtype, mode, beta, aggregation
     import jax.numpy as jnp
 
     from grpo.core.contracts import LossSettings
-    from grpo.engine.programs import loss_program
+    from grpo.engine.training.update import loss_program
 
     if opaque_kernels and (impl != "pallas" or not compile_only):
         raise UserError("--opaque-kernels goes with --impl pallas and --compile-only (opaque kernels cannot run).")

@@ -441,7 +441,7 @@ def test_plan_under_a_length_profile_compiles_the_update_at_the_bins(tiny_config
     pk = rep["packing"]
     assert pk["bin_length"] == 80 and pk["max_bins_per_device"] == 8  # 32 rows of 80 over 4 devices
     assert pk["bins"] == 8 and pk["efficiency"] == 1.0 and pk["bins_per_device"] == 2
-    assert pk["micro_batch"]["sequences_per_device"] == 8 and pk["bin_shapes"] == 8
+    assert pk["micro_batch"]["sequences_per_device"] == 8 and pk["bin_shapes"] == 4  # per 1, 2, 4, 8: the accelerator's pow2 grid
     assert pk["profile"]["prompts"].startswith("every prompt at the config's prompt length, 16")
     up = pk["passes"]["update"]
     assert up["packed_flops"] < 0.5 * up["padded_flops"] and up["ratio"] < 1
