@@ -6,28 +6,19 @@ release's ``api/public.json``, with griffe's breaking-change finder for the Pyth
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import re
-import sys
 from pathlib import Path
 
 import pytest
 
 import grpo
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-api_surface = _script("api_surface")
+api_surface = load_script("api_surface")
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,7 @@ strict build itself runs in CI (``mkdocs build --strict``)."""
 
 from __future__ import annotations
 
-import importlib.util
 import re
-import sys
 from pathlib import Path
 
 import click
@@ -17,20 +15,13 @@ import pytest
 from pydantic import BaseModel, Field
 
 import grpo
+from _scripts import load_script
 
 ROOT = Path(__file__).resolve().parent.parent
 REFERENCE = ROOT / "docs" / "reference"
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "scripts" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-docs_reference = _script("docs_reference")
+docs_reference = load_script("docs_reference")
 
 
 def test_the_cli_and_config_pages_are_generated_from_the_code():
