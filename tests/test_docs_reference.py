@@ -93,7 +93,7 @@ def _targets(*pages: str) -> set[str]:
 def test_every_public_name_is_on_the_api_or_plugins_page():
     """Each name of ``grpo.__all__`` is a mkdocstrings block (``::: grpo.Name`` or the
     module that defines it), and every block names something real."""
-    api_surface = _script("api_surface")
+    api_surface = load_script("api_surface")
     paths = api_surface._public_paths()
     targets = _targets("api.md", "plugins.md")
     missing = [n for n, path in paths.items() if f"grpo.{n}" not in targets and path not in targets]
