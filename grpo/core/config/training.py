@@ -123,7 +123,7 @@ class AsyncConfig(Section):
     rollout_devices: int | None = Field(
         None, ge=1, le=1_000_000,
         description="Devices of the rollout mesh (the first ones; whole hosts when several hosts); the rest form the "
-        "update mesh. None = half of the devices.",
+        "update mesh. None = half of the devices (half of the processes when several).",
     )
     partial_rollouts: bool = Field(
         False,
