@@ -211,43 +211,48 @@ def test_evaluation_pads_awkward_batches_and_matches_unpadded(tmp_path):
     np.testing.assert_array_equal(got.reward, want.reward)
 
 
-def _short_quickstart(steps: int, *overrides: str, metrics: bool = False):
-    """The quickstart config, shortened, evaluated every 50 steps from step 0; returns the
-    eval rows and the eval examples (and with ``metrics`` the step rows)."""
-    import tempfile
+def _readme_quickstart(run_dir, steps: int, *overrides: str):
+    """``grpo run configs/quickstart.yaml`` shortened (evaluated every 50 steps from step 0,
+    no checkpoints, no plot), in a process of its own under the README command's set-up:
+    one CPU device and XLA's default compile flags, not this suite's 8 devices and fast
+    compiles. Its numerics are then the README's: the first 350 steps' held-out curve is
+    the README table's, and its optimised code runs the steps in about 0.7x the CPU time
+    of the suite's set-up (97 s against 135 s for 350 steps, measured side by side).
+    Returns (eval rows, eval examples, step rows)."""
+    from grpo.core.config import select_plugins
 
-    from grpo.engine.runs.metrics import read_eval
-
-    cfg = load_config(ROOT / "configs" / "quickstart.yaml", [
-        f"train.steps={steps}", "logging.progress_bar=false", "logging.plot=false", "checkpoint.at_end=false",
-        "checkpoint.every_n_steps=0", "eval.every_n_steps=50", *overrides])
-    with tempfile.TemporaryDirectory() as d:
-        trainer = Trainer(cfg, d)
-        trainer.run()
-        rows, steps_rows = read_eval(d), read_metrics(d)
-    examples = trainer.task.load(split=cfg.task.eval_split, options=trainer.task_options, seed=cfg.train.seed)
-    return (rows, examples, steps_rows) if metrics else (rows, examples)
+    sets = [f"train.steps={steps}", "logging.progress_bar=false", "logging.plot=false", "checkpoint.at_end=false",
+            "checkpoint.every_n_steps=0", "eval.every_n_steps=50", *overrides]
+    env = dict(os.environ, XLA_FLAGS="")  # the suite's flags out; the compilation cache stays shared
+    done = subprocess.run([sys.executable, "-m", "grpo.core.cli", "run", str(ROOT / "configs" / "quickstart.yaml"),
+                           "--run-dir", str(run_dir), *(a for s in sets for a in ("--set", s))],
+                          env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    cfg = load_config(ROOT / "configs" / "quickstart.yaml", sets)
+    task = select_plugins(cfg)["task"]
+    examples = task.plugin.load(split=cfg.task.eval_split, options=task.options, seed=cfg.train.seed)
+    return read_eval(run_dir), examples, read_metrics(run_dir)
 
 
 @pytest.fixture(scope="module")
-def quickstart_350():
-    """The shortened quickstart (packed: ``train.packing`` is on by default), run once
-    for the tests below: (eval rows, eval examples, step rows)."""
-    return _short_quickstart(350, metrics=True)
+def quickstart_350(tmp_path_factory):
+    """The shortened quickstart (packed: ``train.packing`` is on by default) as the README
+    runs it, once for the tests below: (eval rows, eval examples, step rows)."""
+    return _readme_quickstart(tmp_path_factory.mktemp("quickstart_350"), 350)
 
 
 @pytest.mark.slow
-def test_packed_quickstart_equals_unpacked_for_20_steps(quickstart_350):
+def test_packed_quickstart_equals_unpacked_for_20_steps(quickstart_350, tmp_path):
     """Issue 38's goal: the quickstart packed (its 6-token sequences three to a bin of 18
     tokens) and padded (``train.packing.enabled=false``, one row each) give the same
     rewards and losses within 1e-5 (f32) at each of the first 20 steps. The constant
     learning rate makes the 350-step run's first 20 steps a 20-step run's."""
     packed = quickstart_350[2][:20]
-    _, _, padded = _short_quickstart(20, "train.packing.enabled=false", metrics=True)
+    _, _, padded = _readme_quickstart(tmp_path, 20, "train.packing.enabled=false")
     assert [r["step"] for r in packed] == [r["step"] for r in padded] == list(range(1, 21))
     # 128 sequences a step in about 43 bins, computed on CPU's one shape (issue 50): the
-    # widest bins per device, the same every step.
-    assert all(r["packing/bins_used"] <= 43 and r["packing/bins"] == 8 * r["packing/bins_per_device"]
+    # widest bins per device, the same every step (one device).
+    assert all(r["packing/bins_used"] <= 43 and r["packing/bins"] == r["packing/bins_per_device"]
                * r["packing/micro_batches"] for r in packed), [(r["packing/bins_used"], r["packing/bins"]) for r in packed]
     assert len({r["packing/bins_per_device"] for r in packed}) == 1
     assert not any("packing/efficiency" in r for r in padded)
@@ -261,33 +266,22 @@ def test_packed_quickstart_equals_unpacked_for_20_steps(quickstart_350):
 def test_quickstart_learns_held_out_sums(quickstart_350):
     """A shortened quickstart answers sums it never trained on: greedy pass@1 on the
     held-out test prompts goes from 0 to well above what the best constant answer scores
-    (the collapse this guards against answers every prompt alike). The curve depends on the
-    machine's float arithmetic (XLA's CPU code generation): measured with the suite's
-    compile flags on a 2-core machine, 0.27 at step 100, 0.45 at 300, 0.64 at 350, 0.73
-    at 400 (the same curve before and after issue 37's refactor; CI had passed this test
-    at step 300 on the commit before it); with packing on (issue 38: the same first 20
-    steps within 1e-5, other low bits after) 0.27 at 100, 0.64 at 300 and 350; with the
-    loss's head only on the slots predicting a completion token (issue 38's head layout:
-    the same losses, other summation order) 0.27 at 100, 0.55 at 300 and 350. Since issue
-    49's XLA:CPU set-up (grpo.core.cpu: 16 threads for the 8 devices instead of one a
-    device, CPU-dependent paths off) the curve no longer depends on the machine, only on
-    the set-up: 0.27 at 100, 0.64 at 300, 0.73 at 350."""
+    (the collapse this guards against answers every prompt alike), and its curve is the
+    README table's first 350 steps exactly. The curve depends on the set-up's float
+    arithmetic (the device count and XLA's compile flags; not the machine since issue 49's
+    XLA:CPU set-up, grpo.core.cpu): this run is the README command's (one device, default
+    flags), so a change to the numerics updates the README's table
+    (python scripts/quickstart_curve.py) or fails here, before CI's 800-step check of the
+    README quickstart (python scripts/quickstart_curve.py --check RUN_DIR), which allows
+    one held-out prompt of slack for CPUs whose arithmetic is not pinned."""
     rows, examples, _ = quickstart_350
     answers = [ex["answer"] for ex in examples]
     constant = max(answers.count(a) for a in set(answers)) / len(answers)  # best single answer: 3/11
     curve = {r["step"]: r["eval/pass@1"] for r in rows}
     assert sorted(curve) == list(range(0, 351, 50)) and curve[0] == 0.0, curve
     assert curve[350] >= 0.5 and curve[350] >= constant + 0.25, (curve, constant)
-    # This setup's curve, recorded (python scripts/quickstart_curve.py --steps 350 --suite-xla):
-    # a change to the numerics updates this record or fails. The README's table is the README
-    # command's own curve (one device, default flags), which CI checks on its quickstart run
-    # (python scripts/quickstart_curve.py --check RUN_DIR).
-    assert {step: round(value, 2) for step, value in curve.items()} == SUITE_CURVE, curve
-
-
-SUITE_CURVE = {0: 0.0, 50: 0.0, 100: 0.27, 150: 0.36, 200: 0.36, 250: 0.36, 300: 0.64, 350: 0.73}
-"""The shortened quickstart's held-out pass@1 under the suite's XLA setup (8 virtual CPU
-devices, its compile flags), packing on."""
+    readme = _curve_script().parse_table((ROOT / "README.md").read_text())
+    assert {step: round(value, 2) for step, value in curve.items()} == {s: v for s, v in readme.items() if s <= 350}, curve
 
 
 def _curve_script():
@@ -299,14 +293,11 @@ def _curve_script():
     return module
 
 
-def test_quickstart_curve_command_runs_under_the_suites_xla_setup(tmp_path):
-    """`--suite-xla` sets the flags this suite runs under (tests/conftest.py, _xla.py),
-    and the table it prints reads back as the curve it was given."""
-    from _xla import CPU_FAST_COMPILE
-
+def test_quickstart_curve_table_reads_back_and_check_allows_one_prompt(tmp_path):
+    """The table the curve command prints reads back as the curve it was given, and
+    ``--check`` allows one held-out prompt of slack a column, not two."""
     script = _curve_script()
-    SUITE_XLA_FLAGS, format_table, parse_table = script.SUITE_XLA_FLAGS, script.format_table, script.parse_table
-    assert set(SUITE_XLA_FLAGS.split()) == {"--xla_force_host_platform_device_count=8", *CPU_FAST_COMPILE.split()}
+    format_table, parse_table = script.format_table, script.parse_table
     curve = {0: 0.0, 50: 0.0, 100: 0.27, 150: 0.36, 200: 0.36, 250: 0.45}
     table = format_table(curve)
     assert table.splitlines()[0].split("|")[2:-1] == [" 0-50 ", " 100  ", " 150-200 ", " 250  "]
@@ -325,13 +316,13 @@ def test_quickstart_curve_command_runs_under_the_suites_xla_setup(tmp_path):
 
 
 @pytest.mark.slow
-def test_copy_task_rules_out_a_conditioning_bug():
+def test_copy_task_rules_out_a_conditioning_bug(tmp_path):
     """The answer depends only on the prompt and is trivially routed (``"7="`` -> ``"7"``):
     GRPO from a random init must reach near-perfect greedy accuracy on its prompts. If
     the update or the sampler lost the prompt (masks, positions, padding, the cache),
     every prompt would get one answer and accuracy would stay near 1/8."""
-    rows, examples = _short_quickstart(150, "task.options={operation: copy, chat_template: false}",
-                                       "task.eval_split=train", "eval.num_examples=64")
+    rows, examples, _ = _readme_quickstart(tmp_path, 150, "task.options={operation: copy, chat_template: false}",
+                                           "task.eval_split=train", "eval.num_examples=64")
     assert len({ex["question"] for ex in examples[:64]}) == 8
     curve = {r["step"]: r["eval/pass@1"] for r in rows}
     assert curve[0] <= 0.2 and curve[150] >= 0.9, curve
