@@ -3,7 +3,6 @@ reward model: parity with transformers)."""
 
 from __future__ import annotations
 
-import functools
 import json
 
 import jax
@@ -12,37 +11,7 @@ import pytest
 
 from grpo.core.errors import UserError
 from grpo.models.classifier import classifier_scores, load_classifier, pool_index
-from tests._model_fixtures import scratch_dir
-
-PAD = 306
-
-
-@functools.cache
-def classifier_checkpoint(family: str = "Qwen2", labels: int = 1):
-    """A random tiny sequence classifier written by transformers itself (odd sizes, GQA,
-    untied embeddings in the file: the score head is all the head there is)."""
-    import torch
-    import transformers
-
-    from grpo.models.tiny import write_tiny_tokenizer
-
-    cfg = getattr(transformers, f"{family}Config")(
-        vocab_size=320, hidden_size=48, intermediate_size=88, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, bos_token_id=PAD, eos_token_id=308, pad_token_id=PAD, tie_word_embeddings=False,
-        num_labels=labels, max_position_embeddings=512, rms_norm_eps=1e-5,
-    )
-    torch.manual_seed(7 + labels)
-    model = getattr(transformers, f"{family}ForSequenceClassification")(cfg).to(torch.float32)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.copy_(1.0 + 0.1 * torch.randn_like(param))
-            else:
-                param.copy_(torch.randn_like(param) / param.shape[-1] ** 0.5)
-    out = scratch_dir(f"classifier-{family}-{labels}")
-    model.save_pretrained(out)
-    write_tiny_tokenizer(out)
-    return out, model.eval()
+from tests._reward_models import PAD, classifier_checkpoint
 
 
 def _batch():
