@@ -61,7 +61,7 @@ def judge_run_config(cfg: JudgeConfig, config: Any) -> Any:
     """The run config the judge's engine is built from: the judge's model and sampling."""
     rollout = config.rollout.model_copy(update={
         "max_new_tokens": cfg.max_new_tokens, "num_generations": 1, "temperature": cfg.temperature,
-        "max_prompt_length": cfg.max_prompt_length, "top_k": None, "top_p": None, "prompt_buckets": None,
+        "max_prompt_length": cfg.max_prompt_length, "top_k": 0, "top_p": 1.0, "prompt_buckets": None,
     })
     return config.model_copy(update={"model": judge_model_config(cfg, config), "rollout": rollout})
 
