@@ -36,7 +36,7 @@ from jax.sharding import Mesh
 
 from grpo.core.config.rewards import JudgeConfig
 from grpo.core.judges import get_parser
-from grpo.engine.rollout.model_rewards import (
+from grpo.engine.rollout.reward_inputs import (
     BATCH_AXES,
     completion_text,
     fill_template,

@@ -68,7 +68,7 @@ def reward_model_programs(entry: Any, mesh: Any) -> tuple[int, dict[str, Any]]:
     """``(parameter bytes per device, {program name: lower})`` of a reward model."""
     import jax.numpy as jnp
 
-    from grpo.engine.rollout.model_rewards import BATCH_AXES, round_up
+    from grpo.engine.rollout.reward_inputs import BATCH_AXES, round_up
     from grpo.models.classifier import classifier_scores, read_classifier_config
     from grpo.models.loading import _abstract as abstract_model_state, _model_kwargs, param_shardings
 
@@ -99,7 +99,7 @@ def judge_programs(entry: JudgeConfig, config: RunConfig, mesh: Any) -> tuple[in
     from grpo.engine.rollout.engines import build_sampler
     from grpo.engine.rollout.judge import judge_run_config
     from grpo.engine.rollout.layout import RolloutPlacement
-    from grpo.engine.rollout.model_rewards import BATCH_AXES, round_up
+    from grpo.engine.rollout.reward_inputs import BATCH_AXES, round_up
     from grpo.models.loading import abstract_model
 
     run = judge_run_config(entry, config)

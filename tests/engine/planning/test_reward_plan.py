@@ -13,7 +13,7 @@ from conftest import ROOT  # noqa: E402
 
 from grpo.core.config import load_config  # noqa: E402
 from grpo.engine.planning.plan import Planner  # noqa: E402
-from grpo.engine.planning.rewards import add_model_rewards, format_model_rewards  # noqa: E402
+from grpo.engine.planning.reward_plan import add_model_rewards, format_model_rewards  # noqa: E402
 from tests._reward_models import preferring_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -49,6 +49,6 @@ def test_plan_reports_model_rewards(monkeypatch):
         p["program_bytes"] for r in (rm_, judge) for p in r["programs"].values())
     text = format_model_rewards(section)
     assert "rm (reward_model): parameters" in text and "hub (reward_model): not planned" in text
-    monkeypatch.setattr("grpo.engine.planning.rewards.model_rewards_report", lambda *a: dict(section))
+    monkeypatch.setattr("grpo.engine.planning.reward_plan.model_rewards_report", lambda *a: dict(section))
     tight = add_model_rewards({"peak_bytes_per_device": planner.hbm_bytes - 1, "fits": True}, planner, config)
     assert not tight["fits"]
