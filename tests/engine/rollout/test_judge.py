@@ -15,6 +15,7 @@ from grpo.core.config.rewards import JudgeConfig
 from grpo.engine.rollout.judge import JudgeScorer
 from grpo.engine.rollout.model_rewards import local_mesh
 from grpo.models.decoder import positions_from_mask
+from grpo.models.policy import load_policy
 from tests._model_fixtures import mesh
 
 CONFIG = load_config("configs/quickstart.yaml")
@@ -74,6 +75,10 @@ def test_the_policy_judges_through_its_engine():
         ids = _greedy_reference(policy.model, policy.tokenizer, text, 3, policy.eos_ids)
         assert reply == policy.decode(np.asarray([ids]), np.ones((1, len(ids))))[0]
     assert values == [length_or_none(r) for r in judge.replies]
+    # The judge's weights are the policy's initial ones, as the run builds them on its own mesh.
+    initial = load_policy(CONFIG.model, mesh(fsdp=8), seed=CONFIG.train.seed).model
+    for ours, run in zip(jax.tree.leaves(nnx.state(policy.model)), jax.tree.leaves(nnx.state(initial))):
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(run))
     assert judge.failures == sum(v is None for v in values)
     assert judge(completions, prompts=prompts) == values  # greedy: the same replies again
 
