@@ -50,6 +50,19 @@ def checkpoint_problem(path: str) -> str | None:
     return f"no directory {path!r} (and it does not look like a hub id such as org/name)"
 
 
+def architectures(path: str) -> list[str] | None:
+    """The ``architectures`` of a local checkpoint's ``config.json`` (None: not a local
+    directory with a readable one; the loader says why later)."""
+    import json
+
+    file = Path(path).expanduser() / "config.json"
+    try:
+        raw = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return [str(a) for a in raw.get("architectures") or []] if isinstance(raw, dict) else None
+
+
 class _ModelReward(Section):
     name: str = Field(..., min_length=1, max_length=64,
                       description="The reward's name in metrics (reward/<name>/mean); unique among the run's rewards.")
@@ -97,6 +110,15 @@ class RewardModelConfig(_ModelReward):
         problem = None if value is None else checkpoint_problem(value)
         if problem:
             raise ValueError(problem)
+        return value
+
+    @field_validator("checkpoint")
+    @classmethod
+    def _classifier(cls, value: str) -> str:
+        archs = architectures(value)
+        if archs and not all(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(f"{value!r} is a {', '.join(archs)} checkpoint; a reward model is a sequence-"
+                             "classification checkpoint (e.g. Qwen2ForSequenceClassification)")
         return value
 
     @field_validator("template")
@@ -150,6 +172,10 @@ class JudgeConfig(_ModelReward):
         problem = None if value in (None, "policy") else checkpoint_problem(value)
         if problem:
             raise ValueError(problem)
+        archs = None if value in (None, "policy") else architectures(value)
+        if archs and any(a.endswith("ForSequenceClassification") for a in archs):
+            raise ValueError(f"{value!r} is a {', '.join(archs)} checkpoint; a judge generates its reply: give a "
+                             "causal-LM checkpoint (or a reward model as kind: reward_model)")
         return value
 
     @field_validator("parser")

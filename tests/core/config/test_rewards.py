@@ -65,3 +65,24 @@ def test_reward_turns_may_name_a_model_reward():
     config = load_config(QUICKSTART, [_set([{"kind": "judge", "name": "j", "template": "{completion}"}]),
                                       "train.advantage.reward_turns={j: last}"])
     assert config.train.advantage.reward_turns == {"j": "last"}
+
+
+def test_the_head_is_checked_before_start_up(tmp_path):
+    """A causal LM given as a reward model, or a reward model as a judge, is refused by
+    ``grpo config validate`` from its config.json alone."""
+    causal, classifier = tmp_path / "causal", tmp_path / "classifier"
+    for d, arch in ((causal, "Qwen2ForCausalLM"), (classifier, "Qwen2ForSequenceClassification")):
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"architectures": [arch], "model_type": "qwen2"}))
+    for entry, message in [
+        ({"kind": "reward_model", "name": "rm", "checkpoint": str(causal)},
+         "reward_model.checkpoint: '" + str(causal) + "' is a Qwen2ForCausalLM checkpoint; a reward model is"),
+        ({"kind": "judge", "name": "j", "template": "{completion}", "model": str(classifier)},
+         "judge.model: '" + str(classifier) + "' is a Qwen2ForSequenceClassification checkpoint; a judge"),
+    ]:
+        res = CliRunner().invoke(cli, ["config", "validate", QUICKSTART, "--set", _set([entry])])
+        assert res.exit_code == 2 and message in " ".join(res.output.split()), res.output
+    config = load_config(QUICKSTART, [_set([{"kind": "reward_model", "name": "rm", "checkpoint": str(classifier)},
+                                            {"kind": "judge", "name": "j", "template": "{completion}",
+                                             "model": str(causal)}])])
+    assert [r.name for r in config.task.model_rewards] == ["rm", "j"]
