@@ -215,11 +215,17 @@ def plan(config_path, topology, overrides, search_field, hbm_limit, as_json, dum
         if "best" in result:
             report["search"]["best"] = result["best"]
     else:
-        report = planner.plan(config, profile)
+        from grpo.engine.planning.reward_plan import add_model_rewards
+
+        report = add_model_rewards(planner.plan(config, profile), planner, config)  # task.model_rewards
     if as_json:
         click.echo(_json.dumps(report, indent=2))
         return
     click.echo(format_report(report))
+    if "model_rewards" in report:
+        from grpo.engine.planning.reward_plan import format_model_rewards
+
+        click.echo(format_model_rewards(report["model_rewards"]))
     if search_field:
         s = report["search"]
         if "best" in s:

@@ -10,9 +10,10 @@ import re
 from typing import Any, Literal
 
 import yaml
-from pydantic import ConfigDict, Field, model_validator
+from pydantic import ConfigDict, Field, field_validator, model_validator
 
 from grpo.core.config.engine import ContinuousEngineConfig
+from grpo.core.config.rewards import ModelReward, unique_names
 from grpo.core.config.section import Section
 from grpo.core.config.training import (  # noqa: F401 (re-exported: the train sub-sections)
     AdvantageConfig,
@@ -382,6 +383,16 @@ class TaskConfig(Section):
     train_split: str = Field("train", description="Split the prompts are drawn from.")
     eval_split: str = Field("test", description="Split evaluation runs on.")
     overlong: OverlongConfig = Field(default_factory=OverlongConfig, description="Overlong reward shaping (DAPO).")
+    model_rewards: list[ModelReward] = Field(
+        default_factory=list, max_length=16,
+        description="Rewards computed by models on the rollout devices, beside the task's own: reward models "
+        "(kind: reward_model) and generative judges (kind: judge). Training only, like overlong.",
+    )
+
+    @field_validator("model_rewards")
+    @classmethod
+    def _model_rewards(cls, value: list) -> list:
+        return unique_names(value)
 
 
 class OptimizerConfig(Section):

@@ -387,6 +387,7 @@ def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
     if not named:
         return []
     known = list(task.plugin.reward_functions(options=task.options)) + ["overlong"]
+    known += [m.name for m in config.task.model_rewards]
     stray = sorted(set(named) - set(known))
     if not stray:
         return []

@@ -24,6 +24,8 @@ have, and what they need (memory per chip, fit, roofline).
 - ``report``: the attention each program runs, and the report as text.
 - ``tpu``: the TPU compiler's topologies (libtpu) and the chip table.
 - ``hlo``: the collectives of a compiled program's optimized HLO text (communication).
+- ``reward_plan``: the run's model rewards (``task.model_rewards``): their programs compiled
+  for the rollout side, their memory there, and the plan's peak with them.
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.models``, ``grpo.engine.programs``
 and the rooms it builds on: ``grpo.engine.parallel``, ``grpo.engine.rollout``,

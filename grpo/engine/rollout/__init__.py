@@ -38,6 +38,13 @@
   threads), the model families' tool-call formats and tool JSON schemas.
 - ``scoring``: completions scored with a task's named reward functions and weights, and
   DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
+- ``model_rewards``: rewards computed by models on this process's rollout devices
+  (``task.model_rewards``): reward models (sequence classifiers) as batched scorers in
+  TRL's list-in, list-out shape, joined to the task's rewards in the step's scoring.
+- ``reward_inputs``: a model reward's inputs: prompt and completion as text, its
+  template filled, this process's devices of the rollout mesh.
+- ``judge``: a generative judge: a causal LM (the policy's initial weights or another
+  checkpoint) prompted with a template through a rollout engine, its reply parsed.
 - ``failures``: what a run says about its reward functions' failures: each one's first
   failure logged once and kept in ``reward_errors.jsonl``, a function failing on every
   row of a step stopping the run (:class:`RewardFailures`).

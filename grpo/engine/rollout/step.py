@@ -48,6 +48,7 @@ from grpo.engine.parallel.mesh import mesh_processes
 from grpo.engine.parallel.rows import gather_processes, local_rows, to_global
 from grpo.engine.rollout.feeders import StreamFeeder, stream
 from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down_sample, selection_scores
+from grpo.engine.rollout.model_rewards import StepModelRewards
 from grpo.engine.rollout.prompts import PromptSet, bucket_for, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
 from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
@@ -175,6 +176,7 @@ class StepCollector:
         self.pad_id = pad_id
         self.task = task
         self.task_options = task_options
+        self.model_rewards = StepModelRewards(config, programs, task, task_options)  # task.model_rewards
 
     def collect(self, *, step: int, position: int, sample_group: bool) -> StepRollout:
         """The rollout of step ``step`` (0-based) from data position ``position``, under
@@ -280,6 +282,7 @@ class StepCollector:
         failed = np.concatenate([failed, np.ones_like(failed[:, :1])], axis=1)  # b 3 F
         first = {n: (scored.first_error_rows[n], msg) for n, msg in scored.first_errors.items()}
         totals = np.asarray(scored.totals, np.float32)
+        totals, failed = self.model_rewards.join(examples, texts, totals, by_fn, failed)
         overlong = self.config.task.overlong
         if overlong.buffer:
             if OVERLONG in by_fn:
