@@ -64,6 +64,7 @@ from grpo.engine.rollout.paged.slots import auto_slots
 from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
 from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
+from grpo.models.rollout_quant import merge_rollout
 from grpo.sharding import fit_sharding
 
 
@@ -413,7 +414,7 @@ class ContinuousSampler(BaseSampler):
 
     def _abstract_pool(self, params: Any, pages: int, slots: int) -> jax.ShapeDtypeStruct:
         """The pool [layers, kv_heads, pages, page_size, head_dim] in its sharding."""
-        model = nnx.merge(self.graphdef, params)
+        model = merge_rollout(self.graphdef, params)
         c = model.config
         shape = (c.num_hidden_layers, c.num_key_value_heads, pages, self.page_size, c.head_dim)
         spec = self.spec(slots, c.num_key_value_heads).pool_spec()
