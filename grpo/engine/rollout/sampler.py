@@ -94,7 +94,7 @@ from grpo.engine.rollout.decoding import (
     Outputs, draw, effective_chunk, left_align, prefill_forward, row_key_data, run_chunks, segment_plan,
 )
 from grpo.models.decoder import CACHE_AXES, KVCache
-from grpo.models.rollout_quant import QuantizedWeights, merge_rollout, quantize_state
+from grpo.models.rollout_quant import QuantizedWeights, abstract_quantized, merge_rollout, quantize_state
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
@@ -379,7 +379,7 @@ class BaseSampler(RolloutEngine):
             self._quantize_jit = jax.jit(functools.partial(quantize_state, self.graphdef, fmt=self.weight_format))
         leaves = jax.tree.leaves(prepared)
         if leaves and isinstance(leaves[0], jax.ShapeDtypeStruct):
-            return jax.eval_shape(self._quantize_jit, prepared)
+            return abstract_quantized(jax.eval_shape(self._quantize_jit, prepared), prepared)
         return self._quantize_jit(prepared)
 
     def jitted_quantize(self) -> list[Any]:
