@@ -11,7 +11,8 @@ chip at tensor_parallel 4 (the v6e-8 recipe's rollout), batch ``--rows``, for
 - ``fp8_w8`` / ``fp8_w8a8``: float8_e4m3fn codes (what libtpu makes of fp8).
 
 Needs ``libtpu`` (the compiler runs without a TPU); Qwix is optional (``pip install
-qwix``). Prints JSON. ``python scripts/quant_decode_compare.py --topology v6e:2x4``.
+qwix``). Prints JSON. ``python scripts/quant_decode_compare.py --topology v6e:2x4``;
+``--topology local`` times the variants on this machine's accelerator instead (a GPU).
 """
 
 from __future__ import annotations
@@ -118,14 +119,39 @@ def analyse(fn, fmt, rows, device):
     }
 
 
+def time_local(fn, fmt, rows, device, repeats=50):
+    """Seconds per call of one layer's decode projections on a local accelerator (random
+    codes and scales), the fastest of three runs of ``repeats`` calls."""
+    import time
+
+    w, s = _weights(fmt)
+    rng = np.random.default_rng(0)
+    put = lambda a: jax.device_put(jnp.asarray(rng.normal(size=a.shape) * 0.02, jnp.float32).astype(a.dtype)  # noqa: E731
+                                   if a.dtype != jnp.int8 else jnp.asarray(rng.integers(-127, 128, a.shape), jnp.int8),
+                                   device)
+    w, s = jax.tree.map(put, w), jax.tree.map(lambda a: jax.device_put(jnp.full(a.shape, 1e-3, a.dtype), device), s)
+    x = jax.device_put(jnp.asarray(rng.normal(size=(rows, D)), jnp.bfloat16), device)
+    f = jax.jit(layer(fn))
+    jax.block_until_ready(f(x, w, s))
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(repeats):
+            y = f(x, w, s)
+        jax.block_until_ready(y)
+        best = min(best, (time.perf_counter() - t) / repeats)
+    return {"s_per_layer_step": best, "weight_bytes": sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in w.values())}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--topology", default="v6e:2x4")
     ap.add_argument("--rows", type=int, default=64, help="decode rows per chip")
     ap.add_argument("--variants", default="", help="comma-separated subset (default: all)")
     args = ap.parse_args()
-    topo = topologies.get_topology_desc(platform="tpu", topology_name=args.topology)
-    device = topo.devices[0]
+    local = args.topology == "local"  # time on this machine's accelerator instead of compiling for a TPU
+    device = jax.devices()[0] if local else topologies.get_topology_desc(platform="tpu",
+                                                                        topology_name=args.topology).devices[0]
     variants = {"bf16": (bf16, "bf16"), "direct_w8": (direct_w8, "int8"), "direct_w8a8": (direct_w8a8, "int8"),
                 "fp8_w8": (direct_w8, "fp8"), "fp8_w8a8": (fp8_w8a8, "fp8")}
     try:
@@ -139,13 +165,14 @@ def main():
     out = {"topology": args.topology, "device_kind": device.device_kind, "rows": args.rows, "variants": {}}
     for name, (fn, fmt) in variants.items():
         try:
-            out["variants"][name] = analyse(fn, fmt, args.rows, device)
+            out["variants"][name] = (time_local if local else analyse)(fn, fmt, args.rows, device)
         except Exception as err:  # noqa: BLE001 - a variant libtpu refuses is a finding
             out["variants"][name] = {"error": f"{type(err).__name__}: {str(err)[:300]}"}
-    base = out["variants"]["bf16"]["bytes_accessed"]
+    key = "s_per_layer_step" if local else "bytes_accessed"
+    base = out["variants"]["bf16"][key]
     for v in out["variants"].values():
-        if "bytes_accessed" in v:
-            v["bytes_vs_bf16"] = round(v["bytes_accessed"] / base, 3)
+        if key in v:
+            v[("time" if local else "bytes") + "_vs_bf16"] = round(v[key] / base, 3)
     print(json.dumps(out, indent=1))
 
 

@@ -13,6 +13,8 @@ Face checkpoints in and out.
   for a checkpoint.
 - :mod:`grpo.models.loading` — :func:`load_hf`, :func:`random_init`, :func:`save_hf`,
   :func:`build_model` (all sharded on a ``jax.sharding.Mesh``).
+- :mod:`grpo.models.rollout_quant` — a low-precision rollout's weights: int8/fp8 codes and
+  per-output-channel scales, quantized once per sync (``rollout.quantization``).
 - :mod:`grpo.models.presets` — ``tiny`` and the published Qwen2.5, Qwen3 and Llama 3 sizes.
 - :mod:`grpo.models.tiny` — a tiny checkpoint and tokenizer written locally.
 

@@ -382,10 +382,6 @@ class BaseSampler(RolloutEngine):
             return abstract_quantized(jax.eval_shape(self._quantize_jit, prepared), prepared)
         return self._quantize_jit(prepared)
 
-    def jitted_quantize(self) -> list[Any]:
-        """The once-per-sync quantization program (``grpo plan`` lists it as ``quantize``)."""
-        return [] if self._quantize_jit is None else [self._quantize_jit]
-
     def _model(self, params: Any):
         model = merge_rollout(self.graphdef, params)
         model.mesh = self.mesh
