@@ -9,12 +9,12 @@ codes of the same shape and one float32 scale per output channel and layer
 - ``int8``: ``round(W / scale)`` clipped to [-127, 127] (qmax 127, symmetric);
 - ``fp8``: ``W / scale`` cast to ``float8_e4m3fn`` (qmax 448, round to nearest even).
 
-A projection computes ``(x @ codes) * scale``: the codes enter the matmul converted to the
-compute dtype (exactly: int8 and e4m3 values are bf16 values), accumulated in float32, and
-the per-channel scale multiplies the result. On a TPU XLA fuses the convert into the
-matmul's operand fetch, so the weights are read from HBM as one byte each (what decode,
-bound by memory bandwidth, pays for); on CPU the same values are converted explicitly, so
-tests run the same math. Embedding, output head, norms and biases stay in their dtype
+A projection computes ``x @ (codes * scale)``: the codes converted to the compute dtype
+(exactly: int8 and e4m3 values are bf16 values) and scaled per output channel inside the
+matmul's weight operand. On a TPU XLA fuses the convert and the scale into the matmul's
+operand fetch, so the weights are read from HBM as one byte each (what decode, bound by
+memory bandwidth, pays for); on CPU the same values are computed explicitly, so tests run
+the same math. Embedding, output head, norms and biases stay in their dtype
 (the head is one precision rule on every path: sampler and trainer log-probs agree on it).
 
 Unlike :mod:`grpo.models.quant` (a QLoRA base: block-wise scales along the *input*
@@ -72,15 +72,14 @@ def max_error(fmt: str) -> float:
 
 
 def quantized_matmul(eq: str, x: jax.Array, codes: jax.Array, scale: jax.Array, dtype: Any) -> jax.Array:
-    """``einsum(eq, x, codes) * scale`` in ``dtype``: the codes converted to ``dtype``
-    (exact), the matmul as the unquantized one (float32 accumulation on the MXU, result in
-    ``dtype``), then the per-output-channel ``scale`` (one layer's: [out...], the trailing
-    dims of the result) in ``dtype``. A float32 result scaled in float32 would cost a
-    float32 intermediate per projection on a TPU (the scale does not fuse into the
-    matmul's output then: +7% bytes a decode step, measured by
-    ``scripts/quant_decode_compare.py`` on the v6e compiler)."""
-    y = jnp.einsum(eq, x.astype(dtype), codes.astype(dtype))
-    return y * scale.astype(dtype)
+    """``einsum(eq, x, codes * scale)`` in ``dtype``: the codes converted to ``dtype``
+    (exact) and scaled per output channel (``scale``, one layer's [out...]: the trailing
+    dims of the weight), then the unquantized matmul. On a TPU XLA fuses the convert and
+    the scale into the matmul's weight operand, so HBM holds and the step reads one byte a
+    weight; scaling the matmul's result instead costs a pass over every projection's
+    output (+7% bytes a decode step: ``scripts/quant_decode_compare.py`` on the v6e
+    compiler, where this form reads what Qwix's weight-only ``dot_general`` reads)."""
+    return jnp.einsum(eq, x.astype(dtype), codes.astype(dtype) * scale.astype(dtype))
 
 
 @dataclasses.dataclass(frozen=True)

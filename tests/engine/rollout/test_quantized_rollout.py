@@ -134,6 +134,24 @@ def test_static_sampler_logprobs_are_the_quantized_models(setup, fmt):
     _check_rows(c, out, numpy_weights(params, q), tokens, mask, "none", 1e-5)
     with pytest.raises(AssertionError):  # the float model's log-probs are another model's
         _check_rows(c, out, numpy_weights(params), tokens, mask, "none", 1e-4)
+    # mismatch/kl (k3 of sampler against the float trainer, per token): small, and above the
+    # unquantized engine's, which is float rounding alone.
+    float_out = Sampler(graphdef, **kwargs).generate(params, tokens, mask, jax.random.key(1))
+    kl = {name: _k3(c, o, numpy_weights(params), tokens, mask) for name, o in (("quantized", out), ("float", float_out))}
+    print(fmt, kl)
+    assert kl["float"] < 1e-9 and 10 * kl["float"] < kl["quantized"] < 1e-2
+
+
+def _k3(c, out, weights, tokens, mask):
+    """Mean of r - 1 - log r, r = exp(trainer - sampler), over every completion token
+    (the ``mismatch/kl`` metric) with a float64 NumPy trainer."""
+    vals = []
+    for r in range(P * K):
+        prompt = tokens[r // K][mask[r // K] == 1]
+        seq = np.concatenate([prompt, np.asarray(out.tokens[r])])
+        d = numpy_logprobs(c, weights, seq, len(prompt), "none") - np.asarray(out.logprobs[r], np.float64)
+        vals.append(np.exp(d) - 1 - d)
+    return float(np.mean(vals))
 
 
 def test_continuous_int8_weights_and_pages_are_the_quantized_models(setup):
