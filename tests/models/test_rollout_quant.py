@@ -39,7 +39,7 @@ def _tiny():
     return random_init("tiny", None, seed=3)
 
 
-@pytest.mark.parametrize("fmt", rq.FORMATS)
+@pytest.mark.parametrize("fmt", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_quantized_forward_is_the_float_forward_of_the_dequantized_weights(fmt):
     """The quantized decoder ((x @ codes) * scale) equals the float decoder whose
     projections hold codes * scale, to float32 rounding (the math is the same up to where

@@ -119,7 +119,7 @@ def _check_rows(c, out, weights, tokens, mask, kv_fmt, atol):
     return worst
 
 
-@pytest.mark.parametrize("fmt", rq.FORMATS)
+@pytest.mark.parametrize("fmt", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_static_sampler_logprobs_are_the_quantized_models(setup, fmt):
     """Weights quantized at sync inside the engine (``weights`` of update_weights): the
     behaviour log-probs are a NumPy forward of the codes times their scales within 1e-5,
@@ -154,6 +154,7 @@ def _k3(c, out, weights, tokens, mask):
     return float(np.mean(vals))
 
 
+@pytest.mark.slow  # ~30 s: the continuous engine's prefill and decode variants compile
 def test_continuous_int8_weights_and_pages_are_the_quantized_models(setup):
     """int8 weights and an int8 page pool (per token and head): the log-probs are the
     NumPy forward with the same codes and the pages' round trip (1e-4: a key exactly
