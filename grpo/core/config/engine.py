@@ -104,12 +104,14 @@ def quantization_problems(rollout: Any, engine: Any, *, base_quantization: str =
 
 def quantization_platform_problems(rollout: Any, platform: str) -> list[str]:
     """fp8 where the accelerator has no fp8 matmul: TPUs before v7 (v5e, v5p, v6e have
-    int8, not fp8). A GPU or the CPU (the same values, dequantized) may take it."""
+    int8, not fp8; libtpu 0.0.52 still compiles an e4m3 matmul for a v6e, but int8 reads
+    the same bytes more precisely). A GPU or the CPU (the same values, dequantized) may take it."""
     q = rollout.quantization
     if platform != "tpu":
         return []
-    return [f"rollout.quantization.{field}=fp8 on a TPU: TPU v5e/v5p/v6e have no fp8 matmul (libtpu converts fp8 to "
-            "bf16 around every use, so it saves nothing); use int8"
+    return [f"rollout.quantization.{field}=fp8 on a TPU: TPU v5e/v5p/v6e have no fp8 matmul units (bf16 and int8); "
+            "int8 reads the same bytes with more precision (7 bits of magnitude against e4m3's 3 of mantissa), so "
+            "use int8"
             for field in ("weights", "kv_cache") if getattr(q, field) == "fp8"]
 
 
