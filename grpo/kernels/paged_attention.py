@@ -13,6 +13,13 @@ One layer's pool is ``[kv_heads, pages, page_size, head_dim]`` and a row's page 
   Triton); ``interpret=True`` runs it on CPU.
 - ``auto``: ``tpu`` on a TPU backend, ``gpu`` on a GPU backend, else ``reference``.
 
+A quantized pool's layer (``k_pages``/``v_pages`` a
+:class:`grpo.models.layers.paged.QuantizedPages`: int8/fp8 codes and a float32 scale per
+token and head) goes to the TPU kernel as its ``QuantizedTensor`` (it reads the codes and
+dequantizes in VMEM); the reference dequantizes the pages it gathers (XLA fuses it into
+the gather); the GPU kernel takes no codes, so the layer is dequantized before the call
+(the pool holds twice the rows, but the step reads no fewer bytes).
+
 Neither kernel takes a softmax scale, so the query is scaled before the call (as the
 dense path's ``scale``). Lengths count the valid tokens including the one just written;
 a length of 0 (an empty decode slot) is raised to 1: the slot reads page 0's first token,
@@ -39,8 +46,8 @@ def paged_attention_reference(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     B, H, E = q.shape
     KH, _, ps, _ = k_pages.shape
     G = H // KH
-    k = k_pages[:, page_table].reshape(KH, B, -1, E)  # KH B S E, S = max_pages * ps
-    v = v_pages[:, page_table].reshape(KH, B, -1, E)
+    k = _gather(k_pages, page_table).reshape(KH, B, -1, E)  # KH B S E, S = max_pages * ps
+    v = _gather(v_pages, page_table).reshape(KH, B, -1, E)
     qg = q.reshape(B, KH, G, E).astype(jnp.float32) * jnp.float32(scale)
     logits = jnp.einsum("bkge,kbse->bkgs", qg, k.astype(jnp.float32))  # B KH G S
     visible = jnp.arange(k.shape[2])[None, :] < jnp.maximum(lengths, 1)[:, None]  # B S
@@ -48,6 +55,20 @@ def paged_attention_reference(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.
     probs = jax.nn.softmax(logits, axis=-1)
     out = jnp.einsum("bkgs,kbse->bkge", probs, v.astype(jnp.float32))
     return out.reshape(B, H, E).astype(q.dtype)
+
+
+def _gather(pages: Any, page_table: jax.Array) -> jax.Array:
+    """``pages[:, page_table]`` [KH, B, W, ps, E] in float32 (dequantized when quantized)."""
+    if hasattr(pages, "codes"):
+        return pages.codes[:, page_table].astype(jnp.float32) * pages.scales[:, page_table][..., None]
+    return pages[:, page_table].astype(jnp.float32)
+
+
+def _dense(pages: Any, dtype: Any) -> jax.Array:
+    """A layer's pages in ``dtype`` (a quantized layer dequantized)."""
+    if hasattr(pages, "codes"):
+        return (pages.codes.astype(jnp.float32) * pages.scales[..., None]).astype(dtype)
+    return pages.astype(dtype)
 
 
 def _compute_block(max_pages: int, want: int) -> int:
@@ -62,8 +83,20 @@ def paged_attention_tpu(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     block = _compute_block(page_table.shape[1], pages_per_compute_block)
     qs = (q.astype(jnp.float32) * jnp.float32(scale)).astype(q.dtype)
-    return kernel(qs, k_pages.astype(q.dtype), v_pages.astype(q.dtype), jnp.maximum(lengths, 1).astype(jnp.int32),
-                  page_table.astype(jnp.int32), pages_per_compute_block=block)
+    k, v = _tpu_pages(k_pages, q.dtype), _tpu_pages(v_pages, q.dtype)
+    return kernel(qs, k, v, jnp.maximum(lengths, 1).astype(jnp.int32), page_table.astype(jnp.int32),
+                  pages_per_compute_block=block)
+
+
+def _tpu_pages(pages: Any, dtype: Any) -> Any:
+    """A layer's pages as the TPU kernel takes them: a plain array in ``dtype``, or its
+    ``QuantizedTensor`` (codes, and scales [KH, P, ps, 1] as the kernel's ``h``: it
+    computes ``code * h / 127.5``, so ``h = scale * 127.5``)."""
+    if not hasattr(pages, "codes"):
+        return pages.astype(dtype)
+    from jax.experimental.pallas.ops.tpu.paged_attention.quantization_utils import MAX_INT8, QuantizedTensor
+
+    return QuantizedTensor(weight=pages.codes, scales=(pages.scales * MAX_INT8)[..., None])
 
 
 def paged_attention_gpu(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, lengths: jax.Array,
@@ -74,7 +107,7 @@ def paged_attention_gpu(*, q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
     block = _compute_block(page_table.shape[1], pages_per_compute_block)
     qs = (q.astype(jnp.float32) * jnp.float32(scale)).astype(q.dtype)
-    return kernel(qs, k_pages.astype(q.dtype), v_pages.astype(q.dtype), page_table.astype(jnp.int32),
+    return kernel(qs, _dense(k_pages, q.dtype), _dense(v_pages, q.dtype), page_table.astype(jnp.int32),
                   jnp.maximum(lengths, 1).astype(jnp.int32), pages_per_compute_block=block,
                   k_splits=1, interpret=interpret)
 

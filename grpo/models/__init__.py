@@ -15,6 +15,8 @@ Face checkpoints in and out.
   :func:`build_model` (all sharded on a ``jax.sharding.Mesh``).
 - :mod:`grpo.models.classifier` — sequence classifiers (reward models): a family's decoder
   and a score head, loaded from ``*ForSequenceClassification`` checkpoints.
+- :mod:`grpo.models.rollout_quant` — a low-precision rollout's weights: int8/fp8 codes and
+  per-output-channel scales, quantized once per sync (``rollout.quantization``).
 - :mod:`grpo.models.presets` — ``tiny`` and the published Qwen2.5, Qwen3 and Llama 3 sizes.
 - :mod:`grpo.models.tiny` — a tiny checkpoint and tokenizer written locally.
 

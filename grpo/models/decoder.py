@@ -507,6 +507,9 @@ class Decoder(nnx.Module):
             for name in names:
                 if hasattr(self.layers, f"{name}_scale"):
                     stacked[f"{name}_scale"] = getattr(self.layers, f"{name}_scale")[...]
+        # A quantized rollout's per-channel scales (grpo.models.rollout_quant.merge_rollout).
+        for name, scale in (getattr(self, "rollout_scales", None) or {}).items():
+            stacked[f"{name}_qscale"] = scale
         if ctx.lora is not None:
             for name in ctx.lora.targets:
                 stacked[f"{name}_lora_a"] = getattr(self.lora, f"{name}_a")[...]

@@ -59,6 +59,7 @@ from grpo.core.config.schema import (
     PackingConfig,
     RandomModelConfig,
     RolloutConfig,
+    RolloutQuantizationConfig,
     RunConfig,
     Section,
     TaskConfig,

@@ -49,4 +49,71 @@ class ContinuousEngineConfig(BaseModel):
         raise ValueError("must be auto or an integer greater than or equal to 0 (at most 1,000,000)")
 
 
-__all__ = ["ContinuousEngineConfig"]
+class RolloutQuantizationConfig(BaseModel):
+    """A low-precision rollout (``rollout.quantization``): the sampler's weights and KV
+    cache in int8 or fp8; the trainer stays in its own precision."""
+
+    model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    weights: Literal["none", "int8", "fp8"] = Field(
+        "none",
+        description="The rollout's copy of the decoder projections, quantized once per weight sync inside the "
+        "engine (update_weights): int8 (symmetric, qmax 127) or fp8 (e4m3); none = the compute dtype. The "
+        "trainer's master weights, old/reference log-prob passes and update keep their precision; the sampler's "
+        "log-probs are the quantized model's (correct the gap with loss.mismatch). fp8 needs a GPU with fp8 "
+        "(sm_89+) or the CPU (the same values, dequantized); TPU v5e/v6e have int8, not fp8.",
+    )
+    weight_scales: Literal["channel"] = Field(
+        "channel", description="Scale granularity of the weights: one float32 scale per output channel and layer."
+    )
+    kv_cache: Literal["none", "int8", "fp8"] = Field(
+        "none",
+        description="The continuous engine's KV page pool in int8 or fp8 (e4m3) with scales beside the pages, so "
+        "the same HBM holds about twice the rows; none = the compute dtype. The static engine refuses it.",
+    )
+    kv_scales: Literal["token"] = Field(
+        "token",
+        description="Scale granularity of the KV pages: one scale per token and KV head, stored in the page "
+        "beside its codes (the layout JAX's Pallas TPU paged-attention kernel reads).",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return self.weights != "none" or self.kv_cache != "none"
+
+
+def quantization_problems(rollout: Any, engine: Any, *, base_quantization: str = "none") -> list[str]:
+    """What ``rollout.quantization`` asks that the run cannot give (one sentence each):
+    ``engine`` is the ``rollout.engine`` plugin (its ``quantized_weights`` and
+    ``quantized_kv``: :class:`grpo.RolloutEnginePlugin`), ``base_quantization`` the LoRA
+    base's storage (``model.lora.base_quantization``)."""
+    q, problems = rollout.quantization, []
+    if q.weights != "none" and engine is not None and not getattr(engine, "quantized_weights", False):
+        problems.append(f"rollout.quantization.weights={q.weights}: rollout.engine={rollout.engine!r} does not quantize "
+                        "its weights; use rollout.engine: static or continuous, or weights: none")
+    if q.weights != "none" and base_quantization != "none":
+        problems.append(f"rollout.quantization.weights={q.weights} with model.lora.base_quantization="
+                        f"{base_quantization}: the QLoRA base is already stored quantized (block-wise, dequantized per "
+                        "layer); set one of them to none")
+    if q.kv_cache != "none" and engine is not None and not getattr(engine, "quantized_kv", False):
+        problems.append(f"rollout.quantization.kv_cache={q.kv_cache}: rollout.engine={rollout.engine!r} keeps its KV "
+                        "cache in the compute dtype (the static engine's dense cache is not quantized); use "
+                        "rollout.engine: continuous (its page pool is), or kv_cache: none")
+    return problems
+
+
+def quantization_platform_problems(rollout: Any, platform: str) -> list[str]:
+    """fp8 where the accelerator has no fp8 matmul: TPUs before v7 (v5e, v5p, v6e have
+    int8, not fp8; libtpu 0.0.52 still compiles an e4m3 matmul for a v6e, but int8 reads
+    the same bytes more precisely). A GPU or the CPU (the same values, dequantized) may take it."""
+    q = rollout.quantization
+    if platform != "tpu":
+        return []
+    return [f"rollout.quantization.{field}=fp8 on a TPU: TPU v5e/v5p/v6e have no fp8 matmul units (bf16 and int8); "
+            "int8 reads the same bytes with more precision (7 bits of magnitude against e4m3's 3 of mantissa), so "
+            "use int8"
+            for field in ("weights", "kv_cache") if getattr(q, field) == "fp8"]
+
+
+__all__ = ["ContinuousEngineConfig", "RolloutQuantizationConfig", "quantization_platform_problems",
+           "quantization_problems"]

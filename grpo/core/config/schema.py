@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpo.core.config.engine import ContinuousEngineConfig
+from grpo.core.config.engine import ContinuousEngineConfig, RolloutQuantizationConfig
 from grpo.core.config.rewards import ModelReward, unique_names
 from grpo.core.config.section import Section
 from grpo.core.config.training import (  # noqa: F401 (re-exported: the train sub-sections)
@@ -262,6 +262,11 @@ class RolloutConfig(Section):
     )
     continuous: ContinuousEngineConfig = Field(
         default_factory=ContinuousEngineConfig, description="Options of rollout.engine: continuous."
+    )
+    quantization: RolloutQuantizationConfig = Field(
+        default_factory=RolloutQuantizationConfig,
+        description="A low-precision rollout: the sampler's weights and KV pages in int8/fp8 (see the "
+        "low-precision guide).",
     )
     kv_segment: int = Field(
         256, ge=0, le=131072,

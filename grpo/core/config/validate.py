@@ -237,6 +237,7 @@ def config_problems(
     if "task" in selected:
         later += _reward_turn_problems(config, selected["task"])
     later += _engine_problems(config, selected.get("engine"))
+    later += _quantization_problems(config, selected.get("engine"))
     later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
     return config, selected, problems
@@ -369,6 +370,15 @@ def _engine_problems(config: RunConfig, engine: Selected | None) -> list[str]:
     return []
 
 
+def _quantization_problems(config: RunConfig, engine: Selected | None) -> list[str]:
+    """``rollout.quantization`` against the engine and the LoRA base (grpo.core.config.engine)."""
+    from grpo.core.config.engine import quantization_problems
+
+    lora = config.model.lora
+    return quantization_problems(config.rollout, None if engine is None else engine.plugin,
+                                 base_quantization="none" if lora is None else lora.base_quantization)
+
+
 def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:
     """``loss.truncated_policy`` with a truncating rollout needs a loss that computes
     truncated log-probs (:attr:`~grpo.core.contracts.LossPlugin.supports_truncation`);
@@ -406,6 +416,9 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
     problems += _attention_selection(config.model, topology.platform, plugins)[1]
+    from grpo.core.config.engine import quantization_platform_problems
+
+    problems += quantization_platform_problems(config.rollout, topology.platform)
     style = selected["rollout"]
     problems += style.plugin.check(layout=layout, topology=topology, options=style.options)
     loss = selected["loss"]

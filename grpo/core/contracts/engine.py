@@ -169,7 +169,7 @@ class RolloutEngine(abc.ABC):
     set its own :attr:`prepare` keeps it). It is the state as is on the training layout
     (no copy), the LoRA adapters merged into the projections (``model.lora.sampler:
     merged``), or a copy in a rollout style's own layout (``reshard``, merging on the
-    way); later, quantization at sync goes here too.
+    way), then :meth:`quantize_weights` (a low-precision rollout's codes and scales).
 
     The preparation is lazy: :meth:`update_weights` only records the params (dropping the
     last prepared copy), and the first read of :attr:`weights` at that version prepares
@@ -224,7 +224,15 @@ class RolloutEngine(abc.ABC):
             if params is None:
                 raise RuntimeError(f"{type(self).__name__}: update_weights() was never called")
             prepared = params if self.prepare is None else self.prepare(params)
+            prepared = self.quantize_weights(prepared)
             self._prepared = prepared
+        return prepared
+
+    def quantize_weights(self, prepared: Any) -> Any:
+        """The prepared weights as the engine's programs read them in its own precision
+        (``rollout.quantization.weights``: the built-in engines' int8/fp8 codes and
+        per-channel scales, once per sync, on the rollout's side only). The default keeps
+        them as they are."""
         return prepared
 
     @property
@@ -450,6 +458,11 @@ class RolloutEnginePlugin(_PluginBase):
     #: The engine it builds streams rows (:attr:`RolloutEngine.streams`): partial rollouts
     #: and streaming dynamic sampling need it (``grpo config validate`` checks).
     streams: ClassVar[bool] = False
+    #: The engine it builds quantizes its weights at sync (``rollout.quantization.weights``:
+    #: :meth:`RolloutEngine.quantize_weights`) / keeps a quantized KV cache
+    #: (``rollout.quantization.kv_cache``); ``grpo config validate`` refuses the fields otherwise.
+    quantized_weights: ClassVar[bool] = False
+    quantized_kv: ClassVar[bool] = False
 
     def check(self, *, multi_turn: bool, options: BaseModel) -> list[str]:
         """Problems running this engine on a task (one sentence each); the default

@@ -126,6 +126,8 @@ def bench_config(
     base_quantization: str = "none",
     lora_sampler: str = "adapters",
     tensor_parallel: str | int = "auto",
+    quantization: str = "none",
+    kv_quantization: str = "none",
 ) -> Any:
     """The run config whose rollout the bench measures: ``--batch / --generations`` prompts
     per step of ``--prompt-len`` tokens (one bucket), the bench's sampling settings, mesh
@@ -148,7 +150,9 @@ def bench_config(
             "style": style, "num_generations": generations, "max_prompt_length": prompt_len,
             "prompt_buckets": [prompt_len], "max_new_tokens": new_tokens, "temperature": temperature,
             "top_k": top_k, "top_p": top_p, "early_stop_chunk": early_stop_chunk if early_stop else 0,
-            "kv_segment": kv_segment,
+            "kv_segment": kv_segment, "quantization": {"weights": quantization, "kv_cache": kv_quantization},
+            # a quantized KV cache is the continuous engine's page pool (--kv-quantization needs --lengths)
+            **({"engine": "continuous"} if kv_quantization != "none" else {}),
             **({"options": {"tensor_parallel": tensor_parallel}} if style == "serving" else {}),
         },
         "train": {"prompts_per_step": batch // generations, "seed": seed},
@@ -214,7 +218,9 @@ def run_lengths_bench(*, repeats: int, lengths: str, engines: tuple[str, ...], c
             "source": built.source, "params": built.arch.num_params(), "dtype": settings["dtype"],
             "style": settings["style"], "batch": settings["batch"], "generations": settings["generations"],
             "prompt_len": settings["prompt_len"], "new_tokens": settings["new_tokens"],
-            "kv_segment": settings["kv_segment"], "early_stop_chunk": settings["early_stop_chunk"]}
+            "kv_segment": settings["kv_segment"], "early_stop_chunk": settings["early_stop_chunk"],
+            "quantization": {"weights": settings.get("quantization", "none"),
+                             "kv_cache": settings.get("kv_quantization", "none")}}
     return {**head, **run_engines_bench(config=config, built=built, params=params, tokens=tokens, mask=mask,
                                         lengths=lengths, engines=engines, continuous=continuous,
                                         seed=settings["seed"], repeats=repeats)}
@@ -414,6 +420,7 @@ def _result(built: _Built, sampler: Any, settings: dict[str, Any], timing: _Timi
         "source": built.source,
         "params": cfg.num_params(),
         "dtype": dtype,
+        "quantization": {"weights": settings.get("quantization", "none"), "kv_cache": settings.get("kv_quantization", "none")},
         "style": settings["style"],
         "mesh_shape": layout.shape,
         "rollout_layout": built.programs.rollout.describe(),
@@ -518,6 +525,12 @@ def _roofline(built: _Built, settings: dict[str, Any], timing: _Timing, *, weigh
               "samples); the JSON's lora.merge_s is what merging them into the weights once would cost.")
 @click.option("--base-quantization", type=click.Choice(["none", "nf4", "int8"]), default="none", show_default=True,
               help="QLoRA: the base projections stored quantized, dequantized per layer in the decode.")
+@click.option("--quantization", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
+              help="rollout.quantization.weights: the rollout's projections in int8/fp8, one scale per output "
+              "channel (quantized once, as at a weight sync).")
+@click.option("--kv-quantization", type=click.Choice(["none", "int8", "fp8"]), default="none", show_default=True,
+              help="rollout.quantization.kv_cache: the continuous engine's page pool in int8/fp8 (needs --lengths; "
+              "times the continuous engine).")
 @click.option("--lengths", metavar="PROFILE",
               help="Stop each row at a completion length drawn from this profile (a built-in name, a file of "
               "lengths or a run's samples.jsonl) and time the rollout engines (--engine) on the same rows: "
@@ -538,10 +551,14 @@ def bench_rollout(
     model_path, preset, batch, generations, prompt_len, new_tokens, early_stop, early_stop_chunk, kv_segment,
     style, mesh_policy, mesh_shape, dtype, temperature, top_k, top_p, seed, repeats, bandwidth, bandwidth_gbps,
     lora_rank, base_quantization, as_json, tensor_parallel, lengths, engines, slots, page_size, pool_pages, chunk,
+    quantization, kv_quantization,
 ) -> None:
     """Rollout speed: prefill + decode of --batch sequences, JSON out."""
     if temperature <= 0:
         raise UserError(f"--temperature must be > 0, got {temperature}")
+    if kv_quantization != "none" and (lengths is None or "static" in engines):
+        raise UserError("--kv-quantization quantizes the continuous engine's page pool: give --lengths PROFILE (the "
+                        "continuous engine is timed; the static engine's cache is not quantized).")
     if engines and lengths is None:
         raise UserError("--engine compares the rollout engines on rows stopped at drawn lengths: give --lengths "
                         "PROFILE too (e.g. --lengths gsm8k-qwen25-3b-v6e8).")
@@ -550,7 +567,8 @@ def bench_rollout(
         batch=batch, generations=generations, prompt_len=prompt_len, new_tokens=new_tokens, early_stop=early_stop,
         early_stop_chunk=early_stop_chunk, kv_segment=kv_segment, style=style, mesh_policy=mesh_policy,
         mesh_shape=mesh_shape, dtype=dtype, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-        lora_rank=lora_rank, base_quantization=base_quantization,
+        lora_rank=lora_rank, base_quantization=base_quantization, quantization=quantization,
+        kv_quantization=kv_quantization,
         tensor_parallel=int(tensor_parallel) if str(tensor_parallel).isdigit() else tensor_parallel,
     )
     if lengths is not None:
@@ -558,7 +576,8 @@ def bench_rollout(
             raise UserError(f"--slots must be auto or a non-negative integer (got {slots!r}).")
         slots = slots if slots == "auto" else int(slots)
         continuous = {"slots": slots, "page_size": page_size, "pool_pages": pool_pages, "chunk": chunk}
-        result = run_lengths_bench(repeats=repeats, lengths=lengths, engines=tuple(engines) or ENGINES,
+        default = ("continuous",) if kv_quantization != "none" else ENGINES
+        result = run_lengths_bench(repeats=repeats, lengths=lengths, engines=tuple(engines) or default,
                                    continuous=continuous, **settings)
     else:
         result = run_rollout_bench(repeats=repeats, bandwidth=bandwidth, bandwidth_gbps=bandwidth_gbps, **settings)

@@ -17,6 +17,8 @@ have, and what they need (memory per chip, fit, roofline).
 - ``packed``: the packed bins of a profile's steps and the packed passes' costs.
 - ``engine``: the continuous rollout engine's figures: its simulated schedule's roofline,
   concurrent rows, the largest pool that fits, the steady state per valid token.
+- ``quantized``: a low-precision rollout (``rollout.quantization``): the engine's decode
+  and prefill with int8/fp8 weights and KV pages beside the unquantized ones.
 - ``pipeline``: asynchronous GRPO (``train.async``): the split, the weight sync and the
   pipelined step.
 - ``search``: ``--search``, the largest value of a field whose plan fits (or the best

@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from grpo.engine.planning.costs import kv_bytes_per_slot, matmul_params
+from grpo.engine.planning.quantized import config_roofs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,15 +198,16 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     f = rollout_figures(s.programs, s.arch, chip, rollout_weight_bytes=rollout_weight_bytes)
     common = {k: f[k] for k in ("weight_bytes", "itemsize", "tp", "kv_split", "peak", "bw", "adapters")}
     ici = entries.get("decode", {}).get("ici_s_per_step") or 0.0
-    dec, pre = decode_roof(s.arch, ici_s=ici, **common), prefill_roof(s.arch, prompt_length=Lp, **common)
+    base = decode_roof(s.arch, ici_s=ici, **common), prefill_roof(s.arch, prompt_length=Lp, **common)
+    dec, pre = config_roofs(config, s.arch, *base, f)  # rollout.quantization's bytes
     prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
 
-    def run(smp: Any, no_comm: bool = False) -> dict[str, Any]:
+    def run(smp: Any, no_comm: bool = False, decode: Any = None, prefill: Any = None) -> dict[str, Any]:
         trace: list[dict[str, Any]] = []
         sim = smp.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace)
-        kw = dict(trace=trace, prefill=pre, chunk=sim["chunk"], page_size=smp.page_size,
+        kw = dict(trace=trace, prefill=prefill or pre, chunk=sim["chunk"], page_size=smp.page_size,
                   shards=smp.shards(sim["slots"]), slots=sim["slots"])
-        secs = schedule_seconds(decode=dec, **kw)
+        secs = schedule_seconds(decode=decode or dec, **kw)
         if no_comm:  # the same schedule without the decode's ICI (the plan's figure without communication)
             secs["decode_no_comm_s"] = schedule_seconds(decode=dataclasses.replace(dec, ici_s=0.0), **kw)["decode_s"]
         batches = [e["prefill"] for e in trace if "prefill" in e]
@@ -232,8 +234,8 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
         if static_s and static_prefill else None,
     })
     # The static cache (every row at prompt + cap) against the pool in the same bytes.
-    kv_tok = dec.token_bytes
-    static_bytes = rows / f["shards"] * (Lp + N) * kv_tok
+    kv_tok = dec.token_bytes  # the static cache is in the compute dtype (base), the pool in its format
+    static_bytes = rows / f["shards"] * (Lp + N) * base[0].token_bytes
     held = pool_rows(cache_bytes=static_bytes, page_bytes=sampler.page_size * kv_tok, page_size=sampler.page_size,
                      prompts=prompts, completions=completions, shards=f["shards"])
     out["concurrent_rows"] = {"static": rows, "static_cache_bytes_per_device": int(static_bytes), "pool": held,
@@ -261,7 +263,40 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     out["steady_state"] = steady
     fit = [x for x in steady if x["fits_pool"]]
     out["steady_state_best"] = max(fit, key=lambda x: x["valid_tokens_per_s"]) if fit else None
+    out["quantization"] = _variants(s.arch, base, f, lambda **kw: run(sampler, **kw), sampler, big, prompts,
+                                    completions, static_bytes=static_bytes, shards=shards, sim=sim)
     return out
+
+
+def _variants(dims: Any, base: tuple[Any, Any], f: dict[str, Any], run: Any, sampler: Any, big: int, prompts: Any,
+              completions: Any, *, static_bytes: float, shards: int, sim: dict[str, Any]) -> dict[str, Any]:
+    """The low-precision rollout's variants at this schedule
+    (:func:`grpo.engine.planning.quantized.variants_section`): the page pool in the static
+    cache's bytes, the steady state at the slot counts the pool holds in the same bytes."""
+    from grpo.engine.planning.quantized import variants_section
+
+    dec, pre = base
+    ps = sampler.page_size
+
+    def steady(decode: Any, prefill: Any) -> list[dict[str, Any]]:
+        pages = big * dec.token_bytes / decode.token_bytes  # the same bytes in the variant's pages
+        out = []
+        for n in (shards << i for i in range(16)):
+            if n > len(completions) * 8:
+                break
+            st = steady_state(slots=n, shards=shards, decode=decode, prefill=prefill, prompts=prompts,
+                              completions=completions, page_size=ps,
+                              prefill_rows=max(sim["mean_prefill_rows"] / shards, 1.0))
+            st["fits_pool"] = bool(st["pool_pages_per_part"] + n / shards * math.ceil(sim["chunk"] / ps) <= pages)
+            out.append(st)
+        return out
+
+    def rows(page_bytes: float) -> float:
+        return pool_rows(cache_bytes=static_bytes, page_bytes=page_bytes, page_size=ps, prompts=prompts,
+                         completions=completions, shards=f["shards"])
+
+    return variants_section(dims, dec=dec, pre=pre, figures=f, run=run, static_rows_bytes=static_bytes,
+                            page_size=ps, pool_rows=rows, steady=steady)
 
 
 __all__ = ["POOL_PROGRAMS", "engine_section", "ChipRoof", "decode_roof", "largest_pool", "mean_live_tokens", "pool_rows", "prefill_roof",

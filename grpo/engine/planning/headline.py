@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from grpo.engine.planning.costs import Cost
+from grpo.engine.planning.quantized import quantization_headline
 
 EVAL_PROGRAMS = ("eval_prefill", "eval_start", "eval_decode", "eval_append")
 
@@ -72,6 +73,7 @@ def rollout_headline(report: dict[str, Any], *, engine: str) -> dict[str, Any]:
         out["packing"] = {**pk, "roofline_step_padded_s": padded, "roofline_step_packed_s": packed,
                           "valid_tokens_per_s_padded": valid / padded, "valid_tokens_per_s_packed": valid / packed}
         out["step_rollout"]["programs_step_packed_s"] = pk["roofline_step_packed_s"]
+    quantization_headline(out)  # the low-precision variants' steps (grpo.engine.planning.quantized)
     return out
 
 

@@ -245,7 +245,7 @@ class Planner:
         state = state_bytes(config, programs, full=full, opt_state=opt_state, frozen=frozen,
                             rollout_state=rollout_state)
         P, Lp = inputs["prompt_tokens"].shape
-        sampler_args = rollout_state if rollout_state is not None else full
+        sampler_args = sampler.quantize_weights(rollout_state if rollout_state is not None else full)
         state["kv_cache"] = None  # the engine's (_ask_engine)
         # Evaluation (every eval.every_n_steps steps): the same sampler's programs with
         # eval.k samples of each prompt of an eval batch, padded as the Evaluator pads it.

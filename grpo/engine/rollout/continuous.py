@@ -63,15 +63,16 @@ from grpo.engine.rollout.paged.scheduler import Scheduler, pow2
 from grpo.engine.rollout.paged.slots import auto_slots
 from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
-from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
+from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec, QuantizedPages, dense_dtype, pool_set
+from grpo.models.rollout_quant import CODE_DTYPES, merge_rollout
 from grpo.sharding import fit_sharding
 
 
 class SlotState(NamedTuple):
     """The device state between chunks (donated through prefill and decode)."""
 
-    k: jax.Array  # [L, KH, pages, page_size, E] the page pool
-    v: jax.Array
+    k: Any  # [L, KH, pages, page_size, E] the page pool (a QuantizedPages with kv_format int8/fp8)
+    v: Any
     row: jax.Array  # [S] int32 global row in the slot, -1 free
     lengths: jax.Array  # [S] int32 tokens of the row in its pages
     steps: jax.Array  # [S] int32 sampling steps drawn (the next step's index)
@@ -88,6 +89,7 @@ class SlotState(NamedTuple):
 
 
 class ContinuousSampler(BaseSampler):
+    quantized_kv = True  # its page pool may hold int8/fp8 codes with scales (``kv_format``)
     streams = True  # rows submitted and stepped (:class:`~grpo.core.contracts.engine.RolloutEngine`)
     simulates = True  # its schedule replayed without a model (:meth:`simulate`)
 
@@ -352,7 +354,8 @@ class ContinuousSampler(BaseSampler):
         """Per-device bytes of the page pool (keys and values)."""
         S = self.slots_for(rows, prompt_length)
         pool = self._abstract_pool(params, self.shards(S) * self.pool_size(prompt_length, S // self.shards(S)), S)
-        return 2 * math.prod(pool.sharding.shard_shape(pool.shape)) * jnp.dtype(pool.dtype).itemsize
+        return 2 * sum(math.prod(a.sharding.shard_shape(a.shape)) * jnp.dtype(a.dtype).itemsize
+                       for a in jax.tree.leaves(pool))
 
     def jitted(self) -> dict[str, list[Any]]:
         return {"start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit],
@@ -411,20 +414,26 @@ class ContinuousSampler(BaseSampler):
         """The tokens that end a row's decoding (a multi-turn sampler's turn stops too)."""
         return tuple(self.sampling.eos_ids)
 
-    def _abstract_pool(self, params: Any, pages: int, slots: int) -> jax.ShapeDtypeStruct:
-        """The pool [layers, kv_heads, pages, page_size, head_dim] in its sharding."""
-        model = nnx.merge(self.graphdef, params)
+    def _abstract_pool(self, params: Any, pages: int, slots: int) -> Any:
+        """The pool [layers, kv_heads, pages, page_size, head_dim] in its sharding (with
+        ``kv_format`` int8/fp8: a :class:`QuantizedPages` of codes and their per-token,
+        per-head float32 scales)."""
+        model = merge_rollout(self.graphdef, params)
         c = model.config
         shape = (c.num_hidden_layers, c.num_key_value_heads, pages, self.page_size, c.head_dim)
         spec = self.spec(slots, c.num_key_value_heads).pool_spec()
-        return jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=NamedSharding(self.mesh, spec))
+        if self.kv_format == "none":
+            return jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=NamedSharding(self.mesh, spec))
+        return QuantizedPages(
+            codes=jax.ShapeDtypeStruct(shape, CODE_DTYPES[self.kv_format], sharding=NamedSharding(self.mesh, spec)),
+            scales=jax.ShapeDtypeStruct(shape[:4], jnp.float32, sharding=NamedSharding(self.mesh, PartitionSpec(*spec[:4]))))
 
     def _start_impl(self, params: Any, *, rows: int, pages: int, slots: int | None = None) -> SlotState:
         """The empty state: a zero pool of ``pages`` pages, ``slots`` free slots (None:
         :meth:`slots_for` ``rows``), every row's outputs blank."""
         s, S, N = self.sampling, self.slots_for(rows) if slots is None else slots, self.sampling.max_new_tokens
         pool = self._abstract_pool(params, pages, S)
-        zeros = jax.lax.with_sharding_constraint(jnp.zeros(pool.shape, pool.dtype), pool.sharding)
+        zeros = jax.tree.map(lambda a: jax.lax.with_sharding_constraint(jnp.zeros(a.shape, a.dtype), a.sharding), pool)
 
         def batch(x, *names):
             return self._constrain(x, ("batch",) + names)
@@ -447,7 +456,7 @@ class ContinuousSampler(BaseSampler):
         (with its own key) from its prompt's last logits."""
         s, model = self.sampling, self._model(params)
         N = state.tokens.shape[1]
-        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=state.k.dtype)  # u V
+        logits, cache = prefill_forward(model, tokens, mask, cache_dtype=dense_dtype(state.k, model.dtype))  # u V
         logits = logits[src]  # n V
         cache = cache._replace(k=cache.k[:, src], v=cache.v[:, src])
         live = rows >= 0
@@ -464,7 +473,8 @@ class ContinuousSampler(BaseSampler):
         tokens (its prompt and every drawn token but the last, which the next step feeds)
         [n, L] left-aligned, through the model again, their keys and values written over
         the old ones (``train.async.on_weight_change: reprefill``). Nothing is drawn."""
-        _, cache = prefill_forward(self._model(params), tokens, mask, cache_dtype=state.k.dtype)
+        model = self._model(params)
+        _, cache = prefill_forward(model, tokens, mask, cache_dtype=dense_dtype(state.k, model.dtype))
         return self._write_pages(state, cache, mask.sum(axis=1).astype(jnp.int32), table, rows >= 0)
 
     @staticmethod
@@ -485,7 +495,7 @@ class ContinuousSampler(BaseSampler):
 
         def scatter(pool, dense):  # dense [layers, n, L, KH, E] -> pool [layers, KH, P, ps, E]
             vals = jnp.take_along_axis(dense, src[None, :, :, None, None], axis=2).transpose(0, 3, 1, 2, 4)
-            return pool.at[:, :, page, offset].set(vals.astype(pool.dtype), mode="drop")
+            return pool_set(pool, (slice(None), slice(None), page, offset), vals, mode="drop")
 
         return state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
 

@@ -69,6 +69,7 @@ from grpo.engine.rollout.paged.scheduler import TurnScheduler, pow2
 from grpo.engine.rollout.decoding import draw, left_align_rows, row_key_data
 from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.models.decoder import KVCache
+from grpo.models.layers.paged import dense_dtype, pool_gather, pool_set
 
 
 class ContinuousMultiTurnSampler(ContinuousSampler):
@@ -279,11 +280,13 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         W = table.shape[1]
         D = W * ps  # the gathered pages' tokens: dense slots [0, D); the chunk at [D, D + L)
 
+        dt = dense_dtype(state.k, model.dtype)
+
         def gather(pool):  # pool [Ly, KH, P, ps, E] -> dense [Ly, n, D, KH, E]
-            g = pool[:, :, table]  # Ly KH n W ps E
+            g = pool_gather(pool, table, dt)  # Ly KH n W ps E
             return g.transpose(0, 2, 3, 4, 1, 5).reshape(g.shape[0], n, D, g.shape[1], g.shape[-1])
 
-        empty = model.init_cache(n, D + L, dtype=state.k.dtype)
+        empty = model.init_cache(n, D + L, dtype=dt)
         cache = KVCache(k=empty.k.at[:, :, :D].set(gather(state.k)), v=empty.v.at[:, :, :D].set(gather(state.v)))
         m = real.sum(axis=1).astype(jnp.int32)  # n
         kv = jnp.concatenate([jnp.arange(D)[None, :] < base[:, None], real], axis=1)  # n D+L
@@ -298,8 +301,8 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         page = jnp.where(live[:, None] & real, page, P)  # out of range: dropped
 
         def scatter(pool, dense):  # dense [Ly, n, D+L, KH, E] -> the chunk into pool [Ly, KH, P, ps, E]
-            return pool.at[:, :, page, at % ps].set(dense[:, :, D:].transpose(0, 3, 1, 2, 4).astype(pool.dtype),
-                                                    mode="drop")
+            return pool_set(pool, (slice(None), slice(None), page, at % ps), dense[:, :, D:].transpose(0, 3, 1, 2, 4),
+                            mode="drop")
 
         stops = jnp.asarray(self._stop_ids(), jnp.int32)
         keys = step_keys(row_key_data(raw_key, key_impl, rows), turns)

@@ -94,6 +94,7 @@ from grpo.engine.rollout.decoding import (
     Outputs, draw, effective_chunk, left_align, prefill_forward, row_key_data, run_chunks, segment_plan,
 )
 from grpo.models.decoder import CACHE_AXES, KVCache
+from grpo.models.rollout_quant import QuantizedWeights, abstract_quantized, merge_rollout, quantize_state
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
@@ -161,6 +162,10 @@ class BaseSampler(RolloutEngine):
       lora_adapters: False runs a LoRA model without its adapter matmuls (the
         ``model.lora.sampler: merged`` rollout, whose projections already hold them).
       cache_rules: logical-axis rules of the KV cache (default: the activation rules).
+      weight_format: ``none``, ``int8`` or ``fp8``: the rollout's projections quantized once
+        per sync (:meth:`quantize_weights`, :mod:`grpo.models.rollout_quant`).
+      kv_format: ``none``, ``int8`` or ``fp8``: the KV cache's format (the continuous
+        engine's page pool; the static cache takes ``none`` only).
 
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
@@ -180,7 +185,18 @@ class BaseSampler(RolloutEngine):
         activation_rules: Mapping[str, Any] | None = None,
         lora_adapters: bool = True,
         cache_rules: Mapping[str, Any] | None = None,
+        weight_format: str = "none",
+        kv_format: str = "none",
     ):
+        from grpo.models.rollout_quant import FORMATS
+
+        if weight_format not in ("none",) + FORMATS or kv_format not in ("none",) + FORMATS:
+            raise ValueError(f"weight_format and kv_format take none, int8 or fp8; got {weight_format!r}, {kv_format!r}")
+        if kv_format != "none" and not getattr(self, "quantized_kv", False):
+            raise ValueError(f"{type(self).__name__} keeps its KV cache in the compute dtype (kv_format={kv_format!r}): "
+                             "a quantized KV cache is the continuous engine's page pool")
+        self.weight_format, self.kv_format = weight_format, kv_format
+        self._quantize_jit = None
         if kv_segment < 0:
             raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
         unknown = [a for a in batch_axes if a not in mesh.shape]
@@ -324,7 +340,7 @@ class BaseSampler(RolloutEngine):
     def _abstract_decode_state(self, params: Any, rows: int, slots: int) -> tuple[KVCache, Any]:
         """An abstract KV cache of ``rows`` x ``slots`` and next-token logits [rows, V], as
         prefill hands them on (the model's shapes and cache dtype read off ``params``)."""
-        model = nnx.merge(self.graphdef, params)
+        model = merge_rollout(self.graphdef, params)
         arch = model.config
         shape = (arch.num_hidden_layers, rows, slots, arch.num_key_value_heads, arch.head_dim)
         kv = jax.ShapeDtypeStruct(shape, self._cache_dtype(model), sharding=self.cache_sharding(shape))
@@ -352,8 +368,22 @@ class BaseSampler(RolloutEngine):
         data = np.asarray(x, dtype=np.int32)
         return jax.make_array_from_callback(data.shape, sharding, lambda idx: data[idx])
 
+    def quantize_weights(self, prepared: Any) -> Any:
+        """``rollout.quantization.weights``: the prepared state's projections as codes and
+        per-channel scales (:class:`~grpo.models.rollout_quant.QuantizedWeights`), one
+        jitted program a sync, in the prepared state's layout; ``none``: as they are.
+        Abstract weights (``grpo plan``) give their abstract quantized form."""
+        if self.weight_format == "none" or isinstance(prepared, QuantizedWeights):
+            return prepared
+        if self._quantize_jit is None:
+            self._quantize_jit = jax.jit(functools.partial(quantize_state, self.graphdef, fmt=self.weight_format))
+        leaves = jax.tree.leaves(prepared)
+        if leaves and isinstance(leaves[0], jax.ShapeDtypeStruct):
+            return abstract_quantized(jax.eval_shape(self._quantize_jit, prepared), prepared)
+        return self._quantize_jit(prepared)
+
     def _model(self, params: Any):
-        model = nnx.merge(self.graphdef, params)
+        model = merge_rollout(self.graphdef, params)
         model.mesh = self.mesh
         model.set_activation_rules(self.rules)
         if not self.lora_adapters:

@@ -113,6 +113,10 @@ def _scalars(sampler: Any, trainer_logprobs: Any, trained: Any, lengths: Any, tr
         "is_ratio/sampler_trainer/mean": jnp.sum(is_ratio * mask_f) / n_valid,
         "is_ratio/sampler_trainer/max": jnp.max(jnp.where(valid, is_ratio, 0.0)),
         "is_ratio/sampler_trainer/min": jnp.min(jnp.where(valid, is_ratio, jnp.inf)),
+        # KL(sampler || trainer) per token, estimated on the sampler's own tokens with k3
+        # (r - 1 - log r, r the ratio above: unbiased, never negative): the mismatch a
+        # low-precision rollout (rollout.quantization) adds, 0 when the two agree.
+        "mismatch/kl": jnp.sum((is_ratio - 1.0 - jnp.where(valid, trainer_logprobs - sampler, 0.0)) * mask_f) / n_valid,
         # The completion tokens the loss trains on (multi-turn: not the environment's).
         "valid_tokens": jnp.sum(mask_f),
         "rollout/generated_tokens": generated,  # every round's completions, trained on or not
@@ -167,6 +171,7 @@ def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float
             "kl": update.get("kl", 0.0),
             "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
             **{k: v for k, v in scalars.items() if k.startswith("is_ratio/")},
+            "mismatch/kl": scalars["mismatch/kl"],
             # The objective's own metrics (named `<objective>/...`), the mismatch correction's and
             # loss.truncated_policy's.
             **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/"))},

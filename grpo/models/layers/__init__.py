@@ -20,6 +20,7 @@ scans it over the stack.
 - ``mlp``: the MLP block (:func:`mlp_block`), the one place a mixture-of-experts block
   would take over (same signature: ``(ctx, h, p, layer) -> h``).
 
-May import: ``grpo.core``, ``grpo.sharding``, ``grpo.kernels``, ``grpo.models.quant``.
+May import: ``grpo.core``, ``grpo.sharding``, ``grpo.kernels``, ``grpo.models.quant``,
+``grpo.models.rollout_quant``.
 Not the decoder, which builds on the layers.
 """

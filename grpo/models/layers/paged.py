@@ -9,6 +9,15 @@ every step); KV heads lead, so the serving layout shards them over ``tp`` like t
 cache. A row's page table ``[max_pages]`` int32 lists its pages in token order: token
 ``i`` is at page ``table[i // page_size]``, offset ``i % page_size``. Which pages a row
 holds is the engine's (:class:`grpo.engine.rollout.paged.PageAllocator`).
+
+A quantized pool (``rollout.quantization.kv_cache``: int8 or fp8) is a
+:class:`QuantizedPages`: the codes in the same layout and one float32 scale per token and
+KV head ``[layers, kv_heads, pages, page_size]`` beside them (``scale = absmax / qmax``
+of the token's head vector, fixed when the token is written: a page fills token by token,
+so a scale per whole page would have to be known before its tokens are). It is the
+layout JAX's Pallas TPU decode kernel reads (``QuantizedTensor``); the other backends
+dequantize the pages they gather. :func:`pool_set`, :func:`pool_layer` and
+:func:`pool_gather` read and write either form.
 """
 
 from __future__ import annotations
@@ -21,6 +30,68 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
 from grpo.kernels.paged_attention import BACKENDS, paged_attention, resolve_backend
+
+
+class QuantizedPages(NamedTuple):
+    """A quantized page pool: ``codes`` [..., page_size, head_dim] (int8 / float8_e4m3fn)
+    and ``scales`` [..., page_size] float32, a token's head vector being ``codes * scale``."""
+
+    codes: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.codes.shape
+
+    @property
+    def fmt(self) -> str:
+        return "int8" if self.codes.dtype == jnp.int8 else "fp8"
+
+
+def quantize_kv(x: jax.Array, fmt: str) -> tuple[jax.Array, jax.Array]:
+    """``(codes, scales)`` of key/value vectors ``x`` [..., E]: one scale per vector
+    (absmax / qmax, float32; 1 for an all-zero vector)."""
+    from grpo.models.rollout_quant import CODE_DTYPES, QMAX
+
+    xf = x.astype(jnp.float32)
+    absmax = jnp.max(jnp.abs(xf), axis=-1)
+    scale = jnp.where(absmax > 0, absmax / QMAX[fmt], 1.0)
+    y = xf / scale[..., None]
+    if fmt == "int8":
+        return jnp.clip(jnp.round(y), -127, 127).astype(jnp.int8), scale
+    return jnp.clip(y, -448.0, 448.0).astype(CODE_DTYPES[fmt]), scale
+
+
+def dequantize_kv(codes: jax.Array, scales: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
+    """``codes * scales`` [..., E] in ``dtype``."""
+    return (codes.astype(jnp.float32) * scales[..., None]).astype(dtype)
+
+
+def pool_set(pool: Any, index: tuple, values: jax.Array, *, mode: str | None = None) -> Any:
+    """``pool.at[index].set(values)`` for a plain or a :class:`QuantizedPages` pool
+    (``values`` [..., E] quantized per vector; ``index`` selects whole head vectors)."""
+    if not isinstance(pool, QuantizedPages):
+        return pool.at[index].set(values.astype(pool.dtype), mode=mode)
+    codes, scales = quantize_kv(values, pool.fmt)
+    return QuantizedPages(pool.codes.at[index].set(codes, mode=mode), pool.scales.at[index].set(scales, mode=mode))
+
+
+def pool_layer(pool: Any, layer: jax.Array) -> Any:
+    """One layer's pages [KH, P, ps, E] (a :class:`QuantizedPages` of them when quantized)."""
+    return jax.tree.map(lambda a: jax.lax.dynamic_index_in_dim(a, layer, axis=0, keepdims=False), pool)
+
+
+def pool_gather(pool: Any, index: Any, dtype: Any) -> jax.Array:
+    """``pool[:, :, index]`` in ``dtype`` (dequantized when quantized)."""
+    if not isinstance(pool, QuantizedPages):
+        return pool[:, :, index].astype(dtype)
+    return dequantize_kv(pool.codes[:, :, index], pool.scales[:, :, index], dtype)
+
+
+def dense_dtype(pool: Any, compute_dtype: Any) -> Any:
+    """The dtype a dense cache written into ``pool`` is computed in (the pool's own, or the
+    compute dtype for a quantized pool)."""
+    return compute_dtype if isinstance(pool, QuantizedPages) else pool.dtype
 
 
 class PagedKVCache(NamedTuple):
@@ -56,7 +127,7 @@ def write_token(*, pool: jax.Array, layer: jax.Array, new: jax.Array, page_table
     page = jnp.where(live, page, P)  # out of range: dropped
     offset = lengths % ps
     # Advanced indices (layer, page, offset) around a slice: the indexed dims are [B, KH, E].
-    return pool.at[layer, :, page, offset].set(new.astype(pool.dtype), mode="drop")
+    return pool_set(pool, (layer, slice(None), page, offset), new, mode="drop")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,9 +141,13 @@ class PagedSpec:
     slot_axes: tuple[str, ...] = ()
     kv_axes: tuple[str, ...] = ()
 
-    def pool_spec(self) -> PartitionSpec:
-        """The pool's [layers, kv_heads, pages, page_size, head_dim] partition."""
-        return PartitionSpec(None, self.kv_axes or None, self.slot_axes or None, None, None)
+    def pool_spec(self, pool: Any = None) -> Any:
+        """The pool's [layers, kv_heads, pages, page_size, head_dim] partition (for a
+        :class:`QuantizedPages` ``pool``, its codes' and its scales')."""
+        spec = PartitionSpec(None, self.kv_axes or None, self.slot_axes or None, None, None)
+        if isinstance(pool, QuantizedPages):
+            return QuantizedPages(spec, PartitionSpec(*spec[:4]))
+        return spec
 
 
 def _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live, first_page, *, scale, backend):
@@ -81,8 +156,8 @@ def _decode_local(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, l
     local = jnp.clip(page_table - first_page, 0, pool_k.shape[2] - 1)
     pool_k = write_token(pool=pool_k, layer=layer, new=k_new, page_table=local, lengths=lengths, live=live)
     pool_v = write_token(pool=pool_v, layer=layer, new=v_new, page_table=local, lengths=lengths, live=live)
-    k_layer = jax.lax.dynamic_index_in_dim(pool_k, layer, axis=0, keepdims=False)  # KH P ps E
-    v_layer = jax.lax.dynamic_index_in_dim(pool_v, layer, axis=0, keepdims=False)
+    k_layer = pool_layer(pool_k, layer)  # KH P ps E
+    v_layer = pool_layer(pool_v, layer)
     out = paged_attention(q=q, k_pages=k_layer, v_pages=v_layer, lengths=lengths + 1, page_table=local, scale=scale,
                           backend=backend)
     return out, pool_k, pool_v
@@ -107,10 +182,10 @@ def paged_decode(*, q: jax.Array, k_new: jax.Array, v_new: jax.Array, pool_k: ja
     rows, heads = spec.slot_axes or None, spec.kv_axes or None
 
     def body(qb, kb, vb, pk, pv, lb, tb, nb, live_b):
-        first = (jax.lax.axis_index(spec.slot_axes) if spec.slot_axes else 0) * pk.shape[2]
+        first = (jax.lax.axis_index(spec.slot_axes) if spec.slot_axes else 0) * pk.shape[2]  # pages of a part
         return _decode_local(qb, kb, vb, pk, pv, lb, tb, nb, live_b, first, scale=scale, backend=backend)
 
-    act, pool = PartitionSpec(rows, heads, None), spec.pool_spec()
+    act, pool = PartitionSpec(rows, heads, None), spec.pool_spec(pool_k)
     return jax.shard_map(
         body, mesh=mesh, check_vma=False,
         in_specs=(act, act, act, pool, pool, PartitionSpec(), PartitionSpec(rows, None), PartitionSpec(rows),
@@ -119,4 +194,5 @@ def paged_decode(*, q: jax.Array, k_new: jax.Array, v_new: jax.Array, pool_k: ja
     )(q, k_new, v_new, pool_k, pool_v, layer, page_table, lengths, live)
 
 
-__all__ = ["BACKENDS", "PagedKVCache", "PagedSpec", "paged_decode", "write_token"]
+__all__ = ["BACKENDS", "PagedKVCache", "PagedSpec", "QuantizedPages", "dense_dtype", "dequantize_kv", "paged_decode",
+           "pool_gather", "pool_layer", "pool_set", "quantize_kv", "write_token"]

@@ -1,4 +1,5 @@
-"""A layer's projections: the base weight (dequantized when stored as QLoRA codes) and,
+"""A layer's projections: the base weight (dequantized when stored as QLoRA codes; a
+quantized rollout's codes times their per-channel scales, :mod:`grpo.models.rollout_quant`) and,
 when the projection is a LoRA target, the adapter's term beside it (never merged), with
 its per-token dropout."""
 
@@ -11,6 +12,7 @@ import jax.numpy as jnp
 
 from grpo.models.layers.context import LayerContext
 from grpo.models.quant import dequantize
+from grpo.models.rollout_quant import quantized_matmul
 
 
 def project(
@@ -20,9 +22,12 @@ def project(
     base weight plus, when targeted, the adapter ``(alpha / r) * (dropout(x) @ A) @ B``,
     never merged."""
     w = p[name]
-    if f"{name}_scale" in p:
-        w = dequantize(w, p[f"{name}_scale"], ctx.quantization, ctx.dtype, axis=0)
-    y = jnp.einsum(eq, x, w.astype(ctx.dtype))
+    if f"{name}_qscale" in p:  # a quantized rollout's codes, one scale per output channel
+        y = quantized_matmul(eq, x, w, p[f"{name}_qscale"], ctx.dtype)
+    else:
+        if f"{name}_scale" in p:
+            w = dequantize(w, p[f"{name}_scale"], ctx.quantization, ctx.dtype, axis=0)
+        y = jnp.einsum(eq, x, w.astype(ctx.dtype))
     if f"{name}_lora_a" not in p:
         return y
     return y + _adapter(ctx, eq, x, p, name, layer)

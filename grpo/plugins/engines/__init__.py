@@ -19,6 +19,7 @@ class StaticEngine(RolloutEnginePlugin):
     description = ("One batch of every row of the step, each holding a decode slot and a prompt + max_new_tokens "
                    "KV cache until the longest stops; multi-turn tasks too.")
     multi_turn = True
+    quantized_weights = True
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.multiturn import MultiTurnSampler
@@ -42,6 +43,8 @@ class ContinuousEngine(RolloutEnginePlugin):
                    "call and its next turn is appended into its own pages).")
     multi_turn = True
     streams = True
+    quantized_weights = True
+    quantized_kv = True
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.continuous import ContinuousSampler

@@ -150,6 +150,8 @@ def test_rollout_scalars_are_one_program_and_match_numpy():
         "logprob_gap/sampler_trainer": (np.abs(sampler - trainer) * m).sum() / m.sum(),
         "is_ratio/sampler_trainer/mean": (ratio * m).sum() / m.sum(),
         "is_ratio/sampler_trainer/max": ratio[trained > 0].max(), "is_ratio/sampler_trainer/min": ratio[trained > 0].min(),
+        # issue 53: KL(sampler || trainer) per trained token, k3 = r - 1 - log r
+        "mismatch/kl": ((ratio - 1 - np.log(ratio)) * m).sum() / m.sum(),
         "valid_tokens": m.sum(), "rollout/generated_tokens": 40.0, "rollout/rolled_out_per_trained_token": 40 / m.sum(),
         "reward/mean": rewards.mean(), "reward/std": rewards.std(), "reward/r/mean": rewards.mean(),
     }
