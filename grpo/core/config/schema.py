@@ -28,7 +28,7 @@ from grpo.core.contracts.loss import LossSettings, MismatchCorrection
 PRESETS = (
     "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
     "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
-    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen3-30b-a3b", "tiny-moe",
 )
 
 
