@@ -7,8 +7,8 @@ with ``norm_topk_prob``, renormalised to sum to one. The token's output is the s
 its k experts of ``gate * down(silu(gate_proj(x)) * up_proj(x))``.
 
 Router replay (R3): given the experts a token was routed to elsewhere (the sampler's,
-``p["moe_replay"]`` [B, T, k] for this layer) and ``MoeCall.replay``, those ids are used
-instead of the recomputed top-k; the gates are still the router's probabilities *of
+``p["moe_replay"]`` [B, T, k] for this layer, -1 where a token has none) and
+``MoeCall.use_replay``, those ids are used instead of the recomputed top-k; the gates are still the router's probabilities *of
 those experts* (renormalised), so the router gets its gradient.
 
 Experts run dropless as grouped matmuls (:func:`grpo.kernels.grouped_matmul`): the
@@ -51,7 +51,8 @@ class LayerRouting(NamedTuple):
     load: jax.Array  # [X] float32: counted tokens routed to each expert
     prob_sum: jax.Array  # [X] float32: the counted tokens' router probabilities, summed
     z_sum: jax.Array  # [] float32: sum over counted tokens of logsumexp(router logits)^2
-    agree: jax.Array  # [] float32: counted tokens whose recomputed top-k set equals the replayed one
+    agree: jax.Array  # [] float32: compared tokens whose recomputed top-k set equals the replayed one
+    compared: jax.Array  # [] float32: counted tokens with replayed ids (all counted tokens without replay)
     tokens: jax.Array  # [] float32: counted tokens
 
 
@@ -65,7 +66,10 @@ def route(
     probs = jax.nn.softmax(logits, axis=-1)
     top, own = jax.lax.top_k(probs, c.num_experts_per_tok)
     if replay is not None and use_replay:
-        experts = replay.astype(jnp.int32)
+        # A token without replayed ids (-1: a prompt token, the last completion token,
+        # padding) keeps its own top-k.
+        given = replay.astype(jnp.int32)
+        experts = jnp.where(given[..., :1] >= 0, given, own)
         top = jnp.take_along_axis(probs, experts, axis=-1)
     else:
         experts = own
@@ -120,16 +124,19 @@ def _routing(
     hits = jax.nn.one_hot(experts, num_experts, dtype=jnp.float32).sum(axis=2)  # B T X
     lse = jax.nn.logsumexp(logits, axis=-1)
     if replay is None:
-        agree = jnp.sum(m)
-    else:
-        same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(replay.astype(jnp.int32), axis=-1), axis=-1)
-        agree = jnp.sum(m * same)
+        agree = compared = jnp.sum(m)
+    else:  # over the tokens that have replayed ids
+        given = replay.astype(jnp.int32)
+        has = (given[..., 0] >= 0).astype(jnp.float32)
+        same = jnp.all(jnp.sort(own, axis=-1) == jnp.sort(given, axis=-1), axis=-1)
+        agree, compared = jnp.sum(m * has * same), jnp.sum(m * has)
     return LayerRouting(
         experts=experts.astype(EXPERT_ID_DTYPE),
         load=jnp.einsum("bt,btx->x", m, hits),
         prob_sum=jnp.einsum("bt,btx->x", m, probs),
         z_sum=jnp.sum(m * lse * lse),
         agree=agree,
+        compared=compared,
         tokens=jnp.sum(m),
     )
 
