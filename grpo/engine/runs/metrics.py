@@ -168,8 +168,8 @@ def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float
             "logprob_gap/sampler_trainer": scalars["logprob_gap/sampler_trainer"],
             **{k: v for k, v in scalars.items() if k.startswith("is_ratio/")},
             # The objective's own metrics (named `<objective>/...`), the mismatch correction's and
-            # loss.truncated_policy's.
-            **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/"))},
+            # loss.truncated_policy's, and a mixture-of-experts model's routing (moe/).
+            **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/", "moe/"))},
             "rollout/generated_tokens": scalars["rollout/generated_tokens"],
             "rollout/rolled_out_per_trained_token": scalars["rollout/rolled_out_per_trained_token"],
             **extra,
