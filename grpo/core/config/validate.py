@@ -435,7 +435,8 @@ def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
             problems.append(f"{what} does not combine with a multi-turn task (task {config.task.name!r} has tools; {why})")
     losses = [f for f in on if f != "router_replay"]
     if losses and config.loss.aggregation != "token_mean":
-        problems.append(f"{', '.join('model.moe.' + f for f in losses)} need loss.aggregation: token_mean (got "
+        problems.append(f"{', '.join('model.moe.' + f for f in losses)} need{'s' if len(losses) == 1 else ''} "
+                        f"loss.aggregation: token_mean (got "
                         f"{config.loss.aggregation!r}: the router losses are weighted by each micro-batch's tokens)")
     return problems
 
