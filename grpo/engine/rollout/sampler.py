@@ -142,6 +142,18 @@ class _State(NamedTuple):
     routed: Any = None
 
 
+def _fed_experts(routed: jax.Array, experts: jax.Array, t: jax.Array) -> jax.Array:
+    """``routed`` [B, W, L, k] with the experts [L, B, 1, k] of the step that fed
+    completion token ``t - 1`` written at its column."""
+    return jax.lax.dynamic_update_slice_in_dim(routed, jnp.transpose(experts, (1, 2, 0, 3)), t - 1, axis=1)
+
+
+def _fed_only(routed: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[B, N, L, k] routed experts, -1 from each row's last token on (never fed)."""
+    fed = jnp.arange(routed.shape[1])[None, :] < lengths[:, None] - 1  # B N
+    return jnp.where(fed[:, :, None, None], routed, -1).astype(EXPERT_ID_DTYPE)
+
+
 # --------------------------------------------------------------------------- samplers
 
 
@@ -545,11 +557,7 @@ class Sampler(BatchRows, BaseSampler):
                     **({"moe": MoeCall()} if routing else {}),
                 )
                 new = record(state, t, model.logits(out[0])[:, 0, :], out[1])
-                if not routing:
-                    return new
-                # this step fed completion token t - 1: its experts, L B 1 k -> B 1 L k
-                fed = jnp.transpose(out[2].experts, (1, 2, 0, 3))
-                return new._replace(routed=jax.lax.dynamic_update_slice_in_dim(state.routed, fed, t - 1, axis=1))
+                return new._replace(routed=_fed_experts(state.routed, out[2].experts, t)) if routing else new
 
             return step
 
@@ -577,10 +585,8 @@ class Sampler(BatchRows, BaseSampler):
             truncated=~state.done,
             logprobs=batch(state.out.logprobs[:, :N], "length"),
             behaviour_logprobs=None if state.out.behaviour is None else batch(state.out.behaviour[:, :N], "length"),
-            # a row's last token is never fed (nor anything past it): -1 there
-            routed_experts=None if state.routed is None else batch(jnp.where(
-                (positions < state.lengths[:, None] - 1)[:, :, None, None], state.routed[:, :N], -1
-            ).astype(EXPERT_ID_DTYPE), "length", None, None),
+            routed_experts=None if state.routed is None else batch(
+                _fed_only(state.routed[:, :N], state.lengths), "length", None, None),
         )
         return out, jnp.minimum(state.steps, N), state.cache
 
