@@ -50,6 +50,12 @@ What the rest of the framework uses
   (:mod:`grpo.models.layers.paged`: a pool of pages and a page table per row; the
   continuous-batching sampler's decode): each live row's key/value is written at token
   ``lengths`` of its pages and its query attends over its own ``lengths + 1`` tokens only.
+- ``hidden, cache, routing = model(..., moe=MoeCall(...))`` — a mixture-of-experts
+  family (Qwen3-MoE) also returns its layers' routing
+  (:class:`~grpo.models.layers.moe.LayerRouting`, each field stacked [L, ...]: the experts
+  every token used, the load and router statistics of the tokens ``MoeCall.mask``
+  counts); ``MoeCall.replay`` [L, B, T, k] (-1: none) replays another forward's experts
+  (``use_replay``) or is only compared with the recomputed ones.
 - :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
   tied), for losses that fuse the head matmul; :meth:`Decoder.logits` — float32 logits.
 - :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
@@ -72,8 +78,8 @@ and the LoRA term), :func:`~grpo.models.layers.attention.qkv` (norm, q/k/v, RoPE
 :func:`~grpo.models.layers.attention.attend` (cache write and attention),
 :func:`out_and_mlp` (output projection and :func:`~grpo.models.layers.mlp.mlp_block`);
 :func:`layer_function` composes them under the remat policy and :func:`run_layers` scans
-it. The feed-forward block is :func:`~grpo.models.layers.mlp.mlp_block` alone, so a
-mixture-of-experts block can take its place.
+it. The feed-forward block is :func:`~grpo.models.layers.mlp.mlp_block`, or
+:func:`~grpo.models.layers.moe.moe_block` for a family with experts.
 
 Layout and numerics
 -------------------
