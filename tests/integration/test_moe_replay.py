@@ -1,6 +1,7 @@
 """A tiny mixture-of-experts run with router replay (issue 54, item 3): the rollout's
-routing travels into the update (packed, two micro-batches), the routing metrics are
-logged, and a run preempted after step 1 resumes bit-exactly."""
+routing travels into the update (dynamic sampling's rounds gathered, packed, two
+micro-batches), the routing metrics are logged, and a run preempted after step 1 resumes
+bit-exactly."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from grpo.engine.trainer import Trainer
 pytestmark = pytest.mark.slow
 
 MOE = {"model.random.preset": "tiny-moe", "model.moe.router_replay": "rollout", "model.moe.load_balancing_loss": 0.01,
-       "model.moe.router_z_loss": 0.001, "train.micro_batch_size": 8, "train.steps": 2}
+       "model.moe.router_z_loss": 0.001, "train.micro_batch_size": 8, "train.steps": 2,
+       "train.dynamic_sampling.enabled": True, "train.dynamic_sampling.max_rounds": 2}
 
 
 def test_a_tiny_moe_run_replays_routing_and_logs_it(tmp_path):
