@@ -69,6 +69,7 @@ def test_export_loads_back_in_transformers_with_equal_outputs():
         np.testing.assert_array_equal(np.asarray(getattr(again.layers, p)[...]), np.asarray(getattr(model.layers, p)[...]))
 
 
+@pytest.mark.slow  # three compiles of the model (~20 s on a shared 2-core machine)
 def test_packed_sequences_equal_each_sequence_alone():
     # Routing is per token: packing sequences into bins must not change any token's experts.
     assert packed_vs_alone(_model("qwen3moe_untied"), lengths=(5, 7), bin_length=12) <= 1e-5
