@@ -30,6 +30,12 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     # LoRA adapters: the rank axis takes fsdp where the matrix has no embed dim (B of
     # q/k/v/gate/up, A of o/down), so every adapter is split over the chips, not copied.
     "lora_rank": "fsdp",
+    # Mixture-of-experts: the expert axis is replicated (no expert mesh axis yet); each
+    # expert's hidden width is tensor-parallel like a dense MLP's; the router's output
+    # (one logit per expert) is small and replicated.
+    "experts": None,
+    "expert_mlp": "tp",
+    "router_experts": None,
 }
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {

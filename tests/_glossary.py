@@ -85,6 +85,7 @@ SECTION_RUNS = {
     "Entropy": "tests/engine/test_trainer.py::test_one_step_every_style_and_loss",
     "Sequence packing": "tests/engine/test_trainer.py::test_one_step_every_style_and_loss",
     "Evaluation": "tests/engine/test_trainer.py::test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume",
+    "Mixture of experts": "tests/integration/test_moe_replay.py::test_a_tiny_moe_run_replays_routing_and_logs_it",
     "Mismatch correction": "tests/engine/test_trainer.py::test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume",
     "Mismatch correction, mask mode": "tests/plugins/losses/test_packed_loss.py::test_packed_equals_padded",
     "Truncated policy": "tests/engine/test_trainer.py::test_truncated_policy_makes_the_top_p_weights_one",

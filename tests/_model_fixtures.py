@@ -41,7 +41,7 @@ CHECKPOINTS: dict[str, dict] = {
 
 @functools.cache
 def checkpoint(name: str) -> Path:
-    if name in FAMILY_CHECKPOINTS:
+    if name in FAMILY_CHECKPOINTS or name in MOE_CHECKPOINTS:
         return family_checkpoint(name)
     return write_tiny_checkpoint(_ROOT / name, **CHECKPOINTS[name])
 
@@ -71,6 +71,18 @@ FAMILY_CHECKPOINTS: dict[str, tuple[str, dict]] = {
         max_position_embeddings=2048, rope_scaling=_LLAMA3_ROPE)),
 }
 
+# Qwen3-MoE (issue 54): 8 experts, top-2, with and without norm_topk_prob; untied and tied.
+MOE_CHECKPOINTS: dict[str, tuple[str, dict]] = {
+    "qwen3moe_untied": ("Qwen3MoeConfig", dict(
+        _COMMON, intermediate_size=64, moe_intermediate_size=24, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=True, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=10,
+        tie_word_embeddings=False, rope_theta=10_000.0, rms_norm_eps=1e-6, max_position_embeddings=512)),
+    "qwen3moe_tied_raw": ("Qwen3MoeConfig", dict(
+        _COMMON, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        norm_topk_prob=False, num_hidden_layers=3, num_attention_heads=6, num_key_value_heads=3, head_dim=12,
+        tie_word_embeddings=True, rope_theta=1_000_000.0, rms_norm_eps=1e-5, max_position_embeddings=512)),
+}
+
 
 @functools.cache
 def family_checkpoint(name: str) -> Path:
@@ -81,7 +93,7 @@ def family_checkpoint(name: str) -> Path:
 
     from grpo.models.tiny import write_tiny_tokenizer
 
-    cls_name, kwargs = FAMILY_CHECKPOINTS[name]
+    cls_name, kwargs = {**FAMILY_CHECKPOINTS, **MOE_CHECKPOINTS}[name]
     config = getattr(transformers, cls_name)(**kwargs)
     torch.manual_seed(sum(map(ord, name)))
     model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float32)

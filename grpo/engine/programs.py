@@ -645,6 +645,7 @@ def build_programs(
         micro_batches=config.sequences_per_step // config.micro_batch_size,
         mesh=mesh,
         master_weights=config.master_weights,
+        moe=config.model.moe,
     )
     return RunPrograms(
         packing=packing_active(config, plugins),

@@ -111,7 +111,18 @@ def padded_batch(programs: Any, *, prompt_length: int) -> Any:
         dropout_keys=arr((b, 2), jnp.uint32) if programs.lora_dropout else None,
         truncated=arr((b,), jnp.bool_) if cfg.loss.mask_truncated else None,
         loss_mask=arr((b, n), jnp.int32) if programs.multi_turn else None,
+        routed_experts=_routed(programs, arr, b, n),
     )
+
+
+def _routed(programs: Any, arr: Any, b: int, n: int) -> Any:
+    """The abstract ``routed_experts`` [B, N, layers, k] int16 of a run recording them."""
+    from grpo.engine.training.routing import routed_shape
+
+    import jax.numpy as jnp
+
+    shape = routed_shape(programs.graphdef) if programs.config.model.moe.records else None
+    return None if shape is None else arr((b, n) + shape, jnp.int16)
 
 
 def prompt_lengths(programs: Any) -> tuple[int, ...]:

@@ -248,6 +248,8 @@ class Trainer:
             sampler_logprobs=to_train(out.behaviour) if cfg.loss.mismatch is not None else None,
             truncated=to_train(out.truncated) if cfg.loss.mask_truncated else None,
             loss_mask=None if out.loss_mask is None else to_train(out.loss_mask),
+            # MoE with model.moe.router_replay on: the sampler's experts, replayed or compared
+            routed_experts=None if out.routed_experts is None else to_train(out.routed_experts),
         )
         # Every PPO epoch of the step uses the same dropout masks as the log-probs its
         # ratio divides by, so at unchanged parameters the ratio is exactly 1.

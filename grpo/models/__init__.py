@@ -1,4 +1,4 @@
-"""The built-in model families (Qwen2/Qwen2.5, Qwen3, Llama 3.x) in Flax NNX, and Hugging
+"""The built-in model families (Qwen2/Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.x) in Flax NNX, and Hugging
 Face checkpoints in and out.
 
 - :mod:`grpo.models.decoder` — the shared :class:`Decoder` module (embed -> the scanned
@@ -7,8 +7,8 @@ Face checkpoints in and out.
 - :mod:`grpo.models.layers` — one decoder layer, room by room: projection (QLoRA, LoRA),
   attention (dense, a blocked kernel per device, paged), MLP, norms and RoPE. The Pallas
   kernels they run are :mod:`grpo.kernels`.
-- :mod:`grpo.models.qwen2`, :mod:`grpo.models.qwen3`, :mod:`grpo.models.llama` — each
-  family's config (its switches and HF config translation). The model plugins that
+- :mod:`grpo.models.qwen2`, :mod:`grpo.models.qwen3`, :mod:`grpo.models.qwen3_moe`,
+  :mod:`grpo.models.llama` — each family's config (its switches and HF config translation). The model plugins that
   wrap them are in :mod:`grpo.plugins.models`; :mod:`grpo.models.families` picks one
   for a checkpoint.
 - :mod:`grpo.models.loading` — :func:`load_hf`, :func:`random_init`, :func:`save_hf`,
@@ -17,7 +17,8 @@ Face checkpoints in and out.
   and a score head, loaded from ``*ForSequenceClassification`` checkpoints.
 - :mod:`grpo.models.rollout_quant` — a low-precision rollout's weights: int8/fp8 codes and
   per-output-channel scales, quantized once per sync (``rollout.quantization``).
-- :mod:`grpo.models.presets` — ``tiny`` and the published Qwen2.5, Qwen3 and Llama 3 sizes.
+- :mod:`grpo.models.presets` — ``tiny``, ``tiny-moe`` and the published Qwen2.5, Qwen3,
+  Qwen3-30B-A3B and Llama 3 sizes.
 - :mod:`grpo.models.tiny` — a tiny checkpoint and tokenizer written locally.
 
 Names are imported lazily, so ``grpo.models.cli`` and ``grpo.models.presets`` users do
@@ -34,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "DecoderConfig": "grpo.models.decoder",
     "LlamaConfig": "grpo.models.llama",
     "Qwen3Config": "grpo.models.qwen3",
+    "Qwen3MoeConfig": "grpo.models.qwen3_moe",
     "Qwen2": "grpo.models.qwen2",
     "Qwen2Config": "grpo.models.qwen2",
     "KVCache": "grpo.models.decoder",

@@ -45,6 +45,20 @@ def _config_summary(cfg: Any) -> dict[str, Any]:
         "max_position_embeddings": cfg.max_position_embeddings,
         "tied_embeddings": cfg.tie_word_embeddings,
         "rope_scaling": {"rope_type": "llama3", **dict(cfg.rope_scaling)} if getattr(cfg, "rope_scaling", ()) else None,
+        "moe": _moe_summary(cfg),
+    }
+
+
+def _moe_summary(cfg: Any) -> dict[str, Any] | None:
+    """The experts of a mixture-of-experts family (None for a dense one)."""
+    if not getattr(cfg, "num_experts", 0):
+        return None
+    return {
+        "experts": cfg.num_experts,
+        "experts_per_token": cfg.num_experts_per_tok,
+        "expert_intermediate_size": cfg.moe_intermediate_size,
+        "norm_topk_prob": cfg.norm_topk_prob,
+        "active_parameters": cfg.active_params(),
     }
 
 
@@ -155,6 +169,13 @@ def inspect_cmd(path: str, as_json: bool, architecture: str, attention: str) -> 
         click.echo(f"tied embeddings: {'yes' if c['tied_embeddings'] else 'no'}")
         if c["rope_scaling"]:
             click.echo(f"rope scaling: {c['rope_scaling']}")
+        if c["moe"]:
+            m = c["moe"]
+            click.echo(
+                f"experts:      {m['experts']}, {m['experts_per_token']} per token (width "
+                f"{m['expert_intermediate_size']}, norm_topk_prob {str(m['norm_topk_prob']).lower()}); active "
+                f"parameters {m['active_parameters']:,} ({_count(m['active_parameters'])})"
+            )
         click.echo(f"parameters:   {report['parameters']:,} ({_count(report['parameters'])})")
         if "stored_parameters" in report and report["stored_parameters"] != report["parameters"]:
             click.echo(f"stored:       {report['stored_parameters']:,} (tensors in the files)")

@@ -134,6 +134,12 @@ class DecoderConfig:
         HF config)."""
         return []
 
+    @classmethod
+    def _family_fields(cls, get: Any) -> dict[str, Any]:
+        """The family's own fields read from the HF config (``get(key, default)``), e.g.
+        the experts of a mixture-of-experts family."""
+        return {}
+
     def to_hf_dict(self) -> dict[str, Any]:
         """Keyword arguments for the family's transformers config class (no ``model_type``;
         :func:`grpo.models.hf.hf_config_dict` writes the ``config.json``). A family adds
@@ -164,9 +170,20 @@ class DecoderConfig:
         Paths are dotted attribute paths (``layers.q_proj``); layer parameters have a
         leading ``layers`` axis of size ``num_hidden_layers``.
         """
-        L, D, F, V = self.num_hidden_layers, self.hidden_size, self.intermediate_size, self.vocab_size
+        every = self._layer_specs()
+        specs = {"embed": ((self.vocab_size, self.hidden_size), ("vocab", "embed"))}
+        specs.update({f"layers.{n}": every[f"layers.{n}"] for n in self.layer_params()})
+        specs["final_norm"] = ((self.hidden_size,), ("norm",))
+        if not self.tie_word_embeddings:
+            specs["lm_head"] = ((self.hidden_size, self.vocab_size), ("embed", "vocab"))
+        return specs
+
+    def _layer_specs(self) -> dict[str, tuple[tuple[int, ...], tuple[str, ...]]]:
+        """``layers.<name> -> (shape, logical axes)`` of every layer parameter a family may
+        have (a family with other parameters adds its own)."""
+        L, D, F = self.num_hidden_layers, self.hidden_size, self.intermediate_size
         H, K, E = self.num_attention_heads, self.num_key_value_heads, self.head_dim
-        every: dict[str, tuple[tuple[int, ...], tuple[str, ...]]] = {
+        return {
             "layers.attn_norm": ((L, D), ("layers", "norm")),
             "layers.q_proj": ((L, D, H, E), ("layers", "embed", "heads", "head_dim")),
             "layers.q_bias": ((L, H, E), ("layers", "heads", "head_dim")),
@@ -183,12 +200,6 @@ class DecoderConfig:
             "layers.up_proj": ((L, D, F), ("layers", "embed", "mlp")),
             "layers.down_proj": ((L, F, D), ("layers", "mlp", "embed")),
         }
-        specs = {"embed": ((V, D), ("vocab", "embed"))}
-        specs.update({f"layers.{n}": every[f"layers.{n}"] for n in self.layer_params()})
-        specs["final_norm"] = ((D,), ("norm",))
-        if not self.tie_word_embeddings:
-            specs["lm_head"] = ((D, V), ("embed", "vocab"))
-        return specs
 
     def num_params(self) -> int:
         return sum(math.prod(shape) for shape, _ in self.param_specs().values())

@@ -50,6 +50,12 @@ What the rest of the framework uses
   (:mod:`grpo.models.layers.paged`: a pool of pages and a page table per row; the
   continuous-batching sampler's decode): each live row's key/value is written at token
   ``lengths`` of its pages and its query attends over its own ``lengths + 1`` tokens only.
+- ``hidden, cache, routing = model(..., moe=MoeCall(...))`` — a mixture-of-experts
+  family (Qwen3-MoE) also returns its layers' routing
+  (:class:`~grpo.models.layers.moe.LayerRouting`, each field stacked [L, ...]: the experts
+  every token used, the load and router statistics of the tokens ``MoeCall.mask``
+  counts); ``MoeCall.replay`` [L, B, T, k] (-1: none) replays another forward's experts
+  (``use_replay``) or is only compared with the recomputed ones.
 - :meth:`Decoder.head_weight` — the output head [D, V] (the transposed embedding when
   tied), for losses that fuse the head matmul; :meth:`Decoder.logits` — float32 logits.
 - :meth:`KVCache.repeat` — prefill B prompts once, then decode B*K sequences (each row
@@ -72,8 +78,8 @@ and the LoRA term), :func:`~grpo.models.layers.attention.qkv` (norm, q/k/v, RoPE
 :func:`~grpo.models.layers.attention.attend` (cache write and attention),
 :func:`out_and_mlp` (output projection and :func:`~grpo.models.layers.mlp.mlp_block`);
 :func:`layer_function` composes them under the remat policy and :func:`run_layers` scans
-it. The feed-forward block is :func:`~grpo.models.layers.mlp.mlp_block` alone, so a
-mixture-of-experts block can take its place.
+it. The feed-forward block is :func:`~grpo.models.layers.mlp.mlp_block`, or
+:func:`~grpo.models.layers.moe.moe_block` for a family with experts.
 
 Layout and numerics
 -------------------
@@ -93,6 +99,7 @@ fall where transformers' do.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Literal, Mapping, Sequence
 
@@ -106,6 +113,7 @@ from grpo.models.config import DecoderConfig
 from grpo.models.layers.attention import CACHE_AXES, KVCache, attend, attention_mask, qkv
 from grpo.models.layers.context import LayerContext, constrain
 from grpo.models.layers.mlp import mlp_block
+from grpo.models.layers.moe import MoeCall, moe_block
 from grpo.models.layers.norms import rms_norm
 from grpo.models.layers.paged import PagedKVCache, PagedSpec
 from grpo.models.layers.projection import project
@@ -183,11 +191,14 @@ DOTS = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
 
 def out_and_mlp(
     ctx: LayerContext, h: jax.Array, a: jax.Array, p: Mapping[str, jax.Array], layer: jax.Array
-) -> jax.Array:
+) -> tuple[jax.Array, Any]:
     """What follows attention: the output projection of a [B, T, H, E] added to h, then
-    the MLP block."""
+    the MLP block, or the mixture-of-experts block when the family has experts. Returns
+    (h, the layer's :class:`~grpo.models.layers.moe.LayerRouting` or None)."""
     h = h + project(ctx, "bthe,hed->btd", a, p, "o_proj", layer)
-    return mlp_block(ctx, h, p, layer)
+    if getattr(ctx.config, "num_experts", 0):
+        return moe_block(ctx, h, p, layer)
+    return mlp_block(ctx, h, p, layer), None
 
 
 def _layer(
@@ -197,11 +208,12 @@ def _layer(
     each possibly checkpointed."""
     q, k, v = pre(h, p, layer)
     a, kv = attend(ctx, q, k, v, kv)
-    return post(h, a, p, layer), kv
+    h, routing = post(h, a, p, layer)
+    return h, kv, routing
 
 
 def layer_function(ctx: LayerContext, remat: Remat) -> Callable:
-    """One decoder layer ``(h, p, kv, layer) -> (h, kv)`` under the ``remat`` policy.
+    """One decoder layer ``(h, p, kv, layer) -> (h, kv, routing)`` under the ``remat`` policy.
 
     With ``dots`` and a blocked kernel, the weight matmuls are kept, and the kernel stays
     outside the rematerialised parts: its output and log-sum-exp (linear in T) are saved
@@ -221,33 +233,34 @@ def layer_function(ctx: LayerContext, remat: Remat) -> Callable:
     return fn
 
 
-def _scan_step(layer_fn: Callable, h: jax.Array, xs: Any) -> tuple[jax.Array, None]:
+def _scan_step(layer_fn: Callable, h: jax.Array, xs: Any) -> tuple[jax.Array, Any]:
     p, layer = xs
-    h, _ = layer_fn(h, p, None, layer)
-    return h, None
+    h, _, routing = layer_fn(h, p, None, layer)
+    return h, routing
 
 
-def _scan_cached_step(layer_fn: Callable, carry: Any, xs: Any) -> tuple[Any, None]:
+def _scan_cached_step(layer_fn: Callable, carry: Any, xs: Any) -> tuple[Any, Any]:
     h, ck, cv = carry
     p, layer = xs
-    h, (ck, cv) = layer_fn(h, p, (ck, cv, layer), layer)
-    return (h, ck, cv), None
+    h, (ck, cv), routing = layer_fn(h, p, (ck, cv, layer), layer)
+    return (h, ck, cv), routing
 
 
 def run_layers(
     layer_fn: Callable, h: jax.Array, stacked: Mapping[str, jax.Array], num_layers: int, cache: KVCache | None
-) -> tuple[jax.Array, KVCache | None]:
+) -> tuple[jax.Array, KVCache | None, Any]:
     """h [B, T, D] through every layer (``lax.scan`` over the stacked parameters [L, ...]);
-    returns h and the updated cache (None without one)."""
+    returns h, the updated cache (None without one) and the layers' routing stacked [L, ...]
+    (None for a dense model or a call that did not ask for it)."""
     layers = jnp.arange(num_layers, dtype=jnp.int32)
     if cache is None:
-        h, _ = jax.lax.scan(functools.partial(_scan_step, layer_fn), h, (stacked, layers))
-        return h, None
+        h, routing = jax.lax.scan(functools.partial(_scan_step, layer_fn), h, (stacked, layers))
+        return h, None, routing
     # The whole cache rides in the carry: each layer writes only its T new slots in place
     # instead of re-emitting a full per-layer slice as a scan output.
     step = functools.partial(_scan_cached_step, layer_fn)
-    (h, ck, cv), _ = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
-    return h, cache._replace(k=ck, v=cv)  # a KVCache, or a PagedKVCache with its pool updated
+    (h, ck, cv), routing = jax.lax.scan(step, (h, cache.k, cache.v), (stacked, layers))
+    return h, cache._replace(k=ck, v=cv), routing  # a KVCache, or a PagedKVCache with its pool updated
 
 
 def _query_slots(
@@ -410,17 +423,25 @@ class Decoder(nnx.Module):
         dropout_keys: jax.Array | None = None,
         segment_ids: jax.Array | None = None,
         paged: PagedSpec | None = None,
-    ) -> tuple[jax.Array, KVCache | None]:
+        moe: MoeCall | None = None,
+    ) -> Any:
         if isinstance(cache, PagedKVCache):
             ctx = self._paged_context(tokens, positions, cache, PagedSpec() if paged is None else paged)
         else:
             ctx = self._layer_context(tokens, positions, kv_mask, cache, write_index, dropout_keys, segment_ids)
+        if moe is not None:
+            if not getattr(self.config, "num_experts", 0):
+                raise ValueError(f"moe= asks for routing from a {self.config.label}, which has no experts")
+            ctx = dataclasses.replace(ctx, moe=moe)
         h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
         h = ctx.constrain(h, ("batch", "length", "embed"))
         layer_fn = layer_function(ctx, self.remat)
-        h, new_cache = run_layers(layer_fn, h, self._stacked(ctx), self.config.num_hidden_layers, cache)
+        h, new_cache, routing = run_layers(layer_fn, h, self._stacked(ctx), self.config.num_hidden_layers, cache)
         h = rms_norm(h, self.final_norm[...], self.config.rms_norm_eps, ctx.dtype)
-        return ctx.constrain(h, ("batch", "length", "embed")), new_cache
+        h = ctx.constrain(h, ("batch", "length", "embed"))
+        if moe is not None:  # LayerRouting, each field stacked [L, ...]
+            return h, new_cache, routing
+        return h, new_cache
 
     def _layer_context(
         self,
@@ -510,6 +531,8 @@ class Decoder(nnx.Module):
         # A quantized rollout's per-channel scales (grpo.models.rollout_quant.merge_rollout).
         for name, scale in (getattr(self, "rollout_scales", None) or {}).items():
             stacked[f"{name}_qscale"] = scale
+        if ctx.moe is not None and ctx.moe.replay is not None:
+            stacked["moe_replay"] = ctx.moe.replay  # L B T k: each layer reads its slice
         if ctx.lora is not None:
             for name in ctx.lora.targets:
                 stacked[f"{name}_lora_a"] = getattr(self.lora, f"{name}_a")[...]

@@ -90,6 +90,7 @@ def config_from_hf(cls: type, hf: Any) -> Any:
         raise UserError(f"Unsupported {cls.label_of()} config:", problems=problems)
     eos = get("eos_token_id")
     return cls(
+        **cls._family_fields(get),
         vocab_size=get("vocab_size"),
         hidden_size=get("hidden_size"),
         intermediate_size=get("intermediate_size"),
@@ -205,9 +206,20 @@ class TensorMap:
     groups: tuple[tuple[int, ...], ...]  # HF dim j splits into groups[j]
     perm: tuple[int, ...]  # split-HF dims -> ours: ours = split.transpose(perm)
     layered: bool
+    # > 0: one HF tensor per (layer, expert), "{j}" the expert in `hf`; ours stacks them
+    # as [layers, experts, ...] (mixture-of-experts weights, e.g. Qwen3-MoE).
+    experts: int = 0
 
-    def hf_name(self, layer: int | None = None) -> str:
-        return self.hf.format(i=layer) if self.layered else self.hf
+    def hf_name(self, layer: int | None = None, expert: int | None = None) -> str:
+        if not self.layered:
+            return self.hf
+        return self.hf.format(i=layer, j=expert) if self.experts else self.hf.format(i=layer)
+
+    def entries(self, num_layers: int) -> list[tuple[int | None, int | None]]:
+        """The (layer, expert) of every HF tensor this map covers (None where unused)."""
+        if not self.layered:
+            return [(None, None)]
+        return [(i, j) for i in range(num_layers) for j in (range(self.experts) if self.experts else (None,))]
 
     @property
     def split_shape(self) -> tuple[int, ...]:
@@ -240,6 +252,15 @@ def tensor_maps(cfg: Any) -> list[TensorMap]:
         "up_proj": TensorMap("layers.up_proj", lay + "mlp.up_proj.weight", (F, D), ((F,), (D,)), (1, 0), True),
         "down_proj": TensorMap("layers.down_proj", lay + "mlp.down_proj.weight", (D, F), ((D,), (F,)), (1, 0), True),
     }
+    X, M = getattr(cfg, "num_experts", 0), getattr(cfg, "moe_intermediate_size", 0)
+    if X:  # Qwen3-MoE / Qwen2-MoE: the router ("gate") and one tensor per expert
+        ex = lay + "mlp.experts.{j}."
+        layer_maps.update({
+            "router": TensorMap("layers.router", lay + "mlp.gate.weight", (X, D), ((X,), (D,)), (1, 0), True),
+            "expert_gate": TensorMap("layers.expert_gate", ex + "gate_proj.weight", (M, D), ((M,), (D,)), (1, 0), True, X),
+            "expert_up": TensorMap("layers.expert_up", ex + "up_proj.weight", (M, D), ((M,), (D,)), (1, 0), True, X),
+            "expert_down": TensorMap("layers.expert_down", ex + "down_proj.weight", (D, M), ((D,), (M,)), (1, 0), True, X),
+        })
     maps = [TensorMap("embed", "model.embed_tokens.weight", (V, D), ((V,), (D,)), (0, 1), False)]
     maps += [layer_maps[name] for name in cfg.layer_params()]
     maps.append(TensorMap("final_norm", "model.norm.weight", (D,), ((D,),), (0,), False))
@@ -253,8 +274,8 @@ def expected_tensors(cfg: Any, maps: Sequence[TensorMap] | None = None) -> dict[
     family's tensor maps; default :func:`tensor_maps`)."""
     out: dict[str, tuple[int, ...]] = {}
     for tm in tensor_maps(cfg) if maps is None else maps:
-        for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
-            out[tm.hf_name(i)] = tm.hf_shape
+        for i, j in tm.entries(cfg.num_hidden_layers):
+            out[tm.hf_name(i, j)] = tm.hf_shape
     return out
 
 

@@ -344,7 +344,15 @@ def _load_param(
         key = tuple(s.indices(n)[:2] for s, n in zip(index, shape))
         if key in memo:
             return memo[key]
-        if tm.layered:
+        if tm.experts:  # [layers, experts, ...]: one HF tensor per (layer, expert)
+            (lo, hi), (elo, ehi) = key[0], key[1]
+            rest = index[2:]
+            part = np.stack([
+                np.stack([read_hf_slice(tm, lambda sl, i=i, j=j: ckpt.get(tm.hf_name(i, j), sl), rest)
+                          for j in range(elo, ehi)])
+                for i in range(lo, hi)
+            ])
+        elif tm.layered:
             lo, hi = key[0]
             rest = index[1:]
             part = np.stack(
@@ -463,12 +471,12 @@ def save_hf(
         from grpo.models.lora import merged_params
 
         params = merged_params(model)  # base (dequantized) + (alpha / r) A @ B
-    entries: list[tuple[str, TensorMap, int | None]] = []
+    entries: list[tuple[str, TensorMap, tuple[int | None, int | None]]] = []
     for tm in plugin.tensor_maps(cfg):
-        for i in range(cfg.num_hidden_layers) if tm.layered else (None,):
-            entries.append((tm.hf_name(i), tm, i))
+        for i, j in tm.entries(cfg.num_hidden_layers):
+            entries.append((tm.hf_name(i, j), tm, (i, j)))
     # Plan the files up front (sizes are static) so names carry the final count.
-    files: list[list[tuple[str, TensorMap, int | None]]] = [[]]
+    files: list[list[tuple[str, TensorMap, tuple[int | None, int | None]]]] = [[]]
     used = 0
     for entry in entries:
         size = math.prod(entry[1].hf_shape) * np_dtype.itemsize
@@ -484,10 +492,12 @@ def save_hf(
     total = 0
     for fname, group in zip(names, files):
         tensors = {}
-        for hf_name, tm, layer in group:
+        for hf_name, tm, (layer, expert) in group:
             x = params[tm.param]
             if layer is not None:
                 x = take_layer(x, np.int32(layer))
+            if expert is not None:
+                x = take_layer(x, np.int32(expert))
             tensors[hf_name] = to_hf(tm, to_host(x)).astype(np_dtype)
             weight_map[hf_name] = fname
             total += tensors[hf_name].nbytes

@@ -10,9 +10,11 @@ cost) of the real model:
 - ``qwen3-*``: https://huggingface.co/Qwen/Qwen3-{0.6B,1.7B,4B,8B}/blob/main/config.json
 - ``llama-3.2-1b``/``-3b``: https://huggingface.co/meta-llama/Llama-3.2-{1B,3B}-Instruct/blob/main/config.json
 - ``llama-3.1-8b``: https://huggingface.co/meta-llama/Llama-3.1-8B-Instruct/blob/main/config.json
+- ``qwen3-30b-a3b``: https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json (Qwen3-MoE)
 
 ``tiny`` is a two-layer Qwen2 for CPU tests and the quickstart; its vocabulary covers the
-tiny tokenizer of :mod:`grpo.models.tiny`.
+tiny tokenizer of :mod:`grpo.models.tiny`; ``tiny-moe`` is the same with a Qwen3-MoE block
+(8 experts, top-2) in place of each MLP.
 
 ``RandomModelConfig.overrides`` (HF field names, e.g. ``num_hidden_layers: 2``) apply on
 top through :func:`preset_config`.
@@ -135,6 +137,22 @@ PRESETS.update({
                  "num_attention_heads": 32, "tie_word_embeddings": False},
 })
 
+# Qwen3-MoE: Qwen3 attention (head_dim 128, 4 KV heads for 30B-A3B) with every MLP a
+# mixture of 128 experts, 8 routed per token, top-k renormalised (norm_topk_prob).
+# https://huggingface.co/Qwen/Qwen3-30B-A3B/blob/main/config.json
+PRESETS.update({
+    "qwen3-30b-a3b": {**_QWEN3_COMMON, "model_type": "qwen3_moe", "hidden_size": 2048, "intermediate_size": 6144,
+                      "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+                      "tie_word_embeddings": False, "num_experts": 128, "num_experts_per_tok": 8,
+                      "moe_intermediate_size": 768, "norm_topk_prob": True, "decoder_sparse_step": 1,
+                      "mlp_only_layers": [], "router_aux_loss_coef": 0.001},
+    # `tiny` with a mixture of 8 experts (top-2) in place of each MLP: CPU tests and the
+    # MoE quickstart (the tiny tokenizer's vocabulary).
+    "tiny-moe": {**PRESETS["tiny"], "model_type": "qwen3_moe", "head_dim": 16, "attention_bias": False,
+                 "num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "norm_topk_prob": True,
+                 "decoder_sparse_step": 1, "mlp_only_layers": []},
+})
+
 # Llama 3.x Instruct: 128256-token vocabulary, 8 KV heads, no biases, rope_theta 5e5 with
 # llama3 scaling (factor 32 for 3.2, 8 for 3.1), 131072 positions; instruct checkpoints
 # stop on <|end_of_text|>, <|eom_id|> and <|eot_id|>.
@@ -178,6 +196,8 @@ HUB_PRESETS: dict[str, str] = {
        for size in ("0.5B", "1.5B", "3B", "7B") for suffix in ("", "-Instruct")},
     **{f"Qwen/Qwen3-{size}{suffix}": f"qwen3-{size.lower()}"
        for size in ("0.6B", "1.7B", "4B", "8B") for suffix in ("", "-Base")},
+    "Qwen/Qwen3-30B-A3B": "qwen3-30b-a3b",
+    "Qwen/Qwen3-30B-A3B-Base": "qwen3-30b-a3b",
     "meta-llama/Llama-3.2-1B-Instruct": "llama-3.2-1b",
     "meta-llama/Llama-3.2-3B-Instruct": "llama-3.2-3b",
     "meta-llama/Llama-3.1-8B-Instruct": "llama-3.1-8b",
@@ -202,6 +222,14 @@ OVERRIDABLE: frozenset[str] = frozenset(CONFIG_FIELDS) | {
     "rope_scaling",
     "rope_parameters",
     "attention_dropout",
+    # mixture-of-experts families (Qwen3-MoE)
+    "num_experts",
+    "num_experts_per_tok",
+    "moe_intermediate_size",
+    "norm_topk_prob",
+    "decoder_sparse_step",
+    "mlp_only_layers",
+    "router_aux_loss_coef",
 }
 
 

@@ -233,7 +233,8 @@ def test_third_party_model_family_is_listed_and_chosen(example_plugin, mistral_c
     assert result.exit_code == 0, result.output
     rows = [r for r in json.loads(result.output) if r["kind"] == "model"]
     assert {r["name"]: r["provider"] for r in rows} == {
-        "qwen2": "built-in", "qwen3": "built-in", "llama": "built-in", "mistral": "grpo-example-plugin==0.3.1",
+        "qwen2": "built-in", "qwen3": "built-in", "qwen3_moe": "built-in", "llama": "built-in",
+        "mistral": "grpo-example-plugin==0.3.1",
     }
     tokens, mask = padded_batch()
     ref = hf_logits(mistral_checkpoint, tokens, mask)

@@ -54,6 +54,7 @@ from grpo.core.config.schema import (
     MeshConfig,
     MismatchConfig,
     ModelConfig,
+    MoeConfig,
     OptimizerConfig,
     OverlongConfig,
     PackingConfig,

@@ -29,7 +29,7 @@ from grpo.core.contracts.loss import LossSettings, MismatchCorrection
 PRESETS = (
     "tiny", "qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-3b", "qwen2.5-7b",
     "qwen3-0.6b", "qwen3-1.7b", "qwen3-4b", "qwen3-8b",
-    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b",
+    "llama-3.2-1b", "llama-3.2-3b", "llama-3.1-8b", "qwen3-30b-a3b", "tiny-moe",
 )
 
 
@@ -130,6 +130,39 @@ class LoraConfig(Section):
         return tuple(n for n in available if n in chosen)
 
 
+class MoeConfig(Section):
+    """Mixture-of-experts models (Qwen3-MoE): the rollout's routing in the update, and the
+    router's auxiliary losses (both off by default, as in RL post-training)."""
+
+    router_replay: Literal["off", "compare", "rollout"] = Field(
+        "off",
+        description="`rollout`: the sampler records each completion token's routed experts per layer and the "
+        "update's forward uses them instead of its own top-k (the gates still come from the router, so it learns: "
+        "R3); `compare`: they are recorded and compared only (moe/routing_agreement); `off`: nothing recorded. "
+        "Needs a mixture-of-experts model.",
+    )
+    load_balancing_loss: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="Coefficient of the Switch-Transformer load-balancing loss (mean over layers, over the "
+        "completion tokens), added to the policy loss; 0 = off.",
+    )
+    router_z_loss: float = Field(
+        0.0, ge=0.0, le=10.0,
+        description="Coefficient of the ST-MoE router z-loss (mean over layers and completion tokens of "
+        "logsumexp(router logits)^2), added to the policy loss; 0 = off.",
+    )
+
+    @property
+    def records(self) -> bool:
+        """The sampler records the routed experts (replay or comparison)."""
+        return self.router_replay != "off"
+
+    @property
+    def active(self) -> bool:
+        """Any of these options is on (they then need a mixture-of-experts model)."""
+        return self.records or self.load_balancing_loss > 0 or self.router_z_loss > 0
+
+
 class ModelConfig(Section):
     source: Literal["hf", "random"] = Field(
         "hf", description="`hf`: load a Hugging Face checkpoint from `path`; `random`: random weights."
@@ -168,6 +201,11 @@ class ModelConfig(Section):
         None,
         description="Train low-rank adapters on a frozen base instead of every weight (LoRA; QLoRA with "
         "lora.base_quantization). Absent: full fine-tuning.",
+    )
+    moe: MoeConfig = Field(
+        default_factory=MoeConfig,
+        description="Mixture-of-experts options (router replay, router losses); need a mixture-of-experts model "
+        "(e.g. preset tiny-moe, Qwen3-30B-A3B).",
     )
 
     @model_validator(mode="after")

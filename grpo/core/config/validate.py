@@ -10,7 +10,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import json
 import re
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
@@ -238,6 +240,7 @@ def config_problems(
         later += _reward_turn_problems(config, selected["task"])
     later += _engine_problems(config, selected.get("engine"))
     later += _quantization_problems(config, selected.get("engine"))
+    later += moe_problems(config, selected.get("task"))
     later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
     return config, selected, problems
@@ -389,6 +392,63 @@ def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:
     return [f"loss.truncated_policy=true with rollout.top_k={config.rollout.top_k}, rollout.top_p={config.rollout.top_p}: "
             f"loss.impl={config.loss.impl!r} cannot compute log-probs under the truncation (the fused pallas kernel "
             "keeps no logits to filter); use loss.impl=jax, or set loss.truncated_policy=false"]
+
+
+def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
+    """The model's HF config fields: a random preset's, or a local checkpoint's config.json
+    (None: a hub id not on disk, known only once downloaded)."""
+    model = config.model
+    if model.source == "random":
+        from grpo.models.presets import preset_hf_dict
+
+        try:
+            return preset_hf_dict(model.random.preset, model.random.overrides)
+        except Exception:  # noqa: BLE001 (the preset's own check reports it)
+            return None
+    path = Path(str(model.path)) / "config.json"
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
+    """``model.moe`` needs a mixture-of-experts model; router replay (recording the
+    rollout's experts) runs in the modes that carry them: one process, sync, the static
+    engine, single-turn; the router losses' per-micro-batch weights are exact for
+    ``loss.aggregation: token_mean``. A checkpoint not on disk is checked when read."""
+    moe = config.model.moe
+    if not moe.active:
+        return []
+    on = [f for f, v in (("router_replay", moe.router_replay != "off"), ("load_balancing_loss", moe.load_balancing_loss > 0),
+                         ("router_z_loss", moe.router_z_loss > 0)) if v]
+    shown = ", ".join(f"model.moe.{f}={getattr(moe, f)}" for f in on)
+    fields = _hf_fields(config)
+    if fields is not None and not (fields.get("num_experts") or fields.get("num_local_experts")):
+        where = (f"model.random.preset={config.model.random.preset!r}" if config.model.source == "random"
+                 else f"model.path={config.model.path!r}")
+        return [f"{shown} needs a mixture-of-experts model, but {where} is dense (model_type "
+                f"{fields.get('model_type')!r}, no experts); use one with experts (e.g. preset tiny-moe) or turn "
+                f"{' and '.join('model.moe.' + f for f in on)} off"]
+    problems = []
+    if moe.records:
+        what = f"model.moe.router_replay={moe.router_replay}"
+        why = "the routed experts travel only with a synchronous single-process static rollout so far"
+        if config.train.async_.enabled:
+            problems.append(f"{what} does not combine with train.async.enabled=true yet ({why})")
+        if config.rollout.engine != "static":
+            problems.append(f"{what} needs rollout.engine: static (got {config.rollout.engine!r}; {why})")
+        if config.distributed.mode != "none":
+            problems.append(f"{what} needs distributed.mode: none (got {config.distributed.mode!r}; {why})")
+        if task is not None and task.plugin.tools(options=task.options):
+            problems.append(f"{what} does not combine with a multi-turn task (task {config.task.name!r} has tools; {why})")
+    losses = [f for f in on if f != "router_replay"]
+    if losses and config.loss.aggregation != "token_mean":
+        problems.append(f"{', '.join('model.moe.' + f for f in losses)} need{'s' if len(losses) == 1 else ''} "
+                        f"loss.aggregation: token_mean (got "
+                        f"{config.loss.aggregation!r}: the router losses are weighted by each micro-batch's tokens)")
+    return problems
 
 
 def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:

@@ -79,6 +79,10 @@ class RolloutOutput(NamedTuple):
     # version (optimizer steps applied) that drew each token, -1 where mask is 0; a row
     # that went on across a weight change holds several. None: one version per rollout.
     versions: Any = None
+    # [B, N, layers, k] int16, mixture-of-experts models with ``model.moe.router_replay``
+    # on: the experts each completion token was routed to in every layer when the sampler
+    # fed it; -1 where it has none (off the mask, and the row's last token, never fed).
+    routed_experts: Any = None
 
     @property
     def behaviour(self) -> Any:

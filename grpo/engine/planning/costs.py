@@ -36,10 +36,14 @@ class Cost:
 
 def matmul_params(dims: Any) -> int:
     """``Wm = Lyr (2 D H E + 2 D Hk E + 3 D F)``: the weight-matmul parameters of the
-    layers (q/o, k/v and the three MLP projections; the head apart)."""
+    layers (q/o, k/v and the three MLP projections; the head apart) that one token
+    multiplies by. A mixture of experts: ``3 D k M + D X`` (its k routed experts of width
+    M, and the router over X experts) in place of ``3 D F``."""
     d = dims
     D, F, H, Hk, E = d.hidden_size, d.intermediate_size, d.num_attention_heads, d.num_key_value_heads, d.head_dim
-    return d.num_hidden_layers * (2 * D * H * E + 2 * D * Hk * E + 3 * D * F)
+    experts = getattr(d, "num_experts", 0)
+    mlp = 3 * D * d.num_experts_per_tok * d.moe_intermediate_size + D * experts if experts else 3 * D * F
+    return d.num_hidden_layers * (2 * D * H * E + 2 * D * Hk * E + mlp)
 
 
 def kv_bytes_per_slot(dims: Any, *, itemsize: int, kv_split: int = 1) -> float:

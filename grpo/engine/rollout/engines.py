@@ -83,6 +83,13 @@ def build_sampler(
     engine = as_engine(plugin.build(context, options), name=plugin.name)
     if engine.prepare is None:
         engine.prepare = prepare
+    if config.model.moe.records and not greedy:
+        if not getattr(engine, "records_routing", False):
+            raise UserError(
+                f"model.moe.router_replay={config.model.moe.router_replay}: the {plugin.name} engine"
+                f"{' (multi-turn)' if multi_turn else ''} does not record routed experts; use rollout.engine: static "
+                "with a single-turn task, or model.moe.router_replay: off")
+        engine.record_routing = True
     return engine
 
 

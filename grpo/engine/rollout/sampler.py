@@ -95,6 +95,7 @@ from grpo.engine.rollout.decoding import (
 )
 from grpo.models.decoder import CACHE_AXES, KVCache
 from grpo.models.rollout_quant import QuantizedWeights, abstract_quantized, merge_rollout, quantize_state
+from grpo.models.layers.moe import EXPERT_ID_DTYPE, MoeCall
 from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
 
 # --------------------------------------------------------------------------- public types
@@ -137,6 +138,21 @@ class _State(NamedTuple):
     lengths: jax.Array  # [B] int32
     out: Outputs  # [B, W] (W >= N: the last chunk may run past the cap)
     steps: jax.Array  # [] int32, sampling steps run so far (step 0 included)
+    # [B, W, layers, k] int16: the experts each fed completion token was routed to (MoE
+    # models recording routing), -1 not yet fed; None otherwise
+    routed: Any = None
+
+
+def _fed_experts(routed: jax.Array, experts: jax.Array, t: jax.Array) -> jax.Array:
+    """``routed`` [B, W, L, k] with the experts [L, B, 1, k] of the step that fed
+    completion token ``t - 1`` written at its column."""
+    return jax.lax.dynamic_update_slice_in_dim(routed, jnp.transpose(experts, (1, 2, 0, 3)), t - 1, axis=1)
+
+
+def _fed_only(routed: jax.Array, lengths: jax.Array) -> jax.Array:
+    """[B, N, L, k] routed experts, -1 from each row's last token on (never fed)."""
+    fed = jnp.arange(routed.shape[1])[None, :] < lengths[:, None] - 1  # B N
+    return jnp.where(fed[:, :, None, None], routed, -1).astype(EXPERT_ID_DTYPE)
 
 
 # --------------------------------------------------------------------------- samplers
@@ -172,6 +188,10 @@ class BaseSampler(RolloutEngine):
 
     # The rollout's rows carry a loss mask (a multi-turn rollout's inserted tokens).
     loss_mask: bool = False
+    #: This engine can record each completion token's routed experts (MoE models).
+    records_routing: bool = False
+    #: Record them (set by the run with ``model.moe.router_replay`` on).
+    record_routing: bool = False
 
     def __init__(
         self,
@@ -433,11 +453,14 @@ class Sampler(BatchRows, BaseSampler):
 
     Rows enter through the engine contract too (:class:`~grpo.engine.rollout.batch_rows.BatchRows`:
     ``begin``/``submit``/``step``/``read``/``outputs``): a step rolls out every queued row
-    as one batch.
+    as one batch. With :attr:`record_routing` (a mixture-of-experts model) the rollout
+    carries each completion token's routed experts (``RolloutOutput.routed_experts``).
 
     Args (beside :class:`BaseSampler`'s): ``detokenize(tokens [b, N], mask [b, N]) ->
     texts``, what :meth:`sample` scores rows by (e.g. ``Policy.decode``); only
     :meth:`sample` needs it."""
+
+    records_routing = True
 
     def __init__(self, graphdef: Any, *, detokenize: Callable[[np.ndarray, np.ndarray], list[str]] | None = None,
                  **kwargs: Any):
@@ -532,11 +555,14 @@ class Sampler(BatchRows, BaseSampler):
                 lengths=state.lengths + active.astype(jnp.int32),
                 out=state.out.column(step, drawn),
                 steps=state.steps + 1,
+                routed=state.routed,
             )
 
         def batch(x, *names):
             return self._constrain(x, ("batch",) + names)
 
+        routing = self.record_routing
+        c = model.config
         state = _State(
             cache=cache,
             prev=batch(jnp.full((B,), s.pad_id, jnp.int32)),
@@ -544,20 +570,24 @@ class Sampler(BatchRows, BaseSampler):
             lengths=batch(jnp.zeros((B,), jnp.int32)),
             out=Outputs.blank(B, W, s, lambda x: batch(x, "length")),
             steps=jnp.int32(0),
+            routed=batch(jnp.full((B, W, c.num_hidden_layers, c.num_experts_per_tok), -1, EXPERT_ID_DTYPE),
+                         "length", None, None) if routing else None,
         )
         state = record(state, jnp.int32(0), logits, cache)
 
         def make_step(kv_mask: jax.Array):
             def step(t, state: _State) -> _State:
                 t = jnp.asarray(t, jnp.int32)
-                hidden, cache = model(
+                out = model(
                     state.prev[:, None],
                     (prompt_len + t - 1)[:, None],
                     kv_mask,
                     cache=state.cache,
                     write_index=Lp + t - 1,
+                    **({"moe": MoeCall()} if routing else {}),
                 )
-                return record(state, t, model.logits(hidden)[:, 0, :], cache)
+                new = record(state, t, model.logits(out[0])[:, 0, :], out[1])
+                return new._replace(routed=_fed_experts(state.routed, out[2].experts, t)) if routing else new
 
             return step
 
@@ -585,6 +615,8 @@ class Sampler(BatchRows, BaseSampler):
             truncated=~state.done,
             logprobs=batch(state.out.logprobs[:, :N], "length"),
             behaviour_logprobs=None if state.out.behaviour is None else batch(state.out.behaviour[:, :N], "length"),
+            routed_experts=None if state.routed is None else batch(
+                _fed_only(state.routed[:, :N], state.lengths), "length", None, None),
         )
         return out, jnp.minimum(state.steps, N), state.cache
 

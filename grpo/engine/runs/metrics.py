@@ -173,8 +173,8 @@ def step_row(step: int, scalars: Mapping[str, float], update: Mapping[str, float
             **{k: v for k, v in scalars.items() if k.startswith("is_ratio/")},
             "mismatch/kl": scalars["mismatch/kl"],
             # The objective's own metrics (named `<objective>/...`), the mismatch correction's and
-            # loss.truncated_policy's.
-            **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/"))},
+            # loss.truncated_policy's, and a mixture-of-experts model's routing (moe/).
+            **{k: v for k, v in update.items() if k.startswith(("mismatch/", "truncated_policy/", f"{objective}/", "moe/"))},
             "rollout/generated_tokens": scalars["rollout/generated_tokens"],
             "rollout/rolled_out_per_trained_token": scalars["rollout/rolled_out_per_trained_token"],
             **extra,

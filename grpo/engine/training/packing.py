@@ -364,6 +364,9 @@ class PackedBatch(NamedTuple):
     # renumbered 1.. (0 past the count). None: the head runs on every slot.
     head_index: jax.Array | None = None
     head_segments: jax.Array | None = None
+    # bins L layers k int16 (MoE, model.moe.router_replay on): the sampler's routed experts
+    # of the token *in* each slot (not the one it predicts), -1 for prompt tokens and padding
+    routed_experts: jax.Array | None = None
 
 
 class Placement(NamedTuple):
@@ -384,10 +387,12 @@ def pack_batch(
     *, prompt_tokens, prompt_mask, tokens, mask, row, index, segment_ids,
     loss_mask=None, trained=None, advantages=None, old_logprobs=None, ref_logprobs=None,
     sampler_logprobs=None, dropout_keys=None, head_rows: int | None = None, head: int | None = None,
+    routed_experts=None,
 ) -> tuple[PackedBatch, Placement]:
     """The padded batch (``prompt_*`` [B, Lp], ``tokens``/``mask`` [B, N], per-token arrays
     [B, N], ``advantages`` [B] or [B, N], ``dropout_keys`` [B, 2]) gathered into bins by
-    a plan's ``row``/``index``/``segment_ids`` [bins, L]. ``loss_mask``: the tokens the loss
+    a plan's ``row``/``index``/``segment_ids`` [bins, L]; ``routed_experts`` [B, N, layers, k]
+goes with the token in each slot. ``loss_mask``: the tokens the loss
     trains on [B, N] (default ``trained``, default ``mask``). ``head`` (static, with
     ``head_rows`` loss rows per micro-batch, the devices): the head layout of width ``head``
     (:func:`head_layout`; the plan's ``head``)."""
@@ -427,6 +432,9 @@ def pack_batch(
         ref_logprobs=at_target(ref_logprobs),
         sampler_logprobs=at_target(sampler_logprobs),
         dropout_keys=None if dropout_keys is None else dropout_keys[row],
+        routed_experts=None if routed_experts is None else jnp.where(
+            (real & (col >= lp))[..., None, None], routed_experts[row, jnp.clip(col - lp, 0, n - 1)], -1
+        ).astype(routed_experts.dtype),
     )
     if head is not None:
         index, segments = head_layout(predicts, segment_ids, rows=head_rows, width=head)
@@ -550,7 +558,7 @@ def pack_program(step: Any, *, bins_sharding: Any, rows_sharding: Any, replicate
             row=row, index=index, segment_ids=seg, loss_mask=step.loss_tokens(b), trained=b.trained,
             advantages=b.advantages, old_logprobs=b.old_logprobs, ref_logprobs=b.ref_logprobs,
             sampler_logprobs=b.sampler_logprobs, dropout_keys=b.dropout_keys,
-            head_rows=head_rows, head=head,
+            head_rows=head_rows, head=head, routed_experts=b.routed_experts,
         )
         on_rows = lambda x: None if x is None else jax.lax.with_sharding_constraint(x, rows)  # noqa: E731
         packed = jax.tree.map(on_rows, packed._replace(normalizer=None))

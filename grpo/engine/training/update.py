@@ -43,6 +43,7 @@ from pydantic import BaseModel
 from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
 from grpo.engine.training.optim import is_schedule_state
 from grpo.engine.training.packing import PackedBatch, from_head, to_head
+from grpo.engine.training.routing import is_moe, moe_call, router_losses, routing_metrics
 
 
 class UpdateBatch(NamedTuple):
@@ -63,6 +64,9 @@ class UpdateBatch(NamedTuple):
     # B N, multi-turn rollouts: 1 on the model's own tokens. ``mask`` then also covers the
     # environment's inserted tokens: the forward attends to them, the loss never sees them.
     loss_mask: jax.Array | None = None
+    # B N layers k int16, MoE with model.moe.router_replay on: the sampler's routed experts
+    # of each completion token (-1: none; grpo.engine.training.routing)
+    routed_experts: jax.Array | None = None
 
     @property
     def trained(self) -> jax.Array:
@@ -103,10 +107,11 @@ def keep_if_finite(finite: jax.Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old, is_leaf=is_schedule_state)
 
 
-def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, dropout_keys=None):
+def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, dropout_keys=None, moe=None):
     """Hidden states [B, N, D] at the positions that predict each completion token
     (``dropout_keys`` [B, 2]: one LoRA-dropout key per row, so a row's mask does not
-    depend on which micro-batch it is in)."""
+    depend on which micro-batch it is in). With ``moe`` (a
+    :class:`~grpo.models.layers.moe.MoeCall`): ``(hidden, the layers' routing)``."""
     from grpo.models.decoder import positions_from_mask
 
     lp = prompt_tokens.shape[1]
@@ -114,9 +119,10 @@ def completion_hidden(model: Any, prompt_tokens, prompt_mask, tokens, mask, drop
     # Completion slots after the stop token are padding: mask them out of attention.
     kv_mask = jnp.concatenate([prompt_mask, mask], axis=1).astype(bool)
     positions = positions_from_mask(kv_mask)
-    hidden, _ = model(full, positions, kv_mask, dropout_keys=dropout_keys)
+    out = model(full, positions, kv_mask, dropout_keys=dropout_keys, **({} if moe is None else {"moe": moe}))
     # Slot lp-1 (the last prompt token) predicts completion token 0, and so on.
-    return hidden[:, lp - 1 : -1]  # B N D
+    hidden = out[0][:, lp - 1 : -1]  # B N D
+    return hidden if moe is None else (hidden, out[2])
 
 
 def head_for(model: Any, hidden: jax.Array) -> jax.Array:
@@ -394,6 +400,7 @@ class UpdateStep:
     mesh: Any = None
     batch_axes: tuple[str, ...] = ("dp", "fsdp")
     master_weights: bool = False
+    moe: Any = None  # model.moe (a MoeConfig): router replay and losses, for a model with experts
 
     # ------------------------------------------------------------------ loss plugin calls
 
@@ -410,18 +417,32 @@ class UpdateStep:
         return model
 
     def _loss_args(self, params, mb: UpdateBatch | PackedBatch, frozen=None, *, adapters: bool = True) -> dict[str, Any]:
+        """The loss plugin's model-side arguments; for a model with experts also
+        ``"_routing"`` (the layers' :class:`~grpo.models.layers.moe.LayerRouting`; the
+        policy's forwards replay the rollout's experts, the reference routes itself)."""
         model = self._model(params, frozen, adapters=adapters)
         keys = mb.dropout_keys if adapters else None
-        if isinstance(mb, PackedBatch):  # bins: attention within a segment, hidden[:, t] predicts targets[:, t]
-            hidden, _ = model(mb.tokens, mb.positions, dropout_keys=keys, segment_ids=mb.segment_ids)
+        packed = isinstance(mb, PackedBatch)
+        moe = moe_call(mb, packed=packed, options=self.moe, replay=adapters) if is_moe(model) else None
+        extra = {} if moe is None else {"moe": moe}
+        if packed:  # bins: attention within a segment, hidden[:, t] predicts targets[:, t]
+            out = model(mb.tokens, mb.positions, dropout_keys=keys, segment_ids=mb.segment_ids, **extra)
+            hidden, routing = out[0], (out[2] if moe is not None else None)
             if mb.head_index is not None:  # only the slots predicting a completion token reach the head
                 hidden = to_head(hidden, mb.head_index)  # R K D
-                return dict(hidden=hidden, head_weight=head_for(model, hidden),
+                args = dict(hidden=hidden, head_weight=head_for(model, hidden),
                             targets=to_head(mb.targets, mb.head_index), segment_ids=mb.head_segments)
-            return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.targets,
-                        segment_ids=mb.segment_ids)
-        hidden = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys)
-        return dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
+            else:
+                args = dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.targets,
+                            segment_ids=mb.segment_ids)
+        else:
+            out = completion_hidden(model, mb.prompt_tokens, mb.prompt_mask, mb.tokens, mb.mask, keys, moe)
+            hidden, routing = (out, None) if moe is None else out
+            args = dict(hidden=hidden, head_weight=head_for(model, hidden), targets=mb.tokens)
+        if routing is not None:
+            args["_routing"] = routing_metrics(routing, top_k=model.config.num_experts_per_tok,
+                                               compared=moe.replay is not None)
+        return args
 
     @staticmethod
     def loss_tokens(batch: UpdateBatch | PackedBatch) -> jax.Array:
@@ -436,6 +457,7 @@ class UpdateStep:
 
     def loss_and_metrics(self, params, mb: UpdateBatch, normalizer, frozen=None):
         args = self._loss_args(params, mb, frozen)
+        routing = args.pop("_routing", None)
         tok = _head_of(mb)
         args.update(
             mask=tok(self.loss_tokens(mb)),
@@ -447,6 +469,11 @@ class UpdateStep:
             # Passed only when used, so losses written before the correction existed keep working.
             args["sampler_logprobs"] = tok(mb.sampler_logprobs)
         loss, metrics = self.loss_call(args, normalizer)
+        if routing is not None:  # the router losses, weighted by this part's share of the tokens (token_mean)
+            n = metrics["num_tokens"].astype(jnp.float32)
+            share = n / jnp.maximum(n if normalizer is None else jnp.asarray(normalizer, jnp.float32), 1.0)
+            loss = loss + router_losses(routing, self.moe) * share
+            metrics = dict(metrics, **routing)
         return loss, dict(metrics, logprobs=_bins_of(mb, metrics["logprobs"]))
 
     # ------------------------------------------------------------------ forward-only passes
@@ -472,7 +499,9 @@ class UpdateStep:
 
     def _forward_logprobs(self, params, batch: UpdateBatch, frozen, *, adapters: bool) -> jax.Array:
         def one(mb: UpdateBatch) -> jax.Array:
-            logp = _bins_of(mb, self.loss_call.token_logprobs(self._loss_args(params, mb, frozen, adapters=adapters)))
+            args = self._loss_args(params, mb, frozen, adapters=adapters)
+            args.pop("_routing", None)
+            logp = _bins_of(mb, self.loss_call.token_logprobs(args))
             return jnp.where(mb.trained > 0, logp.astype(jnp.float32), 0.0)
 
         if isinstance(batch, PackedBatch) and batch.micro_batches is not None:
@@ -489,6 +518,8 @@ class UpdateStep:
                 fields += ("loss_mask",)
         if adapters and batch.dropout_keys is not None:
             fields += ("dropout_keys",)
+        if batch.routed_experts is not None:
+            fields += ("routed_experts",)
         micro = {f: _split_micro(getattr(batch, f), m) for f in fields}
         empty = dict(advantages=None, old_logprobs=None, ref_logprobs=None)
 

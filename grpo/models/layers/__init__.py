@@ -17,8 +17,10 @@ scans it over the stack.
 - ``paged``: the paged KV cache (:class:`PagedKVCache`, :class:`PagedSpec`) and one decode
   step's write and attention per device (:func:`paged_decode`, the kernels of
   :mod:`grpo.kernels.paged_attention`).
-- ``mlp``: the MLP block (:func:`mlp_block`), the one place a mixture-of-experts block
-  would take over (same signature: ``(ctx, h, p, layer) -> h``).
+- ``mlp``: the MLP block (:func:`mlp_block`).
+- ``moe``: the mixture-of-experts block (:func:`moe_block`, in place of the MLP for a
+  family with experts): softmax top-k routing, router replay, dropless grouped-matmul
+  experts, and the layer's routing statistics.
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.kernels``, ``grpo.models.quant``,
 ``grpo.models.rollout_quant``.

@@ -45,6 +45,9 @@ class LayerContext:
     # A decode step over a paged cache: (page_table [B, max_pages], lengths [B], live [B],
     # its PagedSpec); None: the dense cache (or none).
     paged: Any = None
+    # What the call asks of mixture-of-experts layers (grpo.models.layers.moe.MoeCall:
+    # replayed experts, the tokens the routing statistics count); None: nothing.
+    moe: Any = None
 
     def constrain(self, x: jax.Array, names: Sequence[str]) -> jax.Array:
         return constrain(x, names, self.mesh, self.rules)

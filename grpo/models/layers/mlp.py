@@ -1,6 +1,5 @@
 """The MLP block of a decoder layer (SwiGLU: ``down(silu(gate(x)) * up(x))``) with its
-residual. It is the layer's feed-forward room: a mixture-of-experts block would replace
-:func:`mlp_block` with the same signature, ``(ctx, h, p, layer) -> h``."""
+residual. A family with experts runs :func:`grpo.models.layers.moe.moe_block` instead."""
 
 from __future__ import annotations
 

@@ -1,9 +1,9 @@
-"""Built-in model families: ``qwen2`` (Qwen2/Qwen2.5), ``qwen3`` (dense Qwen3), ``llama``
-(Llama 3.x).
+"""Built-in model families: ``qwen2`` (Qwen2/Qwen2.5), ``qwen3`` (dense Qwen3),
+``qwen3_moe`` (Qwen3-MoE: Qwen3-30B-A3B), ``llama`` (Llama 3.x).
 
-All three are the shared decoder of :mod:`grpo.models.decoder` with a family config
+All four are the shared decoder of :mod:`grpo.models.decoder` with a family config
 (:class:`~grpo.models.qwen2.Qwen2Config`, :class:`~grpo.models.qwen3.Qwen3Config`,
-:class:`~grpo.models.llama.LlamaConfig`) that sets its switches and reads its HF config,
+:class:`~grpo.models.qwen3_moe.Qwen3MoeConfig`, :class:`~grpo.models.llama.LlamaConfig`) that sets its switches and reads its HF config,
 registered as a :class:`grpo.DecoderFamily` (the :class:`grpo.ModelPlugin` for any such
 family; it lives in :mod:`grpo.models.families`). ``grpo.plugins.models.DecoderFamily``
 still resolves, with a :class:`DeprecationWarning`, until 0.3: use ``from grpo import
@@ -37,10 +37,15 @@ class Qwen3Family(_DecoderFamily):
     model_types = ("qwen3",)
     architectures = ("Qwen3ForCausalLM",)
     config_class = "grpo.models.qwen3:Qwen3Config"
-    refused_model_types = {
-        "qwen3_moe": "MoE Qwen3 (model_type qwen3_moe, e.g. Qwen3-30B-A3B) is not implemented: grpo's qwen3 "
-        "plugin is dense only (Qwen3-0.6B ... 32B).",
-    }
+
+
+class Qwen3MoeFamily(_DecoderFamily):
+    name = "qwen3_moe"
+    description = ("Qwen3-MoE (model_type qwen3_moe, e.g. Qwen3-30B-A3B): Qwen3 attention, softmax top-k router, "
+                   "dropless grouped-matmul experts, router replay.")
+    model_types = ("qwen3_moe",)
+    architectures = ("Qwen3MoeForCausalLM",)
+    config_class = "grpo.models.qwen3_moe:Qwen3MoeConfig"
 
 
 class LlamaFamily(_DecoderFamily):
@@ -59,6 +64,7 @@ class LlamaFamily(_DecoderFamily):
 def register_models(register):
     register(Qwen2Family())
     register(Qwen3Family())
+    register(Qwen3MoeFamily())
     register(LlamaFamily())
 
 
@@ -72,4 +78,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-__all__ = ["LlamaFamily", "Qwen2Family", "Qwen3Family"]
+__all__ = ["LlamaFamily", "Qwen2Family", "Qwen3Family", "Qwen3MoeFamily"]

@@ -111,3 +111,33 @@ def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top
     assert not load_config(QUICKSTART, ["rollout.top_p=0.9"]).loss_settings.truncates  # the default: false
     # No truncation in the rollout: the very settings of truncated_policy=false.
     assert load_config(QUICKSTART, ["loss.truncated_policy=true"]).loss_settings == load_config(QUICKSTART).loss_settings
+
+
+@pytest.mark.parametrize("sets, expected", [
+    # issue 54: replay or router losses without a mixture-of-experts model
+    (["model.moe.router_replay=rollout"],
+     ["model.moe.router_replay=rollout needs a mixture-of-experts model, but model.random.preset='tiny' is dense"]),
+    (["model.moe.router_z_loss=0.001"], ["model.moe.router_z_loss=0.001 needs a mixture-of-experts model"]),
+    # ... and in the modes that do not carry the routed experts yet
+    (["model.random.preset=tiny-moe", "model.moe.router_replay=compare", "train.async.enabled=true"],
+     ["model.moe.router_replay=compare does not combine with train.async.enabled=true yet"]),
+    (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "rollout.engine=continuous"],
+     ["model.moe.router_replay=rollout needs rollout.engine: static (got 'continuous'"]),
+    (["model.random.preset=tiny-moe", "model.moe.load_balancing_loss=0.01", "loss.aggregation=sequence_mean"],
+     ["model.moe.load_balancing_loss needs loss.aggregation: token_mean (got 'sequence_mean'"]),
+])
+def test_moe_options_are_refused_where_they_cannot_work(tmp_path, sets, expected):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    lines = [line[4:] for line in result.output.splitlines() if line.startswith("  - ")]
+    assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
+
+
+def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01"]
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 0, result.output
