@@ -121,23 +121,11 @@ class RewardPool:
                 job = ln.queue.popleft()
                 if ln.process and child is None and ln.children:
                     child = ln.children.pop()
-                job.worker = child
-                if self.timeout_s is not None:
-                    job.deadline = time.monotonic() + self.timeout_s
-                    heapq.heappush(self._deadlines, (job.deadline, next(self._ids), job))
-                    self._ensure_watchdog()
-                    self._lock.notify_all()
             try:
-                if ln.process:
-                    if child is None or not child.alive():
-                        child = _Child(self.spec)
-                        with self._lock:
-                            job.worker = child
-                            if job.abandoned:  # timed out while the child started
-                                child.kill()
-                    outcome = (True, child.call(job.remote))
-                else:
-                    outcome = (True, job.call())
+                if ln.process and (child is None or not child.alive()):
+                    child = _Child(self.spec)  # its start-up is not the call's time
+                self._started(job, child)
+                outcome = (True, child.call(job.remote) if ln.process else job.call())
             except BaseException as err:  # noqa: BLE001 - a reward's failure is its row's, never the run's
                 outcome = (False, err)
             with self._lock:
@@ -148,6 +136,16 @@ class RewardPool:
                 job.future.set_result(outcome[1])
             else:
                 job.future.set_exception(outcome[1])
+
+    def _started(self, job: _Job, child: "_Child | None") -> None:
+        """The call's clock starts (its deadline, watched)."""
+        with self._lock:
+            job.worker = child
+            if self.timeout_s is not None:
+                job.deadline = time.monotonic() + self.timeout_s
+                heapq.heappush(self._deadlines, (job.deadline, next(self._ids), job))
+                self._ensure_watchdog()
+                self._lock.notify_all()
 
     # ------------------------------------------------------------------ the watchdog
 
@@ -208,6 +206,10 @@ class _Child:
         self.proc = ctx.Process(target=_child_main, args=(theirs, spec), name="grpo-reward", daemon=True)
         self.proc.start()
         theirs.close()
+        ok, message = self.conn.recv()  # the child's functions are built (or why not)
+        if not ok:
+            self.kill()
+            raise RemoteError(message)
 
     def alive(self) -> bool:
         return self.proc.is_alive()
@@ -228,11 +230,15 @@ def _child_main(conn: Any, spec: tuple[str, dict]) -> None:  # pragma: no cover 
     from grpo.engine.rollout.scoring import invoke
 
     name, options = spec
-    from grpo.core.plugins import get_plugins
+    try:
+        from grpo.core.plugins import get_plugins
 
-    plugin = get_plugins().get("task", name)
-    opts = plugin.parse_options(options)
-    functions = plugin.reward_functions(options=opts)
+        plugin = get_plugins().get("task", name)
+        functions = plugin.reward_functions(options=plugin.parse_options(options))
+    except BaseException as err:  # noqa: BLE001 - every call it was to answer fails with this
+        conn.send((False, f"the reward process could not build task {name!r}'s rewards: {type(err).__name__}: {err}"))
+        return
+    conn.send((True, None))
     while True:
         try:
             reward, kind, args = conn.recv()
