@@ -103,6 +103,7 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
                     sleep_ms: float, threads: int, slots: int, chunk: int, seed: int, repeats: int) -> dict[str, Any]:
     """The continuous engine's rollout of ``rows`` rows, scored after it or overlapped."""
     import jax
+    from jax.sharding import NamedSharding, PartitionSpec
 
     from grpo.core.contracts.engine import Rows
     from grpo.engine.bench.engines import engine_config
@@ -138,12 +139,14 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
         return scorer.score(examples, [text(t, m) for t, m in zip(out.tokens, out.mask)])
 
     def overlap() -> Any:
+        sampler.update_weights(built.state)
         sampler.begin(rows=rows, prompt_length=prompt_len, key=round_keys(key, rows=rows, round_rows=rows),
-                      stop_at=sampler._place(stop_at.astype(np.int32), (None,)))
+                      stop_at=jax.device_put(stop_at.astype(np.int32), NamedSharding(sampler.mesh, PartitionSpec())))
         sampler.submit(Rows(ids=np.arange(rows), prompt_tokens=np.repeat(tokens, k, axis=0),
                             prompt_mask=np.repeat(mask, k, axis=0), keys=None))
         done: dict[int, str] = {}
         parts = []
+        t0 = time.perf_counter()
         while True:
             progress = sampler.step()
             if progress.idle:
@@ -156,10 +159,13 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
                 ids = [g * k + j for g in ready for j in range(k)]
                 if ids:
                     parts.append(scorer.start([examples[r] for r in ids], [done[r] for r in ids], rows=ids))
-        sampler.last_stats = sampler.stats()
-        sampler._core = None  # end the session, keep the weights for the next repeat
+        sampler.end()
+        # How far the scoring had got when the rollout was done.
+        timeline["rollout_s"] = time.perf_counter() - t0
+        timeline["rows_scored_by_then"] = sum(c.future.done() for p in parts for c in p.calls)
         return scorer.collect(parts)
 
+    timeline: dict[str, float] = {}
     rollout_s, _ = _best(rollout, repeats)
     after_s, after_scores = _best(after, repeats)
     overlap_s, overlap_scores = _best(overlap, repeats)
@@ -168,6 +174,8 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
             "valid_tokens": int(stop_at.sum()), "rollout_s": round(rollout_s, 4),
             "scoring_alone_s": round(rows * sleep_ms / 1e3 / threads, 4), "after_s": round(after_s, 4),
             "overlap_s": round(overlap_s, 4), "overlap_over_after": round(overlap_s / after_s, 3),
+            "overlap_rollout_s": round(timeline["rollout_s"], 4),
+            "overlap_rows_scored_by_rollout_end": timeline["rows_scored_by_then"],
             "same_scores": after_scores.totals == overlap_scores.totals}
 
 

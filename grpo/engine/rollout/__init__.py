@@ -36,8 +36,11 @@
   scoring, dynamic sampling and down-sampling (:class:`StepCollector`).
 - ``tools``: the tool environment of a task with tools (calls run on reused daemon
   threads), the model families' tool-call formats and tool JSON schemas.
-- ``scoring``: completions scored with a task's named reward functions and weights, and
-  DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
+- ``scoring``: completions scored with a task's named reward functions and weights,
+  per completion or batched (:class:`RewardScorer`: started now, collected later, in row
+  order), and DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
+- ``reward_pool``: where reward calls run (inline, on threads, in child processes), each
+  within ``task.reward_timeout_s`` (:class:`RewardPool`).
 - ``failures``: what a run says about its reward functions' failures: each one's first
   failure logged once and kept in ``reward_errors.jsonl``, a function failing on every
   row of a step stopping the run (:class:`RewardFailures`).

@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import functools
 import heapq
+import inspect
 import itertools
 import multiprocessing
 import threading
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 Call = Callable[[], Any]
 
@@ -191,6 +193,57 @@ class RewardPool:
             c.kill()
 
 
+# --------------------------------------------------------------------------- calling a reward function
+
+
+@functools.lru_cache(maxsize=256)
+def _keywords(fn: Any) -> tuple[frozenset[str], bool]:
+    """(the keyword names ``fn`` takes, whether it takes ``**kwargs``); no signature to
+    read (a builtin): every keyword."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return frozenset(), True
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    names = frozenset(n for n, p in sig.parameters.items() if p.kind in kinds)
+    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
+
+
+def call_batched(fn: Any, completions: list[str], prompts: list[Any], columns: Mapping[str, list[Any]]) -> list[Any]:
+    """``fn(completions=..., prompts=..., **columns)`` (a function without ``**kwargs`` gets
+    the columns it names), its values as a list of ``len(completions)``: any iterable of
+    numbers (a list, a tuple, a NumPy array, a tensor through ``tolist()``). TypeError or
+    ValueError (a wrong length) when it is not that."""
+    try:
+        names, var_kw = _keywords(fn)
+    except TypeError:  # unhashable callable
+        names, var_kw = frozenset(), True
+    kwargs = {k: v for k, v in columns.items() if k not in ("completions", "prompts") and (var_kw or k in names)}
+    out = fn(completions=completions, prompts=prompts, **kwargs)
+    if isinstance(out, (str, bytes, Mapping)) or out is None:
+        raise TypeError(f"returned {type(out).__name__} {out!r:.60}; a batched reward returns a list with one "
+                        "number per completion")
+    tolist = getattr(out, "tolist", None)
+    try:
+        values = tolist() if callable(tolist) else list(out)
+    except TypeError:
+        raise TypeError(f"returned {type(out).__name__} {out!r:.60}, which is not a list of numbers") from None
+    if not isinstance(values, list) or len(values) != len(completions):
+        got = len(values) if isinstance(values, list) else "a single value"
+        raise ValueError(f"returned {got} value(s) for {len(completions)} completion(s); a batched reward returns "
+                         "one per completion")
+    return values
+
+
+def invoke(fn: Any, kind: str, args: tuple) -> Any:
+    """One call of a reward function: ``kind`` ``"one"`` (``args`` = completion, example:
+    its value) or ``"batch"`` (``args`` = completions, prompts, columns: the list of
+    :func:`call_batched`). What a worker thread and a child process both run."""
+    if kind == "one":
+        return fn(*args)
+    return call_batched(fn, *args)
+
+
 # --------------------------------------------------------------------------- child processes
 
 
@@ -227,8 +280,6 @@ class _Child:
 
 
 def _child_main(conn: Any, spec: tuple[str, dict]) -> None:  # pragma: no cover - runs in a child process
-    from grpo.engine.rollout.scoring import invoke
-
     name, options = spec
     try:
         from grpo.core.plugins import get_plugins
@@ -251,4 +302,4 @@ def _child_main(conn: Any, spec: tuple[str, dict]) -> None:  # pragma: no cover 
         conn.send(result)
 
 
-__all__ = ["RemoteError", "RewardPool", "RewardTimeout"]
+__all__ = ["RemoteError", "RewardPool", "RewardTimeout", "call_batched", "invoke"]

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import functools
-import inspect
 import math
 import numbers
 from typing import Any, Mapping, Sequence
@@ -36,7 +34,7 @@ import numpy as np
 from pydantic import BaseModel
 
 from grpo.core.contracts import TaskPlugin, reward_batch
-from grpo.engine.rollout.reward_pool import RemoteError, RewardPool, RewardTimeout
+from grpo.engine.rollout.reward_pool import RemoteError, RewardPool, RewardTimeout, call_batched, invoke
 
 TOTAL = "total"
 """The weighted total's name in metrics (``reward/total/mean``); no reward may use it."""
@@ -157,57 +155,6 @@ def run_reward_weights(config: Any, task: TaskPlugin, options: BaseModel) -> dic
     if config.task.overlong.buffer:
         weights[OVERLONG] = 1.0
     return weights
-
-
-# --------------------------------------------------------------------------- calling a function
-
-
-@functools.lru_cache(maxsize=256)
-def _keywords(fn: Any) -> tuple[frozenset[str], bool]:
-    """(the keyword names ``fn`` takes, whether it takes ``**kwargs``); no signature to
-    read (a builtin): every keyword."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return frozenset(), True
-    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    names = frozenset(n for n, p in sig.parameters.items() if p.kind in kinds)
-    return names, any(p.kind is inspect.Parameter.VAR_KEYWORD for p in sig.parameters.values())
-
-
-def call_batched(fn: Any, completions: list[str], prompts: list[Any], columns: Mapping[str, list[Any]]) -> list[Any]:
-    """``fn(completions=..., prompts=..., **columns)`` (a function without ``**kwargs`` gets
-    the columns it names), its values as a list of ``len(completions)``: any iterable of
-    numbers (a list, a tuple, a NumPy array, a tensor through ``tolist()``). TypeError or
-    ValueError (a wrong length) when it is not that."""
-    try:
-        names, var_kw = _keywords(fn)
-    except TypeError:  # unhashable callable
-        names, var_kw = frozenset(), True
-    kwargs = {k: v for k, v in columns.items() if k not in ("completions", "prompts") and (var_kw or k in names)}
-    out = fn(completions=completions, prompts=prompts, **kwargs)
-    if isinstance(out, (str, bytes, Mapping)) or out is None:
-        raise TypeError(f"returned {type(out).__name__} {out!r:.60}; a batched reward returns a list with one "
-                        "number per completion")
-    tolist = getattr(out, "tolist", None)
-    try:
-        values = tolist() if callable(tolist) else list(out)
-    except TypeError:
-        raise TypeError(f"returned {type(out).__name__} {out!r:.60}, which is not a list of numbers") from None
-    if not isinstance(values, list) or len(values) != len(completions):
-        got = len(values) if isinstance(values, list) else "a single value"
-        raise ValueError(f"returned {got} value(s) for {len(completions)} completion(s); a batched reward returns "
-                         "one per completion")
-    return values
-
-
-def invoke(fn: Any, kind: str, args: tuple) -> Any:
-    """One call of a reward function: ``kind`` ``"one"`` (``args`` = completion, example:
-    its value) or ``"batch"`` (``args`` = completions, prompts, columns: the list of
-    :func:`call_batched`). What a worker thread and a child process both run."""
-    if kind == "one":
-        return fn(*args)
-    return call_batched(fn, *args)
 
 
 def _message(err: BaseException) -> str:

@@ -91,7 +91,7 @@ class GSM8KOptions(PluginOptions):
         "strict",
         description="`strict`: the extracted number equals the ground truth by value; `math_verify`: that, or "
         "Hugging Face's math-verify finds the answer's text (the answer block's or the '####' line's; flexible: "
-        "the completion's) equal to it, so 1/2 = 0.5 = \\frac{1}{2} (pip install 'grpo[math]').",
+        "the completion's) equal to it, so 1/2 = 0.5 = \\frac{1}{2} (pip install 'grpo-jax[math]').",
     )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),

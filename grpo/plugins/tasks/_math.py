@@ -52,7 +52,7 @@ class MathOptions(PluginOptions):
                                       "empty = no system message.")
     answer_check: Literal["math_verify", "strict"] = Field(
         "math_verify", description="`math_verify`: Hugging Face's math-verify compares the answers symbolically "
-        "(pip install 'grpo[math]'); `strict`: their normalised strings must be equal.",
+        "(pip install 'grpo-jax[math]'); `strict`: their normalised strings must be equal.",
     )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),

@@ -26,13 +26,15 @@ import re
 
 from grpo.core.errors import UserError
 
-INSTALL = "pip install 'grpo[math]'  (Hugging Face's math-verify)"
+INSTALL = 'pip install "grpo-jax[math]" (Hugging Face\'s math-verify)'
 
 
 @functools.lru_cache(maxsize=1)
 def _math_verify():
+    import importlib
+
     try:
-        import math_verify
+        math_verify = importlib.import_module("math_verify")  # the [math] extra
     except ImportError:
         return None
     # It warns on every call that its own timeouts are off (they are: see the module docstring).
