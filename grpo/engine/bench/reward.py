@@ -124,7 +124,7 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
     key = jax.random.key(seed)
     examples = [{"prompt": f"p{i // k}"} for i in range(rows)]
     scorer = RewardScorer(SleepTask(sleep_ms=sleep_ms, call_ms=0.0, per=None), NoOptions(), threads=threads,
-                          group_size=k)
+                          group_size=k, background=True)  # as task.reward_scoring: overlap builds it
     sampler.update_weights(built.state)
     params = sampler.weights
 

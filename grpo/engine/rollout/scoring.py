@@ -188,12 +188,14 @@ class RewardScorer:
     """A task's reward functions, called as each declares (per completion, per step or
     per group: :func:`grpo.batched_reward`) on a :class:`RewardPool` (``timeout_s``,
     ``threads``, ``processes`` for the rewards named in ``process_rewards``; none of
-    them: every call inline, on the calling thread). ``group_size``: the rows of a group
-    (None: a group is a run of consecutive rows with equal examples). ValueError for a
+    them, nor ``background``: every call inline, on the calling thread, so :meth:`start`
+    returns once they are done). ``group_size``: the rows of a group (None: a group is a
+    run of consecutive rows with equal examples). ValueError for a
     task whose weights name a reward it does not have, or a reward named ``total``."""
 
     def __init__(self, task: TaskPlugin, options: BaseModel, *, timeout_s: float | None = None, threads: int = 1,
-                 processes: int = 0, process_rewards: Sequence[str] = (), group_size: int | None = None):
+                 processes: int = 0, process_rewards: Sequence[str] = (), group_size: int | None = None,
+                 background: bool = False):
         self.task, self.options, self.group_size = task, options, group_size
         self.functions = dict(task.reward_functions(options=options))
         if TOTAL in self.functions:
@@ -205,7 +207,7 @@ class RewardScorer:
         self.calls: dict[str, int] = {name: 0 for name in self.names}  # calls made, by reward (retries included)
         process_rewards = tuple(n for n in process_rewards if n in self.functions)
         self.pool: RewardPool | None = None
-        if timeout_s is not None or threads > 1 or (processes and process_rewards):
+        if background or timeout_s is not None or threads > 1 or (processes and process_rewards):
             spec = (task.name, options.model_dump()) if process_rewards else None
             self.pool = RewardPool(timeout_s=timeout_s, threads=threads, processes=processes,
                                    process_lanes=process_rewards, spec=spec)
@@ -214,10 +216,12 @@ class RewardScorer:
     def for_run(cls, config: Any, task: TaskPlugin, options: BaseModel, *, group_size: int | None = None
                 ) -> "RewardScorer":
         """The scorer of a run's config (``task.reward_timeout_s``, ``reward_threads``,
-        ``reward_processes``, ``process_rewards``)."""
+        ``reward_processes``, ``process_rewards``; ``reward_scoring: overlap`` calls on
+        workers even without those, so a group's calls run while the rest decodes)."""
         t = config.task
         return cls(task, options, timeout_s=t.reward_timeout_s, threads=t.reward_threads,
-                   processes=t.reward_processes, process_rewards=t.process_rewards, group_size=group_size)
+                   processes=t.reward_processes, process_rewards=t.process_rewards, group_size=group_size,
+                   background=t.reward_scoring == "overlap")
 
     def close(self) -> None:
         if self.pool is not None:
