@@ -301,3 +301,32 @@ def test_process_rewards_run_in_child_processes_and_a_hung_child_is_killed(tmp_p
         assert again.timeouts["hang_on_h"] == 0 and [r["hang_on_h"] for r in again.rewards] == [1.0] * 3
     finally:
         scorer.close()
+
+
+def test_overlapped_scoring_starts_calls_without_waiting_for_them():
+    """reward_scoring: overlap puts a run's calls on workers even without a timeout or
+    threads (before, its scorer ran them inline: a group's calls ran inside the decode
+    loop, which then waited for them); start() returns at once, collect() waits."""
+    from _runs import _config
+
+    from grpo.plugins.tasks import ArithmeticTask
+
+    task = ArithmeticTask()
+    cfg = _config(**{"task.reward_scoring": "overlap", "rollout.engine": "continuous"})
+    opts = task.parse_options(cfg.task.options)
+    assert RewardScorer.for_run(cfg, task, opts).pool is not None
+    assert RewardScorer.for_run(_config(), task, opts).pool is None  # the default: inline, as before
+
+    class Slow(TwinTask):
+        def reward_functions(self, *, options):
+            def slow(c, ex):
+                time.sleep(0.4)
+                return 1.0
+            return {"slow": slow}
+
+    scorer = RewardScorer(Slow(batched=False), NoOptions(), background=True)
+    t0 = time.monotonic()
+    part = scorer.start([{"question": "q"}] * 3, ["a", "b", "c"])
+    started = time.monotonic() - t0
+    assert [r["slow"] for r in scorer.collect([part]).rewards] == [1.0] * 3
+    assert started < 0.3 < 1.2 <= time.monotonic() - t0 + 0.01  # three calls of 0.4 s, in series
