@@ -14,7 +14,7 @@ engine or loss a plugin wraps).
     from grpo import RolloutStyle, RolloutLayout, ModelDims                      # rollout styles
     from grpo import LossPlugin, LossSettings, MismatchCorrection, sequence_sum  # losses
     from grpo import ObjectivePlugin                                             # objectives
-    from grpo import TaskPlugin, RewardFn, Message                               # tasks
+    from grpo import TaskPlugin, RewardFn, Message, batched_reward               # tasks
     from grpo import ToolFn, ToolEnvironment, builtin_tools                      # tasks with tools
     from grpo import Environment, EnvStep                                        # a task's own environment
     from grpo import ToolCallFormat, ToolCall, ParsedTurn, tool_call_format      # tool-call formats
@@ -97,6 +97,7 @@ from grpo.core.contracts import (
     ToolFn,
     Topology,
     auto_attention,
+    batched_reward,
     sequence_sum,
     target_platform,
 )
@@ -195,6 +196,7 @@ __all__ = [
     "UserError",
     "__version__",
     "auto_attention",
+    "batched_reward",
     "builtin_tools",
     "evaluate",
     "export",

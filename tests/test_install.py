@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Imported only through grpo.core.errors.require, which names the extra that installs it.
-OPTIONAL = {"libtpu": "plan", "torch": "dev", "peft": "dev"}
+OPTIONAL = {"libtpu": "plan", "torch": "dev", "peft": "dev", "math_verify": "math"}
 # Needed at run time without being imported by name: transformers renders chat
 # templates with jinja2 but does not depend on it.
 INDIRECT = {"jinja2"}

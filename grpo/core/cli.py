@@ -47,6 +47,7 @@ LAZY_BENCH: dict[str, str] = {
     "loss": "grpo.engine.bench.loss:bench_loss",
     "memory": "grpo.engine.bench.memory:bench_memory",
     "update": "grpo.engine.bench.packed_update:bench_update",
+    "reward": "grpo.engine.bench.reward:bench_reward",
 }
 
 

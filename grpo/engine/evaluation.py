@@ -90,6 +90,7 @@ class Evaluator:
         self.buckets = buckets
         self._prompts: PromptSet | None = None
         self._sampler: Any = None
+        self._scorer: Any = None  # the run's reward settings (timeouts, threads, processes), built at first use
 
     def prepare(self) -> tuple[PromptSet, Any]:
         """Load and tokenize the eval prompts and build the eval sampler (nothing is
@@ -118,10 +119,12 @@ class Evaluator:
             sampler.release()
 
     def _scores(self, prompts: PromptSet, sampler: Any) -> EvalScores:
-        from grpo.engine.rollout.scoring import score_completions
+        from grpo.engine.rollout.scoring import RewardScorer
 
         cfg = self.config
         k = cfg.eval.k
+        if self._scorer is None:
+            self._scorer = RewardScorer.for_run(cfg, self.task, self.task_options, group_size=k)
         n = len(prompts)
         real, size = self.programs.eval_batch(n)
         width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
@@ -146,7 +149,7 @@ class Evaluator:
             if keep == 0:
                 continue
             texts, examples = sampled.texts[: keep * k], sampled.examples[: keep * k]
-            scored = score_completions(self.task, self.task_options, examples, texts)
+            scored = self._scorer.score(examples, texts)
             mine[b, :keep, 0] = np.asarray(scored.correct, np.float64).reshape(keep, k).sum(1)
             mine[b, :keep, 1] = np.asarray(scored.totals, np.float64).reshape(keep, k).sum(1)
         every = gather_processes(mine, self.programs.mesh)  # processes, batches, per, 2

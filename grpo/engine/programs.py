@@ -554,7 +554,7 @@ class RunPrograms:
         if self.merged_sampling and frozen is not None and not self.rollout.resharded:
             out["merge"] = lambda: self.merge_jit(full).lower(params, frozen)
         # The reward-error counts (the tool counters, [rows, 4], are a smaller variant).
-        out["row_sums"] = lambda: self._row_sums_jit().lower(arr((b_ro, len(names)), jnp.int32, self.rollout_sharding))
+        out["row_sums"] = lambda: self._row_sums_jit().lower(arr((b_ro, 4 * len(names)), jnp.int32, self.rollout_sharding))
         if self.selects_rows:
             out["gather_rows"] = lambda: self._lower_gather_rows()
         if cfg.train.advantage.credit == "turn":

@@ -569,6 +569,7 @@ class Trainer:
         finally:
             self.compiles.on_start = None
             self.loop.close()
+            self.collector.scorer.close()  # the reward processes (threads end on their own)
             logger.close()
             self._logger = None
             if self._samples is not None:

@@ -436,6 +436,34 @@ class TaskConfig(Section):
     @classmethod
     def _model_rewards(cls, value: list) -> list:
         return unique_names(value)
+    reward_timeout_s: float | None = Field(
+        None, gt=0.0, le=86_400.0,
+        description="Wall-clock limit of one reward call (a completion's, or a batched function's batch); a call past "
+        "it scores 0 for its rows, counted in reward/<name>/timeouts. None: no limit. A limit (like reward_threads > 1 "
+        "or reward_scoring: overlap) runs the calls on worker threads, where signal-based timeouts (math-verify's "
+        "own) do not work: turn those off.",
+    )
+    reward_scoring: Literal["after", "overlap"] = Field(
+        "after",
+        description="after: a step's rows are scored once its rollout is done; overlap: each group is scored on the "
+        "reward workers as soon as its rows finish, while the rest of the step decodes (an engine that streams rows, "
+        "e.g. rollout.engine: continuous; single-turn). The rewards are the same either way.",
+    )
+    reward_threads: int = Field(
+        1, ge=1, le=256,
+        description="Calls of one reward function running at once on threads (different functions always run side "
+        "by side); 1 keeps each function's calls in series, as TRL calls them.",
+    )
+    reward_processes: int = Field(
+        0, ge=0, le=256,
+        description="Calls of one reward function running at once in child processes, for the functions named in "
+        "process_rewards (CPU-heavy Python, beside the decode and the interpreter lock).",
+    )
+    process_rewards: list[str] = Field(
+        default_factory=list,
+        description="Reward names (as in metrics) whose calls run in child processes (reward_processes of them); "
+        "each child rebuilds the task's reward functions from its name and options.",
+    )
 
 
 class OptimizerConfig(Section):

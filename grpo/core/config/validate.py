@@ -241,6 +241,7 @@ def config_problems(
     later += _engine_problems(config, selected.get("engine"))
     later += _quantization_problems(config, selected.get("engine"))
     later += moe_problems(config, selected.get("task"))
+    later += reward_scoring_problems(config, selected.get("task"), selected.get("engine"))
     later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
     return config, selected, problems
@@ -380,6 +381,38 @@ def _quantization_problems(config: RunConfig, engine: Selected | None) -> list[s
     lora = config.model.lora
     return quantization_problems(config.rollout, None if engine is None else engine.plugin,
                                  base_quantization="none" if lora is None else lora.base_quantization)
+
+
+def reward_scoring_problems(config: RunConfig, task: Selected | None, engine: Selected | None) -> list[str]:
+    """``task.process_rewards`` names the task's rewards and has processes to run in;
+    ``task.reward_scoring: overlap`` has an engine that streams rows, single-turn, and no
+    partial rollouts (whose batches are scored as they are picked)."""
+    t = config.task
+    problems = []
+    if t.process_rewards and not t.reward_processes:
+        problems.append(f"task.process_rewards={t.process_rewards} needs task.reward_processes >= 1 (the child "
+                        "processes they run in)")
+    if t.reward_processes and not t.process_rewards:
+        problems.append(f"task.reward_processes={t.reward_processes} runs nothing: name the rewards that run in "
+                        "processes in task.process_rewards")
+    if task is not None and t.process_rewards:
+        known = list(task.plugin.reward_functions(options=task.options))
+        stray = [n for n in t.process_rewards if n not in known]
+        if stray:
+            problems.append(f"task.process_rewards: task {t.name!r} has no reward named {', '.join(map(repr, stray))}; "
+                            f"its rewards are {', '.join(known)}")
+    if t.reward_scoring != "overlap":
+        return problems
+    if engine is not None and not engine.plugin.streams:
+        problems.append(f"task.reward_scoring=overlap needs an engine that streams rows (rollout.engine: continuous); "
+                        f"rollout.engine={config.rollout.engine!r} finishes a step's rows all at once")
+    if config.train.async_.partial_rollouts:
+        problems.append("task.reward_scoring=overlap does not combine with train.async.partial_rollouts=true (a "
+                        "partial batch is scored as it is picked); use task.reward_scoring=after")
+    if task is not None and task.plugin.tools(options=task.options):
+        problems.append(f"task.reward_scoring=overlap scores single-turn rows; task {t.name!r} has tools (a multi-turn "
+                        "rollout): use task.reward_scoring=after")
+    return problems
 
 
 def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:

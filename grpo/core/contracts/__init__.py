@@ -50,7 +50,7 @@ from grpo.core.contracts.model import ModelPlugin
 from grpo.core.contracts.objective import ObjectivePlugin
 from grpo.core.contracts.platform import _TARGET_PLATFORM, compiling_for, target_platform
 from grpo.core.contracts.rollout import ModelDims, RolloutLayout, RolloutStyle, Rules
-from grpo.core.contracts.task import RewardFn, TaskPlugin
+from grpo.core.contracts.task import RewardFn, TaskPlugin, batched_reward, reward_batch
 from grpo.core.contracts.tools import EnvStep, Environment, Message, ParsedTurn, ToolCall, ToolCallFormat, ToolFn
 
 PLUGIN_KINDS: dict[str, tuple[str, type[_PluginBase]]] = {
@@ -108,7 +108,9 @@ __all__ = [
     "ToolCallFormat",
     "ToolFn",
     "auto_attention",
+    "batched_reward",
     "compiling_for",
+    "reward_batch",
     "sequence_sum",
     "target_platform",
 ]

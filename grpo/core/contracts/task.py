@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from typing import Any, Callable, ClassVar, Mapping
+from typing import Any, Callable, ClassVar, Literal, Mapping, TypeVar
 
 from pydantic import BaseModel
 
@@ -19,7 +19,51 @@ there, counted as an error.
 In a multi-turn rollout (a task with tools or an environment) ``completion`` is the text
 of the model's last turn and ``example["messages"]`` holds the whole trajectory: the
 opening messages, every model turn (``assistant``) and every environment reply (``tool``,
-``user``), in order."""
+``user``), in order.
+
+A function marked with :func:`batched_reward` is called once per batch instead: see there."""
+
+BATCHES = ("step", "group")
+"""What a batched reward function is handed at once: a step's rows, or one group's."""
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def batched_reward(fn: _F | None = None, *, per: Literal["step", "group"] = "step") -> Any:
+    """Mark a task's reward function as batched (TRL's convention: lists in, a list out)::
+
+        @batched_reward                      # or @batched_reward(per="group")
+        def score(completions, prompts, **columns) -> list[float | None]: ...
+
+    It is called with keyword arguments: ``completions`` (the rows' texts, a list of
+    strings), ``prompts`` (each row's chat messages, :meth:`TaskPlugin.prompt_messages`)
+    and every field of the rows' examples as a list (a function without ``**kwargs`` gets
+    the fields it names), and returns one number per completion (``None`` or NaN: not
+    applicable). ``per="step"`` hands it every row a step scores at once (with
+    ``task.reward_scoring: overlap``, the groups that finished together); ``per="group"``
+    one group's rows (one prompt's samples) per call, e.g. for a rank within the group.
+
+    A batched call that raises, times out (``task.reward_timeout_s``) or returns the wrong
+    length fails every row it was handed (each scores 0, counted); a ``per="step"``
+    function that raised or returned the wrong length is then called again row by row
+    (lists of one), so one bad completion costs only its own row."""
+    if per not in BATCHES:
+        raise ValueError(f"per must be one of {BATCHES}; got {per!r}")
+
+    def mark(f: _F) -> _F:
+        if not callable(f):
+            raise TypeError(f"batched_reward marks a function; got {type(f).__name__}")
+        f.grpo_batch = per  # type: ignore[attr-defined]
+        return f
+
+    return mark if fn is None else mark(fn)
+
+
+def reward_batch(fn: Any) -> str | None:
+    """How ``fn`` is called: ``"step"`` or ``"group"`` (:func:`batched_reward`), or None
+    (one completion per call: ``fn(completion, example)``)."""
+    per = getattr(fn, "grpo_batch", None)
+    return per if per in BATCHES else None
 
 
 class TaskPlugin(_PluginBase):
@@ -43,7 +87,9 @@ class TaskPlugin(_PluginBase):
 
     @abc.abstractmethod
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
-        """Named reward functions; names appear in metrics as ``reward/<name>/mean``."""
+        """Named reward functions; names appear in metrics as ``reward/<name>/mean``. Each
+        is per-completion (``fn(completion, example)``) or batched
+        (:func:`batched_reward`)."""
 
     def prepare_example(self, record: Mapping[str, Any], *, options: BaseModel, where: str = "row") -> dict[str, Any]:
         """Turn a raw record (a dataset row, a line of ``grpo task score`` input) into an

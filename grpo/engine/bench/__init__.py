@@ -8,6 +8,8 @@
   (:meth:`grpo.engine.training.update.UpdateStep.head_loss` through the builder's
   :func:`grpo.engine.programs.loss_program`), and its compiled memory.
 - ``memory``: an FSDP-sharded buffer against its all-gathered copy.
+- ``reward``: reward scoring on the host: per completion, batched, and overlapped with
+  the continuous engine's decode (``task.reward_scoring: overlap``).
 - ``packed_update``: ``update``, the update padded against the update packed, on the
   same rows drawn from a length profile (:mod:`grpo.engine.planning.profiles`).
 

@@ -36,8 +36,6 @@
   scoring, dynamic sampling and down-sampling (:class:`StepCollector`).
 - ``tools``: the tool environment of a task with tools (calls run on reused daemon
   threads), the model families' tool-call formats and tool JSON schemas.
-- ``scoring``: completions scored with a task's named reward functions and weights, and
-  DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
 - ``model_rewards``: rewards computed by models on this process's rollout devices
   (``task.model_rewards``): reward models (sequence classifiers) as batched scorers in
   TRL's list-in, list-out shape, joined to the task's rewards in the step's scoring.
@@ -45,6 +43,11 @@
   template filled, this process's devices of the rollout mesh.
 - ``judge``: a generative judge: a causal LM (the policy's initial weights or another
   checkpoint) prompted with a template through a rollout engine, its reply parsed.
+- ``scoring``: completions scored with a task's named reward functions and weights,
+  per completion or batched (:class:`RewardScorer`: started now, collected later, in row
+  order), and DAPO's overlong shaping (:func:`score_completions`, :class:`Scores`).
+- ``reward_pool``: where reward calls run (inline, on threads, in child processes), each
+  within ``task.reward_timeout_s`` (:class:`RewardPool`).
 - ``failures``: what a run says about its reward functions' failures: each one's first
   failure logged once and kept in ``reward_errors.jsonl``, a function failing on every
   row of a step stopping the run (:class:`RewardFailures`).

@@ -7,14 +7,18 @@ counting alone is silent. So, for each function:
   the step, the row of the step's scored batch and the exception's message), and written as
   one line of ``reward_errors.jsonl`` in the run directory (``{"step", "reward", "row",
   "error"}``; process 0's rows, and a resumed run adds its own first failures);
-- a function that fails on every completion a step scored stops the run with a
-  :class:`~grpo.core.errors.UserError` (exit status 2, no traceback) naming it and quoting
-  its first failure: a run would otherwise train on a reward that is never computed.
+- a function that fails on every completion a step scored — raising, returning a
+  non-number or the wrong length, or running past ``task.reward_timeout_s``, in any mix —
+  stops the run with a :class:`~grpo.core.errors.UserError` (exit status 2, no traceback)
+  naming it and quoting its first failure: a run would otherwise train on a reward that is
+  never computed. A function that fails on some rows only never stops the run: those rows
+  score 0 for it, and the step's counts are in the metrics.
 
 Every failure still counts in ``reward_errors`` (the metrics' running total and the
-summary's per-function totals). A function that returned ``None`` or NaN ("not
-applicable") did not fail: those count in ``reward/<name>/not_applicable`` (the step's
-rows, logged when not 0).
+summary's per-function totals; timeouts included), and in the step's
+``reward/<name>/errors`` and ``reward/<name>/timeouts`` (logged when not 0). A function
+that returned ``None`` or NaN ("not applicable") did not fail: those count in
+``reward/<name>/not_applicable`` (the step's rows, logged when not 0).
 """
 
 from __future__ import annotations
@@ -44,12 +48,13 @@ class RewardFailures:
 
     def observe(self, step: int, names: Sequence[str], errors: Any, counts: Any,
                 first_errors: Mapping[str, tuple[int, str]] | None) -> dict[str, float]:
-        """A step's reward counters: ``errors`` [functions] failures, ``counts``
-        [2 * functions] (not applicable, then rows scored; None: not recorded) over every
+        """A step's reward counters: ``errors`` [functions] failures (timeouts included), ``counts``
+        [3 * functions] (not applicable, rows scored, then timeouts; a record saved before
+        timeouts were counted has [2 * functions]; None: not recorded) over every
         process's rows, and this process's ``first_errors`` (name -> (row, message)).
         Reports each function's first failure, raises UserError for a function that failed
-        on every row scored, and returns the step's ``reward/<name>/not_applicable``
-        metrics (those not 0)."""
+        (errors and timeouts) on every row scored, and returns the step's
+        ``reward/<name>/not_applicable``, ``/errors`` and ``/timeouts`` metrics (those not 0)."""
         errors = np.asarray(errors).reshape(-1)
         first_errors = first_errors or {}
         for name, n in zip(names, errors):
@@ -62,17 +67,22 @@ class RewardFailures:
                     self.write({"step": step, "reward": name, "row": row, "error": message})
         if counts is None:
             return {}
-        counts = np.asarray(counts).reshape(2, len(names))
-        for name, n, scored in zip(names, errors, counts[1]):
+        counts = np.asarray(counts).reshape(-1, len(names))
+        timeouts = counts[2] if len(counts) > 2 else np.zeros(len(names), counts.dtype)
+        for name, n, late, scored in zip(names, errors, timeouts, counts[1]):
             if scored and n == scored:
-                raise UserError(_all_failed(name, step, int(scored), first_errors.get(name), self.where))
-        return {f"reward/{name}/not_applicable": float(n) for name, n in zip(names, counts[0]) if n}
+                raise UserError(_all_failed(name, step, int(scored), int(late), first_errors.get(name), self.where))
+        out = {}
+        for label, values in (("not_applicable", counts[0]), ("errors", errors - timeouts), ("timeouts", timeouts)):
+            out.update({f"reward/{name}/{label}": float(n) for name, n in zip(names, values) if n})
+        return out
 
 
-def _all_failed(name: str, step: int, scored: int, first: tuple[int, str] | None, where: str) -> str:
+def _all_failed(name: str, step: int, scored: int, late: int, first: tuple[int, str] | None, where: str) -> str:
     what = f"; the first (row {first[0]}): {first[1]}" if first else ""
+    timed = f", {late} of them past task.reward_timeout_s" if late else ""
     return (
-        f"reward function {name!r} failed on every completion of step {step} ({scored} of {scored}){what}. "
+        f"reward function {name!r} failed on every completion of step {step} ({scored} of {scored}{timed}){what}. "
         "A reward that is never computed scores 0 on every row, so the run would train without it; fix the "
         "function (it is called as fn(completions=[...], prompts=[...], **columns) and returns one number, or "
         f"None for not applicable, per completion) and run again. Its first failure is in {where}."

@@ -228,8 +228,8 @@ class StepModelRewards:
              by_fn: dict[str, np.ndarray], flags: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Score ``texts`` with every model reward and join them to the task's rewards:
         ``by_fn`` gains each (in config order), ``totals`` [b] its weighted values, and
-        ``flags`` [b, 3, F] a column per reward (never failed; "not applicable" where it
-        had no value; scored). Returns the new totals and flags."""
+        ``flags`` [b, 4, F] a column per reward (never failed; "not applicable" where it
+        had no value; scored; never timed out). Returns the new totals and flags."""
         if not self.active:
             return totals, flags
         rewards = self.rewards(list(by_fn))
@@ -239,7 +239,7 @@ class StepModelRewards:
         for name, (values, missing) in scored.items():
             by_fn[name] = values
             totals = totals + np.float32(rewards.weights[name]) * values
-            col = np.zeros((len(texts), 3, 1), np.int32)
+            col = np.zeros((len(texts), flags.shape[1], 1), np.int32)
             col[:, 1, 0] = missing
             col[:, 2, 0] = 1
             columns.append(col)

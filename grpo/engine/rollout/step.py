@@ -51,7 +51,7 @@ from grpo.engine.rollout.dynamic_sampling import GroupFilter, StreamFilter, down
 from grpo.engine.rollout.model_rewards import StepModelRewards
 from grpo.engine.rollout.prompts import PromptSet, bucket_for, build_batch, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput, Sampled
-from grpo.engine.rollout.scoring import OVERLONG, overlong_penalty, score_completions
+from grpo.engine.rollout.scoring import OVERLONG, RewardScorer, Scores, overlong_penalty
 
 
 @dataclasses.dataclass
@@ -177,6 +177,7 @@ class StepCollector:
         self.task = task
         self.task_options = task_options
         self.model_rewards = StepModelRewards(config, programs, task, task_options)  # task.model_rewards
+        self.scorer = RewardScorer.for_run(config, task, task_options, group_size=config.rollout.num_generations)
 
     def collect(self, *, step: int, position: int, sample_group: bool) -> StepRollout:
         """The rollout of step ``step`` (0-based) from data position ``position``, under
@@ -193,16 +194,18 @@ class StepCollector:
             self.sampler.release()
 
     def scored(self, out: RolloutOutput, *, examples: list[dict], texts: list[str], lengths: np.ndarray,
-               seconds: float, sample: tuple[dict, int, Any] | None = None, tools: ToolTotals | None = None) -> _Round:
+               seconds: float, sample: tuple[dict, int, Any] | None = None, tools: ToolTotals | None = None,
+               scores: Scores | None = None) -> _Round:
         """Rows of a rollout scored with the task's rewards (this process's rows:
-        ``examples``, ``texts``, ``lengths``); ``sample`` = (example, its prompt's tokens,
-        turns or None) keeps the first group for ``samples.jsonl``. What a round of the
-        step and a batch of partial rollouts share."""
+        ``examples``, ``texts``, ``lengths``; ``scores``: their rewards when already
+        scored, as the overlapped rollout does); ``sample`` = (example, its prompt's
+        tokens, turns or None) keeps the first group for ``samples.jsonl``. What a round
+        of the step and a batch of partial rollouts share."""
         k = self.config.rollout.num_generations
-        totals, by_fn, flags, first = self._score(examples, texts, lengths)
+        totals, by_fn, flags, first = self._score(examples, texts, lengths, scores=scores)
         f = len(by_fn)
-        sums = self.programs.row_sums(to_global(flags.reshape(len(texts), 3 * f), self.programs.rollout_sharding))
-        errors, counts = sums[:f], sums[f:]  # [functions], [2 * functions]
+        sums = self.programs.row_sums(to_global(flags.reshape(len(texts), 4 * f), self.programs.rollout_sharding))
+        errors, counts = sums[:f], sums[f:]  # [functions], [3 * functions]
         group = None
         if sample is not None:
             example, prompt_tokens, turns = sample
@@ -233,8 +236,13 @@ class StepCollector:
         if round_:
             rng = jax.random.fold_in(rng, round_)
         examples = [ex for ex in batch.examples for _ in range(k)]  # row b*K+j: sample j of prompt b
-        sampled: Sampled = self.sampler.sample(self.sampler.weights, to_global(batch.tokens, sharding),
-                                               to_global(batch.mask, sharding), rng, examples)
+        scores = None
+        if self._overlaps():
+            # Each group scored on the reward workers as it finishes, while the rest decodes.
+            sampled, scores = self._overlapped(batch, rng, examples)
+        else:
+            sampled = self.sampler.sample(self.sampler.weights, to_global(batch.tokens, sharding),
+                                          to_global(batch.mask, sharding), rng, examples)
         texts = list(sampled.texts)  # the rollout's time includes detokenizing them
         seconds = time.perf_counter() - t0
 
@@ -252,7 +260,26 @@ class StepCollector:
         if round_ == 0 and sample_group:
             sample = (batch.examples[0], int(np.asarray(batch.mask[0]).sum()), None if ep is None else ep.turns[:k])
         return self.scored(out, examples=sampled.examples, texts=texts, lengths=lengths, seconds=seconds,
-                           sample=sample, tools=tools)
+                           sample=sample, tools=tools, scores=scores)
+
+    def _overlaps(self) -> bool:
+        """Whether a round's groups are scored as they finish (``task.reward_scoring:
+        overlap`` on an engine that streams single-turn rows, one rollout process);
+        elsewhere the round is scored once its rollout is done."""
+        return (self.config.task.reward_scoring == "overlap" and self.sampler.streams and not self.sampler.loss_mask
+                and self.programs.process_count == 1)
+
+    def _overlapped(self, batch: Any, rng: jax.Array, examples: list[dict]) -> tuple[Sampled, Scores]:
+        """A round's rows streamed through the engine (every prompt fed at once, so each row
+        draws what :meth:`~grpo.RolloutEngine.sample` would: the same key, the same
+        admission order), each group's rewards started on the reward workers as soon as its
+        K rows finish, collected in row order once the rollout is done."""
+        feeder = _ScoreAsFinished(self, batch, examples)
+        out = stream(self.sampler, feeder, rng, rows=len(examples), prompt_length=batch.tokens.shape[1],
+                     round_rows=len(examples))
+        texts = [feeder.texts[r] for r in range(len(examples))]
+        scores = self.scorer.collect(feeder.parts)
+        return Sampled(output=out, texts=texts, examples=[dict(ex) for ex in examples]), scores
 
     def _all(self, local: np.ndarray) -> np.ndarray:
         """Every rollout process's rows of a host array (:func:`_all_rows`)."""
@@ -268,18 +295,21 @@ class StepCollector:
         local = process_slice(cfg.train.prompts_per_step, *mesh_processes(self.programs.mesh))
         return build_batch(self.prompts, indices, local=local, buckets=self.buckets, pad_id=self.pad_id)
 
-    def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray):
-        """This process's rows scored: totals [b], each reward [b] by name, flags
-        [b, 3, rewards] (int32, in ``by_fn``'s order): whether each reward function failed
-        on the row, whether it was not applicable (None or NaN), and 1 (the row was
-        scored); and each function's first failure ``(row, message)``. With
-        ``task.overlong`` the length penalty joins as the reward ``overlong``."""
-        scored = score_completions(self.task, self.task_options, examples, texts)
+    def _score(self, examples: list[dict], texts: list[str], lengths: np.ndarray, scores: Scores | None = None):
+        """This process's rows scored (or their ``scores``, already): totals [b], each
+        reward [b] by name, flags [b, 4, rewards] (int32, in ``by_fn``'s order): whether
+        each reward function failed on the row (raised, returned a non-number or ran past
+        its timeout), whether it was not applicable (None or NaN), 1 (the row was scored),
+        and whether it timed out; and each function's first failure ``(row, message)``.
+        With ``task.overlong`` the length penalty joins as the reward ``overlong``."""
+        scored = self.scorer.score(examples, texts) if scores is None else scores
         by_fn = {name: np.asarray([r[name] for r in scored.rewards], np.float32) for name in scored.names}
-        failed = np.asarray([[[name in bad for name in scored.names] for bad in per_row]
-                             for per_row in (scored.failed, scored.inapplicable)], np.int32)
-        failed = failed.reshape(2, len(texts), len(scored.names)).transpose(1, 0, 2)
-        failed = np.concatenate([failed, np.ones_like(failed[:, :1])], axis=1)  # b 3 F
+        late = scored.timed_out or [()] * len(texts)
+        failed = np.asarray([[[name in bad or name in slow for name in scored.names] for bad, slow in zip(scored.failed, late)],
+                             [[name in na for name in scored.names] for na in scored.inapplicable],
+                             [[1] * len(scored.names) for _ in texts],
+                             [[name in slow for name in scored.names] for slow in late]], np.int32)
+        failed = failed.reshape(4, len(texts), len(scored.names)).transpose(1, 0, 2)  # b 4 F
         first = {n: (scored.first_error_rows[n], msg) for n, msg in scored.first_errors.items()}
         totals = np.asarray(scored.totals, np.float32)
         totals, failed = self.model_rewards.join(examples, texts, totals, by_fn, failed)
@@ -297,7 +327,7 @@ class StepCollector:
             by_fn[OVERLONG] = penalty
             totals = totals + penalty
             # It never fails and always applies.
-            failed = np.concatenate([failed, np.asarray([0, 0, 1], np.int32)[None, :, None].repeat(len(texts), 0)],
+            failed = np.concatenate([failed, np.asarray([0, 0, 1, 0], np.int32)[None, :, None].repeat(len(texts), 0)],
                                     axis=2)
         return totals, by_fn, failed, first
 
@@ -410,8 +440,8 @@ class StepCollector:
         rows = np.asarray([g * k + j for g in groups for j in range(k)])
         full = np.concatenate([feeder.scores[g][0] for g in groups])
         per_full = {n: np.concatenate([feeder.scores[g][1][n] for g in groups]) for n in feeder.names}
-        failed = np.concatenate([feeder.scores[g][2] for g in sorted(feeder.scores)])  # every row scored, b 3 F
-        sums = failed.sum(axis=0).astype(np.int32)  # 3 F
+        failed = np.concatenate([feeder.scores[g][2] for g in sorted(feeder.scores)])  # every row scored, b 4 F
+        sums = failed.sum(axis=0).astype(np.int32)  # 4 F
         errors = jax.device_put(sums[0], self.programs.replicated)
         counts = jax.device_put(sums[1:].reshape(-1), self.programs.replicated)
         group = None
@@ -501,7 +531,7 @@ class _Stream(StreamFeeder):
         # One width for every prompt the step may feed: a round's when they share its bucket.
         self.width = bucket_for(max(len(collector.prompts.token_ids[i]) for i in self.indices), collector.buckets)
         self.rows: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # finished row -> (tokens, mask)
-        self.scores: dict[int, tuple] = {}  # group -> (totals [K], by_fn, flags [K, 3, F], texts, lengths)
+        self.scores: dict[int, tuple] = {}  # group -> (totals [K], by_fn, flags [K, 4, F], texts, lengths)
         self.order: list[int] = []  # groups in finish order
         self.names: list[str] = []
         self.first_errors: dict[str, tuple[int, str]] = {}  # reward -> (row in scoring order, message)
@@ -548,6 +578,39 @@ class _Stream(StreamFeeder):
             self.order.append(g)
             self.filter.add(g, bool(verdicts[i]))
         return self.filter.done
+
+
+class _ScoreAsFinished(StreamFeeder):
+    """A round's stream with overlapped scoring: every prompt fed at the first boundary;
+    each group, once its K rows are done, detokenized and its rewards started
+    (:meth:`~grpo.engine.rollout.scoring.RewardScorer.start`) without waiting for them."""
+
+    def __init__(self, collector: StepCollector, batch: Any, examples: list[dict]):
+        self.c, self.batch, self.examples = collector, batch, examples
+        self.k = collector.config.rollout.num_generations
+        self.fed = False
+        self.done: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+        self.texts: dict[int, str] = {}
+        self.parts: list[Any] = []
+
+    def feed(self):
+        if self.fed:
+            return None
+        self.fed = True
+        return np.asarray(self.batch.tokens), np.asarray(self.batch.mask)
+
+    def finished(self, rows, tokens, mask) -> bool:
+        k = self.k
+        for r, t, m in zip(rows, tokens, mask):
+            self.done[int(r)] = (t, m)
+        ready = sorted(g for g in {int(r) // k for r in rows} if all(g * k + j in self.done for j in range(k)))
+        if ready:
+            ids = [g * k + j for g in ready for j in range(k)]
+            texts = list(self.c.sampler.detokenize(np.stack([self.done[r][0] for r in ids]),
+                                                   np.stack([self.done[r][1] for r in ids])))
+            self.texts.update(zip(ids, texts))
+            self.parts.append(self.c.scorer.start([self.examples[r] for r in ids], texts, rows=ids))
+        return False
 
 
 def _first_errors(parts: Any) -> dict[str, Any]:

@@ -14,8 +14,11 @@ Rewards
     Every other dataset column comes as a keyword argument holding a list (a function
     without ``**kwargs`` gets the columns it names). ``None`` means "not applicable to
     this sample" and counts 0 in the total, as TRL's ``nansum`` does (NaN too). Each function is
-    called once per completion (lists of one), since grpo scores completion by completion;
-    its name in metrics is the function's ``__name__`` (``reward/<name>/mean``).
+    called once per step with the step's completions, as TRL calls it (with
+    ``task.reward_scoring: overlap``, once per batch of groups that finished together); a
+    call that raises or returns the wrong length is retried row by row (lists of one), so
+    one bad completion costs only its own row. Its name in metrics is the function's
+    ``__name__`` (``reward/<name>/mean``).
     ``reward_weights`` (TRL's argument of the same name) weighs them; default 1 each.
     Evaluation counts a completion as solved (pass@k) when ``correct_reward`` (default:
     the first function) scores at least 1; shaping rewards beside it do not decide that.
@@ -60,7 +63,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence
 
 from pydantic import BaseModel, Field, field_validator, model_validator
 
-from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin
+from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin, batched_reward
 from grpo.core.errors import UserError
 from grpo.core.references import SESSION, resolve
 from grpo.plugins.tasks._common import coerce_options, open_split
@@ -239,23 +242,27 @@ def reward_values(out: Any, *, field: str, expected: int) -> list[Any]:
 
 
 def trl_reward(fn: Callable[..., Any], *, prompt_column: str, field: str) -> RewardFn:
-    """``fn`` (TRL's batched convention) as grpo's per-completion ``(completion, example)
-    -> float | None``: lists of one, the example's other columns as keyword arguments;
-    any iterable of numbers is a valid return (:func:`reward_values`), and ``None`` or NaN
-    passes through as "not applicable" (0 in the total, as TRL's ``nansum`` adds them)."""
+    """``fn`` (TRL's batched convention) as a batched reward of the step
+    (:func:`grpo.batched_reward`): the engine hands it the step's completions, and it
+    calls ``fn`` once with them, the prompts from ``prompt_column`` and the other columns
+    as keyword lists, as TRL's ``GRPOTrainer`` does; a completion of a conversational
+    prompt is handed over as ``[{"role": "assistant", "content": ...}]``. Any iterable of
+    numbers is a valid return (:func:`reward_values`); ``None`` or NaN passes through as
+    "not applicable" (0 in the total, as TRL's ``nansum`` adds them)."""
     sig = check_reward(fn)
     names, var_kw, required = _accepts(sig) if sig is not None else (set(), True, [])
 
-    def reward(completion: str, example: Mapping[str, Any]) -> float:
-        prompt = example[prompt_column]
-        conversational = isinstance(prompt, list)
+    @batched_reward(per="step")
+    def reward(completions: list[str], prompts: Any = None, **columns: list[Any]) -> list[Any]:
+        prompt_list = columns[prompt_column]
+        done = [[{"role": "assistant", "content": c}] if isinstance(p, list) else c
+                for c, p in zip(completions, prompt_list)]
         kwargs = {
-            k: [v] for k, v in example.items()
+            k: v for k, v in columns.items()
             if k != prompt_column and k not in ("completions", "prompts") and (var_kw or k in names)
         }
-        done = [{"role": "assistant", "content": completion}] if conversational else completion
-        values = reward_values(fn(completions=[done], prompts=[prompt], **kwargs), field=field, expected=1)
-        return values[0]
+        out = fn(completions=done, prompts=prompt_list, **kwargs)
+        return reward_values(out, field=field, expected=len(completions))
 
     reward.__name__ = _name(fn)
     reward.required = [n for n in required if n not in ("completions", "prompts")]  # type: ignore[attr-defined]

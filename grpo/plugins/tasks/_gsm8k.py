@@ -56,6 +56,7 @@ from grpo.plugins.tasks._common import (
     require_text,
     shorten,
 )
+from grpo.plugins.tasks import _verify as verify
 from grpo.plugins.tasks._numbers import NumberToken, canonical, last_number, only_number, parse_number
 
 log = logging.getLogger("grpo.tasks.gsm8k")
@@ -86,6 +87,12 @@ class GSM8KOptions(PluginOptions):
         "strict",
         description="`strict`: the number inside the required answer format; `flexible`: the last number in the completion.",
     )
+    answer_check: Literal["strict", "math_verify"] = Field(
+        "strict",
+        description="`strict`: the extracted number equals the ground truth by value; `math_verify`: that, or "
+        "Hugging Face's math-verify finds the answer's text (the answer block's or the '####' line's; flexible: "
+        "the completion's) equal to it, so 1/2 = 0.5 = \\frac{1}{2} (pip install 'grpo-jax[math]').",
+    )
     reward_weights: dict[str, float] = Field(
         default_factory=lambda: dict(DEFAULT_WEIGHTS),
         description="Weight of each reward in the total (correct, format, tags); unnamed ones keep their defaults.",
@@ -110,6 +117,13 @@ class GSM8KOptions(PluginOptions):
     @classmethod
     def _weights(cls, value: dict[str, float]) -> dict[str, float]:
         return merge_weights(value, DEFAULT_WEIGHTS)
+
+    @field_validator("answer_check")
+    @classmethod
+    def _check(cls, value: str) -> str:
+        if value == "math_verify" and not verify.available():
+            raise ValueError(f"math_verify needs Hugging Face's math-verify, which is not installed: {verify.INSTALL}")
+        return value
 
     @field_validator("tools")
     @classmethod
@@ -201,6 +215,33 @@ def extract_answer(
             return None
         return only_number(completion.rsplit("####", 1)[1].split("\n", 1)[0])
     raise ValueError(f"unknown answer format {answer_format!r}")
+
+
+def answer_text(completion: str, *, mode: str = "strict", answer_format: str = "tag", tag: str = "answer"
+                ) -> str | None:
+    """The text that states the answer: the last answer block's (``tag``) or the rest of
+    the last ``####`` line (``hashes``); ``flexible``: the whole completion."""
+    if mode == "flexible":
+        return completion
+    if answer_format == "tag":
+        return last_tag_content(completion, tag)
+    return completion.rsplit("####", 1)[1].split("\n", 1)[0] if "####" in completion else None
+
+
+def answer_checks(completion: str, example: Mapping[str, Any], *, mode: str = "strict", answer_format: str = "tag",
+                  tag: str = "answer", math_verify: bool = True) -> dict[str, bool]:
+    """Whether the completion's answer is right by each check: ``strict`` (the extracted
+    number equals the ground truth by value) and, with ``math_verify``, math-verify's
+    (the answer's text equal to the ground truth; in ``flexible`` mode the completion's
+    last expression)."""
+    truth = _ground_truth(example)
+    found = extract_answer(completion, mode=mode, answer_format=answer_format, tag=tag)
+    out = {"strict": found is not None and found.value is not None and found.value == truth}
+    if math_verify:
+        text = answer_text(completion, mode=mode, answer_format=answer_format, tag=tag)
+        out["math_verify"] = text is not None and (
+            verify.equivalent_text(canonical(truth), text) if mode == "flexible" else verify.equivalent(canonical(truth), text))
+    return out
 
 
 def format_ok(completion: str, *, answer_format: str = "tag", tag: str = "answer") -> bool:
@@ -367,12 +408,12 @@ class GSM8KTask(TaskPlugin):
     def reward_functions(self, *, options: BaseModel) -> dict[str, RewardFn]:
         options = _options(options)
         fmt, tag, mode = options.answer_format, options.answer_tag, options.correct_mode
+        check = options.answer_check
 
         def correct(completion: str, example: Mapping[str, Any]) -> float:
-            found = extract_answer(completion, mode=mode, answer_format=fmt, tag=tag)
-            if found is None or found.value is None:
-                return 0.0
-            return 1.0 if found.value == _ground_truth(example) else 0.0
+            checks = answer_checks(completion, example, mode=mode, answer_format=fmt, tag=tag,
+                                   math_verify=check == "math_verify")
+            return 1.0 if any(checks.values()) else 0.0
 
         def format(completion: str, example: Mapping[str, Any]) -> float:  # noqa: A001 - the reward's name
             return 1.0 if format_ok(completion, answer_format=fmt, tag=tag) else 0.0
@@ -388,6 +429,23 @@ class GSM8KTask(TaskPlugin):
 
     def is_correct(self, reward_values: Mapping[str, float], *, options: BaseModel) -> bool:
         return reward_values.get("correct", 0.0) >= 1.0
+
+    def answer_checks(self, completion: str, example: Mapping[str, Any], *, options: BaseModel) -> dict[str, bool]:
+        """Each answer check's verdict (``strict``, ``math_verify`` when installed), for
+        ``grpo task score``'s agreement report."""
+        options = _options(options)
+        return answer_checks(completion, example, mode=options.correct_mode, answer_format=options.answer_format,
+                             tag=options.answer_tag, math_verify=verify.available())
+
+    def reference_completion(self, example: Mapping[str, Any], *, options: BaseModel) -> str:
+        """The labelled solution as a completion in the required format: GSM8K's answer
+        text, its ``#### N`` line written as ``<answer>N</answer>`` for ``tag``."""
+        options = _options(options)
+        text = str(example["answer"])
+        if options.answer_format == "hashes" or "####" not in text:
+            return text
+        head, line = text.rsplit("####", 1)
+        return f"{head.rstrip()}\n<{options.answer_tag}>{line.strip()}</{options.answer_tag}>"
 
     # ---- helpers for people
 

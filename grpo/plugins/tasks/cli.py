@@ -59,8 +59,10 @@ def _open_input(path: str) -> TextIO:
         raise UserError(f"--input {path!r} could not be opened: {err}") from None
 
 
-def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict], int]:
-    """(records, examples, skipped) from a jsonl file; UserError listing malformed lines."""
+def _read(plugin: Any, options: Any, path: str, solutions: bool = False) -> tuple[list[dict], list[dict], int]:
+    """(records, examples, skipped) from a jsonl file; UserError listing malformed lines.
+    ``solutions``: each line's completion is its labelled solution (the task's
+    ``reference_completion``), not a ``completion`` field."""
     from grpo.plugins.tasks._common import UnparseableAnswer
 
     prepare = plugin.prepare_example
@@ -82,7 +84,7 @@ def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict],
             if not isinstance(record, dict):
                 problems.append(f"line {lineno}: expected a JSON object, got {type(record).__name__}")
                 continue
-            completion = record.get("completion")
+            completion = "" if solutions else record.get("completion")
             if not isinstance(completion, str):
                 what = "is missing" if completion is None else f"must be a string, got {type(completion).__name__}"
                 problems.append(f"line {lineno}: the 'completion' field {what}")
@@ -98,6 +100,8 @@ def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict],
             except UserError as err:
                 problems.append(str(err))
                 continue
+            if solutions:
+                record = {**record, "completion": plugin.reference_completion(example, options=options)}
             records.append(record)
             examples.append(example)
     except UnicodeDecodeError as err:
@@ -134,20 +138,28 @@ def _read(plugin: Any, options: Any, path: str) -> tuple[list[dict], list[dict],
     metavar="KEY=VALUE",
     help="A task option, e.g. --set task.options.correct_mode=flexible (value parsed as YAML). Repeatable.",
 )
-def score(name: str, input_path: str, output_path: str | None, overrides: tuple[str, ...]) -> None:
+@click.option("--solutions", is_flag=True,
+              help="Score each line's labelled solution (a data file of the task) instead of a `completion` field.")
+def score(name: str, input_path: str, output_path: str | None, overrides: tuple[str, ...], solutions: bool) -> None:
     """Score saved completions with task NAME's reward functions.
 
     Each output line is the input line plus `rewards` (name -> value), `reward` (the
     weighted total) and `correct`; `reward_errors` appears when a reward function failed
-    on that line. The mean of each reward goes to stderr.
+    on that line. With --solutions each line's labelled solution is scored instead (a
+    data file of the task: gsm8k's `answer`, math's `solution`). A task with several
+    answer checks (gsm8k, math: strict and math-verify) adds `checks` to each line and
+    reports on stderr where they disagree. The mean of each reward goes to stderr.
     """
     from grpo.core.plugins import get_plugins
     from grpo.engine.rollout.scoring import TOTAL, score_completions
 
     plugin = get_plugins().get("task", name)
     options = _task_options(plugin, overrides)
-    records, examples, skipped = _read(plugin, options, input_path)
+    if solutions and not hasattr(plugin, "reference_completion"):
+        raise UserError(f"--solutions: task {name!r} has no labelled solutions to score; give completions instead.")
+    records, examples, skipped = _read(plugin, options, input_path, solutions)
     scores = score_completions(plugin, options, examples, [r["completion"] for r in records])
+    checks = _checks(plugin, options, records, examples)
 
     lines = []
     for i, record in enumerate(records):
@@ -157,6 +169,8 @@ def score(name: str, input_path: str, output_path: str | None, overrides: tuple[
         out["correct"] = scores.correct[i]
         if scores.failed[i]:
             out["reward_errors"] = list(scores.failed[i])
+        if checks:
+            out["checks"] = checks[i]
         lines.append(json.dumps(out, ensure_ascii=False))
     text = "".join(line + "\n" for line in lines)
     if output_path is None or output_path == "-":
@@ -182,4 +196,30 @@ def score(name: str, input_path: str, output_path: str | None, overrides: tuple[
     for n, count in scores.not_applicable.items():
         if count:
             summary.append(f"  reward {n!r} was not applicable (None or NaN, scored 0) to {count} completion(s)")
+    summary += _agreement(checks)
     click.echo("\n".join(summary), err=True)
+
+
+def _checks(plugin: Any, options: Any, records: list[dict], examples: list[dict]) -> list[dict[str, bool]]:
+    """Each completion's verdict by each of the task's answer checks (``answer_checks``),
+    when it has more than one; else nothing."""
+    method = getattr(plugin, "answer_checks", None)
+    if method is None:
+        return []
+    out = [method(r["completion"], ex, options=options) for r, ex in zip(records, examples)]
+    return out if out and len(out[0]) > 1 else []
+
+
+def _agreement(checks: list[dict[str, bool]]) -> list[str]:
+    """The answer checks' agreement, and the first completions where they differ."""
+    if not checks:
+        return []
+    names = list(checks[0])
+    differ = [i for i, c in enumerate(checks) if len(set(c.values())) > 1]
+    lines = [f"  answer checks {' and '.join(names)} agree on {len(checks) - len(differ)} of {len(checks)} "
+             f"completion(s); correct by each: " + ", ".join(f"{n} {sum(c[n] for c in checks)}" for n in names)]
+    for i in differ[:_MAX_PROBLEMS]:
+        lines.append(f"    line {i + 1}: " + ", ".join(f"{n}={'correct' if checks[i][n] else 'wrong'}" for n in names))
+    if len(differ) > _MAX_PROBLEMS:
+        lines.append(f"    ... and {len(differ) - _MAX_PROBLEMS} more")
+    return lines

@@ -141,3 +141,32 @@ def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path):
     sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01"]
     result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
     assert result.exit_code == 0, result.output
+
+
+def test_reward_scoring_and_process_rewards_are_checked_naming_the_fields(tmp_path):
+    """Issue 55: `grpo config validate` refuses overlapped scoring on an engine that does
+    not stream (or with partial rollouts, or a task with tools), process_rewards naming no
+    reward or without processes, and processes with no reward to run (exit 2, naming each
+    field); the continuous engine's overlap is valid."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+
+    def problems(*sets):
+        result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
+        assert "Traceback" not in result.output
+        return result.exit_code, [line for line in result.output.splitlines() if line.startswith("  - ")]
+
+    code, lines = problems("task.reward_scoring=overlap", "rollout.engine=static", "task.process_rewards=[nope]",
+                           "task.reward_processes=2")
+    assert code == 2 and len(lines) == 2, lines
+    assert lines[0].startswith("  - task.process_rewards: task 'arithmetic' has no reward named 'nope'")
+    assert "task.reward_scoring=overlap needs an engine that streams rows" in lines[1] and "'static'" in lines[1]
+    code, lines = problems("task.process_rewards=[close]")
+    assert code == 2 and lines[0].startswith("  - task.process_rewards=['close'] needs task.reward_processes >= 1")
+    code, lines = problems("task.reward_processes=1")
+    assert code == 2 and "task.reward_processes=1 runs nothing" in lines[0]
+    code, lines = problems("task.reward_scoring=overlap", "rollout.engine=continuous", "train.async.enabled=true",
+                           "train.async.partial_rollouts=true")
+    assert code == 2 and any("does not combine with train.async.partial_rollouts=true" in line for line in lines), lines
+    assert problems("task.reward_scoring=overlap", "rollout.engine=continuous", "task.reward_timeout_s=5",
+                    "task.process_rewards=[close]", "task.reward_processes=1")[0] == 0

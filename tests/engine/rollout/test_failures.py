@@ -21,10 +21,11 @@ def test_first_failure_logged_once_and_written(caplog):
     names = ["exact", "shape"]
     first = {"shape": (3, "TypeError: returned str '1.0'")}
     with caplog.at_level(logging.WARNING, logger="grpo.rewards"):
-        # counts: not applicable [exact, shape], then rows scored [exact, shape]
-        metrics = failures.observe(1, names, np.array([0, 2]), np.array([1, 0, 8, 8]), first)
-        failures.observe(2, names, np.array([0, 5]), np.array([0, 0, 8, 8]), {"shape": (0, "TypeError: again")})
-    assert metrics == {"reward/exact/not_applicable": 1.0}
+        # counts: not applicable [exact, shape], rows scored [exact, shape], timeouts [exact, shape]
+        metrics = failures.observe(1, names, np.array([0, 2]), np.array([1, 0, 8, 8, 0, 1]), first)
+        failures.observe(2, names, np.array([0, 5]), np.array([0, 0, 8, 8, 0, 0]), {"shape": (0, "TypeError: again")})
+    # issue 55: a step's failures by kind (2 failures of shape: 1 timed out, 1 raised)
+    assert metrics == {"reward/exact/not_applicable": 1.0, "reward/shape/errors": 1.0, "reward/shape/timeouts": 1.0}
     assert_glossary(metrics, "Reward failures")  # issue 52: what the trainer adds to the step's row
     assert rows == [{"step": 1, "reward": "shape", "row": 3, "error": "TypeError: returned str '1.0'"}]
     warnings = [r.getMessage() for r in caplog.records]
@@ -42,6 +43,17 @@ def test_a_function_failing_on_every_row_of_a_step_stops_the_run():
     assert "the first (row 0): TypeError: 'numpy.ndarray' is not a list" in message
     assert "RUN/reward_errors.jsonl" in message and "\n" not in message
     assert rows and rows[0]["reward"] == "exact"  # written before the run stops
+
+
+def test_every_row_failing_by_errors_and_timeouts_together_stops_the_run():
+    """Issue 55: a function that never computed a value on a step (some rows raised, the
+    rest timed out) stops the run, saying how many timed out; one that failed on some rows
+    only does not, and a record saved before timeouts were counted (2 * functions) reads."""
+    failures = RewardFailures(None)
+    with pytest.raises(UserError, match=r"\(8 of 8, 3 of them past task.reward_timeout_s\)"):
+        failures.observe(1, ["slow"], np.array([8]), np.array([0, 8, 3]), {"slow": (0, "RewardTimeout: late")})
+    assert failures.observe(2, ["slow"], np.array([7]), np.array([0, 8, 7]), None) == {"reward/slow/timeouts": 7.0}
+    assert failures.observe(3, ["slow"], np.array([7]), np.array([0, 8]), None) == {"reward/slow/errors": 7.0}
 
 
 def test_no_counts_recorded_reports_failures_without_stopping():

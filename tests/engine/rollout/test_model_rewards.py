@@ -110,7 +110,7 @@ def test_joined_to_the_task_rewards(monkeypatch):
     joined = StepModelRewards(config, programs=programs, task=Task(), task_options=None)
     examples = [{"question": f"q{i}", "answer": i} for i in range(3)]
     by_fn = {"correct": np.asarray([1.0, 0.0, 0.0], np.float32)}
-    flags = np.zeros((3, 3, 1), np.int32)
+    flags = np.zeros((3, 4, 1), np.int32)  # failed, not applicable, scored, timed out
     flags[:, 2] = 1
     totals, flags = joined.join(examples, ["a", "b", "c"], np.asarray([1.0, 0.0, 0.0], np.float32), by_fn, flags)
     assert list(by_fn) == ["correct", "j", "k"]
@@ -119,6 +119,7 @@ def test_joined_to_the_task_rewards(monkeypatch):
     np.testing.assert_array_equal(flags[:, 1], [[0, 0, 0], [0, 1, 0], [0, 0, 1]])  # not applicable
     np.testing.assert_array_equal(flags[:, 0], 0)
     np.testing.assert_array_equal(flags[:, 2], 1)
+    np.testing.assert_array_equal(flags[:, 3], 0)
     completions, prompts, columns = fakes[0].calls[0]
     assert completions == ["a", "b", "c"] and prompts[1] == [{"role": "user", "content": "q1"}]
     assert columns == {"question": ["q0", "q1", "q2"], "answer": [0, 1, 2]}

@@ -155,3 +155,66 @@ def test_streamed_run_resumes_bit_for_bit(run, tmp_path_factory):
     trainer, cfg, _, _ = run
     resumed = preempted_and_resumed(cfg, tmp_path_factory.mktemp("resumed"), after=1)
     assert_same_run(trainer, resumed)
+
+
+FAULTY_CALLS: list[int] = []
+
+
+def _faulty_rewards(self, *, options):
+    """The arithmetic task's rewards and faulty ones (issue 55), each fault picked by the
+    completion's text (deterministic, so a resumed run meets the same ones): ``flaky``
+    hangs past task.reward_timeout_s, raises or returns NaN; ``by_group`` (batched per
+    group) returns one value too few for some groups; ``counted`` (batched per step)
+    counts its calls."""
+    import zlib
+
+    from grpo import batched_reward
+
+    def flaky(completion, example):
+        h = zlib.crc32(completion.encode()) % 5
+        if h == 0:
+            __import__("time").sleep(3)
+        if h == 1:
+            raise ValueError("flaky")
+        return float("nan") if h == 2 else 1.0
+
+    @batched_reward(per="group")
+    def by_group(completions, prompts, **columns):
+        bad = any(zlib.crc32(c.encode()) % 3 == 0 for c in completions)
+        return [0.5] * (len(completions) - bad)
+
+    @batched_reward
+    def counted(completions, prompts, answer, **columns):
+        FAULTY_CALLS.append(len(completions))
+        return [float(len(c) > 3) for c in completions]
+
+    return {**ORIGINAL_REWARDS(self, options=options), "flaky": flaky, "by_group": by_group, "counted": counted}
+
+
+from grpo.plugins.tasks import ArithmeticTask  # noqa: E402
+
+ORIGINAL_REWARDS = ArithmeticTask.reward_functions
+
+
+@pytest.mark.slow
+def test_overlapped_scoring_with_faulty_rewards_equals_scoring_after_and_resumes_bit_for_bit(tmp_path, monkeypatch):
+    """Issue 55: rewards that hang (past task.reward_timeout_s), raise, return NaN or the
+    wrong length score 0 on those rows, are counted, and the run goes on; with the
+    continuous engine, groups scored as they finish (reward_scoring: overlap) give the run
+    of scoring after the rollout bit for bit; a step-batched reward is called once per
+    step; and that run, SIGTERM'd after step 1 and resumed, is the same run again."""
+    monkeypatch.setattr(ArithmeticTask, "reward_functions", _faulty_rewards)
+    common = {"rollout.engine": "continuous", "rollout.continuous": {"slots": 4, "chunk": 1}, "train.steps": 2,
+              "task.reward_timeout_s": 0.3, "checkpoint.at_end": True}
+    overlapped = Trainer(_config(**common, **{"task.reward_scoring": "overlap"}), tmp_path / "overlap")
+    overlapped.run()
+    FAULTY_CALLS.clear()
+    after = preempted_and_resumed(_config(**common), tmp_path / "after", after=1)
+    assert FAULTY_CALLS == [16, 16]  # once per step
+    assert_same_run(overlapped, after)
+    rows = read_metrics(after.run_dir)
+    assert sum(r.get("reward/flaky/timeouts", 0) for r in rows) > 0
+    assert sum(r.get("reward/flaky/errors", 0) for r in rows) > 0
+    assert sum(r.get("reward/flaky/not_applicable", 0) for r in rows) > 0
+    assert sum(r.get("reward/by_group/errors", 0) for r in rows) > 0
+    assert_glossary(rows, "Every step", "Reward failures")

@@ -229,8 +229,8 @@ def test_nan_in_an_array_is_not_applicable_and_a_wrong_length_is_an_error(reward
     def nan_for_short(completions, **kw):
         return np.asarray([np.nan if len(c) < 3 else 1.0 for c in completions])
 
-    def two_values(completions, **kw):
-        return np.zeros(2)
+    def two_values(completions, **kw):  # one too many, in the step's call and row by row alike (issue 55)
+        return np.zeros(len(completions) + 1)
 
     def text(completions, **kw):
         return "1.0"
