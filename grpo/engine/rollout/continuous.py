@@ -63,7 +63,7 @@ from grpo.engine.rollout.paged.scheduler import Scheduler, pow2
 from grpo.engine.rollout.paged.slots import auto_slots
 from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
-from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec
+from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec, bitwise_scatter, scatter_set
 from grpo.sharding import fit_sharding
 
 
@@ -467,8 +467,7 @@ class ContinuousSampler(BaseSampler):
         _, cache = prefill_forward(self._model(params), tokens, mask, cache_dtype=state.k.dtype)
         return self._write_pages(state, cache, mask.sum(axis=1).astype(jnp.int32), table, rows >= 0)
 
-    @staticmethod
-    def _write_pages(state: SlotState, cache: Any, lengths: jax.Array, table: jax.Array, live: jax.Array
+    def _write_pages(self, state: SlotState, cache: Any, lengths: jax.Array, table: jax.Array, live: jax.Array
                      ) -> SlotState:
         """A dense prefill cache [layers, n, L, KH, E] (rows left-aligned, ``lengths`` [n]
         real tokens) written into the rows' pages (``table`` [n, W]); rows not ``live``
@@ -485,8 +484,9 @@ class ContinuousSampler(BaseSampler):
 
         def scatter(pool, dense):  # dense [layers, n, L, KH, E] -> pool [layers, KH, P, ps, E]
             vals = jnp.take_along_axis(dense, src[None, :, :, None, None], axis=2).transpose(0, 3, 1, 2, 4)
-            return pool.at[:, :, page, offset].set(vals.astype(pool.dtype), mode="drop")
+            return scatter_set(pool, (slice(None), slice(None), page, offset), vals, bits=bits)
 
+        bits = bitwise_scatter(None if self.mesh is None else self.mesh.devices.flat[0].platform)
         return state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
 
     def _seat(self, st: SlotState, *, slots: jax.Array, rows: jax.Array, lengths: jax.Array, drawn: tuple,
