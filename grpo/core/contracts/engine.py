@@ -358,8 +358,10 @@ class RolloutEngine(abc.ABC):
         raise NotPlanned(f"{type(self).__name__} has no abstract output")
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
-                 trace: list | None = None) -> dict[str, int]:
-        """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``)."""
+                 trace: list | None = None, groups: Any = None) -> dict[str, int]:
+        """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``);
+        ``groups`` [rows]: each row's prompt (a group's samples share one; the plan passes
+        it only to an implementation that takes it)."""
         raise NotPlanned(f"{type(self).__name__} has no schedule model")
 
     def plan(self) -> tuple[tuple[int, int], ...]:

@@ -293,7 +293,7 @@ class ContinuousSampler(BaseSampler):
         return self._outputs(core)
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
-                 trace: list | None = None) -> dict[str, int]:
+                 trace: list | None = None, groups: Any = None) -> dict[str, int]:
         """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
         ``completions`` [rows], each at most the cap), without a model: the same engine
         core (:class:`~grpo.engine.rollout.paged.core.EngineCore`: scheduler and
@@ -301,13 +301,15 @@ class ContinuousSampler(BaseSampler):
         Returns the figures of :attr:`last_stats` (chunks, slot_steps, peak_pages,
         evictions, ...); ``grpo plan --lengths`` reports them. A stop token ends a row
         exactly as a known length does, so on the rows a rollout produced it reproduces
-        that rollout's. ``trace``: see :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
+        that rollout's. ``trace``, ``groups`` (each row's prompt): see
+        :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
         plen = np.asarray(prompt_lengths, np.int64)
         comp = np.asarray(completions, np.int64)
         alloc = self._allocator(prompt_length, self.slots_for(len(comp), prompt_length))
         sched = Scheduler(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=self.chunk_steps)
-        core = EngineCore(sched, SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace),
-                          rows=len(comp))
+        runner = SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace,
+                                 groups=None if groups is None else np.asarray(groups))
+        core = EngineCore(sched, runner, rows=len(comp))
         core.run()
         return core.stats()
 
