@@ -121,6 +121,10 @@ class ContinuousSampler(BaseSampler):
         self.refresh_jit = jax.jit(self._refresh_impl, donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
         self._core: EngineCore | None = None
+        # train.compile.ahead: all (set by the program builder): a session's first start
+        # compiles every decode bucket in parallel (grpo.engine.schedule.decode_buckets).
+        self.compile_ahead = False
+        self._compiled_buckets: set[tuple[Any, ...]] = set()
 
     # ------------------------------------------------------------------ the contract
 
@@ -384,6 +388,22 @@ class ContinuousSampler(BaseSampler):
                 "decode": decode}
 
     # ------------------------------------------------------------------ host pieces
+
+    def compile_buckets(self, runner: DeviceRunner) -> None:
+        """With :attr:`compile_ahead`, compile the decode at every bucket of ``runner``'s
+        pool (once per pool, weights layout and key kind) before its first chunk."""
+        if not self.compile_ahead or runner.params is None:
+            return
+        from grpo.engine.schedule import compile_decode_buckets, decode_buckets
+
+        a = runner.alloc
+        key = (a.slots, a.pages, a.max_pages, runner.impl, runner.stop_at is None, runner.keys is None)
+        if key in self._compiled_buckets:
+            return
+        self._compiled_buckets.add(key)
+        buckets = decode_buckets(slots=a.slots, shards=a.shards, max_pages=a.max_pages)
+        compile_decode_buckets(self, params=runner.params, state=runner.state, keys=runner.keys,
+                               stop_at=runner.stop_at, impl=runner.impl, buckets=buckets)
 
     def prefill_rows(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of

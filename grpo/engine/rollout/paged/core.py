@@ -219,6 +219,7 @@ class DeviceRunner:
         if self.state is None:
             self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages,
                                                slots=self.alloc.slots)
+            self.engine.compile_buckets(self)
             if self._restored is not None:  # every field but the (zero) page pool, as saved
                 st, saved = self.state, self._restored
                 self.state = st._replace(**{
