@@ -189,8 +189,6 @@ class RunPrograms:
                 lora_adapters=not self.merged_sampling, detokenize=self.detokenize,
                 conversations=self.conversations, greedy=greedy, num_generations=k, prepare=self.prepare_weights,
             )
-            if hasattr(self._samplers[key], "compile_ahead"):  # the continuous engine's decode buckets
-                self._samplers[key].compile_ahead = self.config.train.compile.ahead == "all"
         return self._samplers[key]
 
     @property

@@ -12,9 +12,10 @@ in exactly the shardings a step gives it. :func:`compile_ahead` compiles them on
 pool (XLA compiles in parallel across cores) before step 1; a step's call then hits jit's
 cache for the same avals and shardings, so the executables compiled ahead are the ones
 that run. The continuous engine's decode compiles once per ``(live slots, page-table
-width)`` bucket (:func:`decode_buckets`): with ``ahead: all`` its first session compiles
-every bucket in parallel on its own arguments (:func:`compile_decode_buckets`) before its
-first chunk, so a later step reaching a new bucket compiles nothing. The other programs of
+width)`` bucket (``decode_buckets``): with ``ahead: all`` its first session compiles
+every bucket in parallel on its own arguments (``compile_decode_buckets``) before its
+first chunk, so a later step reaching a new bucket compiles nothing (the listing and the
+compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`). The other programs of
 a step (rollout prefill, glue, evaluation) have one shape a run and prompt bucket, and
 compile at their first use.
 
@@ -229,38 +230,6 @@ def _chain(programs: Any, state: dict[str, Any], *, per: int, head: int, prompt_
     return _Chain([pack, reference, behaviour, update])
 
 
-def decode_buckets(*, slots: int, shards: int, max_pages: int) -> list[tuple[int, int]]:
-    """Every ``(n, W)`` the continuous engine's decode can run at, widest first: ``n``
-    slots (a power of two per part of the pool, at most its ``slots / shards``, times the
-    ``shards`` parts) over page tables ``W`` wide (a power of two, at most ``max_pages``):
-    what :meth:`~grpo.engine.rollout.paged.scheduler.Scheduler.selection` can choose, so
-    about ``log2(slots) x log2(max_pages)`` programs."""
-    part = max(slots // max(shards, 1), 1)
-    ns = sorted({min(1 << i, part) for i in range(part.bit_length() + 1)}, reverse=True)
-    ws = sorted({min(1 << i, max_pages) for i in range(max(max_pages - 1, 0).bit_length() + 1)}, reverse=True)
-    return [(n * shards, w) for n in ns for w in ws]
-
-
-def compile_decode_buckets(engine: Any, *, params: Any, state: Any, keys: Any, stop_at: Any, impl: Any,
-                           buckets: list[tuple[int, int]], workers: int | None = None) -> dict[str, float]:
-    """The continuous engine's decode at every one of ``buckets`` (:func:`decode_buckets`),
-    lowered on the session's own arguments (the concrete weights, state and keys it will
-    call with; the slot arrays abstract at each bucket, placed as the runner places them)
-    and compiled in parallel (:func:`compile_ahead`), so a chunk at any bucket hits jit's
-    cache instead of compiling mid-rollout."""
-    import jax.numpy as jnp
-
-    def lower(n: int, w: int) -> Any:
-        def rows(*shape: int) -> Any:
-            names = ("batch",) + (None,) * (len(shape) - 1)
-            return jax.ShapeDtypeStruct(shape, jnp.int32, sharding=engine.sharding(shape, names))
-
-        return engine.decode_jit.lower(params, state, rows(n, w), rows(n), rows(n), keys, stop_at, key_impl=impl)
-
-    shapes = [ProgramShape("decode", f"slots={n} pages={w}", functools.partial(lower, n, w)) for n, w in buckets]
-    return compile_ahead(shapes, workers=workers, progress=log.debug)
-
-
 def compile_ahead(shapes: list[ProgramShape], *, workers: int | None = None,
                   progress: Callable[[str], None] | None = None) -> dict[str, float]:
     """Compile every shape of ``shapes`` on a pool of ``workers`` threads (default: the
@@ -374,7 +343,6 @@ class Watched:
 
 
 __all__ = [
-    "BACKEND_COMPILE", "Pending", "ProgramShape", "ShapeWatch", "Watched", "compile_ahead", "compile_decode_buckets",
-    "compiles", "decode_buckets", "describe",
+    "BACKEND_COMPILE", "Pending", "ProgramShape", "ShapeWatch", "Watched", "compile_ahead", "compiles", "describe",
     "packed_shapes", "padded_batch", "prompt_lengths", "shape_list", "start_compile",
 ]

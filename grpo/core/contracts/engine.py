@@ -403,7 +403,10 @@ class EngineContext:
       LoRA base bound). The builder sets it as :attr:`RolloutEngine.prepare` on the
       engine :meth:`RolloutEnginePlugin.build` returns unless the engine set its own; an
       engine that builds another inside it (a wrapper) gives it to the inner one if it
-      hands the inner engine trained weights. None: the params as they come.
+      hands the inner engine trained weights. None: the params as they come;
+    - ``compile_ahead``: ``train.compile.ahead`` is ``all``: compile every program shape
+      the engine can run before it first runs one (the built-in continuous engine: its
+      decode buckets, :mod:`grpo.engine.rollout.paged.buckets`).
     """
 
     graphdef: Any
@@ -414,6 +417,7 @@ class EngineContext:
     conversations: Any = None
     multi_turn: bool = False
     prepare: Callable[[Any], Any] | None = None
+    compile_ahead: bool = False
 
 
 class RolloutEnginePlugin(_PluginBase):

@@ -184,6 +184,13 @@ def largest_pool(*, hbm: int, pool_bytes: int, pool_pages: int, peaks: list[int]
 POOL_PROGRAMS = ("start", "prefill", "decode")  # the step's programs that hold the page pool
 
 
+def _simulate(engine: Any, *, groups: np.ndarray, **kwargs: Any) -> dict[str, Any]:
+    """``engine.simulate(**kwargs)``, with each row's prompt ``groups`` where the engine
+    takes them (an engine of another package may implement the contract's older form)."""
+    shared = {"groups": groups} if "groups" in inspect.signature(engine.simulate).parameters else {}
+    return engine.simulate(**kwargs, **shared)
+
+
 def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[str, Any],
                    rollout_weight_bytes: float | None) -> dict[str, Any]:
     """The continuous engine's section of a plan (subject ``s``, a
@@ -215,14 +222,12 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     ici = entries.get("decode", {}).get("ici_s_per_step") or 0.0
     dec, pre = decode_roof(s.arch, ici_s=ici, **common), prefill_roof(s.arch, prompt_length=Lp, **common)
     prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
-    # A group's samples hold one prompt (rows prompt-major, as a step lays them out): a
-    # prefill of rows admitted together runs each distinct prompt once.
-    groups = np.arange(rows) // config.rollout.num_generations
+    groups = np.arange(rows) // config.rollout.num_generations  # rows prompt-major: a group shares its prompt
 
     def run(smp: Any, no_comm: bool = False) -> dict[str, Any]:
         trace: list[dict[str, Any]] = []
-        shared = {"groups": groups} if "groups" in inspect.signature(smp.simulate).parameters else {}
-        sim = smp.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace, **shared)
+        sim = _simulate(smp, prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace,
+                        groups=groups)
         kw = dict(trace=trace, prefill=pre, chunk=sim["chunk"], page_size=smp.page_size,
                   shards=smp.shards(sim["slots"]), slots=sim["slots"])
         secs = schedule_seconds(decode=dec, **kw)

@@ -101,7 +101,7 @@ class ContinuousSampler(BaseSampler):
     the static sampler's."""
 
     def __init__(self, graphdef: Any, *, slots: int | str, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,
-                 backend: str = "auto", detokenize: Any = None, **kwargs: Any):
+                 backend: str = "auto", detokenize: Any = None, compile_ahead: bool = False, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
         checks = (("page_size", page_size, 1), ("pool_pages", pool_pages, 0), ("chunk", chunk, 1))
         for name, value, low in checks + ((("slots", slots, 0),) if slots != "auto" else ()):
@@ -121,9 +121,9 @@ class ContinuousSampler(BaseSampler):
         self.refresh_jit = jax.jit(self._refresh_impl, donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
         self._core: EngineCore | None = None
-        # train.compile.ahead: all (set by the program builder): a session's first start
-        # compiles every decode bucket in parallel (grpo.engine.schedule.decode_buckets).
-        self.compile_ahead = False
+        # train.compile.ahead: all: a session's first start compiles every decode bucket in
+        # parallel (grpo.engine.rollout.paged.buckets).
+        self.compile_ahead = compile_ahead
         self._compiled_buckets: set[tuple[Any, ...]] = set()
 
     # ------------------------------------------------------------------ the contract
@@ -394,7 +394,7 @@ class ContinuousSampler(BaseSampler):
         pool (once per pool, weights layout and key kind) before its first chunk."""
         if not self.compile_ahead or runner.params is None:
             return
-        from grpo.engine.schedule import compile_decode_buckets, decode_buckets
+        from grpo.engine.rollout.paged.buckets import compile_decode_buckets, decode_buckets
 
         a = runner.alloc
         key = (a.slots, a.pages, a.max_pages, runner.impl, runner.stop_at is None, runner.keys is None)
