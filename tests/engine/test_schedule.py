@@ -166,4 +166,3 @@ def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_t
     assert [s.shape for s in every] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in buckets]
     assert {s.program for s in every} == {"packed"}
     assert [s.shape for s in first] == [f"per={pairs[0][0]} K={pairs[0][1]} prompt=40"]
-
