@@ -11,8 +11,13 @@ program and shape, each lowering the builder's own jitted program on abstract ar
 in exactly the shardings a step gives it. :func:`compile_ahead` compiles them on a thread
 pool (XLA compiles in parallel across cores) before step 1; a step's call then hits jit's
 cache for the same avals and shardings, so the executables compiled ahead are the ones
-that run. The other programs of a step (rollout, glue, evaluation) have one shape a run
-and compile at their first use, in step 1.
+that run. The continuous engine's decode compiles once per ``(live slots, page-table
+width)`` bucket (``decode_buckets``): with ``ahead: all`` its first session compiles
+every bucket in parallel on its own arguments (``compile_decode_buckets``) before its
+first chunk, so a later step reaching a new bucket compiles nothing (the listing and the
+compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`). The other programs of
+a step (rollout prefill, glue, evaluation) have one shape a run and prompt bucket, and
+compile at their first use.
 
 ``train.compile.ahead``: ``all`` compiles the whole list, ``first`` only the widest shape
 (the most memory a step needs: an out-of-memory shows before step 1), ``lazy`` none.

@@ -83,6 +83,47 @@ def test_write_token_writes_live_rows_only():
     np.testing.assert_array_equal(out, expect)
 
 
+def test_bf16_write_through_its_bits_equals_the_plain_write():
+    """The bit-pattern write (XLA:CPU) leaves the very bits the plain bf16 scatter leaves."""
+    from grpo.models.layers.paged import bitwise_scatter
+
+    rng = np.random.default_rng(1)
+    pool = jnp.asarray(rng.normal(size=(2, KH, POOL, PS, E)), jnp.bfloat16)
+    table = jnp.asarray([[3, 7, 0, 0], [5, 0, 0, 0], [9, 0, 0, 0]], jnp.int32)
+    args = dict(pool=pool, layer=jnp.int32(1), new=jnp.asarray(rng.normal(size=(B, KH, E)), jnp.float32),
+                page_table=table, lengths=jnp.asarray([5, 2, 0], jnp.int32), live=jnp.asarray([True, True, False]))
+    plain, bits = write_token(**args), write_token(**args, bits=True)
+    assert bits.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(bits).view(np.uint16), np.asarray(plain).view(np.uint16))
+    assert bitwise_scatter("cpu") and not bitwise_scatter("tpu") and not bitwise_scatter("gpu")
+
+
+def test_bf16_decode_step_on_cpu_never_widens_the_pool():
+    """Issue 49 item 7: XLA:CPU has no bf16 scatter, so a decode step's token write
+    converted the whole pool to f32 and back (three passes over every page, per layer and
+    step: a 16-step chunk of 2 slots cost as much as one of 32). The compiled step holds no
+    f32 buffer of the pool's shape outside the attention's fused read."""
+    from grpo.models.layers.paged import PagedSpec, paged_decode
+
+    pool_shape = (2, KH, 64, PS, E)
+    pool = jax.ShapeDtypeStruct(pool_shape, jnp.bfloat16)
+    act = jax.ShapeDtypeStruct((B, KH, E), jnp.bfloat16)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+
+    def step(q, k, v, pk, pv, table, lengths):
+        return paged_decode(q=q, k_new=k, v_new=v, pool_k=pk, pool_v=pv, layer=jnp.int32(1), page_table=table,
+                            lengths=lengths, live=lengths >= 0, scale=0.25, spec=PagedSpec(), mesh=None)
+
+    hlo = jax.jit(step, donate_argnums=(3, 4)).lower(
+        jax.ShapeDtypeStruct((B, H, E), jnp.bfloat16), act, act, pool, pool, i32(B, MAXP), i32(B)).compile().as_text()
+    f32_pool = "f32[" + ",".join(map(str, pool_shape)) + "]"
+    # The attention's read is one fusion (convert + gather of the live pages); anything
+    # else producing an f32 pool is a whole-pool pass.
+    widened = [ln for ln in hlo.splitlines() if f"= {f32_pool}" in ln and " fusion(" in ln
+               and not ln.lstrip().startswith("ROOT")]
+    assert not [ln for ln in widened if "scatter" in ln or "convert" in ln.split("calls=")[-1]], widened
+
+
 @pytest.mark.slow
 def test_tpu_kernel_compiles_for_tpu():
     """The Pallas TPU kernel as the decoder calls it, lowered and compiled for a v6e

@@ -1,5 +1,6 @@
-"""The rollout engines' option sections (``rollout.continuous``), apart from
-:mod:`grpo.core.config.schema` so that it stays one readable module."""
+"""The rollout engines' option sections (``rollout.continuous``) and the rule of
+``rollout.engine: auto``, apart from :mod:`grpo.core.config.schema` so that it stays one
+readable module."""
 
 from __future__ import annotations
 
@@ -115,5 +116,27 @@ def quantization_platform_problems(rollout: Any, platform: str) -> list[str]:
             for field in ("weights", "kv_cache") if getattr(q, field) == "fp8"]
 
 
-__all__ = ["ContinuousEngineConfig", "RolloutQuantizationConfig", "quantization_platform_problems",
-           "quantization_problems"]
+AUTO_CONTINUOUS_FROM = 128
+"""``rollout.engine: auto`` picks the continuous engine from this ``max_new_tokens`` on.
+
+Measured with ``grpo bench rollout --preset tiny --lengths gsm8k-qwen25-3b-v6e8`` (bf16,
+default options, both engines on the same rows, ratios within one run): see
+:func:`auto_engine`."""
+
+
+def auto_engine(*, max_new_tokens: int, partial_rollouts: bool) -> str:
+    """The engine ``rollout.engine: auto`` runs: ``continuous`` where rows stream across
+    steps (``train.async.partial_rollouts``: only it can), or where the cap leaves a ragged
+    tail to save (``max_new_tokens >= AUTO_CONTINUOUS_FROM``: the static engine decodes
+    every row until the longest stops, attending each row's whole cache segment, while the
+    continuous one computes only the live slots and their pages); else ``static``, whose
+    one batch pays no chunk boundaries and fewer compiles at a short cap, where every row
+    stops near the same step. Multi-turn tasks follow the same rule (``max_new_tokens`` is
+    the whole trajectory's budget); both engines run them."""
+    if partial_rollouts or max_new_tokens >= AUTO_CONTINUOUS_FROM:
+        return "continuous"
+    return "static"
+
+
+__all__ = ["AUTO_CONTINUOUS_FROM", "ContinuousEngineConfig", "RolloutQuantizationConfig", "auto_engine",
+           "quantization_platform_problems", "quantization_problems"]

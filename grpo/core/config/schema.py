@@ -12,7 +12,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import ConfigDict, Field, field_validator, model_validator
 
-from grpo.core.config.engine import ContinuousEngineConfig, RolloutQuantizationConfig
+from grpo.core.config.engine import ContinuousEngineConfig, RolloutQuantizationConfig, auto_engine
 from grpo.core.config.rewards import ModelReward, unique_names
 from grpo.core.config.section import Section
 from grpo.core.config.training import (  # noqa: F401 (re-exported: the train sub-sections)
@@ -292,7 +292,9 @@ class RolloutConfig(Section):
         "static",
         description="Rollout engine plugin name (`grpo plugins list`): static (one batch, a dense KV cache per row) "
         "or continuous (rows queue for a fixed number of decode slots over a paged KV cache; multi-turn tasks "
-        "too), or an installed engine's.",
+        "too), or an installed engine's; auto = continuous with train.async.partial_rollouts or from "
+        "max_new_tokens 128 on, else static (grpo.core.config.engine.auto_engine; `grpo config show` prints "
+        "the engine it resolved to).",
     )
     engine_options: dict[str, Any] = Field(
         default_factory=dict, description="Options of the chosen rollout engine plugin (the built-in ones take none: "
@@ -328,7 +330,7 @@ class RolloutConfig(Section):
         c = self.continuous
         prompt = self.prompt_buckets[-1] if self.prompt_buckets else self.max_prompt_length
         need = -(-(prompt + self.max_new_tokens) // c.page_size)
-        if self.engine == "continuous" and 0 < c.pool_pages < need:  # the built-in engine's own section
+        if self.engine in ("continuous", "auto") and 0 < c.pool_pages < need:  # the built-in engine's own section
             raise ValueError(
                 f"rollout.continuous.pool_pages={c.pool_pages} cannot hold one row: the longest prompt bucket ({prompt}) "
                 f"+ rollout.max_new_tokens ({self.max_new_tokens}) take {need} pages of {c.page_size} tokens; "
@@ -571,6 +573,16 @@ class RunConfig(Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Periodic evaluation.")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="Orbax checkpoints.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Metrics, progress bar, W&B.")
+
+    @model_validator(mode="after")
+    def _auto_engine(self):
+        # rollout.engine: auto resolves here, so every later check, the run and `grpo config
+        # show` see the engine that runs.
+        if self.rollout.engine == "auto":
+            self.rollout.engine = auto_engine(max_new_tokens=self.rollout.max_new_tokens,
+                                              partial_rollouts=self.train.async_.enabled
+                                              and self.train.async_.partial_rollouts)
+        return self
 
     @model_validator(mode="after")
     def _async_correction(self):

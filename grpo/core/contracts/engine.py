@@ -370,8 +370,10 @@ class RolloutEngine(abc.ABC):
         raise NotPlanned(f"{type(self).__name__} has no abstract output")
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
-                 trace: list | None = None) -> dict[str, int]:
-        """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``)."""
+                 trace: list | None = None, groups: Any = None) -> dict[str, int]:
+        """The engine's schedule for rows of known lengths, without a model (``grpo plan --lengths``);
+        ``groups`` [rows]: each row's prompt (a group's samples share one; the plan passes
+        it only to an implementation that takes it)."""
         raise NotPlanned(f"{type(self).__name__} has no schedule model")
 
     def plan(self) -> tuple[tuple[int, int], ...]:
@@ -413,7 +415,10 @@ class EngineContext:
       LoRA base bound). The builder sets it as :attr:`RolloutEngine.prepare` on the
       engine :meth:`RolloutEnginePlugin.build` returns unless the engine set its own; an
       engine that builds another inside it (a wrapper) gives it to the inner one if it
-      hands the inner engine trained weights. None: the params as they come.
+      hands the inner engine trained weights. None: the params as they come;
+    - ``compile_ahead``: ``train.compile.ahead`` is ``all``: compile every program shape
+      the engine can run before it first runs one (the built-in continuous engine: its
+      decode buckets, :mod:`grpo.engine.rollout.paged.buckets`).
     """
 
     graphdef: Any
@@ -424,6 +429,7 @@ class EngineContext:
     conversations: Any = None
     multi_turn: bool = False
     prepare: Callable[[Any], Any] | None = None
+    compile_ahead: bool = False
 
 
 class RolloutEnginePlugin(_PluginBase):

@@ -15,7 +15,10 @@ prefills), then ``repeats`` times; the fastest run is reported. Per engine:
 
 - ``valid_tokens_per_s``: the rows' completion tokens (the drawn lengths: the samplers'
   stop token is set past the vocabulary, so no row stops early at random) over the rollout's wall time (prefill, decode and, for
-  the continuous engine, its host scheduling at chunk boundaries);
+  the continuous engine, its host scheduling at chunk boundaries); ``rollout_cpu_s`` and
+  ``valid_tokens_per_cpu_s`` the same over the process's CPU seconds (every thread), and
+  ``continuous_over_static_cpu`` their ratio: on a shared CPU machine the wall times of
+  two rollouts run minutes apart measure the machine's load as much as the engines;
 - ``slot_occupancy``: live-row decode steps over slot-steps run. Static: every row holds
   its slot until the longest row stops (``sum(lengths) / (rows * steps)``). Continuous:
   the steps live slots ran over ``slots * chunk * chunks``, and ``computed_occupancy``
@@ -87,6 +90,10 @@ def run_engines_bench(*, config: Any, built: Any, params: Any, tokens: np.ndarra
         result["same_tokens"] = bool(np.array_equal(a[0], b[0]) and np.array_equal(a[1], b[1]))
         result["continuous_over_static"] = round(
             result["engines"]["continuous"]["valid_tokens_per_s"] / result["engines"]["static"]["valid_tokens_per_s"], 3)
+        # The same by the process's CPU seconds: on a shared machine the wall time of two
+        # rollouts run minutes apart also measures how busy the machine was meanwhile.
+        result["continuous_over_static_cpu"] = round(
+            result["engines"]["static"]["rollout_cpu_s"] / max(result["engines"]["continuous"]["rollout_cpu_s"], 1e-9), 3)
     del jax
     return result
 
@@ -99,17 +106,20 @@ def _time_engine(sampler: Any, params: Any, tokens: np.ndarray, mask: np.ndarray
 
     key = jax.random.key(seed)
 
-    def once() -> tuple[float, Any]:
-        t = time.perf_counter()
+    def once() -> tuple[float, float, Any]:
+        t, c = time.perf_counter(), time.process_time()
         out = jax.block_until_ready(sampler.generate(params, tokens, mask, key, stop_at=stop_at))
-        return time.perf_counter() - t, out
+        return time.perf_counter() - t, time.process_time() - c, out
 
-    first_s, out = once()
-    best = min(once()[0] for _ in range(max(1, repeats)))
+    first_s, _, out = once()
+    runs = [once()[:2] for _ in range(max(1, repeats))]
+    best, cpu = min(r[0] for r in runs), min(r[1] for r in runs)
     lengths = np.asarray(out.lengths)
     valid = int(lengths.sum())
     figures: dict[str, Any] = {"first_call_s": round(first_s, 4), "rollout_s": round(best, 4),
-                               "valid_tokens": valid, "valid_tokens_per_s": round(valid / best, 2)}
+                               "rollout_cpu_s": round(cpu, 4), "valid_tokens": valid,
+                               "valid_tokens_per_s": round(valid / best, 2),
+                               "valid_tokens_per_cpu_s": round(valid / max(cpu, 1e-9), 2)}
     stats = getattr(sampler, "last_stats", None)
     if stats:  # the continuous engine
         steps = stats["slots"] * stats["chunk"] * stats["chunks"]

@@ -10,7 +10,8 @@ but at the schedule the engine runs rather than at the length cap:
   of two, as the compiled variant does) for ``chunk`` steps; a step reads the chip's
   weights once and, per slot, the pages of its cached tokens (a slot that stopped in the
   chunk still attends over its pages; the page-table width caps what a slot reads). Each
-  admission batch is one prefill of its rows padded to a power of two. The slowest part of
+  admission batch is one prefill of its rows padded to a power of two, its forward run once
+  per distinct prompt (a group's samples admitted together share it). The slowest part of
   the pool sets a step's time. The static engine's figure at the same rows decodes every
   row until the longest stops, each step reading every row's whole cache segment.
 - **Concurrent rows**: rows of the profile's lengths (prompt + completion, in whole
@@ -28,6 +29,7 @@ but at the schedule the engine runs rather than at the length cap:
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 from typing import Any
 
@@ -56,6 +58,14 @@ class ChipRoof:
         flops = rows * self.row_flops + tokens * self.token_flops
         nbytes = self.weight_bytes + rows * self.row_bytes + tokens * self.token_bytes
         return max(flops / self.peak, nbytes / self.bw, self.ici_s)
+
+    def prefill_seconds(self, prompts: float, rows: float) -> float:
+        """A prefill of ``rows`` rows whose prompts hold ``prompts`` distinct ones (the
+        continuous engine's shared prompts: a group's samples admitted together run their
+        prompt once): the forward's FLOPs per distinct prompt, every row's keys and values
+        written into its own pages."""
+        nbytes = self.weight_bytes + rows * self.row_bytes
+        return max(prompts * self.row_flops / self.peak, nbytes / self.bw, self.ici_s)
 
 
 def decode_roof(dims: Any, *, weight_bytes: float, itemsize: int, tp: int, kv_split: int, peak: float, bw: float,
@@ -91,14 +101,17 @@ def schedule_seconds(*, trace: list[dict[str, Any]], decode: ChipRoof, prefill: 
                      shards: int, slots: int) -> dict[str, float]:
     """Roofline seconds of a simulated schedule (``simulate(trace=...)``): each chunk's
     ``chunk`` steps at its ``n`` slots per part of the pool, a step as slow as its slowest
-    part; each prefill batch padded to a power of two (at most ``slots``) over the parts."""
+    part; each prefill batch padded to a power of two (at most ``slots``) over the parts,
+    its forward run once per distinct prompt (the entry's ``prompts``, padded to a power of
+    two, at most the rows; absent: one per row)."""
     dec = pre = 0.0
     steps = 0
     t = np.arange(chunk)[:, None, None]  # C 1 1
     for e in trace:
         if "prefill" in e:
             rows = min(_pow2(e["prefill"]), slots)
-            pre += prefill.seconds(math.ceil(rows / shards), 0.0)
+            prompts = min(_pow2(e.get("prompts", e["prefill"])), rows)
+            pre += prefill.prefill_seconds(math.ceil(prompts / shards), math.ceil(rows / shards))
             continue
         n = len(e["idx"]) // shards
         L0 = np.asarray(e["lengths"], np.int64).reshape(shards, n)[None]  # 1 shards n
@@ -142,15 +155,18 @@ def mean_live_tokens(*, prompts: np.ndarray, completions: np.ndarray, page_size:
 
 
 def steady_state(*, slots: int, shards: int, decode: ChipRoof, prefill: ChipRoof, prompts: np.ndarray,
-                 completions: np.ndarray, page_size: int, prefill_rows: float) -> dict[str, float]:
+                 completions: np.ndarray, page_size: int, prefill_rows: float,
+                 prefill_prompts: float | None = None) -> dict[str, float]:
     """Partial rollouts: ``slots`` always live (``slots / shards`` a part), one token each a
-    step; each row prefilled once in batches of ``prefill_rows`` a chip. Seconds per valid
-    token and valid tokens/s over the whole rollout mesh."""
+    step; each row prefilled once in batches of ``prefill_rows`` a chip holding
+    ``prefill_prompts`` distinct prompts (None: one per row). Seconds per valid token and
+    valid tokens/s over the whole rollout mesh."""
     n = slots / shards
     live = mean_live_tokens(prompts=prompts, completions=completions, page_size=page_size)
     step = decode.seconds(n, n * live)
     mean_c = float(np.mean(completions))
-    pre_row = prefill.seconds(prefill_rows, 0.0) / prefill_rows
+    shared = prefill_rows if prefill_prompts is None else prefill_prompts
+    pre_row = prefill.prefill_seconds(shared, prefill_rows) / prefill_rows
     per_token_part = step / n + pre_row / mean_c  # one part's seconds per valid token
     return {"slots": slots, "step_s": step, "mean_live_tokens": live, "decode_s_per_valid_token": step / slots,
             "prefill_s_per_valid_token": pre_row / mean_c / shards, "s_per_valid_token": per_token_part / shards,
@@ -167,6 +183,13 @@ def largest_pool(*, hbm: int, pool_bytes: int, pool_pages: int, peaks: list[int]
 
 
 POOL_PROGRAMS = ("start", "prefill", "decode")  # the step's programs that hold the page pool
+
+
+def _simulate(engine: Any, *, groups: np.ndarray, **kwargs: Any) -> dict[str, Any]:
+    """``engine.simulate(**kwargs)``, with each row's prompt ``groups`` where the engine
+    takes them (an engine of another package may implement the contract's older form)."""
+    shared = {"groups": groups} if "groups" in inspect.signature(engine.simulate).parameters else {}
+    return engine.simulate(**kwargs, **shared)
 
 
 def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[str, Any],
@@ -201,17 +224,21 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     base = decode_roof(s.arch, ici_s=ici, **common), prefill_roof(s.arch, prompt_length=Lp, **common)
     dec, pre = config_roofs(config, s.arch, *base, f)  # rollout.quantization's bytes
     prompts, completions = draw(lengths, rows=rows, cap=N, prompt_length=Lp, seed=0)
+    groups = np.arange(rows) // config.rollout.num_generations  # rows prompt-major: a group shares its prompt
 
     def run(smp: Any, no_comm: bool = False, decode: Any = None, prefill: Any = None) -> dict[str, Any]:
         trace: list[dict[str, Any]] = []
-        sim = smp.simulate(prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace)
+        sim = _simulate(smp, prompt_lengths=prompts, completions=completions, prompt_length=Lp, trace=trace,
+                        groups=groups)
         kw = dict(trace=trace, prefill=prefill or pre, chunk=sim["chunk"], page_size=smp.page_size,
                   shards=smp.shards(sim["slots"]), slots=sim["slots"])
         secs = schedule_seconds(decode=decode or dec, **kw)
         if no_comm:  # the same schedule without the decode's ICI (the plan's figure without communication)
             secs["decode_no_comm_s"] = schedule_seconds(decode=dataclasses.replace(dec, ici_s=0.0), **kw)["decode_s"]
         batches = [e["prefill"] for e in trace if "prefill" in e]
-        return {**sim, **secs, "mean_prefill_rows": float(np.mean(batches)) if batches else 0.0}
+        shared = [e.get("prompts", e["prefill"]) for e in trace if "prefill" in e]
+        return {**sim, **secs, "mean_prefill_rows": float(np.mean(batches)) if batches else 0.0,
+                "mean_prefill_prompts": float(np.mean(shared)) if shared else 0.0}
 
     sim = run(sampler, no_comm=True)
     C = effective_chunk(N, config.rollout.early_stop_chunk)
@@ -255,7 +282,8 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
                           "decode_ratio": r["decode_s"] / static_s if static_s else None,
                           "evictions": r["evictions"], "peak_pages": r["peak_pages"]})
         st = steady_state(slots=n, shards=shards, decode=dec, prefill=pre, prompts=prompts, completions=completions,
-                          page_size=sampler.page_size, prefill_rows=max(sim["mean_prefill_rows"] / shards, 1.0))
+                          page_size=sampler.page_size, prefill_rows=max(sim["mean_prefill_rows"] / shards, 1.0),
+                          prefill_prompts=max(sim["mean_prefill_prompts"] / shards, 1.0))
         st["fits_pool"] = bool(st["pool_pages_per_part"] + n / shards * math.ceil(sim["chunk"] / sampler.page_size)
                                <= big)
         steady.append(st)

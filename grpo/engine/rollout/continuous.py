@@ -63,7 +63,15 @@ from grpo.engine.rollout.paged.scheduler import Scheduler, pow2
 from grpo.engine.rollout.paged.slots import auto_slots
 from grpo.engine.rollout.decoding import Outputs, draw, left_align_rows, prefill_forward, row_key_data
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput
-from grpo.models.layers.paged import BACKENDS, PagedKVCache, PagedSpec, QuantizedPages, dense_dtype, pool_set
+from grpo.models.layers.paged import (
+    BACKENDS,
+    PagedKVCache,
+    PagedSpec,
+    QuantizedPages,
+    bitwise_scatter,
+    dense_dtype,
+    pool_set,
+)
 from grpo.models.rollout_quant import CODE_DTYPES, merge_rollout
 from grpo.sharding import fit_sharding
 
@@ -103,7 +111,7 @@ class ContinuousSampler(BaseSampler):
     the static sampler's."""
 
     def __init__(self, graphdef: Any, *, slots: int | str, page_size: int = 16, pool_pages: int = 0, chunk: int = 16,
-                 backend: str = "auto", detokenize: Any = None, **kwargs: Any):
+                 backend: str = "auto", detokenize: Any = None, compile_ahead: bool = False, **kwargs: Any):
         super().__init__(graphdef, **kwargs)
         checks = (("page_size", page_size, 1), ("pool_pages", pool_pages, 0), ("chunk", chunk, 1))
         for name, value, low in checks + ((("slots", slots, 0),) if slots != "auto" else ()):
@@ -123,6 +131,10 @@ class ContinuousSampler(BaseSampler):
         self.refresh_jit = jax.jit(self._refresh_impl, donate_argnums=(1,))
         self.last_stats: dict[str, Any] = {}
         self._core: EngineCore | None = None
+        # train.compile.ahead: all: a session's first start compiles every decode bucket in
+        # parallel (grpo.engine.rollout.paged.buckets).
+        self.compile_ahead = compile_ahead
+        self._compiled_buckets: set[tuple[Any, ...]] = set()
 
     # ------------------------------------------------------------------ the contract
 
@@ -295,7 +307,7 @@ class ContinuousSampler(BaseSampler):
         return self._outputs(core)
 
     def simulate(self, *, prompt_lengths: Any, completions: Any, prompt_length: int,
-                 trace: list | None = None) -> dict[str, int]:
+                 trace: list | None = None, groups: Any = None) -> dict[str, int]:
         """What :meth:`generate` would do with rows of known lengths (``prompt_lengths``,
         ``completions`` [rows], each at most the cap), without a model: the same engine
         core (:class:`~grpo.engine.rollout.paged.core.EngineCore`: scheduler and
@@ -303,13 +315,15 @@ class ContinuousSampler(BaseSampler):
         Returns the figures of :attr:`last_stats` (chunks, slot_steps, peak_pages,
         evictions, ...); ``grpo plan --lengths`` reports them. A stop token ends a row
         exactly as a known length does, so on the rows a rollout produced it reproduces
-        that rollout's. ``trace``: see :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
+        that rollout's. ``trace``, ``groups`` (each row's prompt): see
+        :class:`~grpo.engine.rollout.paged.core.SimulatedRunner`."""
         plen = np.asarray(prompt_lengths, np.int64)
         comp = np.asarray(completions, np.int64)
         alloc = self._allocator(prompt_length, self.slots_for(len(comp), prompt_length))
         sched = Scheduler(alloc, prompt_len=plen, cap=self.sampling.max_new_tokens, chunk=self.chunk_steps)
-        core = EngineCore(sched, SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace),
-                          rows=len(comp))
+        runner = SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace,
+                                 groups=None if groups is None else np.asarray(groups))
+        core = EngineCore(sched, runner, rows=len(comp))
         core.run()
         return core.stats()
 
@@ -385,6 +399,22 @@ class ContinuousSampler(BaseSampler):
                 "decode": decode}
 
     # ------------------------------------------------------------------ host pieces
+
+    def compile_buckets(self, runner: DeviceRunner) -> None:
+        """With :attr:`compile_ahead`, compile the decode at every bucket of ``runner``'s
+        pool (once per pool, weights layout and key kind) before its first chunk."""
+        if not self.compile_ahead or runner.params is None:
+            return
+        from grpo.engine.rollout.paged.buckets import compile_decode_buckets, decode_buckets
+
+        a = runner.alloc
+        key = (a.slots, a.pages, a.max_pages, runner.impl, runner.stop_at is None, runner.keys is None)
+        if key in self._compiled_buckets:
+            return
+        self._compiled_buckets.add(key)
+        buckets = decode_buckets(slots=a.slots, shards=a.shards, max_pages=a.max_pages)
+        compile_decode_buckets(self, params=runner.params, state=runner.state, keys=runner.keys,
+                               stop_at=runner.stop_at, impl=runner.impl, buckets=buckets)
 
     def prefill_rows(self, params, state, admitted, tokens, mask, raw, impl, alloc, stop_at=None) -> SlotState:
         """The admitted ``(slot, row)`` pairs prefilled as one batch, padded to a power of
@@ -477,8 +507,7 @@ class ContinuousSampler(BaseSampler):
         _, cache = prefill_forward(model, tokens, mask, cache_dtype=dense_dtype(state.k, model.dtype))
         return self._write_pages(state, cache, mask.sum(axis=1).astype(jnp.int32), table, rows >= 0)
 
-    @staticmethod
-    def _write_pages(state: SlotState, cache: Any, lengths: jax.Array, table: jax.Array, live: jax.Array
+    def _write_pages(self, state: SlotState, cache: Any, lengths: jax.Array, table: jax.Array, live: jax.Array
                      ) -> SlotState:
         """A dense prefill cache [layers, n, L, KH, E] (rows left-aligned, ``lengths`` [n]
         real tokens) written into the rows' pages (``table`` [n, W]); rows not ``live``
@@ -495,8 +524,9 @@ class ContinuousSampler(BaseSampler):
 
         def scatter(pool, dense):  # dense [layers, n, L, KH, E] -> pool [layers, KH, P, ps, E]
             vals = jnp.take_along_axis(dense, src[None, :, :, None, None], axis=2).transpose(0, 3, 1, 2, 4)
-            return pool_set(pool, (slice(None), slice(None), page, offset), vals, mode="drop")
+            return pool_set(pool, (slice(None), slice(None), page, offset), vals, mode="drop", bits=bits)
 
+        bits = bitwise_scatter(None if self.mesh is None else self.mesh.devices.flat[0].platform)
         return state._replace(k=scatter(state.k, cache.k), v=scatter(state.v, cache.v))
 
     def _seat(self, st: SlotState, *, slots: jax.Array, rows: jax.Array, lengths: jax.Array, drawn: tuple,

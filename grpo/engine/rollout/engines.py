@@ -79,7 +79,8 @@ def build_sampler(
         raise UserError("The rollout engine cannot sample this run's task:", problems=problems)
     context = EngineContext(graphdef=graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
                             detokenize=detokenize, conversations=conversations,
-                            multi_turn=multi_turn, prepare=prepare)
+                            multi_turn=multi_turn, prepare=prepare,
+                            compile_ahead=config.train.compile.ahead == "all")
     engine = as_engine(plugin.build(context, options), name=plugin.name)
     if engine.prepare is None:
         engine.prepare = prepare

@@ -60,7 +60,7 @@ class ContinuousEngine(RolloutEnginePlugin):
                                                 max_turn_tokens=r.max_turn_tokens, **paged)
         else:
             engine = ContinuousSampler(context.graphdef, sampling=context.sampling, detokenize=context.detokenize,
-                                       **paged)
+                                       compile_ahead=context.compile_ahead, **paged)
         engine.prepare = context.prepare  # the run's weight preparation (reshard, LoRA merge)
         return engine
 

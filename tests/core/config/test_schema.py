@@ -59,6 +59,7 @@ def _sweep():
     objectives = plugins.registry("objective").names()
     engines = plugins.registry("engine").names()
     assert "gspo" in objectives and {"static", "continuous"} <= set(engines)
+    engines = [*engines, "auto"]
     for objective, engine, asynchronous, partial in itertools.product(objectives, engines, (False, True), (None, True)):
         knobs = {"loss.objective": objective, "rollout.engine": engine, "train.async.enabled": asynchronous}
         if partial is not None:
@@ -103,3 +104,33 @@ def test_async_gspo_validates_with_a_sequence_level_default():
 def test_a_level_the_user_wrote_is_still_checked():
     with pytest.raises(ConfigError, match=r"loss\.mismatch\.level=token with loss\.objective=gspo"):
         load_config(QUICKSTART, ["loss.objective=gspo", "train.async.enabled=true", "loss.mismatch.level=token"])
+
+
+def test_engine_auto_resolves_by_the_cap_and_partial_rollouts():
+    """Issue 49 item 7: ``rollout.engine: auto`` is continuous from
+    ``AUTO_CONTINUOUS_FROM`` new tokens on and with partial rollouts, else static; the
+    resolved config (what `grpo config show` prints) names the engine that runs."""
+    from grpo.core.config.engine import AUTO_CONTINUOUS_FROM
+
+    def engine(*sets):
+        return load_config(QUICKSTART, ["rollout.engine=auto", *sets]).rollout.engine
+
+    assert engine(f"rollout.max_new_tokens={AUTO_CONTINUOUS_FROM - 1}") == "static"
+    assert engine(f"rollout.max_new_tokens={AUTO_CONTINUOUS_FROM}") == "continuous"
+    assert engine("train.async.enabled=true", "train.async.partial_rollouts=true") == "continuous"
+    config = load_config(QUICKSTART, ["rollout.engine=auto", "rollout.max_new_tokens=512"])
+    assert yaml.safe_load(config.to_yaml())["rollout"]["engine"] == "continuous"
+    # The continuous engine's pool check applies under auto too (the user set pool_pages).
+    with pytest.raises(ConfigError, match=r"rollout\.continuous\.pool_pages=1 cannot hold one row"):
+        load_config(QUICKSTART, ["rollout.engine=auto", "rollout.continuous.pool_pages=1"])
+
+
+def test_engine_auto_shows_resolved_in_config_show():
+    from click.testing import CliRunner
+
+    from grpo.core.cli import cli
+
+    out = CliRunner().invoke(cli, ["config", "show", str(ROOT / "configs" / "quickstart.yaml"), "--set", "rollout.engine=auto", "--set",
+                                   "rollout.max_new_tokens=256"])
+    assert out.exit_code == 0, out.output
+    assert yaml.safe_load(out.output)["rollout"]["engine"] == "continuous"

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import pytest
 from click.testing import CliRunner
 
 from grpo.core.cli import cli
@@ -34,6 +35,11 @@ def test_engines_on_drawn_lengths():
     assert cont["kv_tokens"] == 4 * cont["peak_pages"] < static["kv_tokens"]
     ratio = cont["valid_tokens_per_s"] / static["valid_tokens_per_s"]
     assert abs(data["continuous_over_static"] - ratio) < 1e-2
+    # CPU seconds beside the wall time (a shared machine's load moves the wall time).
+    for e in (static, cont):
+        assert e["rollout_cpu_s"] > 0
+        assert e["valid_tokens_per_cpu_s"] == pytest.approx(e["valid_tokens"] / e["rollout_cpu_s"], rel=1e-2)
+    assert data["continuous_over_static_cpu"] == pytest.approx(static["rollout_cpu_s"] / cont["rollout_cpu_s"], rel=1e-2)
 
 
 def test_engine_needs_lengths():

@@ -87,3 +87,44 @@ def test_steady_state_is_a_step_over_its_slots_plus_the_amortised_prefill():
     assert st["valid_tokens_per_s"] == pytest.approx(2 / per_token)
     assert st["s_per_valid_token"] == pytest.approx(per_token / 2)
     assert st["decode_s_per_valid_token"] == pytest.approx(step / 8)
+
+
+def test_a_prefill_runs_each_shared_prompt_once():
+    """Issue 49 item 7: the continuous engine prefills a group's samples admitted together
+    with one forward pass (shared prompts), so the plan counts its FLOPs once per distinct
+    prompt, while every row's keys and values are still written into its own pages."""
+    pre = ChipRoof(weight_bytes=100.0, row_flops=10.0, token_flops=0.0, row_bytes=3.0, token_bytes=0.0, peak=1.0,
+                   bw=1.0)
+    one_prompt = [{"prefill": 8, "prompts": 1}]
+    out = schedule_seconds(trace=one_prompt, decode=pre, prefill=pre, chunk=1, page_size=4, shards=1, slots=8)
+    assert out["prefill_s"] == pytest.approx(max(1 * 10.0, 100.0 + 8 * 3.0))  # bytes: 124, not 8 forwards (80)
+    compute = ChipRoof(**{**pre.__dict__, "weight_bytes": 0.0, "row_bytes": 0.0})
+    # 5 rows of 3 prompts: padded to 8 rows and 4 prompts, 2 parts -> 2 prompts a part.
+    out = schedule_seconds(trace=[{"prefill": 5, "prompts": 3}], decode=compute, prefill=compute, chunk=1,
+                           page_size=4, shards=2, slots=8)
+    assert out["prefill_s"] == pytest.approx(2 * 10.0)
+    # An entry without "prompts" (another engine's trace) is one prompt a row, as before.
+    out = schedule_seconds(trace=[{"prefill": 5}], decode=compute, prefill=compute, chunk=1, page_size=4, shards=2,
+                           slots=8)
+    assert out["prefill_s"] == pytest.approx(4 * 10.0)
+
+
+def test_the_simulated_engine_counts_the_prompts_each_admission_shares():
+    """The schedule's trace names the distinct prompts of each admission (groups of K rows)."""
+    from grpo.engine.rollout.paged.core import EngineCore, SimulatedRunner
+    from grpo.engine.rollout.paged.pages import PageAllocator
+    from grpo.engine.rollout.paged.scheduler import Scheduler
+
+    rows, k = 12, 4
+    plen, comp = np.full(rows, 4), np.array([3, 5, 2, 9, 1, 1, 4, 6, 2, 2, 2, 8])
+    alloc = PageAllocator(pages=64, page_size=4, slots=8, max_pages=4)
+    sched = Scheduler(alloc, prompt_len=plen, cap=9, chunk=2)
+    trace: list = []
+    core = EngineCore(sched, SimulatedRunner(sched, prompt_len=plen, completions=comp, trace=trace,
+                                             groups=np.arange(rows) // k), rows=rows)
+    core.run()
+    admissions = [e for e in trace if "prefill" in e]
+    assert admissions[0] == {"prefill": 8, "prompts": 2}  # rows 0-7: prompts 0 and 1
+    assert sum(e["prefill"] for e in admissions) == rows
+    for e in admissions[1:]:  # later rows 8-11 (prompt 2) come in as slots free
+        assert e["prompts"] == 1

@@ -8,6 +8,8 @@ scheduler, KV-cache manager and engine core):
   between turns);
 - ``slots``: ``rollout.continuous.slots: auto``, the slot count of a rollout
   (:func:`~grpo.engine.rollout.paged.slots.auto_slots`);
+- ``buckets``: the decode's buckets (live slots x page-table width), listed and compiled
+  ahead in parallel (the engine's part of :mod:`grpo.engine.schedule`);
 - ``core``: the one loop, schedule -> run -> read the boundary (:class:`EngineCore`),
   over a runner: the engine's jitted programs (:class:`DeviceRunner`) or a cost model
   (:class:`SimulatedRunner`, what ``grpo plan --lengths`` runs).

@@ -219,6 +219,7 @@ class DeviceRunner:
         if self.state is None:
             self.state = self.engine.start_jit(self.params, rows=len(self.tokens), pages=self.alloc.pages,
                                                slots=self.alloc.slots)
+            self.engine.compile_buckets(self)
             if self._restored is not None:  # every field but the (zero) page pool, as saved
                 st, saved = self.state, self._restored
                 self.state = st._replace(**{
@@ -303,13 +304,15 @@ class SimulatedRunner:
     """Rows of known lengths (``completions`` [rows], ``prompt_len`` [rows]) and no model:
     each live slot advances up to a chunk of steps a chunk, and a row is done once it
     holds its completion. ``trace`` (a list) receives one entry per prefill batch
-    (``{"prefill": rows}``) and per chunk (``{"idx", "width", "lengths", "advance"}``:
+    (``{"prefill": rows, "prompts": distinct prompts}``, rows of one ``groups`` id [rows]
+    sharing a prompt, as the engine's shared prefill) and per chunk (``{"idx", "width", "lengths", "advance"}``:
     the slots decoded, their page-table width, cached tokens at the chunk's start and
     the steps each is live)."""
 
     def __init__(self, sched: Scheduler, *, prompt_len: np.ndarray, completions: np.ndarray,
-                 trace: list | None = None):
+                 trace: list | None = None, groups: np.ndarray | None = None):
         self.sched, self.plen, self.comp, self.trace = sched, prompt_len, completions, trace
+        self.groups = groups  # each row's prompt (rows of one prompt share its prefill); None: its own
         S = sched.alloc.slots
         self.drawn = np.zeros(S, np.int64)  # tokens the slot's row has drawn (its step count)
         self.lengths = np.zeros(S, np.int64)  # tokens of the row in its pages
@@ -318,7 +321,9 @@ class SimulatedRunner:
         for slot, row in admitted:  # the prefill draws step 0
             self.drawn[slot], self.lengths[slot] = 1, self.plen[row]
         if self.trace is not None:
-            self.trace.append({"prefill": len(admitted)})
+            rows = [r for _, r in admitted]
+            prompts = len(rows) if self.groups is None else len({int(self.groups[r]) for r in rows})
+            self.trace.append({"prefill": len(admitted), "prompts": prompts})
 
     def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
         rows = np.asarray(self.sched.slot_row)
