@@ -143,7 +143,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         """:meth:`MultiTurnSampler.converse`'s rollout (same arguments, same output) through
         the slots and pages (see the module docstring). One process only: the host reads
         every row's prompt."""
-        if jax.process_count() != 1:
+        if self._processes() != 1:
             raise ValueError("the continuous engine's multi-turn rollout runs on one process")
         tokens, mask = left_align_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
