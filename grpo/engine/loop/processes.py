@@ -114,15 +114,9 @@ def rollout_base(trainer: Any, mesh: Any) -> Any:
     without LoRA. Every process builds the same model from the same config and seed (the
     same checkpoint, or the same random init: the key does not depend on the sharding),
     so the base is already identical on both sides at start and never crosses processes;
-    only the adapters move (:func:`sent_weights`)."""
-    if trainer.frozen is None:
-        return None
-    from flax import nnx
-
-    from grpo.models.loading import build_model
-    from grpo.models.lora import split_params
-
-    return split_params(nnx.split(build_model(trainer.config.model, mesh, seed=trainer.config.train.seed))[1])[1]
+    only the adapters move (:func:`sent_weights`). The trainer builds it
+    (:meth:`~grpo.engine.trainer.Trainer.frozen_on`)."""
+    return None if trainer.frozen is None else trainer.frozen_on(mesh)
 
 
 def received_weights(exchange: SideExchange, like: Any, replicated: NamedSharding) -> Any:
