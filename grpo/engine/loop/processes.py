@@ -352,7 +352,8 @@ class RolloutSide:
         a one-process run writes it when it trains."""
         spec, arrays = self.stored.popleft()
         entry = decode(spec, arrays)  # the logged group rode in the buffer (so a checkpoint keeps it)
-        if entry.rollout.group is not None:
+        # Every process of the side holds process 0's group (_as_first); process 0 alone writes it.
+        if entry.rollout.group is not None and self.trainer.is_main:
             self.trainer._write_samples(entry.rollout.group, step=entry.step)
 
     # ------------------------------------------------------------------ checkpoint
