@@ -87,9 +87,10 @@ def test_a_preempted_four_process_run_resumes_and_equals_the_one_process_run(run
     after some step k < 5, and the rerun resumes there. The 2 + 2 process run then equals
     the one-process async run with the same split: every step once, at the same data
     position and staleness (nothing lost or trained twice), the same rewards and
-    samples (the same completions, prompts and rewards in samples.jsonl), losses within
-    1e-5, and the final parameters the update process checkpointed are the one-process
-    run's."""
+    samples (the same completions, prompts and rewards in samples.jsonl, each step's
+    group written once), losses within 1e-5, and the final parameters the update
+    processes checkpointed are the one-process run's (up to the order of a cross-process
+    gradient sum, below). Issue 51, item 2: the preemption over N processes."""
     first, second, run_dir, single = runs
     for code, _, err in first:
         assert code == 128 + signal.SIGTERM, err[-3000:]
@@ -116,8 +117,16 @@ def test_a_preempted_four_process_run_resumes_and_equals_the_one_process_run(run
     (state, meta) = ckpt.restore(like, STEPS)
     ckpt.close()
     assert meta["step"] == STEPS and meta["data_position"] == STEPS * PROMPTS
+    # The update side's gradients are summed across its 2 processes (gloo) in another order
+    # than on one process's 4 devices; Adam (lr 1e-2) turns that rounding into up to ~1e-4 on
+    # the few weights whose gradients are near zero (measured: 23 of 20,480 elements of one
+    # leaf over 1e-6, at most 9.5e-5), while every other element agrees within 1e-6.
+    off = 0
     for got, ref in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(single.params), strict=True):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-5, atol=1e-6)
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-4)
+        off += int((np.abs(got - ref) > 1e-6 + 1e-5 * np.abs(ref)).sum())
+    assert off <= 1e-3 * sum(x.size for x in jax.tree.leaves(single.params)), off
 
 
 BOOM = '''
