@@ -50,6 +50,7 @@ from grpo.engine.training.optim import applied_learning_rate
 from grpo.engine.training.packing import PackedBatch, packing_stats
 from grpo.engine.training.update import UpdateBatch
 from grpo.models.families import family_of
+from grpo.models.loading import build_model
 from grpo.models.lora import count_params, split_params
 from grpo.models.policy import load_policy
 
@@ -176,6 +177,12 @@ class Trainer:
         self._logger: MetricsLogger | None = None
         # The step's loop for this run's mode (a rollout source x a weight sync).
         self.loop = build_loop(self, rollout_programs)
+
+    def frozen_on(self, mesh: Any) -> Any:
+        """The frozen LoRA base built again on ``mesh`` (the rollout side of a run split by
+        processes, whose processes hold none of the update mesh's): the same config and
+        seed give the same base, so it never crosses processes."""
+        return split_params(nnx.split(build_model(self.config.model, mesh, seed=self.config.train.seed))[1])[1]
 
     def _renderer(self):
         """An example's prompt text: a multi-turn task's opening messages through the chat

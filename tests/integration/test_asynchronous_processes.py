@@ -1,7 +1,7 @@
-"""Asynchronous GRPO over two processes (grpo/engine/loop/processes.py): 2 real
-`grpo run` processes x 4 CPU devices (gloo), process 0 rolling out and process 1
-updating, preempted by SIGTERM and rerun, against the one-process async run with the same
-split (8 devices, 4 + 4) in this process."""
+"""Asynchronous GRPO split by processes (grpo/engine/loop/processes.py), against the
+one-process async run with the same split (8 devices, 4 + 4) in this process: 4 real
+`grpo run` processes x 2 CPU devices (gloo), 2 + 2, preempted by SIGTERM on one
+process and rerun; and 2 processes x 4 devices, 1 + 1, stopped by a rollout failure."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ from grpo.engine.runs.checkpoint import Checkpointer
 from grpo.engine.runs.metrics import read_metrics
 from grpo.engine.trainer import Trainer
 
-pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.multiprocess, pytest.mark.timeout(1800)]
 
 STEPS, PROMPTS = 5, 8
 CONFIG = {
@@ -44,45 +44,53 @@ CONFIG = {
 }
 
 
-def _launch(config: Path, run_dir: Path, *, env: dict | None = None, cwd: Path | None = None) -> list[subprocess.Popen]:
+def _launch(config: Path, run_dir: Path, *, env: dict | None = None, cwd: Path | None = None,
+            processes: int = 2) -> list[subprocess.Popen]:
+    """``processes`` x ``8 // processes`` devices: 1 + 1 processes, or 2 + 2 of 4."""
     port = free_port()
-    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count=4 {CPU_FAST_COMPILE}",
+    env = dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={8 // processes} {CPU_FAST_COMPILE}",
                JAX_PLATFORMS="cpu", **(env or {}))
     return [subprocess.Popen(
         [sys.executable, "-m", "grpo.core.cli", "run", str(config), "--run-dir", str(run_dir),
-         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", "2", "--process-id", str(i)],
-        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+         "--coordinator-address", f"127.0.0.1:{port}", "--num-processes", str(processes), "--process-id", str(i)],
+        env=env, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
+
+
+# The preempted run: 4 processes x 2 devices, 2 + 2 (issue 51, item 2: preemption over N
+# processes); SIGTERM goes to process 1, a rollout process that is not process 0.
+PROCESSES, SIGNALLED = 4, 1
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The two-process run, SIGTERM'd (process 1, the update side) once step 1 is logged,
-    then rerun to the end; and the one-process run of the same config."""
-    tmp = tmp_path_factory.mktemp("two_processes")
+    """The 2 + 2 process run, SIGTERM'd (process 1, on the rollout side) once step 1 is
+    logged, then rerun to the end; and the one-process run of the same config."""
+    tmp = tmp_path_factory.mktemp("four_processes")
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump(CONFIG))
     run_dir = tmp / "run"
-    procs = _launch(config, run_dir)
-    deadline = time.time() + 400
+    procs = _launch(config, run_dir, processes=PROCESSES)
+    deadline = time.time() + 900  # 4 processes compiling on shared cores
     while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
         assert time.time() < deadline and all(p.poll() is None for p in procs), "the run ended before step 1"
         time.sleep(0.05)
-    procs[1].send_signal(signal.SIGTERM)
+    procs[SIGNALLED].send_signal(signal.SIGTERM)
     first = wait_all(procs)
-    second = wait_all(_launch(config, run_dir))
+    second = wait_all(_launch(config, run_dir, processes=PROCESSES), timeout=900)
     single = Trainer(load_config(str(config)), tmp / "single")
     single.run()
     return first, second, run_dir, single
 
 
-def test_a_preempted_two_process_run_resumes_and_equals_the_one_process_run(runs):
-    """Both processes stop on the update side's SIGTERM (exit 143) with a checkpoint
-    after some step k < 5, and the rerun resumes there. The two-process run then equals
+def test_a_preempted_four_process_run_resumes_and_equals_the_one_process_run(runs):
+    """Every process stops on one rollout process's SIGTERM (exit 143) with a checkpoint
+    after some step k < 5, and the rerun resumes there. The 2 + 2 process run then equals
     the one-process async run with the same split: every step once, at the same data
     position and staleness (nothing lost or trained twice), the same rewards and
-    samples (the same completions, prompts and rewards in samples.jsonl), losses within
-    1e-5, and the final parameters the update process checkpointed are the one-process
-    run's."""
+    samples (the same completions, prompts and rewards in samples.jsonl, each step's
+    group written once), losses within 1e-5, and the final parameters the update
+    processes checkpointed are the one-process run's (up to the order of a cross-process
+    gradient sum, below). Issue 51, item 2: the preemption over N processes."""
     first, second, run_dir, single = runs
     for code, _, err in first:
         assert code == 128 + signal.SIGTERM, err[-3000:]
@@ -91,7 +99,7 @@ def test_a_preempted_two_process_run_resumes_and_equals_the_one_process_run(runs
         assert code == 0, err[-3000:]
     resumed = [line for line in second[0][1].splitlines() if line.startswith("Resuming from the checkpoint at step")]
     assert resumed and 1 <= int(resumed[0].split("at step ")[1].split()[0]) < STEPS, second[0][1]
-    assert f"Done: {STEPS} steps" in second[0][1] and "Done" not in second[1][1]
+    assert f"Done: {STEPS} steps" in second[0][1] and not any("Done" in out for _, out, _ in second[1:])
 
     rows, want = read_metrics(run_dir), read_metrics(single.run_dir)
     assert [(r["step"], r["async/data_position"]) for r in rows] == [(s + 1, s * PROMPTS) for s in range(STEPS)]
@@ -109,8 +117,16 @@ def test_a_preempted_two_process_run_resumes_and_equals_the_one_process_run(runs
     (state, meta) = ckpt.restore(like, STEPS)
     ckpt.close()
     assert meta["step"] == STEPS and meta["data_position"] == STEPS * PROMPTS
+    # The update side's gradients are summed across its 2 processes (gloo) in another order
+    # than on one process's 4 devices; Adam (lr 1e-2) turns that rounding into up to ~1e-4 on
+    # the few weights whose gradients are near zero (measured: 23 of 20,480 elements of one
+    # leaf over 1e-6, at most 9.5e-5), while every other element agrees within 1e-6.
+    off = 0
     for got, ref in zip(jax.tree.leaves(state["params"]), jax.tree.leaves(single.params), strict=True):
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(ref, np.float32), rtol=1e-5, atol=1e-6)
+        got, ref = np.asarray(got, np.float32), np.asarray(ref, np.float32)
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=2e-4)
+        off += int((np.abs(got - ref) > 1e-6 + 1e-5 * np.abs(ref)).sum())
+    assert off <= 1e-3 * sum(x.size for x in jax.tree.leaves(single.params)), off
 
 
 BOOM = '''

@@ -70,8 +70,7 @@ from grpo.engine.rollout.partial import Ledger
 
 
 def side_exchange(trainer: Any) -> SideExchange:
-    """The run's exchange (this process's side: its ``name``). A multi-turn task was
-    refused before (:func:`~grpo.engine.parallel.split.check_split`)."""
+    """The run's exchange (this process's side: its ``name``)."""
     meshes = trainer.meshes
     return SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
 
@@ -106,8 +105,18 @@ def _host_like(state: dict[str, Any]) -> dict[str, Any]:
 def sent_weights(params: Any) -> Any:
     """What a weight sync moves from the update side to the rollout side: the one place
     that says it (both sides call it, the rollout side on its placeholders for the
-    shapes). Today the whole trainable tree."""
+    shapes): the trainable tree, which under LoRA is the adapters alone."""
     return params
+
+
+def rollout_base(trainer: Any, mesh: Any) -> Any:
+    """The frozen (maybe quantized) LoRA base on the rollout side's ``mesh``, or None
+    without LoRA. Every process builds the same model from the same config and seed (the
+    same checkpoint, or the same random init: the key does not depend on the sharding),
+    so the base is already identical on both sides at start and never crosses processes;
+    only the adapters move (:func:`sent_weights`). The trainer builds it
+    (:meth:`~grpo.engine.trainer.Trainer.frozen_on`)."""
+    return None if trainer.frozen is None else trainer.frozen_on(mesh)
 
 
 def received_weights(exchange: SideExchange, like: Any, replicated: NamedSharding) -> Any:
@@ -233,8 +242,10 @@ class RolloutSide:
         # What the weights arrive into: the update side's shapes, whole on the rollout mesh.
         self.like = sent_weights(trainer.params)
         self.replicated = NamedSharding(programs.mesh, P())
-        # Where the weights enter the rollout side: its engine's update_weights.
-        self.sync = OtherMesh(programs, trainer.collector.sampler, trainer.params, None)
+        # Where the weights enter the rollout side: its engine's update_weights (under
+        # LoRA beside the base, built on this side's mesh: only the adapters cross).
+        self.sync = OtherMesh(programs, trainer.collector.sampler, trainer.params,
+                              rollout_base(trainer, programs.mesh))
         self.version = -1
         # Drawn and not yet trained, in step order: each entry's spec and host arrays.
         self.stored: collections.deque[tuple[Any, dict[str, np.ndarray]]] = collections.deque()
@@ -341,7 +352,8 @@ class RolloutSide:
         a one-process run writes it when it trains."""
         spec, arrays = self.stored.popleft()
         entry = decode(spec, arrays)  # the logged group rode in the buffer (so a checkpoint keeps it)
-        if entry.rollout.group is not None:
+        # Every process of the side holds process 0's group (_as_first); process 0 alone writes it.
+        if entry.rollout.group is not None and self.trainer.is_main:
             self.trainer._write_samples(entry.rollout.group, step=entry.step)
 
     # ------------------------------------------------------------------ checkpoint
@@ -379,4 +391,4 @@ class RolloutSide:
         self.sync.close()
 
 
-__all__ = ["ProcessLink", "RolloutSide", "received_weights", "sent_weights", "side_exchange"]
+__all__ = ["ProcessLink", "RolloutSide", "received_weights", "rollout_base", "sent_weights", "side_exchange"]

@@ -102,7 +102,7 @@ class OtherMesh(WeightSync):
         self.bytes = tree_bytes(params)  # what each step moves
         if frozen is not None:
             base = tree_bytes(frozen)
-            log.info("weight sync: the LoRA base (%.1f MB) moved to the rollout mesh once; each step moves the "
+            log.info("weight sync: the LoRA base (%.1f MB) is on the rollout mesh once; each step moves the "
                      "adapters (%.2f MB, %.2f%% of the whole weights)", base / 1e6, self.bytes / 1e6,
                      100 * self.bytes / (base + self.bytes))
         self.dispatch_s = 0.0

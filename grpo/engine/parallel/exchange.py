@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -48,6 +49,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 # The header's bytes: the JSON of the layout, metadata, stop flag and failure.
 HEADER_BYTES = 1 << 16
@@ -144,6 +147,7 @@ class SideExchange:
         self.devices = list(rollout) + list(update)
         self.sizes = (len(rollout), len(update))
         self.local = [d for d in self.devices if d.process_index == me]  # in mesh order
+        log.info("%s", self.describe())
         self.mesh = Mesh(np.array(self.devices, dtype=object), ("d",))
         self._blocks = NamedSharding(self.mesh, P("d"))
         self._gather = jax.jit(lambda x: x, out_shardings=NamedSharding(self.mesh, P()))
@@ -158,6 +162,16 @@ class SideExchange:
 
         self._move = jax.jit(jax.shard_map(lambda tree: jax.tree.map(move, tree), mesh=self.mesh,
                                            in_specs=P("d"), out_specs=P("d")))
+
+    def describe(self) -> str:
+        """Which processes are on which side, and this one's: logged by every process at
+        start-up, so that a process the runtime reports dead (JAX's coordination service:
+        ``Task N heartbeat timeout``, after ``distributed.heartbeat_timeout_s``, when it
+        stops every other process) names its side in every process's log."""
+        return (f"async GRPO split by processes: processes {self.processes[0]} roll out, processes "
+                f"{self.processes[1]} update; process {jax.process_index()} is on the {self.name} side (a process "
+                f"that dies is reported by the runtime as 'Task <process> heartbeat timeout', and every other "
+                f"process stops)")
 
     def _stacked(self, blocks: Sequence[Any], shape: tuple[int, ...]) -> jax.Array:
         """The ``[D, *shape]`` array of this process's ``blocks`` (one ``[1, *shape]`` a

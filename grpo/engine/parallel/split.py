@@ -109,31 +109,37 @@ def multiprocess_problems(config) -> list[str]:
     """What an asynchronous run split by processes does not carry yet, one line a field
     (:func:`check_split` refuses them, so ``grpo config validate --processes`` and ``grpo
     plan --topology`` do too, before start-up). The run is the one loop
-    (:mod:`grpo.engine.loop`); what stays refused needs work beyond it: the LoRA base
-    lives on the update side (it would have to cross once, and the sync should move the
-    adapters only); the partial-rollouts stream and its ledger would live on the rollout
-    side while the trained positions are known on the update side; the continuous
-    engine and dynamic sampling are unverified over a side of processes."""
+    (:mod:`grpo.engine.loop`); what stays refused needs work beyond it: the
+    partial-rollouts stream, its rows in flight and its ledger would live on the rollout
+    side, while a checkpoint (the same Orbax items on every process) and the trained
+    positions are the update side's. LoRA/QLoRA run over processes (the base is built on
+    each side, only the adapters move), as do the continuous engine, dynamic sampling,
+    evaluation and multi-turn tasks (:func:`_multiturn_problems`)."""
     a, out = config.train.async_, []
-    if config.model.lora is not None:
-        out.append("model.lora is set: the multi-process loop moves full weights only (no frozen base)")
     if a.partial_rollouts:
-        out.append("train.async.partial_rollouts=true: the stream's in-flight rows do not cross processes")
+        out.append("train.async.partial_rollouts=true: the stream's rows in flight and its ledger would live on the "
+                   "rollout processes, while the checkpoint that keeps them and the trained positions are the update "
+                   "processes'")
     return out
 
 
-def _multiturn_problems(config, plugins=None) -> list[str]:
-    """A task with tools or environments of its own rolls out conversations, which the
-    multi-process loop does not carry (their turns' host side gathers over every
-    process)."""
+def _multiturn_problems(config, plugins=None, *, rollout_processes: int = 1) -> list[str]:
+    """A task with tools or environments of its own rolls out conversations; their host
+    side runs over the rollout side's processes, except the continuous engine's turns,
+    whose scheduler reads every row's prompt on one host: refused when the rollout side
+    has several processes."""
     from grpo.core.config import select_plugins
     from grpo.core.contracts import TaskPlugin
 
+    if rollout_processes <= 1 or config.rollout.engine != "continuous":
+        return []
     task = select_plugins(config, plugins)["task"]
     if type(task.plugin).environment is TaskPlugin.environment and not task.plugin.tools(options=task.options):
         return []
-    return [f"task.name={config.task.name}: the task has tools or environments (multi-turn rollouts), which the "
-            f"multi-process loop does not carry"]
+    return [f"task.name={config.task.name} with rollout.engine=continuous: the task has tools or environments "
+            f"(multi-turn rollouts), and the continuous engine's turn scheduler reads every row on one host, while "
+            f"the rollout side has {rollout_processes} processes (set rollout.engine=static, or give the rollout "
+            f"one process's devices)"]
 
 
 def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, list, list[tuple[Topology, MeshLayout]]]:
@@ -150,7 +156,8 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
 
     rollout, update = split_devices(list(devices), rollout_devices=config.train.async_.rollout_devices)
     if len({d.process_index for d in rollout + update}) > 1:
-        problems = multiprocess_problems(config) + _multiturn_problems(config, plugins)
+        problems = multiprocess_problems(config) + _multiturn_problems(
+            config, plugins, rollout_processes=len({d.process_index for d in rollout}))
         if problems:
             procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
             raise ConfigError(

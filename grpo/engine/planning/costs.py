@@ -500,10 +500,10 @@ def communication(collectives: list[Any] | None, hlo_source: str | None, cost: C
 
     ICI time is the bytes one chip receives over ``ici_bandwidth / 2`` (a chip takes in at
     most half of its published bidirectional figure). Collectives whose groups span TPU
-    slices go over the data-center network instead: ``dcn_bytes``, reported as bytes only
-    (no time: DCN bandwidth is a per-host NIC figure shared by its chips and not in the
-    chip table). Chips of one slice are linked by ICI even across hosts (v6e-16: 4 hosts,
-    one ICI torus), so single-slice plans have no DCN traffic.
+    slices go over the data-center network instead: ``dcn_bytes`` over the chip's share of
+    its host's NICs (``dcn_bandwidth``: ``dcn_s``, in the roofline beside ICI). Chips of
+    one slice are linked by ICI even across hosts (v6e-16: 4 hosts, one ICI torus), so
+    single-slice plans have no DCN traffic.
     """
     from grpo.engine.planning import hlo
 
@@ -517,14 +517,16 @@ def communication(collectives: list[Any] | None, hlo_source: str | None, cost: C
     ici = [op for op in ops if not hlo.crosses(op, slice_of)]
     in_chip = chip.ici_bandwidth / 2
     ici_bytes = sum(op.total_bytes for op in ici)
+    dcn_bytes = sum(op.total_bytes for op in dcn)
+    dcn_s = dcn_bytes / chip.dcn_bandwidth if dcn_bytes and getattr(chip, "dcn_bandwidth", 0) else 0.0
     out: dict[str, Any] = {
         "collective_bytes": hlo.by_kind(ops),
         "ici_bytes": ici_bytes,
-        "dcn_bytes": sum(op.total_bytes for op in dcn),
+        "dcn_bytes": dcn_bytes,
         "ici_s": ici_bytes / in_chip,
-        "dcn_s": None,
+        "dcn_s": dcn_s,
         "roofline_no_comm_s": cost.roofline_s,
-        "roofline_s": max(cost.roofline_s, ici_bytes / in_chip),
+        "roofline_s": max(cost.roofline_s, ici_bytes / in_chip, dcn_s),
         "hlo_source": hlo_source,
         "unknown_trip_counts": sorted({n for op in ops for n in op.unknown_trips}),
         "largest_collectives": [hlo.summary(op) for op in sorted(ops, key=lambda o: -o.total_bytes)[:6]],

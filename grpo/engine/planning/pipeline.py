@@ -5,7 +5,8 @@ Each side is compiled on its own devices (:meth:`~grpo.engine.planning.plan.Plan
 the rollout mesh is the first ``train.async.rollout_devices`` devices (whole hosts when the
 topology has several; default half) in the rollout style's layout, the update mesh the
 rest in the training layout. Split by hosts, the weights move as the run moves them
-(:func:`weight_sync_by_processes`). In one host, the weight transfer is one resharding
+(:func:`weight_sync_by_processes`), over ICI within a slice or the data-center network
+between slices (:func:`sync_link`). In one host, the weight transfer is one resharding
 copy of the rollout's weights: each rollout chip receives its shard (the rollout state's bytes per chip), and
 the update chips send all the rollout chips' shards between them; its time is the larger
 of the two per chip over half the chip's bidirectional ICI bandwidth, as the plan's
@@ -59,18 +60,37 @@ def weight_sync(*, rollout_bytes_per_chip: float, rollout_chips: int, update_chi
             "full_bytes_per_chip": full, "share": received / full if full else None}
 
 
+def sync_link(chip: Any, rollout: list[Any], update: list[Any]) -> dict[str, Any]:
+    """What the weights cross between the sides (``rollout``/``update``: the devices, with
+    their ``slice_index``), paired as the exchange pairs them
+    (:func:`~grpo.engine.parallel.exchange.route`: rollout device ``i`` and update device
+    ``i mod len(update)``, and back): ``ici`` when every pair is on one slice (ICI links a
+    slice's chips even across hosts), else ``dcn`` (the data-center network, at the chip's
+    share of its host's NICs, ``chip.dcn_bandwidth``): ``{"link", "bandwidth_bytes_per_s"}``,
+    the bandwidth one chip receives at."""
+    def slice_of(d):
+        return getattr(d, "slice_index", 0) or 0
+
+    k, u = len(rollout), len(update)
+    pairs = [(rollout[i], update[i % u]) for i in range(k)] + [(rollout[j % k], update[j]) for j in range(u)]
+    if any(slice_of(a) != slice_of(b) for a, b in pairs):
+        return {"link": "dcn", "bandwidth_bytes_per_s": chip.dcn_bandwidth}
+    return {"link": "ici", "bandwidth_bytes_per_s": chip.ici_bandwidth / 2}
+
+
 def weight_sync_by_processes(*, sent_bytes: float, rollout_chips: int, update_chips: int,
-                             ici_bandwidth: float) -> dict[str, float]:
+                             link: str = "ici", bandwidth_bytes_per_s: float) -> dict[str, Any]:
     """One on-device move of the weights between sides of whole hosts, as the run makes it
     (:meth:`~grpo.engine.parallel.exchange.SideExchange.swap_arrays`): the sent tree
     (``sent_bytes``, whole) arrives on every rollout chip, each update chip sending it
-    once a round, ``ceil(rollout / update)`` rounds; the chips of one slice are linked by
-    ICI across hosts, so the time is ``max(received, sent) / (ici_bandwidth / 2)``
+    once a round, ``ceil(rollout / update)`` rounds; the time is ``max(received, sent) /
+    bandwidth`` over the ``link`` :func:`sync_link` names (ICI within a slice: half the
+    chip's bidirectional figure; DCN across slices: the chip's share of its host's NICs)
     (``bytes``: what ``weight_sync/bytes`` logs)."""
     rounds = -(-rollout_chips // update_chips)
     received, sent = sent_bytes, sent_bytes * rounds
-    return {"received_bytes_per_chip": received, "sent_bytes_per_chip": sent, "bytes": sent_bytes,
-            "seconds": max(received, sent) / (ici_bandwidth / 2)}
+    return {"received_bytes_per_chip": received, "sent_bytes_per_chip": sent, "bytes": sent_bytes, "link": link,
+            "seconds": max(received, sent) / bandwidth_bytes_per_s}
 
 
 def pipelined(*, rollout_s: float, update_s: float, sync_s: float) -> float:
@@ -110,4 +130,4 @@ def async_section(*, split: tuple[int, int], synchronous_s: float, rollout: dict
     return out
 
 
-__all__ = ["async_section", "pipelined", "split_devices", "weight_sync", "weight_sync_by_processes"]
+__all__ = ["async_section", "pipelined", "split_devices", "sync_link", "weight_sync", "weight_sync_by_processes"]

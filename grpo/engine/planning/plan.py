@@ -457,7 +457,8 @@ class Planner:
         the plan refuses, with the run's message, every split the run would refuse."""
         import jax
 
-        from grpo.engine.planning.pipeline import async_section, split_devices, weight_sync, weight_sync_by_processes
+        from grpo.engine.planning.pipeline import (async_section, split_devices, sync_link, weight_sync,
+                                                   weight_sync_by_processes)
 
         if checked is not None:
             from grpo.engine.parallel.split import validate_split
@@ -510,7 +511,7 @@ class Planner:
         if self.topo.process_count > 1:  # split by hosts: the sent tree, whole, to every rollout chip
             sent = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(s_up.params))
             sync = weight_sync_by_processes(sent_bytes=sent, rollout_chips=k, update_chips=u,
-                                            ici_bandwidth=self.topology.chip.ici_bandwidth)
+                                            **sync_link(self.topology.chip, self.devices[:k], self.devices[k:]))
         rollout_fits = all(e["peak_bytes"] is not None and e["peak_bytes"] <= self.hbm_bytes
                            and not e["compiler_error"] for e in e_ro.values())
         out = async_section(split=(k, u), synchronous_s=synchronous_step(report), rollout=rollout, update_s=update_s,

@@ -199,7 +199,7 @@ def format_async(a: dict[str, Any]) -> list[str]:
         + f"); peaks {_gib(a['rollout_peak_bytes'])} / {_gib(a['update_peak_bytes'])} GiB: "
         + ("fit" if a["fits"] else "DO NOT FIT"),
         f"  weight sync {ws['received_bytes_per_chip'] / 1e9:.2f} GB in / {ws['sent_bytes_per_chip'] / 1e9:.2f} GB out "
-        f"per chip, {ws['seconds'] * 1e3:.1f} ms"
+        f"per chip, {ws['seconds'] * 1e3:.1f} ms" + (f" over {ws['link'].upper()}" if ws.get("link") else "")
         + (f" (LoRA: the adapters alone, {100 * ws['share']:.2f}% of the weights' "
            f"{ws['full_bytes_per_chip'] / 1e9:.2f} GB; the base moves once)" if ws.get("moves") == "adapters" else ""),
         f"  rollout side costed as the {a.get('rollout_engine')} engine's "

@@ -36,6 +36,10 @@ class ChipSpec:
     ``ici_bandwidth`` the published bidirectional inter-chip interconnect bandwidth per
     chip (all its ICI ports, both directions). A chip takes in at most half of it, so the
     plan's ICI time is ``bytes one chip receives / (ici_bandwidth / 2)``.
+    ``dcn_bandwidth`` the data-center network bandwidth per chip, one direction (a host's
+    NICs shared by its chips), which carries what crosses TPU slices: a multi-slice
+    program's collectives, and the weights of an asynchronous run whose two sides are on
+    different slices. ``dcn_source`` says where that figure comes from.
     """
 
     generation: str
@@ -45,21 +49,30 @@ class ChipSpec:
     hbm_physical: int
     source: str
     ici_bandwidth: float  # bytes/s, bidirectional, per chip
+    dcn_bandwidth: float = 0.0  # bytes/s per chip, one direction
+    dcn_source: str = ""
 
 
 # Published figures: Cloud TPU system architecture pages (cloud.google.com/tpu/docs/<gen>).
 # ICI: "Bidirectional inter-chip interconnect (ICI) bandwidth (per chip)" on the v6e (800
 # GBps), v5e (400 GBps) and v5p (1200 GBps) pages. The v4 page publishes no per-chip ICI
 # figure; v5p's 1200 GBps is assumed (an upper bound: v4's links are not faster).
+# DCN, per chip and direction (Gbps / 8 = GB/s):
+# - v5p: "Data center network (DCN) bandwidth per chip (Gbps): 50" (the v5p page);
+# - v5e: "Per-host NIC configuration: 2 x 100 Gbps NIC" for 8 chips a host, 25 Gbps a chip
+#   (the same as its "Data center network bandwidth per Pod: 6.4 Tbps" over 256 chips);
+# - v6e: "Per-host NIC configuration: 4 x 200 Gbps NIC" for 8 chips a host, 100 Gbps a
+#   chip (the same as its "Data center network bandwidth per Pod: 25.6 Tbps" over 256);
+# - v4: the v4 page publishes no DCN figure; v5p's 50 Gbps a chip is assumed.
 CHIPS: dict[str, ChipSpec] = {
     "v6e": ChipSpec("v6e", 918e12, 1640e9, int(31.24 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v6e",
-                    800e9),
+                    800e9, 100e9 / 8, "https://cloud.google.com/tpu/docs/v6e (4 x 200 Gbps NICs per 8-chip host)"),
     "v5p": ChipSpec("v5p", 459e12, 2765e9, int(95.73 * GiB), 95 * GiB, "https://cloud.google.com/tpu/docs/v5p",
-                    1200e9),
+                    1200e9, 50e9 / 8, "https://cloud.google.com/tpu/docs/v5p (DCN bandwidth per chip: 50 Gbps)"),
     "v5e": ChipSpec("v5e", 197e12, 819e9, int(15.75 * GiB), 16 * GiB, "https://cloud.google.com/tpu/docs/v5e",
-                    400e9),
+                    400e9, 25e9 / 8, "https://cloud.google.com/tpu/docs/v5e (2 x 100 Gbps NICs per 8-chip host)"),
     "v4": ChipSpec("v4", 275e12, 1200e9, int(30.75 * GiB), 32 * GiB, "https://cloud.google.com/tpu/docs/v4",
-                   1200e9),
+                   1200e9, 50e9 / 8, "assumed: v5p's 50 Gbps per chip (the v4 page publishes none)"),
 }
 
 # (generation -> sizes users may type after the dash) and the topology of each.

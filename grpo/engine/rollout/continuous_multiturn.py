@@ -61,6 +61,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from grpo.core.contracts import Environment
+from grpo.engine.parallel.mesh import mesh_processes
 from grpo.engine.rollout._sampling import step_keys
 from grpo.engine.rollout.continuous import ContinuousSampler, SlotState
 from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
@@ -144,7 +145,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         """:meth:`MultiTurnSampler.converse`'s rollout (same arguments, same output) through
         the slots and pages (see the module docstring). One process only: the host reads
         every row's prompt."""
-        if jax.process_count() != 1:
+        if mesh_processes(self.mesh)[1] != 1:  # the processes of its mesh (a rollout side's, split by processes)
             raise ValueError("the continuous engine's multi-turn rollout runs on one process")
         tokens, mask = left_align_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens

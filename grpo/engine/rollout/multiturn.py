@@ -70,7 +70,8 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from grpo.core.contracts import Environment, EnvStep
-from grpo.engine.parallel.rows import local_rows, to_global
+from grpo.engine.parallel.mesh import mesh_processes
+from grpo.engine.parallel.rows import gather_processes, local_rows, to_global
 from grpo.engine.rollout._sampling import step_keys
 from grpo.engine.rollout.decoding import Outputs, draw, effective_chunk, row_key_data, run_chunks
 from grpo.engine.rollout.tools.environment import safe_step
@@ -448,18 +449,20 @@ class MultiTurnSampler(BaseSampler):
     def cache_slots(self, prompt_length: int) -> int:
         return self.allocated(prompt_length)
 
+    def _processes(self) -> int:
+        """The processes whose rows this rollout holds: those of its mesh (every process,
+        or, split by processes in asynchronous GRPO, the rollout side's alone)."""
+        return mesh_processes(self.mesh)[1]
+
     def _global(self, local: np.ndarray) -> jax.Array:
         names = ("batch",) + ("length",) * (local.ndim - 1)
-        full = (local.shape[0] * jax.process_count(),) + local.shape[1:]
+        full = (local.shape[0] * self._processes(),) + local.shape[1:]
         return to_global(local, self.sharding(full, names))
 
     def _global_max(self, local: np.ndarray) -> int:
-        """The maximum of a per-row host value over every process's rows."""
-        if jax.process_count() == 1:
-            return int(local.max(initial=0))
-        from jax.experimental import multihost_utils
-
-        return int(np.asarray(multihost_utils.process_allgather(np.int64(local.max(initial=0)))).max())
+        """The maximum of a per-row host value over the rows of every process of the mesh
+        (a collective of those processes alone)."""
+        return int(gather_processes(np.int64(local.max(initial=0)), self.mesh).max())
 
     def converse(
         self,
@@ -480,8 +483,8 @@ class MultiTurnSampler(BaseSampler):
         pre = self.prefill(params, prompt_tokens, prompt_mask)
         B, Lp = pre.prompt_tokens.shape
         b = len(envs)
-        if b * jax.process_count() != B:
-            raise ValueError(f"{b} environments on each of {jax.process_count()} processes for {B} rows")
+        if b * self._processes() != B:
+            raise ValueError(f"{b} environments on each of {self._processes()} processes for {B} rows")
         cache, kv_valid, pos = self.start_jit(pre.cache, pre.prompt_mask)
         dev = _Decoding(cache=cache, kv_valid=kv_valid, logits=pre.logits, pos=pos, start=Lp)
         talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))

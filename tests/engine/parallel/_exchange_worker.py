@@ -1,10 +1,11 @@
 """One process of the multi-process exchange tests (tests/engine/parallel/test_exchange.py):
-``python _exchange_worker.py PROCESS_ID PORT OUT_DIR PROCESSES ROLLOUT_PROCESSES``. The
+``python _exchange_worker.py PROCESS_ID PORT OUT_DIR PROCESSES ROLLOUT_PROCESSES VICTIM``. The
 first ROLLOUT_PROCESSES processes' devices are the rollout side, the rest the update
 side; each process runs a program of its own side on its side's devices, then three
 exchanges (payloads both ways, a stop asked by the update side, a failure of the last
 rollout process) and one on-device move of the update side's weights. What it received
-goes to OUT_DIR/p<id>.npz and .json."""
+goes to OUT_DIR/p<id>.npz and .json. Then process VICTIM dies (SIGKILL: no message, no
+exit hook) while every other enters one more exchange: they must stop, not hang."""
 
 from __future__ import annotations
 
@@ -43,14 +44,18 @@ def weights() -> dict[str, np.ndarray]:
     return {"w": w, "e": rng.standard_normal((5, 3)).astype(ml_dtypes.bfloat16)}
 
 
-def main(pid: int, port: int, out: Path, processes: int, rollout_processes: int) -> None:
+def main(pid: int, port: int, out: Path, processes: int, rollout_processes: int, victim: int) -> None:
     import jax
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    import logging
+
+    logging.basicConfig(level=logging.INFO, format="%(message)s")  # the exchange's start-up line
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=pid)
+    jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=processes, process_id=pid,
+                               heartbeat_timeout_seconds=10)
     from grpo.engine.parallel.exchange import RemoteFailure, SideExchange
 
     devices = sorted(jax.devices(), key=lambda d: (d.process_index, d.id))
@@ -95,7 +100,19 @@ def main(pid: int, port: int, out: Path, processes: int, rollout_processes: int)
         "layout": {k: [list(v.shape), str(v.dtype)] for k, v in got.items()},
         "moved": sorted(received), "local": len(ex.local),
     }))
+    # A dead process: the others wait in the exchange until the runtime says it is gone.
+    import os
+    import signal
+
+    from jax.experimental import multihost_utils
+
+    multihost_utils.sync_global_devices("the failure has reached everyone")  # before anyone dies
+    print(f"process {pid} ({ex.name} side) enters the last exchange", file=sys.stderr, flush=True)
+    if pid == victim:
+        os.kill(os.getpid(), signal.SIGKILL)
+    ex.exchange(mine, None)
+    print(f"process {pid}: the last exchange returned", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    main(int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]))

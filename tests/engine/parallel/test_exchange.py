@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -54,8 +55,8 @@ def test_header_round_trips_and_an_overlong_one_becomes_a_failure():
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("processes, per, rollout_processes", [(4, 2, 2), (4, 2, 1)])
-def test_processes_swap_payloads_weights_stop_and_failures(tmp_path, processes, per, rollout_processes):
+@pytest.mark.parametrize("processes, per, rollout_processes, victim", [(4, 2, 2, 1), (4, 2, 1, 3)])
+def test_processes_swap_payloads_weights_stop_and_failures(tmp_path, processes, per, rollout_processes, victim):
     """Real processes (gloo) split into a rollout side and an update side: 1 + 1 of 2 x 4
     devices, and (issue 51) 2 + 2 and 1 + 3 of 4 x 2. Each process, after a program of
     its own side on its side's devices: the first exchange hands every process of a side
@@ -64,15 +65,26 @@ def test_processes_swap_payloads_weights_stop_and_failures(tmp_path, processes, 
     by one side reaches all in the same exchange; the update side's weights (sharded on
     its mesh) arrive on every rollout device bit for bit, on device; a failure on one
     rollout process raises on every other process, the other rollout processes too, with
-    its message and the process, instead of leaving them waiting."""
+    its message and the process, instead of leaving them waiting. Then (issue 51, item 2) a
+    process dies (SIGKILL: a rollout process of the 2 + 2 split, an update process of the
+    1 + 3) while the others wait in an exchange: every other process stops (the runtime's
+    ``Task <victim> heartbeat timeout``, after the worker's 10 s) instead of hanging, and
+    every process's log says which side each process is on."""
     port = free_port()
     env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=f"--xla_force_host_platform_device_count={per}")
     procs = [subprocess.Popen([sys.executable, str(WORKER), str(i), str(port), str(tmp_path), str(processes),
-                               str(rollout_processes)], env=env,
+                               str(rollout_processes), str(victim)], env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(processes)]
-    for p in procs:
-        _, err = p.communicate(timeout=300)
-        assert p.returncode == 0, err[-3000:]
+    errs = [p.communicate(timeout=300)[1] for p in procs]
+    sides = (f"processes {list(range(rollout_processes))} roll out, processes "
+             f"{list(range(rollout_processes, processes))} update")
+    for pid, (p, err) in enumerate(zip(procs, errs)):
+        assert "enters the last exchange" in err and "the last exchange returned" not in err, (pid, err[-3000:])
+        if pid == victim:
+            assert p.returncode == -signal.SIGKILL
+            continue
+        assert p.returncode != 0 and f"Task {victim} heartbeat timeout" in err, (pid, p.returncode, err[-3000:])
+        assert sides in err and f"process {pid} is on the {('rollout', 'update')[pid >= rollout_processes]} side" in err
     worker = _worker()
     n_rollout = rollout_processes * per
     sums = {"rollout": 2 * sum(range(n_rollout)), "update": 3 * sum(range(processes * per - n_rollout))}

@@ -115,17 +115,20 @@ def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout
 
 
 def test_what_the_multi_process_loop_does_not_carry_is_listed_by_field():
-    """Issue 51: evaluation, the continuous engine and dynamic sampling run over
-    processes now (tests/integration/test_asynchronous_pod.py); LoRA and partial
-    rollouts are still listed."""
+    """Issue 51: evaluation, the continuous engine, dynamic sampling and now LoRA/QLoRA
+    (the base built on each side, only the adapters moving:
+    tests/integration/test_asynchronous_pod.py) run over processes; partial rollouts are
+    still listed, with why."""
     assert multiprocess_problems(_config(**{"train.async": {"enabled": True}})) == []
     problems = multiprocess_problems(_config(**{
         "train.async": {"enabled": True, "max_staleness": 2, "partial_rollouts": True}, "rollout.engine": "continuous",
         "model.lora": {"rank": 4}, "eval.every_n_steps": 2}))
     fields = [p.split("=")[0].split(" ")[0] for p in problems]
-    assert fields == ["model.lora", "train.async.partial_rollouts"]
+    assert fields == ["train.async.partial_rollouts"]
+    assert "rows in flight and its ledger would live on the rollout processes" in problems[0]
     assert multiprocess_problems(_config(**{"train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True,
-                                            "rollout.engine": "continuous"})) == []
+                                            "rollout.engine": "continuous", "model.lora": {"rank": 4,
+                                            "base_quantization": "int8"}})) == []
 
 
 def test_a_side_without_devices_is_reported_before_the_processes():
@@ -133,15 +136,24 @@ def test_a_side_without_devices_is_reported_before_the_processes():
         split_devices(_TWO_BY_FOUR, rollout_devices=8)
 
 
-def test_a_multi_turn_task_over_processes_is_refused_before_start_up():
-    """Issue 51: a task with tools was refused only at start-up (the exchange's check);
-    the split's one check (validate, plan and run) now names it, and the same task runs
-    asynchronously in one process."""
+def test_a_multi_turn_task_over_processes_runs_except_on_the_continuous_engine_over_several_hosts():
+    """Issue 51: a task with tools was refused over processes (its turns' host side
+    gathered over every process); the static engine's turns now gather over the rollout
+    side's processes, so validate passes it. The continuous engine's turn scheduler reads
+    every row on one host: refused when the rollout side has several processes (the
+    split's one check, so validate, plan and run alike), allowed on a one-process side."""
     from grpo.engine.parallel.split import validate_split
 
     config = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True}})
+    validate_split(config, 2, 4)
+    validate_split(config, 4, 2)
+    continuous = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True},
+                            "rollout.engine": "continuous"})
+    validate_split(continuous, 2, 4)  # 1 + 1: the rollout side is one host
     with pytest.raises(ConfigError) as err:
-        validate_split(config, 2, 4)
-    assert "task.name=lookup: the task has tools or environments" in str(err.value)
+        validate_split(continuous, 4, 2)
+    msg = str(err.value)
+    assert "task.name=lookup with rollout.engine=continuous" in msg and "rollout side has 2 processes" in msg
+    assert "set rollout.engine=static" in msg and err.value.exit_code == 2
     validate_split(config, 1, 8)
     validate_split(_config(**{"train.async": {"enabled": True}, "eval.every_n_steps": 1}), 2, 4)

@@ -75,10 +75,62 @@ def test_the_section_says_how_the_rollout_side_was_costed():
 def test_the_weight_sync_between_hosts_is_costed_as_the_run_moves_it():
     """Issue 51: split by hosts the sent tree arrives whole on every rollout chip, each
     update chip sending it once a round (2 + 2 hosts of a v6e-16: one round; 1 + 3: one
-    round; 3 + 1: three), over ICI."""
+    round; 3 + 1: three), over ICI (half the chip's bidirectional figure)."""
     from grpo.engine.planning.pipeline import weight_sync_by_processes
 
-    even = weight_sync_by_processes(sent_bytes=6e9, rollout_chips=8, update_chips=8, ici_bandwidth=4e11)
-    assert even == {"received_bytes_per_chip": 6e9, "sent_bytes_per_chip": 6e9, "bytes": 6e9, "seconds": 6e9 / 2e11}
-    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=12, update_chips=4, ici_bandwidth=2.0)["seconds"] == 3.0
-    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=4, update_chips=12, ici_bandwidth=2.0)["seconds"] == 1.0
+    even = weight_sync_by_processes(sent_bytes=6e9, rollout_chips=8, update_chips=8, bandwidth_bytes_per_s=2e11)
+    assert even == {"received_bytes_per_chip": 6e9, "sent_bytes_per_chip": 6e9, "bytes": 6e9, "link": "ici",
+                    "seconds": 6e9 / 2e11}
+    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=12, update_chips=4,
+                                    bandwidth_bytes_per_s=1.0)["seconds"] == 3.0
+    assert weight_sync_by_processes(sent_bytes=1.0, rollout_chips=4, update_chips=12,
+                                    bandwidth_bytes_per_s=1.0)["seconds"] == 1.0
+
+
+def test_a_weight_sync_between_slices_is_costed_over_the_data_center_network():
+    """Issue 51, item 3: the sides paired as the exchange pairs them (rollout device i
+    with update device i mod n, and back); one pair on two slices sends the move over DCN
+    at the chip's share of its host's NICs (v6e: 4 x 200 Gbps for 8 chips, 12.5 GB/s a
+    chip), else over ICI at half the chip's 800 GB/s. 2 + 2 hosts of two v6e-8 slices:
+    Qwen2.5-3B's 6.17 GB of bf16 weights take 0.49 s over DCN against 15 ms over ICI."""
+    import types
+
+    from grpo.engine.planning.pipeline import sync_link, weight_sync_by_processes
+    from grpo.engine.planning.tpu import CHIPS
+
+    def chips(slices):
+        return [types.SimpleNamespace(slice_index=s) for s in slices]
+
+    v6e = CHIPS["v6e"]
+    assert v6e.dcn_bandwidth == 100e9 / 8 and CHIPS["v5p"].dcn_bandwidth == 50e9 / 8
+    assert CHIPS["v5e"].dcn_bandwidth == 25e9 / 8 and all(c.dcn_source for c in CHIPS.values())
+    one = sync_link(v6e, chips([0] * 8), chips([0] * 8))
+    assert one == {"link": "ici", "bandwidth_bytes_per_s": 400e9}
+    two = sync_link(v6e, chips([0] * 8), chips([1] * 8))
+    assert two == {"link": "dcn", "bandwidth_bytes_per_s": 12.5e9}
+    # Each side on both slices, but every pair within one: ICI.
+    assert sync_link(v6e, chips([0, 1]), chips([0, 1]))["link"] == "ici"
+    assert sync_link(v6e, chips([0, 0, 1, 1]), chips([0, 1]))["link"] == "dcn"  # rollout 1 pairs with update 1
+    weights = 6_171_877_376
+    over_dcn = weight_sync_by_processes(sent_bytes=weights, rollout_chips=8, update_chips=8, **two)
+    over_ici = weight_sync_by_processes(sent_bytes=weights, rollout_chips=8, update_chips=8, **one)
+    assert over_dcn["link"] == "dcn" and over_dcn["seconds"] == pytest.approx(weights / 12.5e9)
+    assert round(over_dcn["seconds"], 2) == 0.49 and round(over_ici["seconds"] * 1e3) == 15
+
+
+def test_collectives_across_slices_are_timed_over_the_data_center_network():
+    """Issue 51, item 3: a collective whose group spans two slices is costed at the chip's
+    DCN share (was bytes only, no time), and enters the roofline beside ICI."""
+    from grpo.engine.planning import hlo
+    from grpo.engine.planning.costs import Cost, communication
+    from grpo.engine.planning.tpu import CHIPS
+
+    op = hlo.Collective(kind="all-reduce", name="ar", computation="main", loops=(), executions=1,
+                        shape="f32[1000]", buffer_bytes=4000, group_size=2, groups=((0, 1),), received_bytes=1e9)
+    cost = Cost(flops=0.0, bytes=0.0, roofline_s=0.01)
+    apart = communication([op], "test", cost, CHIPS["v6e"], slice_of=[0, 1])
+    assert apart["dcn_bytes"] == 1e9 and apart["ici_bytes"] == 0
+    assert apart["dcn_s"] == pytest.approx(1e9 / 12.5e9) and apart["roofline_s"] == pytest.approx(0.08)
+    together = communication([op], "test", cost, CHIPS["v6e"], slice_of=[0, 0])
+    assert together["dcn_bytes"] == 0 and together["dcn_s"] == 0.0
+    assert together["roofline_s"] == pytest.approx(max(0.01, 1e9 / 400e9))
