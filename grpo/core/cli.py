@@ -41,6 +41,7 @@ LAZY_HELP: dict[str, str] = {
     "loss": "Loss value+grad speed and compiled memory: jax vs pallas.",
     "memory": "FSDP memory: a buffer sharded over fsdp, or all-gathered.",
     "update": "The update padded vs packed on the same rows of a length profile.",
+    "reward": "Reward scoring speed: per completion, threads, batched, overlapped with decode.",
 }
 LAZY_BENCH: dict[str, str] = {
     "rollout": "grpo.engine.bench.rollout:bench_rollout",

@@ -479,8 +479,8 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
         rollouts.append(list(jax.device_get((out.tokens, out.mask))))
         return out
 
-    def recording_score(examples, texts, lengths):
-        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
+    def recording_score(examples, texts, lengths, scores=None):
+        totals, per_fn, *flags = score(examples, texts, lengths, scores)  # flags, first failures
         rollouts[-1].append(totals)
         return totals, per_fn, *flags
 
@@ -550,8 +550,8 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
         rollouts.append(jax.device_get((out.tokens, out.mask)))
         return out
 
-    def recording_score(examples, texts, lengths):
-        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
+    def recording_score(examples, texts, lengths, scores=None):
+        totals, per_fn, *flags = score(examples, texts, lengths, scores)  # flags, first failures
         tokens, mask = rollouts[len(scored)]
         np.testing.assert_array_equal(lengths, mask.sum(axis=1))
         scored.append((examples, tokens, mask, totals))
@@ -673,8 +673,8 @@ def tools_dynamic_turn_random_top_p(tmp_path_factory):
     score, update, collect = trainer.collector._score, trainer.update, trainer.collector.collect
     row_batch = trainer.row_batch
 
-    def recording_score(examples, texts, lengths):
-        totals, per_fn, *flags = score(examples, texts, lengths)  # flags, first failures
+    def recording_score(examples, texts, lengths, scores=None):
+        totals, per_fn, *flags = score(examples, texts, lengths, scores)  # flags, first failures
         scored.append((totals, per_fn))
         return totals, per_fn, *flags
 

@@ -198,8 +198,6 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
     :class:`~grpo.engine.planning.plan.Subject`): its page pool per device, the largest
     pool that fits, and under a length profile one step's rows (drawn with seed 0) through
     the engine's scheduler, costed (module docstring), beside the static engine's."""
-    import copy
-
     from grpo.engine.planning.costs import rollout_figures
     from grpo.engine.planning.profiles import draw
     from grpo.engine.rollout.decoding import effective_chunk
@@ -267,9 +265,21 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
                      prompts=prompts, completions=completions, shards=f["shards"])
     out["concurrent_rows"] = {"static": rows, "static_cache_bytes_per_device": int(static_bytes), "pool": held,
                               "ratio": held / rows}
-    # Slots: the schedule and the steady state at each power-of-two slot count the
-    # largest pool holds (the pool fixed at its largest: slots change only [slots] arrays).
     big = out.get("largest_pool", {}).get("pool_pages", pool_pages)
+    out.update(_slot_sweep(sampler, run, sim, rows=rows, shards=shards, big=big, static_s=static_s, dec=dec, pre=pre,
+                           prompts=prompts, completions=completions))
+    out["quantization"] = _variants(s.arch, base, f, lambda **kw: run(sampler, **kw), sampler, big, prompts,
+                                    completions, static_bytes=static_bytes, shards=shards, sim=sim)
+    return out
+
+
+def _slot_sweep(sampler: Any, run: Any, sim: dict[str, Any], *, rows: int, shards: int, big: int,
+                static_s: float | None, dec: Any, pre: Any, prompts: Any, completions: Any) -> dict[str, Any]:
+    """Slots: the schedule (``run``) and the steady state at each power-of-two slot count
+    the largest pool (``big`` pages a part) holds, the pool fixed at its largest (slots
+    change only [slots] arrays): ``slots_sweep``, ``steady_state`` and ``steady_state_best``."""
+    import copy
+
     sweep, steady = [], []
     for n in (shards << i for i in range(16)):
         if n > rows * 8:
@@ -287,13 +297,9 @@ def engine_section(s: Any, lengths: Any, *, chip: Any, hbm: int, entries: dict[s
         st["fits_pool"] = bool(st["pool_pages_per_part"] + n / shards * math.ceil(sim["chunk"] / sampler.page_size)
                                <= big)
         steady.append(st)
-    out["slots_sweep"] = sweep
-    out["steady_state"] = steady
     fit = [x for x in steady if x["fits_pool"]]
-    out["steady_state_best"] = max(fit, key=lambda x: x["valid_tokens_per_s"]) if fit else None
-    out["quantization"] = _variants(s.arch, base, f, lambda **kw: run(sampler, **kw), sampler, big, prompts,
-                                    completions, static_bytes=static_bytes, shards=shards, sim=sim)
-    return out
+    return {"slots_sweep": sweep, "steady_state": steady,
+            "steady_state_best": max(fit, key=lambda x: x["valid_tokens_per_s"]) if fit else None}
 
 
 def _variants(dims: Any, base: tuple[Any, Any], f: dict[str, Any], run: Any, sampler: Any, big: int, prompts: Any,

@@ -261,7 +261,7 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     trainer = Trainer(load_config(run, []), tmp_path)
     scored, rows, batches = [], [], []  # the update's rows (before packing), the batch it ran on
     score, row_batch, update = trainer.collector._score, trainer.row_batch, trainer.update
-    monkeypatch.setattr(trainer.collector, "_score", lambda *a: scored.append(score(*a)) or scored[-1])
+    monkeypatch.setattr(trainer.collector, "_score", lambda *a, **k: scored.append(score(*a, **k)) or scored[-1])
     monkeypatch.setattr(trainer, "row_batch", lambda *a: rows.append(row_batch(*a)) or rows[-1])
     monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
     trainer.train_step()
