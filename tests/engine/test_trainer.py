@@ -607,13 +607,13 @@ def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bi
     texts, lengths = trainer.policy.decode(tokens, mask), mask.sum(1)
     plain, per_fn, *_ = score(examples, texts, lengths)
     trainer.config = trainer.collector.config = load_config(TINY, ["task.overlong={buffer: 2, factor: 0.5}"])
-    shaped, per_fn, flags, _ = score(examples, texts, lengths)  # flags: failed, not applicable, scored
+    shaped, per_fn, flags, _ = score(examples, texts, lengths)  # flags: failed, not applicable, scored, timed out
     penalty = np.minimum(-(lengths - (3 - 2)) / 2 * 0.5, 0.0)
     assert penalty.min() == -0.5 and penalty.max() == 0.0
     np.testing.assert_allclose(per_fn["overlong"], penalty, atol=1e-7)
     np.testing.assert_allclose(shaped, plain + penalty, atol=1e-6)
-    assert flags.shape == (len(examples), 3, 2) and list(per_fn) == ["length", "overlong"]
-    assert (flags[:, :, 1] == [0, 0, 1]).all()  # the penalty never fails and always applies
+    assert flags.shape == (len(examples), 4, 2) and list(per_fn) == ["length", "overlong"]
+    assert (flags[:, :, 1] == [0, 0, 1, 0]).all()  # the penalty never fails, always applies, never times out
 
     resumed = preempted_and_resumed(cfg, tmp_path / "resumed", after=2)
     assert_same_run(trainer, resumed)
