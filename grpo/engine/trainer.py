@@ -490,7 +490,7 @@ class Trainer:
 
     def compile_ahead(self) -> Any:
         """Start compiling the packed passes' shape schedule (``train.compile.ahead``:
-        ``all`` every listed shape, ``first`` the widest, ``lazy`` none;
+        ``all`` and ``auto`` every listed shape, ``first`` the widest, ``lazy`` none;
         :mod:`grpo.engine.schedule`) on background threads, in parallel, with a progress
         line: step 1's rollout compiles meanwhile, and its first packed pass waits for it
         (:meth:`update_batch`). Returns the :class:`~grpo.engine.schedule.Pending`
@@ -556,7 +556,7 @@ class Trainer:
                 # Step 1 compiled the glue; every later compile of the builder's programs is
                 # outside the schedule (compiled ahead: all of it), warned of and counted.
                 row["compile/out_of_list"] = float(self.programs.watch.take())
-                self.programs.watch.armed = cfg.train.compile.ahead == "all"
+                self.programs.watch.armed = cfg.train.compile.ahead in ("all", "auto")
                 last_row = row
                 if self.step % cfg.logging.every_n_steps == 0 or self.step == cfg.train.steps:
                     logger.log(row)

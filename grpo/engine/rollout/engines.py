@@ -11,8 +11,16 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+
 from grpo.core.config import RunConfig
 from grpo.core.errors import UserError
+
+
+def _platform(placement: Any) -> str:
+    """The platform of the rollout layout's devices (JAX's default backend without a mesh)."""
+    mesh = getattr(placement, "mesh", None)
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
 
 def build_sampler(
@@ -80,7 +88,7 @@ def build_sampler(
     context = EngineContext(graphdef=graphdef, sampling=sampling, rollout=r, sampler_kwargs=kwargs,
                             detokenize=detokenize, conversations=conversations,
                             multi_turn=multi_turn, prepare=prepare,
-                            compile_ahead=config.train.compile.ahead == "all")
+                            compile_ahead=config.train.compile.decode_buckets_ahead(_platform(placement)))
     engine = as_engine(plugin.build(context, options), name=plugin.name)
     if engine.prepare is None:
         engine.prepare = prepare

@@ -15,7 +15,7 @@ BASE = {"model": {"source": "random", "random": {"preset": "tiny"}}, "task": {"n
 
 def test_defaults():
     cfg = load_config(BASE)
-    assert cfg.train.compile.ahead == "all"
+    assert cfg.train.compile.ahead == "auto"
     assert cfg.train.packing.bins_per_device == "auto" and cfg.train.packing.head_buckets is None
 
 
