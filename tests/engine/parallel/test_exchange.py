@@ -83,7 +83,12 @@ def test_processes_swap_payloads_weights_stop_and_failures(tmp_path, processes, 
         if pid == victim:
             assert p.returncode == -signal.SIGKILL
             continue
-        assert p.returncode != 0 and f"Task {victim} heartbeat timeout" in err, (pid, p.returncode, err[-3000:])
+        # It stopped (communicate returned) with an error. The runtime's message names the dead
+        # task when its heartbeat times out first; under load (a suite run on 2 cores, twice) a
+        # collective with the dead process failed first and the runtime aborted (SIGABRT) instead.
+        assert p.returncode != 0, (pid, err[-3000:])
+        assert f"Task {victim} heartbeat timeout" in err or p.returncode == -signal.SIGABRT, (pid, p.returncode,
+                                                                                              err[-3000:])
         assert sides in err and f"process {pid} is on the {('rollout', 'update')[pid >= rollout_processes]} side" in err
     worker = _worker()
     n_rollout = rollout_processes * per
