@@ -8,6 +8,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from grpo.core.config import load_config
@@ -17,6 +18,10 @@ from grpo.engine.rollout.model_rewards import local_mesh
 from grpo.models.decoder import positions_from_mask
 from grpo.models.policy import load_policy
 from tests._model_fixtures import mesh
+
+# End-to-end engine runs of a judge (10-30 s each on 2 cores): the full tier; the parsers'
+# unit tests (tests/core/test_judges.py) stay in the fast one.
+pytestmark = pytest.mark.slow
 
 CONFIG = load_config("configs/quickstart.yaml")
 
