@@ -29,6 +29,30 @@ BATCHES = ("step", "group")
 _F = TypeVar("_F", bound=Callable[..., Any])
 
 
+def reward_values(out: Any, *, field: str, expected: int) -> list[Any]:
+    """What a TRL reward function returned, as a list of ``expected`` values: any iterable
+    of numbers, as TRL iterates over it (a list, a tuple, a NumPy array, a tensor through
+    its ``tolist()``); ``None`` and NaN stay as they are (not applicable, see
+    ``grpo.engine.rollout.scoring.score_completions``). TypeError for a string, a
+    mapping or a non-iterable, ValueError for a wrong length; both name ``field``."""
+    if isinstance(out, (str, bytes, Mapping)) or out is None:
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}; expected a list with one number "
+                        "per completion")
+    tolist = getattr(out, "tolist", None)
+    try:
+        values = tolist() if callable(tolist) else list(out)
+    except TypeError:
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, which is not iterable; expected a "
+                        "list with one number per completion") from None
+    if not isinstance(values, list):  # a 0-d array's tolist() is its scalar
+        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, a single value; expected a list with "
+                        "one number per completion")
+    if len(values) != expected:
+        raise ValueError(f"{field} returned {len(values)} value(s) for {expected} completion(s); expected one per "
+                         "completion")
+    return values
+
+
 def batched_reward(fn: _F | None = None, *, per: Literal["step", "group"] = "step") -> Any:
     """Mark a task's reward function as batched (TRL's convention: lists in, a list out)::
 

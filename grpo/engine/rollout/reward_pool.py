@@ -35,6 +35,8 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from grpo.core.contracts.task import reward_values
+
 Call = Callable[[], Any]
 
 
@@ -220,20 +222,7 @@ def call_batched(fn: Any, completions: list[str], prompts: list[Any], columns: M
         names, var_kw = frozenset(), True
     kwargs = {k: v for k, v in columns.items() if k not in ("completions", "prompts") and (var_kw or k in names)}
     out = fn(completions=completions, prompts=prompts, **kwargs)
-    if isinstance(out, (str, bytes, Mapping)) or out is None:
-        raise TypeError(f"returned {type(out).__name__} {out!r:.60}; a batched reward returns a list with one "
-                        "number per completion")
-    tolist = getattr(out, "tolist", None)
-    try:
-        values = tolist() if callable(tolist) else list(out)
-    except TypeError:
-        raise TypeError(f"returned {type(out).__name__} {out!r:.60}, which is not a list of numbers") from None
-    if not isinstance(values, list) or len(values) != len(completions):
-        got = len(values) if isinstance(values, list) else "a single value"
-        raise ValueError(f"returned {got} value(s) for {len(completions)} completion(s); a batched reward returns "
-                         "one per completion")
-    return values
-
+    return reward_values(out, field=getattr(fn, "__name__", "the batched reward"), expected=len(completions))
 
 def invoke(fn: Any, kind: str, args: tuple) -> Any:
     """One call of a reward function: ``kind`` ``"one"`` (``args`` = completion, example:

@@ -64,6 +64,7 @@ from typing import Any, Callable, ClassVar, Literal, Mapping, Sequence
 from pydantic import BaseModel, Field, field_validator, model_validator
 
 from grpo.core.contracts import PluginOptions, RewardFn, TaskPlugin, batched_reward
+from grpo.core.contracts.task import reward_values
 from grpo.core.errors import UserError
 from grpo.core.references import SESSION, resolve
 from grpo.plugins.tasks._common import coerce_options, open_split
@@ -215,30 +216,6 @@ def reward_names(functions: Sequence[Any]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- calling
-
-
-def reward_values(out: Any, *, field: str, expected: int) -> list[Any]:
-    """What a TRL reward function returned, as a list of ``expected`` values: any iterable
-    of numbers, as TRL iterates over it (a list, a tuple, a NumPy array, a tensor through
-    its ``tolist()``); ``None`` and NaN stay as they are (not applicable, see
-    :func:`~grpo.engine.rollout.scoring.score_completions`). TypeError for a string, a
-    mapping or a non-iterable, ValueError for a wrong length; both name ``field``."""
-    if isinstance(out, (str, bytes, Mapping)) or out is None:
-        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}; expected a list with one number "
-                        "per completion")
-    tolist = getattr(out, "tolist", None)
-    try:
-        values = tolist() if callable(tolist) else list(out)
-    except TypeError:
-        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, which is not iterable; expected a "
-                        "list with one number per completion") from None
-    if not isinstance(values, list):  # a 0-d array's tolist() is its scalar
-        raise TypeError(f"{field} returned {type(out).__name__} {out!r:.60}, a single value; expected a list with "
-                        "one number per completion")
-    if len(values) != expected:
-        raise ValueError(f"{field} returned {len(values)} value(s) for {expected} completion(s); expected one per "
-                         "completion")
-    return values
 
 
 def trl_reward(fn: Callable[..., Any], *, prompt_column: str, field: str) -> RewardFn:
