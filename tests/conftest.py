@@ -22,7 +22,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 import pytest  # noqa: E402
 
 
-def pytest_configure(config):  # noqa: ARG001
+def pytest_configure(config):
     """The parity tests compare against PyTorch transformers: without the [dev] extra the
     suite stops at once with the install command instead of failing test by test."""
     from grpo.core.errors import UserError, require
@@ -31,6 +31,31 @@ def pytest_configure(config):  # noqa: ARG001
         require("torch", purpose="The test suite (model parity against transformers)", install='pip install -e ".[dev]"')
     except UserError as err:
         pytest.exit(str(err), returncode=2)
+    # pytest-xdist's `--dist loadfile` hands out files with the most tests first, so the
+    # few-test files that run whole processes (tests/integration/, the multi-process runs)
+    # came last, and one worker finished minutes before the other. The files are handed
+    # out in collection order instead, heaviest first (pytest_collection_modifyitems).
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
+
+
+def _file_weight(items) -> int:
+    """A file's expected cost for scheduling: a test that starts JAX processes weighs 100,
+    another slow-tier test 10, a fast one 1 (measured: the multi-process runs take 40-100 s
+    each on 2 cores, a slow test 10-50 s, most fast tests under a second)."""
+    return sum(100 if i.get_closest_marker("multiprocess") else 10 if i.get_closest_marker("slow") else 1
+               for i in items)
+
+
+def pytest_collection_modifyitems(config, items):  # noqa: ARG001
+    """Files heaviest first (:func:`_file_weight`), each file's tests in their own order:
+    with two workers the long runs start early and the short files fill in at the end
+    (longest-processing-time-first scheduling). Every worker collects the same order."""
+    files: dict[str, list] = {}
+    for item in items:
+        files.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = sorted(files, key=lambda f: -_file_weight(files[f]))  # stable: ties keep collection order
+    items[:] = [item for f in order for item in files[f]]
 
 
 def _compilation_cache() -> None:
