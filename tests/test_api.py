@@ -26,6 +26,9 @@ from grpo.core.cli import cli
 from grpo.engine.runs import rundir
 from grpo.engine.runs.metrics import read_metrics
 
+# Three runs of the quickstart (15 s of set-up): the full tier (the fast one's budget).
+pytestmark = pytest.mark.slow
+
 QUICKSTART = Path(__file__).parent.parent / "configs" / "quickstart.yaml"
 SMALL = {"eval.every_n_steps": 0, "checkpoint.every_n_steps": 0, "logging.progress_bar": False, "logging.plot": False}
 ROWS = [{"prompt": f"{a}+{b}=", "answer": str(a + b)} for a in range(10) for b in range(10 - a)]

@@ -109,6 +109,7 @@ def test_recipe_precision_beta_ppo_epochs_tis_eval_wandb_offline_and_resume(tmp_
     assert_same_run(trainer, resumed)
 
 
+@pytest.mark.slow  # a whole run and its resume: 10 s (fast tier budget)
 def test_resume_after_sigterm_is_bitwise_identical(tmp_path):
     """The f32 case (bf16 with master weights: the recipe test above)."""
     steps = {"train.steps": 6}
@@ -144,6 +145,7 @@ def test_compiles_in_the_metrics_and_a_rerun_loads_them_from_the_persistent_cach
     assert b["startup"]["cache_hits"] > 0 and b["startup"]["cache_misses"] == 0 == b["total"]["cache_misses"]
 
 
+@pytest.mark.slow  # a whole run and its resume: 10 s (fast tier budget)
 def test_evaluation_pads_awkward_batches_and_matches_unpadded(tmp_path):
     """Any eval.k / batch_size / num_examples on 8 devices (before: an IndivisibleError
     when the prompts did not divide the rollout shards). Greedy completions and scores
@@ -453,6 +455,7 @@ def test_one_step_and_export_per_model_family(tmp_path, example_plugin, family, 
     np.testing.assert_allclose(np.asarray(trained.logits(hidden)), ref, atol=1e-4)
 
 
+@pytest.mark.slow  # two whole runs of 10 s (fast tier budget)
 @pytest.mark.parametrize("dynamic", [False, True], ids=["plain", "dynamic_sampling"])
 def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugin, dynamic):
     """PODS's down-sampling: 4 samples of each prompt rolled out, 2 trained on. From the
@@ -529,6 +532,7 @@ def test_down_sampling_trains_on_the_max_variance_subset(tmp_path, example_plugi
     assert not rollouts  # every rollout was accounted for
 
 
+@pytest.mark.slow  # a whole run and its resume: 10 s (fast tier budget)
 def test_dynamic_sampling_trains_only_groups_with_a_reward_spread_and_resumes_bitwise(tmp_path, example_plugin):
     """DAPO's dynamic sampling on the `length` task, whose even prompts score 0.5 whatever
     the completion: every round's rollouts and rewards are recorded, and an independent
