@@ -47,6 +47,7 @@ def _file_weight(items) -> int:
                for i in items)
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselected theirs: the tests that run
 def pytest_collection_modifyitems(config, items):  # noqa: ARG001
     """Files heaviest first (:func:`_file_weight`), each file's tests in their own order:
     with two workers the long runs start early and the short files fill in at the end
