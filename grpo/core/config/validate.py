@@ -241,6 +241,7 @@ def config_problems(
     later += _engine_problems(config, selected.get("engine"))
     later += _quantization_problems(config, selected.get("engine"))
     later += moe_problems(config, selected.get("task"))
+    later += expert_parallel_problems(config)
     later += reward_scoring_problems(config, selected.get("task"), selected.get("engine"))
     later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
@@ -446,6 +447,25 @@ def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def expert_parallel_problems(config: RunConfig) -> list[str]:
+    """``mesh.expert_parallel`` needs a model with experts, and must divide them. A
+    checkpoint not on disk is checked when read."""
+    ep = config.mesh.expert_parallel
+    fields = _hf_fields(config) if ep > 1 else None
+    if fields is None:
+        return []
+    experts = fields.get("num_experts") or fields.get("num_local_experts")
+    if not experts:
+        where = (f"model.random.preset={config.model.random.preset!r}" if config.model.source == "random"
+                 else f"model.path={config.model.path!r}")
+        return [f"mesh.expert_parallel={ep} needs a mixture-of-experts model, but {where} is dense (model_type "
+                f"{fields.get('model_type')!r}, no experts); set mesh.expert_parallel: 1"]
+    if experts % ep:
+        return [f"mesh.expert_parallel={ep} does not divide the model's {experts} experts; use a divisor of "
+                f"{experts}"]
+    return []
+
+
 def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
     """``model.moe`` needs a mixture-of-experts model; router replay (recording the
     rollout's experts) runs in the modes that carry them: one process, sync, the static
@@ -508,6 +528,12 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     except UserError as err:
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
+    ep = config.mesh.expert_parallel
+    if ep > 1 and layout.fsdp % ep:
+        problems.append(f"mesh.expert_parallel={ep} does not divide the fsdp axis of mesh {layout.shape} "
+                        f"(policy {config.mesh.policy!r}): the expert axis is carved out of fsdp")
+    elif ep > 1:
+        layout = dataclasses.replace(layout, fsdp=layout.fsdp // ep, ep=ep)
     problems += _attention_selection(config.model, topology.platform, plugins)[1]
     from grpo.core.config.engine import quantization_platform_problems
 
@@ -542,12 +568,13 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
             f"train.prompts_per_step={prompts} must divide evenly over the {topology.process_count} processes: "
             "each process reads and scores its own prompts"
         )
-    train_shards = layout.dp * layout.fsdp
+    train_shards = layout.data
     mb = config.micro_batch_size
     if mb % train_shards:
         problems.append(
             f"the micro-batch of {mb} sequences (train.micro_batch_size, or the whole batch when unset) must "
-            f"divide evenly over dp x fsdp = {train_shards} devices on mesh {layout.shape}"
+            f"divide evenly over dp x fsdp{' x ep' if layout.ep > 1 else ''} = {train_shards} devices on mesh "
+            f"{layout.shape}"
         )
     if problems:
         raise ConfigError("Invalid config for this topology:", problems=problems)
