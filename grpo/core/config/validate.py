@@ -429,8 +429,8 @@ def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:
 
 
 def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
-    """The model's HF config fields: a random preset's, or a local checkpoint's config.json
-    (None: a hub id not on disk, known only once downloaded)."""
+    """The model's HF config fields: a random preset's, a local checkpoint's config.json, or
+    a known hub id's preset (None: another hub id not on disk, known only once downloaded)."""
     model = config.model
     if model.source == "random":
         from grpo.models.presets import preset_hf_dict
@@ -444,6 +444,11 @@ def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, ValueError):
         return None
+    if data is None and not path.parent.exists():  # a hub id with a built-in preset (Qwen/Qwen3-30B-A3B)
+        from grpo.models.presets import hub_preset, preset_hf_dict
+
+        name = hub_preset(str(model.path))
+        return preset_hf_dict(name, {}) if name else None
     return data if isinstance(data, dict) else None
 
 
