@@ -93,9 +93,7 @@ def format_report(rep: dict[str, Any]) -> str:
             f"decode per generated token: {total / 1e9:.3f} GB per chip "
             f"({kinds or 'none'}), ICI {dec['ici_s_per_step'] * 1e3:.2f} ms"
         )
-    a2a = all_to_all_text(rep["programs"])
-    if a2a:
-        lines.append(a2a)
+    lines += [a2a] if (a2a := all_to_all_text(rep["programs"])) else []
     lines.append("")
     verdict = "fits" if rep["fits"] else "DOES NOT FIT"
     margin = rep["margin_bytes"]
