@@ -533,12 +533,10 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     except UserError as err:
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
-    ep = config.mesh.expert_parallel
-    if ep > 1 and layout.fsdp % ep:
-        problems.append(f"mesh.expert_parallel={ep} does not divide the fsdp axis of mesh {layout.shape} "
-                        f"(policy {config.mesh.policy!r}): the expert axis is carved out of fsdp")
-    elif ep > 1:
-        layout = dataclasses.replace(layout, fsdp=layout.fsdp // ep, ep=ep)
+    try:
+        layout = layout.with_expert_axis(config.mesh.expert_parallel)
+    except ValueError as err:
+        problems.append(f"{err} (policy {config.mesh.policy!r}): the expert axis is carved out of fsdp")
     problems += _attention_selection(config.model, topology.platform, plugins)[1]
     from grpo.core.config.engine import quantization_platform_problems
 

@@ -77,6 +77,15 @@ class MeshLayout:
         """How many ways the update's batch is split: dp x fsdp x ep."""
         return self.dp * self.fsdp * self.ep
 
+    def with_expert_axis(self, ep: int) -> "MeshLayout":
+        """This layout with an expert axis of size ``ep`` carved out of its fsdp axis
+        (``mesh.expert_parallel``); ValueError when ``ep`` does not divide fsdp."""
+        if ep == 1:
+            return self
+        if ep < 1 or self.fsdp % ep:
+            raise ValueError(f"mesh.expert_parallel={ep} does not divide the fsdp axis of mesh {self.shape}")
+        return dataclasses.replace(self, fsdp=self.fsdp // ep, ep=self.ep * ep)
+
     def axis_size(self, axes: Sequence[str]) -> int:
         out = 1
         for a in axes:

@@ -185,3 +185,15 @@ def test_without_an_expert_axis_the_specs_are_the_dp_fsdp_tp_ones():
     assert fit_spec((2, 8, 64, 32), ("layers", "experts", "embed", "expert_mlp"), experts, PARAM_RULES) == P(
         None, "ep", "fsdp", None)
     assert fit_spec((64, 32), ("embed", "mlp"), experts, PARAM_RULES) == P(("fsdp", "ep"), None)
+
+
+def test_mesh_preview_carves_the_expert_axis_out_of_fsdp():
+    """Issue 54: `grpo mesh preview --expert-parallel 4` on 8 devices gives (dp 1, fsdp 2,
+    ep 4, tp 1); on 6 it is refused naming mesh.expert_parallel (exit 2)."""
+    args = ["mesh", "preview", "--policy", "auto", "--processes", "1", "--json"]
+    result = CliRunner().invoke(cli, [*args, "--local-devices", "8", "--expert-parallel", "4"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["shape"] == {"dp": 1, "fsdp": 2, "ep": 4, "tp": 1} and out["axis_names"] == ["dp", "fsdp", "ep", "tp"]
+    result = CliRunner().invoke(cli, [*args, "--local-devices", "6", "--expert-parallel", "4"])
+    assert result.exit_code == 2 and "mesh.expert_parallel=4 does not divide the fsdp axis" in result.output
