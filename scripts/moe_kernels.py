@@ -48,10 +48,13 @@ def compile_one(fn, args, mesh) -> dict:
         return {"compiles": False, "error": (str(err).strip().splitlines() or [type(err).__name__])[0][:300]}
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, list) else cost
-    text = compiled.as_text()
-    return {"compiles": True, "tflop": cost.get("flops", 0.0) / 1e12, "gb_read": cost.get("bytes accessed", 0.0) / 1e9,
-            "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30,
-            "custom_call": "custom-call" in text, "compile_s": round(time.time() - t, 1)}
+    out = {"compiles": True, "tflop": cost.get("flops", 0.0) / 1e12, "gb_read": cost.get("bytes accessed", 0.0) / 1e9,
+           "temp_gib": compiled.memory_analysis().temp_size_in_bytes / 2**30, "compile_s": round(time.time() - t, 1)}
+    try:  # reading the compiled HLO back fails for Pallas kernels with JAX 0.10.2's libtpu (a RET_CHECK)
+        out["custom_call"] = "custom-call" in compiled.as_text()
+    except Exception as err:  # noqa: BLE001
+        out["hlo_text_error"] = (str(err).strip().splitlines() or [type(err).__name__])[0][:200]
+    return out
 
 
 def main() -> None:
