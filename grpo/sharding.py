@@ -19,7 +19,9 @@ log = logging.getLogger(__name__)
 Rules = Mapping[str, "str | tuple[str, ...] | None"]
 
 PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "embed": "fsdp",
+    # The expert axis ep (present only with expert parallelism) is one more FSDP axis
+    # for every parameter but the experts, which it splits by expert.
+    "embed": ("fsdp", "ep"),
     "vocab": "tp",
     "heads": "tp",
     "kv_heads": "tp",
@@ -30,16 +32,16 @@ PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     # LoRA adapters: the rank axis takes fsdp where the matrix has no embed dim (B of
     # q/k/v/gate/up, A of o/down), so every adapter is split over the chips, not copied.
     "lora_rank": "fsdp",
-    # Mixture-of-experts: the expert axis is replicated (no expert mesh axis yet); each
-    # expert's hidden width is tensor-parallel like a dense MLP's; the router's output
-    # (one logit per expert) is small and replicated.
-    "experts": None,
+    # Mixture-of-experts: the experts are split over the expert axis ep (replicated
+    # without one); each expert's hidden width is tensor-parallel like a dense MLP's; the
+    # router's output (one logit per expert) is small and replicated.
+    "experts": "ep",
     "expert_mlp": "tp",
     "router_experts": None,
 }
 
 ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
-    "batch": ("dp", "fsdp"),
+    "batch": ("dp", "fsdp", "ep"),
     "length": None,
     "embed": None,
     "heads": "tp",
@@ -49,6 +51,15 @@ ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
     "vocab": "tp",
     "cache_length": None,
 }
+
+
+DATA_AXES: tuple[str, ...] = ("dp", "fsdp", "ep")
+"""The mesh axes the update's batch is split over (``ep`` only where the mesh has it)."""
+
+
+def data_axes(mesh: Mesh) -> tuple[str, ...]:
+    """:data:`DATA_AXES` that ``mesh`` has: ("dp", "fsdp"), plus "ep" with expert parallelism."""
+    return tuple(a for a in DATA_AXES if a in mesh.shape)
 
 
 def logical_to_spec(names: Sequence[str | None], rules: Rules) -> PartitionSpec:
@@ -76,6 +87,11 @@ def with_batch_axes(rules: Rules, batch_axes: Sequence[str]) -> dict:
     out = dict(rules)
     out["batch"] = tuple(batch_axes) or None
     return out
+
+
+def mesh_axes(axes: Sequence[str], mesh: Mesh) -> tuple[str, ...]:
+    """``axes`` without those ``mesh`` does not have (``ep`` without expert parallelism)."""
+    return tuple(a for a in axes if a in mesh.shape)
 
 
 # --------------------------------------------------------------------------- concrete shapes

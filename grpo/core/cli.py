@@ -238,9 +238,12 @@ def mesh() -> None:
 @click.option("--option", "options", multiple=True, metavar="KEY=VALUE", help="Other policy options. Repeatable.")
 @click.option("--processes", type=click.IntRange(min=1), help="Process (host) count; default: this runtime's.")
 @click.option("--local-devices", type=click.IntRange(min=1), help="Devices per process; default: this runtime's.")
+@click.option("--expert-parallel", type=click.IntRange(min=1), default=1, show_default=True,
+              help="mesh.expert_parallel: an expert axis of this size carved out of fsdp.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 def mesh_preview(
-    policy: str, shape: str | None, options: tuple[str, ...], processes: int | None, local_devices: int | None, as_json: bool
+    policy: str, shape: str | None, options: tuple[str, ...], processes: int | None, local_devices: int | None,
+    expert_parallel: int, as_json: bool,
 ) -> None:
     """Resolve a mesh policy for a topology, including one you don't have."""
     from pydantic import ValidationError
@@ -269,6 +272,10 @@ def mesh_preview(
     else:
         topology = Topology(process_count=processes, local_device_count=local_devices)
     layout = plugin.resolve(topology, opts)
+    try:
+        layout = layout.with_expert_axis(expert_parallel)
+    except ValueError as err:
+        raise UserError(f"{err} (policy {policy!r}).") from None
     if as_json:
         click.echo(
             json.dumps(

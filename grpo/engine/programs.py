@@ -141,8 +141,10 @@ class RunPrograms:
 
     @property
     def train_sharding(self) -> NamedSharding:
-        """Rows of the update batch: (dp, fsdp), like the update's activations."""
-        return NamedSharding(self.mesh, P(("dp", "fsdp")))
+        """Rows of the update batch: (dp, fsdp[, ep]), like the update's activations."""
+        from grpo.sharding import data_axes
+
+        return NamedSharding(self.mesh, P(data_axes(self.mesh)))
 
     @property
     def replicated(self) -> NamedSharding:
@@ -382,8 +384,10 @@ class RunPrograms:
 
     @property
     def update_devices(self) -> int:
-        """The devices the update's rows (and bins) split over: dp x fsdp."""
-        return math.prod(self.mesh.shape[a] for a in ("dp", "fsdp"))
+        """The devices the update's rows (and bins) split over: dp x fsdp (x ep)."""
+        from grpo.sharding import data_axes
+
+        return math.prod(self.mesh.shape[a] for a in data_axes(self.mesh))
 
     @property
     def max_bins_per_device(self) -> int:
@@ -443,7 +447,9 @@ class RunPrograms:
     def bins_sharding(self) -> NamedSharding:
         """Scheduled bins [m_cap, devices x per, L, ...]: each micro-batch's bins over the
         update's row axes, the micro-batch axis on every device."""
-        return NamedSharding(self.mesh, P(None, ("dp", "fsdp")))
+        from grpo.sharding import data_axes
+
+        return NamedSharding(self.mesh, P(None, data_axes(self.mesh)))
 
     def _lengths_jit(self) -> Any:
         """[B, 2] int32: each row's real tokens and its completion tokens (the plan's bins

@@ -21,8 +21,13 @@ MOE = {"model.random.preset": "tiny-moe", "model.moe.router_replay": "rollout", 
 
 def test_a_tiny_moe_run_replays_routing_and_logs_it(tmp_path):
     """Equal numerics (f32 sampler and trainer, replayed routing): the trainer's log-probs
-    are the sampler's; every routed token agrees; the router losses are logged."""
-    Trainer(_config(**MOE), tmp_path).run()
+    are the sampler's; every routed token agrees; the router losses are logged. With the
+    experts split over an expert axis of 4 (issue 54) in both the update's mesh (fsdp 2 x
+    ep 4) and the serving rollout's (dp 2 x ep 4): all-to-all in the sampler and the update."""
+    trainer = Trainer(_config(**MOE, **{"mesh.expert_parallel": 4, "rollout.style": "serving"}), tmp_path)
+    assert dict(trainer.programs.mesh.shape) == {"dp": 1, "fsdp": 2, "ep": 4, "tp": 1}
+    assert trainer.programs.rollout.mesh.shape["ep"] == 4
+    trainer.run()
     rows = read_metrics(tmp_path)
     assert_glossary(rows, "Mixture of experts")
     for row in rows:

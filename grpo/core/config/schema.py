@@ -218,6 +218,13 @@ class ModelConfig(Section):
 class MeshConfig(Section):
     policy: str = Field("auto", description="Mesh policy plugin name (`grpo plugins list`).")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen mesh policy.")
+    expert_parallel: int = Field(
+        1, ge=1, le=4096,
+        description="Expert parallelism of a mixture-of-experts model: the experts split over an expert mesh "
+        "axis `ep` of this size, carved out of the policy's fsdp axis (which it must divide), tokens sent to "
+        "and from their experts by all-to-all; every other parameter and the batch treat `ep` as more FSDP. "
+        "It must divide the model's experts. 1: no expert axis.",
+    )
 
 
 class DistributedConfig(Section):

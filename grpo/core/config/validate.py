@@ -241,6 +241,7 @@ def config_problems(
     later += _engine_problems(config, selected.get("engine"))
     later += _quantization_problems(config, selected.get("engine"))
     later += moe_problems(config, selected.get("task"))
+    later += expert_parallel_problems(config)
     later += reward_scoring_problems(config, selected.get("task"), selected.get("engine"))
     later += _truncation_problems(config, selected.get("loss"))
     problems += [p for p in later if not _touches(p, dropped)]
@@ -428,8 +429,8 @@ def _truncation_problems(config: RunConfig, loss: Selected | None) -> list[str]:
 
 
 def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
-    """The model's HF config fields: a random preset's, or a local checkpoint's config.json
-    (None: a hub id not on disk, known only once downloaded)."""
+    """The model's HF config fields: a random preset's, a local checkpoint's config.json, or
+    a known hub id's preset (None: another hub id not on disk, known only once downloaded)."""
     model = config.model
     if model.source == "random":
         from grpo.models.presets import preset_hf_dict
@@ -443,7 +444,31 @@ def _hf_fields(config: RunConfig) -> dict[str, Any] | None:
         data = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
     except (OSError, ValueError):
         return None
+    if data is None and not path.parent.exists():  # a hub id with a built-in preset (Qwen/Qwen3-30B-A3B)
+        from grpo.models.presets import hub_preset, preset_hf_dict
+
+        name = hub_preset(str(model.path))
+        return preset_hf_dict(name, {}) if name else None
     return data if isinstance(data, dict) else None
+
+
+def expert_parallel_problems(config: RunConfig) -> list[str]:
+    """``mesh.expert_parallel`` needs a model with experts, and must divide them. A
+    checkpoint not on disk is checked when read."""
+    ep = config.mesh.expert_parallel
+    fields = _hf_fields(config) if ep > 1 else None
+    if fields is None:
+        return []
+    experts = fields.get("num_experts") or fields.get("num_local_experts")
+    if not experts:
+        where = (f"model.random.preset={config.model.random.preset!r}" if config.model.source == "random"
+                 else f"model.path={config.model.path!r}")
+        return [f"mesh.expert_parallel={ep} needs a mixture-of-experts model, but {where} is dense (model_type "
+                f"{fields.get('model_type')!r}, no experts); set mesh.expert_parallel: 1"]
+    if experts % ep:
+        return [f"mesh.expert_parallel={ep} does not divide the model's {experts} experts; use a divisor of "
+                f"{experts}"]
+    return []
 
 
 def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
@@ -508,6 +533,10 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     except UserError as err:
         raise ConfigError("Invalid config for this topology:", problems=[f"mesh: {err}"]) from None
     problems: list[str] = []
+    try:
+        layout = layout.with_expert_axis(config.mesh.expert_parallel)
+    except ValueError as err:
+        problems.append(f"{err} (policy {config.mesh.policy!r}): the expert axis is carved out of fsdp")
     problems += _attention_selection(config.model, topology.platform, plugins)[1]
     from grpo.core.config.engine import quantization_platform_problems
 
@@ -542,12 +571,13 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
             f"train.prompts_per_step={prompts} must divide evenly over the {topology.process_count} processes: "
             "each process reads and scores its own prompts"
         )
-    train_shards = layout.dp * layout.fsdp
+    train_shards = layout.data
     mb = config.micro_batch_size
     if mb % train_shards:
         problems.append(
             f"the micro-batch of {mb} sequences (train.micro_batch_size, or the whole batch when unset) must "
-            f"divide evenly over dp x fsdp = {train_shards} devices on mesh {layout.shape}"
+            f"divide evenly over dp x fsdp{' x ep' if layout.ep > 1 else ''} = {train_shards} devices on mesh "
+            f"{layout.shape}"
         )
     if problems:
         raise ConfigError("Invalid config for this topology:", problems=problems)

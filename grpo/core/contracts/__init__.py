@@ -45,7 +45,7 @@ from grpo.core.contracts.loss import (
     MismatchMode,
     sequence_sum,
 )
-from grpo.core.contracts.mesh import MESH_AXES, MeshLayout, MeshPolicy, Topology
+from grpo.core.contracts.mesh import EXPERT_AXIS, MESH_AXES, MeshLayout, MeshPolicy, Topology
 from grpo.core.contracts.model import ModelPlugin
 from grpo.core.contracts.objective import ObjectivePlugin
 from grpo.core.contracts.platform import _TARGET_PLATFORM, compiling_for, target_platform
@@ -68,6 +68,7 @@ PLUGIN_KINDS: dict[str, tuple[str, type[_PluginBase]]] = {
 __all__ = [
     "ATTENTION_PLATFORMS",
     "AUTO_ATTENTION",
+    "EXPERT_AXIS",
     "MESH_AXES",
     "PLUGIN_KINDS",
     "Aggregation",

@@ -10,7 +10,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh
 
-from grpo.core.contracts import MESH_AXES, MeshLayout, Topology
+from grpo.core.contracts import MeshLayout, Topology
 
 log = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def mesh_processes(mesh: Mesh) -> tuple[int, int]:
 
 
 def ordered_devices(devices: Sequence[jax.Device]) -> list[jax.Device]:
-    """Host-major, then device id: reshaping to (dp, fsdp, tp) keeps the trailing axes
+    """Host-major, then device id: reshaping to (dp, fsdp[, ep], tp) keeps the trailing axes
     inside a host whenever they fit there."""
     return sorted(devices, key=lambda d: (d.process_index, d.id))
 
@@ -49,7 +49,7 @@ def build_mesh(layout: MeshLayout, devices: Sequence[jax.Device] | None = None) 
     devices = list(devices if devices is not None else jax.devices())
     if layout.size != len(devices):
         raise ValueError(f"mesh {layout.shape} needs {layout.size} devices, got {len(devices)}")
-    shape = (layout.dp, layout.fsdp, layout.tp)
+    shape = tuple(layout.shape.values())
     topo = current_topology(devices)
     if topo.process_count == 1 and devices[0].platform == "tpu":
         # Physical-topology-aware order (ICI rings) on a single TPU slice.
@@ -60,4 +60,4 @@ def build_mesh(layout: MeshLayout, devices: Sequence[jax.Device] | None = None) 
         grid = np.array(ordered_devices(devices), dtype=object).reshape(shape)
     for w in layout.warnings:
         log.warning(w)
-    return Mesh(grid, MESH_AXES)
+    return Mesh(grid, layout.axis_names)

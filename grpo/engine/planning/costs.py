@@ -249,7 +249,7 @@ def program_costs(
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
         out["reshard"] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
-    rows = P * cfg.group_size / (programs.layout.dp * programs.layout.fsdp)  # the update's rows per device
+    rows = P * cfg.group_size / programs.layout.data  # the update's rows per device
     out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
                                                         max_new_tokens=cfg.rollout.max_new_tokens)))
     out.update(_glue_costs(m, programs, split, P, Lp, rollout=rollout))
@@ -290,8 +290,8 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int,
     ``unpack``. ``rollout=False``: without the engine's (``start``, ``read``)."""
     cfg, layout, d = programs.config, programs.layout, m.dims
     N, K = cfg.rollout.max_new_tokens, cfg.rollout.num_generations
-    devices = layout.dp * layout.fsdp * layout.tp
-    rows_ro, rows = P * K / split.shards, P * cfg.group_size / (layout.dp * layout.fsdp)
+    devices = layout.size
+    rows_ro, rows = P * K / split.shards, P * cfg.group_size / layout.data
     # Every update-batch array: prompts and masks [Lp] x 2, tokens, mask, advantages,
     # sampler log-probs and the loss mask [N], 4 bytes each, read and written.
     batch_bytes = 2 * 4 * rows * (2 * Lp + 5 * N)
@@ -315,7 +315,7 @@ def _glue_costs(m: _Model, programs: Any, split: _RolloutSplit, P: int, Lp: int,
                     read = name.replace("start", "read")
                     out[read] = moved(sampler.slots_for(prompts * k, Lp) / split.shards * N * 4 * 3)
     if programs.merged_sampling and cfg.model.lora is not None and not programs.rollout.resharded:
-        out["merge"] = moved((m.weight_bytes + m.base_bytes) / (layout.fsdp * layout.tp))
+        out["merge"] = moved((m.weight_bytes + m.base_bytes) / (layout.fsdp * layout.ep * layout.tp))
     out["row_sums"] = moved(4 * rows_ro * 8)
     if programs.selects_rows:
         rounds = cfg.train.dynamic_sampling.max_rounds if cfg.train.dynamic_sampling.enabled else 1
@@ -467,9 +467,9 @@ def _training_costs(m: _Model, programs: Any, work: TrainingWork) -> dict[str, C
     # Weight reads per micro-batch: forward, backward (twice for weight gradients; once for
     # LoRA's frozen base, input gradients only), remat's recomputed forward.
     passes = (2 if lora is not None else 3) + (1 if remat in ("full", "dots") else 0)
-    # Parameters, gradients and optimizer state are split over fsdp x tp; dp replicates them
-    # (every dp group runs the same optimizer step on its own copy).
-    shards = layout.fsdp * layout.tp
+    # Parameters, gradients and optimizer state are split over fsdp x ep x tp; dp replicates
+    # them (every dp group runs the same optimizer step on its own copy).
+    shards = layout.fsdp * layout.ep * layout.tp
     if lora is not None:
         # f32 adapters and gradients, two f32 moments, read and written.
         opt_bytes = 2 * m.na / shards * (2 * 4 + 2 * 4)

@@ -96,7 +96,7 @@ def plan_bins(programs: Any, profile: LengthProfile, *, prompt_length: int, draw
 
     cfg, layout = programs.config, programs.layout
     rows, cap = cfg.sequences_per_step, cfg.rollout.max_new_tokens
-    devices = layout.dp * layout.fsdp
+    devices = layout.data
     length = bin_length(cfg, prompt_length)
     if length < prompt_length + cap:
         raise UserError(

@@ -580,7 +580,7 @@ class Planner:
             fn = programs.update(params, s.opt_state)
             return (lambda: fn.lower(params, s.opt_state, batch, frozen)), "packed update program"
         config = s.config
-        bins = per * programs.layout.dp * programs.layout.fsdp * (config.sequences_per_step // config.micro_batch_size)
+        bins = per * programs.layout.data * (config.sequences_per_step // config.micro_batch_size)
         N = config.rollout.max_new_tokens
 
         def resize(leaf: Any, columns: int | None = None) -> Any:

@@ -93,6 +93,7 @@ def format_report(rep: dict[str, Any]) -> str:
             f"decode per generated token: {total / 1e9:.3f} GB per chip "
             f"({kinds or 'none'}), ICI {dec['ici_s_per_step'] * 1e3:.2f} ms"
         )
+    lines += [a2a] if (a2a := all_to_all_text(rep["programs"])) else []
     lines.append("")
     verdict = "fits" if rep["fits"] else "DOES NOT FIT"
     margin = rep["margin_bytes"]
@@ -138,6 +139,20 @@ def format_compile(c: dict[str, Any], topology: str) -> str:
             f"took {c['compile_cpu_s']:.1f} s of CPU ({c['compile_s']:.1f} s wall) for the {c['programs']} on this "
             f"host, lowering {c['lower_s']:.1f} s; about {c['run_compile_cpu_s']:.0f} s of CPU for all {c['shapes']} "
             f"shapes (each timed as its program's largest; a {topology} host's CPU differs)")
+
+
+def all_to_all_text(programs: dict) -> str | None:
+    """One line of the all-to-all bytes a chip receives (expert parallelism's dispatch and
+    combine), per program run and per generated token for decode; None without any."""
+    def a2a(p: dict, key: str = "collective_bytes") -> float:
+        return float((p.get(key) or {}).get("all-to-all") or 0.0)
+
+    runs = [f"{name} {a2a(p) / 1e9:.3g}" for name, p in programs.items() if a2a(p)]
+    if not runs:
+        return None
+    dec = programs.get("decode", {})
+    token = f"; decode per generated token {a2a(dec, 'collective_bytes_per_step') / 1e9:.3g}" if a2a(dec) else ""
+    return f"all-to-all (experts' dispatch and combine), GB per chip per program run: {', '.join(runs)}{token}"
 
 
 def step_rollout_text(sr: dict[str, Any]) -> str:
@@ -257,5 +272,5 @@ def format_packing(pk: dict[str, Any], hbm: int, rollout: dict[str, Any] | None 
     return lines
 
 
-__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "attention_report", "format_async", "format_engine", "format_packing", "format_report",
+__all__ = ["WHOLE_SEQUENCE_PROGRAMS", "all_to_all_text", "attention_report", "format_async", "format_engine", "format_packing", "format_report",
            "step_rollout_text"]

@@ -33,17 +33,17 @@ import numpy as np
 from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from grpo.core.contracts import MESH_AXES, ModelDims, RolloutLayout
+from grpo.core.contracts import ModelDims, RolloutLayout
 from grpo.engine.planning.costs import decode_step_estimate
-from grpo.sharding import ACTIVATION_RULES, fit_sharding, with_batch_axes
+from grpo.sharding import ACTIVATION_RULES, fit_sharding, mesh_axes, with_batch_axes
 
 
 def rollout_mesh(train_mesh: Mesh, sizes: Any) -> Mesh:
     """The training mesh's devices, in the same flat order, reshaped to ``sizes``'s
-    (dp, fsdp, tp). Devices are ordered host-major, so a trailing ``tp`` that divides a
+    (dp, fsdp[, ep], tp). Devices are ordered host-major, so a trailing ``tp`` that divides a
     host's device count stays inside a host."""
     devices = np.asarray(train_mesh.devices).reshape(-1)
-    return Mesh(devices.reshape(sizes.dp, sizes.fsdp, sizes.tp), MESH_AXES)
+    return Mesh(devices.reshape(tuple(sizes.shape.values())), sizes.axis_names)
 
 
 def state_shardings(state: Any, mesh: Mesh, rules: Mapping[str, Any]) -> Any:
@@ -78,6 +78,7 @@ class RolloutPlacement:
 
     @classmethod
     def training(cls, mesh: Mesh, batch_axes: Sequence[str]) -> "RolloutPlacement":
+        batch_axes = mesh_axes(batch_axes, mesh)  # "ep" only on a mesh with expert parallelism
         rules = with_batch_axes(ACTIVATION_RULES, batch_axes)
         return cls(mesh=mesh, batch_axes=tuple(batch_axes), activation_rules=rules, cache_rules=rules)
 

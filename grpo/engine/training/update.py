@@ -44,6 +44,7 @@ from grpo.core.contracts import LossPlugin, LossSettings, compiling_for
 from grpo.engine.training.optim import is_schedule_state
 from grpo.engine.training.packing import PackedBatch, from_head, to_head
 from grpo.engine.training.routing import is_moe, moe_call, router_losses, routing_metrics
+from grpo.sharding import DATA_AXES
 
 
 class UpdateBatch(NamedTuple):
@@ -272,7 +273,7 @@ class LossCall:
     options: BaseModel
     settings: LossSettings
     mesh: Any = None
-    batch_axes: tuple[str, ...] = ("dp", "fsdp")
+    batch_axes: tuple[str, ...] = DATA_AXES
 
     def __call__(self, args: dict[str, Any], normalizer=None):
         """``(loss, metrics)``; ``metrics["logprobs"]`` [B, N] are the per-token log-probs.
@@ -398,7 +399,7 @@ class UpdateStep:
     micro_batches: int
 
     mesh: Any = None
-    batch_axes: tuple[str, ...] = ("dp", "fsdp")
+    batch_axes: tuple[str, ...] = DATA_AXES
     master_weights: bool = False
     moe: Any = None  # model.moe (a MoeConfig): router replay and losses, for a model with experts
 

@@ -21,6 +21,8 @@ scans it over the stack.
 - ``moe``: the mixture-of-experts block (:func:`moe_block`, in place of the MLP for a
   family with experts): softmax top-k routing, router replay, dropless grouped-matmul
   experts, and the layer's routing statistics.
+- ``expert_parallel``: the experts split over the expert mesh axis ``ep``, tokens
+  dispatched and combined by all-to-all under ``shard_map`` (:func:`ep_experts_forward`).
 
 May import: ``grpo.core``, ``grpo.sharding``, ``grpo.kernels``, ``grpo.models.quant``,
 ``grpo.models.rollout_quant``.

@@ -13,7 +13,9 @@ those experts* (renormalised), so the router gets its gradient.
 
 Experts run dropless as grouped matmuls (:func:`grpo.kernels.grouped_matmul`): the
 B*T*k (token, expert) pairs sorted by expert, one ragged matmul per projection, then
-unsorted and gate-weighted. No capacity factor, no token dropped.
+unsorted and gate-weighted. No capacity factor, no token dropped. With an expert mesh
+axis (``mesh.expert_parallel``) the experts are split over it and the tokens reach them
+by all-to-all (:mod:`grpo.models.layers.expert_parallel`).
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import jax.numpy as jnp
 
 from grpo.kernels.grouped_matmul import grouped_matmul
 from grpo.models.layers.context import LayerContext
+from grpo.models.layers.expert_parallel import ep_experts_forward, expert_parallel
 from grpo.models.layers.norms import rms_norm
 
 EXPERT_ID_DTYPE = jnp.int16
@@ -108,7 +111,11 @@ def moe_block(
     replay = p.get("moe_replay")
     x = rms_norm(h, p["mlp_norm"], c.rms_norm_eps, ctx.dtype)
     experts, gates, probs, logits, own = route(ctx, x, p["router"], replay, bool(call and call.use_replay))
-    y = experts_forward(ctx, x.reshape(B * T, D), experts.reshape(B * T, -1), gates.reshape(B * T, -1), p)
+    if expert_parallel(ctx.mesh):  # experts split over the mesh's ep axis: all-to-all dispatch
+        y = ep_experts_forward(x.reshape(B * T, D), experts.reshape(B * T, -1), gates.reshape(B * T, -1), p,
+                               mesh=ctx.mesh, rules=dict(ctx.rules), dtype=ctx.dtype)
+    else:
+        y = experts_forward(ctx, x.reshape(B * T, D), experts.reshape(B * T, -1), gates.reshape(B * T, -1), p)
     h = ctx.constrain(h + y.reshape(B, T, D), ("batch", "length", "embed"))
     if call is None:
         return h, None

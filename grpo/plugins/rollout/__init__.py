@@ -43,7 +43,7 @@ class LegacyStyle(RolloutStyle):
     Options = NoOptions
 
     def batch_axes(self, layout: MeshLayout, options: NoOptions) -> tuple[str, ...]:
-        return ("dp", "fsdp", "tp")
+        return layout.axis_names  # dp, fsdp(, ep), tp
 
 
 class MaxTextStyle(RolloutStyle):
@@ -86,6 +86,11 @@ SERVING_PARAM_RULES: dict[str, str | tuple[str, ...] | None] = {
     "layers": None,
     "norm": None,
     "lora_rank": None,
+    # Mixture-of-experts: the experts over the expert axis (a serving mesh has one when the
+    # training mesh does), each expert's hidden width split like the MLP's.
+    "experts": "ep",
+    "expert_mlp": _SPLIT,
+    "router_experts": None,
 }
 
 SERVING_ACTIVATION_RULES: dict[str, str | tuple[str, ...] | None] = {
@@ -131,7 +136,7 @@ class ServingStyle(RolloutStyle):
 
     def batch_axes(self, layout: MeshLayout, options: ServingOptions) -> tuple[str, ...]:
         # On the training mesh (what legacy uses); the serving layout has its own.
-        return ("dp", "fsdp", "tp")
+        return layout.axis_names
 
     @staticmethod
     def _per_host(topology: Topology, layout: MeshLayout) -> int:
@@ -162,9 +167,10 @@ class ServingStyle(RolloutStyle):
         self, *, layout: MeshLayout, topology: Topology, options: ServingOptions, model: ModelDims
     ) -> tuple[RolloutLayout, ...]:
         n, per_host = layout.size, self._per_host(topology, layout)
-        heads = model.num_attention_heads
+        heads, ep = model.num_attention_heads, layout.ep
         if options.tensor_parallel == "auto":
-            sizes = [t for t in range(1, per_host + 1) if per_host % t == 0 and n % t == 0 and heads % t == 0]
+            sizes = [t for t in range(1, per_host + 1)
+                     if per_host % t == 0 and n % (t * ep) == 0 and heads % t == 0]
         else:
             problems = self.check(layout=layout, topology=topology, options=options)
             if problems:
@@ -177,20 +183,27 @@ class ServingStyle(RolloutStyle):
                     + ", ".join(str(t) for t in range(1, per_host + 1) if per_host % t == 0 and heads % t == 0)
                     + "."
                 )
+            if n % (tp * ep):
+                raise UserError(
+                    f"rollout.options.tensor_parallel={tp} x mesh.expert_parallel={ep} does not divide the "
+                    f"{n} devices: the serving layout splits its batch over dp x ep."
+                )
             sizes = [tp]
-        return tuple(serving_layout(n, t, kv_heads=model.num_key_value_heads) for t in sizes)
+        return tuple(serving_layout(n, t, kv_heads=model.num_key_value_heads, ep=ep) for t in sizes)
 
 
-def serving_layout(devices: int, tp: int, *, kv_heads: int | None = None) -> RolloutLayout:
+def serving_layout(devices: int, tp: int, *, kv_heads: int | None = None, ep: int = 1) -> RolloutLayout:
     """The serving layout of ``devices`` devices with tensor parallelism ``tp``: the mesh
     ``(dp, fsdp, tp) = (devices / tp, tp / k, k)`` with ``k = gcd(tp, kv_heads)`` (see
-    :data:`SERVING_PARAM_RULES`; ``kv_heads`` None: k = tp)."""
+    :data:`SERVING_PARAM_RULES`; ``kv_heads`` None: k = tp). With expert parallelism
+    ``ep`` > 1 the batch part splits into ``dp = devices / (tp ep)`` and the expert axis
+    ``ep``: the batch is over (dp, ep), the experts over ep."""
     k = tp if kv_heads is None else math.gcd(tp, kv_heads)
     return RolloutLayout(
-        mesh=MeshLayout(dp=devices // tp, fsdp=tp // k, tp=k),
+        mesh=MeshLayout(dp=devices // (tp * ep), fsdp=tp // k, tp=k, ep=ep),
         param_rules=SERVING_PARAM_RULES,
         activation_rules=SERVING_ACTIVATION_RULES,
-        batch_axes=("dp",),
+        batch_axes=("dp", "ep") if ep > 1 else ("dp",),
         tensor_parallel=tp,
     )
 

@@ -125,6 +125,11 @@ def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top
      ["model.moe.router_replay=rollout needs rollout.engine: static (got 'continuous'"]),
     (["model.random.preset=tiny-moe", "model.moe.load_balancing_loss=0.01", "loss.aggregation=sequence_mean"],
      ["model.moe.load_balancing_loss needs loss.aggregation: token_mean (got 'sequence_mean'"]),
+    # issue 54, the expert mesh axis: with a dense model, or not dividing the experts
+    (["mesh.expert_parallel=2"],
+     ["mesh.expert_parallel=2 needs a mixture-of-experts model, but model.random.preset='tiny' is dense"]),
+    (["model.random.preset=tiny-moe", "mesh.expert_parallel=3"],
+     ["mesh.expert_parallel=3 does not divide the model's 8 experts"]),
 ])
 def test_moe_options_are_refused_where_they_cannot_work(tmp_path, sets, expected):
     path = tmp_path / "c.yaml"
@@ -133,6 +138,19 @@ def test_moe_options_are_refused_where_they_cannot_work(tmp_path, sets, expected
     assert result.exit_code == 2 and "Traceback" not in result.output, result.output
     lines = [line[4:] for line in result.output.splitlines() if line.startswith("  - ")]
     assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
+
+
+def test_expert_axis_must_divide_the_fsdp_axis_of_the_topology(tmp_path):
+    """Issue 54: ep=4 on 6 devices (auto: fsdp=6) is refused naming mesh.expert_parallel
+    (exit 2); on 8 it passes."""
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+    sets = ["--set", "model.random.preset=tiny-moe", "--set", "mesh.expert_parallel=4", "--set", "train.prompts_per_step=6"]
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *sets, "--processes", "1", "--local-devices", "6"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "mesh.expert_parallel=4 does not divide the fsdp axis of mesh {'dp': 1, 'fsdp': 6, 'tp': 1}" in result.output
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *sets[:4], "--processes", "1", "--local-devices", "8"])
+    assert result.exit_code == 0, result.output
 
 
 def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path):

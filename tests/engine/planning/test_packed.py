@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from grpo.core.config import load_config
+from grpo.core.contracts import MeshLayout
 from grpo.engine.planning import packed, profiles
 from grpo.engine.planning.costs import padded_work, training_costs
 from grpo.engine.planning.tpu import CHIPS
@@ -27,7 +28,7 @@ def programs_for(*, preset: str, rows: int, micro: int, prompt: int, cap: int, f
         "train": {"prompts_per_step": rows // 8, "micro_batch_size": rows // micro},
         "loss": {"impl": impl, "beta": beta},
     })
-    layout = SimpleNamespace(dp=1, fsdp=fsdp, tp=1)
+    layout = MeshLayout(dp=1, fsdp=fsdp, tp=1)
     return SimpleNamespace(config=config, layout=layout, lora_dropout=False), preset_config(preset)
 
 

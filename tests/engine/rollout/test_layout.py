@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec
 
 from grpo.core.cli import cli
 from grpo.core.contracts import MeshLayout, ModelDims, Topology
+from grpo.core.errors import UserError
 from grpo.engine.parallel.mesh import build_mesh
 from grpo.engine.rollout.layout import RolloutPlacement, choose_layout, state_shardings
 from grpo.engine.rollout.sampler import Sampler, SamplingParams
@@ -142,6 +143,24 @@ def test_serving_candidates_stay_inside_a_host():
     assert style.rollout_shards(layout=layout, topology=four_hosts, options=ServingOptions()) == 4
     problems = style.check(layout=layout, topology=four_hosts, options=ServingOptions(tensor_parallel=8))
     assert problems and "span hosts" in problems[0] and "rollout.options.tensor_parallel" in problems[0]
+
+
+def test_serving_layout_keeps_the_expert_axis():
+    """Issue 54: with mesh.expert_parallel the serving layout splits its batch over dp x ep
+    and the experts over ep (each expert's width like the MLP's); tensor_parallel x ep must
+    divide the devices (exit 2 naming both)."""
+    style = ServingStyle()
+    dims = ModelDims(num_attention_heads=4, num_key_value_heads=2, head_dim=16, hidden_size=64,
+                     intermediate_size=128, vocab_size=320, num_hidden_layers=2)
+    layout = MeshLayout(dp=1, fsdp=2, tp=1, ep=4)
+    one = Topology(process_count=1, local_device_count=8)
+    auto = style.rollout_layouts(layout=layout, topology=one, options=ServingOptions(), model=dims)
+    assert [c.tensor_parallel for c in auto] == [1, 2]
+    assert [c.mesh.shape for c in auto] == [{"dp": 2, "fsdp": 1, "ep": 4, "tp": 1}, {"dp": 1, "fsdp": 1, "ep": 4, "tp": 2}]
+    assert all(c.batch_axes == ("dp", "ep") and c.shards == 8 // c.tensor_parallel for c in auto)
+    assert SERVING_PARAM_RULES["experts"] == "ep" and SERVING_PARAM_RULES["expert_mlp"] == SERVING_PARAM_RULES["mlp"]
+    with pytest.raises(UserError, match=r"rollout.options.tensor_parallel=4 x mesh.expert_parallel=4 does not divide"):
+        style.rollout_layouts(layout=layout, topology=one, options=ServingOptions(tensor_parallel=4), model=dims)
 
 
 def test_auto_picks_by_the_roofline():

@@ -8,7 +8,7 @@ import pytest
 from click.testing import CliRunner
 
 from grpo.core.cli import cli
-from grpo.core.contracts import Topology
+from grpo.core.contracts import MeshLayout, Topology
 from grpo.core.errors import UserError
 from grpo.plugins.mesh import AutoMesh, ExplicitMesh, HostLocalMesh, parse_shape
 
@@ -158,8 +158,42 @@ def test_logical_rules():
         with_batch_axes,
     )
 
-    assert logical_to_spec(("embed", "mlp"), PARAM_RULES) == P("fsdp", "tp")
-    assert logical_to_spec(("vocab", "embed"), PARAM_RULES) == P("tp", "fsdp")
-    assert logical_to_spec(("embed", "embed"), PARAM_RULES) == P("fsdp", None)
-    assert logical_to_spec(("batch", "length", "embed"), ACTIVATION_RULES) == P(("dp", "fsdp"), None, None)
+    # The expert axis ep is one more FSDP/batch axis; a mesh without it drops it (below).
+    assert logical_to_spec(("embed", "mlp"), PARAM_RULES) == P(("fsdp", "ep"), "tp")
+    assert logical_to_spec(("vocab", "embed"), PARAM_RULES) == P("tp", ("fsdp", "ep"))
+    assert logical_to_spec(("embed", "embed"), PARAM_RULES) == P(("fsdp", "ep"), None)
+    assert logical_to_spec(("experts", "embed", "expert_mlp"), PARAM_RULES) == P("ep", "fsdp", "tp")
+    assert logical_to_spec(("batch", "length", "embed"), ACTIVATION_RULES) == P(("dp", "fsdp", "ep"), None, None)
     assert logical_to_spec(("batch", "length"), with_batch_axes(ACTIVATION_RULES, ("dp",))) == P("dp", None)
+
+
+def test_without_an_expert_axis_the_specs_are_the_dp_fsdp_tp_ones():
+    """Issue 54: ``mesh.expert_parallel: 1`` (the default) builds the (dp, fsdp, tp) mesh and
+    every spec is what it was before the expert axis: ep dropped; with ep, the experts over it."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from grpo.engine.parallel.mesh import build_mesh
+    from grpo.sharding import ACTIVATION_RULES, PARAM_RULES, data_axes, fit_spec
+
+    plain = build_mesh(MeshLayout(dp=2, fsdp=2, tp=2), jax.devices()[:8])
+    assert plain.axis_names == ("dp", "fsdp", "tp") and data_axes(plain) == ("dp", "fsdp")
+    assert fit_spec((64, 32), ("embed", "mlp"), plain, PARAM_RULES) == P("fsdp", "tp")
+    assert fit_spec((8, 4, 16), ("batch", "length", "embed"), plain, ACTIVATION_RULES) == P(("dp", "fsdp"), None, None)
+    experts = build_mesh(MeshLayout(dp=1, fsdp=2, tp=1, ep=4), jax.devices()[:8])
+    assert experts.axis_names == ("dp", "fsdp", "ep", "tp") and data_axes(experts) == ("dp", "fsdp", "ep")
+    assert fit_spec((2, 8, 64, 32), ("layers", "experts", "embed", "expert_mlp"), experts, PARAM_RULES) == P(
+        None, "ep", "fsdp", None)
+    assert fit_spec((64, 32), ("embed", "mlp"), experts, PARAM_RULES) == P(("fsdp", "ep"), None)
+
+
+def test_mesh_preview_carves_the_expert_axis_out_of_fsdp():
+    """Issue 54: `grpo mesh preview --expert-parallel 4` on 8 devices gives (dp 1, fsdp 2,
+    ep 4, tp 1); on 6 it is refused naming mesh.expert_parallel (exit 2)."""
+    args = ["mesh", "preview", "--policy", "auto", "--processes", "1", "--json"]
+    result = CliRunner().invoke(cli, [*args, "--local-devices", "8", "--expert-parallel", "4"])
+    assert result.exit_code == 0, result.output
+    out = json.loads(result.output)
+    assert out["shape"] == {"dp": 1, "fsdp": 2, "ep": 4, "tp": 1} and out["axis_names"] == ["dp", "fsdp", "ep", "tp"]
+    result = CliRunner().invoke(cli, [*args, "--local-devices", "6", "--expert-parallel", "4"])
+    assert result.exit_code == 2 and "mesh.expert_parallel=4 does not divide the fsdp axis" in result.output
