@@ -182,6 +182,8 @@ class BaseSampler(RolloutEngine):
         per sync (:meth:`quantize_weights`, :mod:`grpo.models.rollout_quant`).
       kv_format: ``none``, ``int8`` or ``fp8``: the KV cache's format (the continuous
         engine's page pool; the static cache takes ``none`` only).
+      head_format: ``none`` or ``int8``: the output head quantized with the projections
+        (needs ``weight_format``; :func:`grpo.models.rollout_quant.quantize_head`).
 
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
@@ -207,6 +209,7 @@ class BaseSampler(RolloutEngine):
         cache_rules: Mapping[str, Any] | None = None,
         weight_format: str = "none",
         kv_format: str = "none",
+        head_format: str = "none",
     ):
         from grpo.models.rollout_quant import FORMATS
 
@@ -215,7 +218,10 @@ class BaseSampler(RolloutEngine):
         if kv_format != "none" and not getattr(self, "quantized_kv", False):
             raise ValueError(f"{type(self).__name__} keeps its KV cache in the compute dtype (kv_format={kv_format!r}): "
                              "a quantized KV cache is the continuous engine's page pool")
-        self.weight_format, self.kv_format = weight_format, kv_format
+        if head_format not in ("none", "int8") or (head_format != "none" and weight_format == "none"):
+            raise ValueError(f"head_format takes none or int8, with a weight_format; got {head_format!r} with "
+                             f"weight_format={weight_format!r}")
+        self.weight_format, self.kv_format, self.head_format = weight_format, kv_format, head_format
         self._quantize_jit = None
         if kv_segment < 0:
             raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
@@ -396,7 +402,8 @@ class BaseSampler(RolloutEngine):
         if self.weight_format == "none" or isinstance(prepared, QuantizedWeights):
             return prepared
         if self._quantize_jit is None:
-            self._quantize_jit = jax.jit(functools.partial(quantize_state, self.graphdef, fmt=self.weight_format))
+            self._quantize_jit = jax.jit(functools.partial(quantize_state, self.graphdef, fmt=self.weight_format,
+                                                           head=self.head_format))
         leaves = jax.tree.leaves(prepared)
         if leaves and isinstance(leaves[0], jax.ShapeDtypeStruct):
             return abstract_quantized(jax.eval_shape(self._quantize_jit, prepared), prepared)
