@@ -68,7 +68,7 @@ def test_quantized_forward_is_the_float_forward_of_the_dequantized_weights(fmt):
     assert np.abs(quantized - full).max() > 1e-4
 
 
-@pytest.mark.parametrize("tied", [True, False])
+@pytest.mark.parametrize("tied", [pytest.param(True, marks=pytest.mark.slow), False])  # tied: ~12 s; the engine test reads a tied head
 def test_quantized_head_is_the_float_forward_of_its_dequantized_table(tied):
     """``rollout.quantization.head: int8`` (issue 53, item 4): the head's codes and one
     scale per vocabulary row; the quantized decoder equals the float decoder whose head
