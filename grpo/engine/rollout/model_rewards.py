@@ -21,7 +21,8 @@ async, partial rollouts, streaming, several processes) scores the same way.
 
 :class:`ModelRewards` holds a run's scorers, built on first use by the step's collector,
 and scores a batch of rows: per reward, the values [b] (a parse failure 0) and which rows
-had none (counted like a reward function's "not applicable": ``reward/<name>/not_applicable``).
+had none (a reward model's counted as "not applicable", ``reward/<name>/not_applicable``; a judge's as
+parse failures, ``reward/<name>/parse_failures``).
 Every value depends on its row alone (fixed standardisation, no batch statistics), so a
 reward does not change with the batching, the mode or a resume.
 """
