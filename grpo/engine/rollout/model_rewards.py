@@ -17,7 +17,9 @@ Two kinds:
 Both run on this process's devices of the rollout mesh (:func:`local_mesh`: the
 training mesh in a synchronous run, the rollout side's in an asynchronous one), so a
 process scores its own rows and no process waits for another: every mode (sync,
-async, partial rollouts, streaming, several processes) scores the same way.
+async, partial rollouts, streaming) scores the same way. Several processes are refused
+before start-up (:func:`grpo.core.config.validate.model_reward_process_problems`): no
+test has run them there yet.
 
 :class:`ModelRewards` holds a run's scorers, built on first use by the step's collector,
 and scores a batch of rows: per reward, the values [b] (a parse failure 0) and which rows
