@@ -258,6 +258,29 @@ def test_scores_do_not_depend_on_the_order_groups_are_started_or_finish():
         assert scorer.collect(parts) == reference, trial
 
 
+def test_per_completion_rewards_start_row_by_row_and_batched_ones_per_group():
+    """Issue 55, item 1 (overlapped scoring starts a row's per-completion rewards as soon as
+    it ends, a group's batched one once the group is whole): rows started one by one in a
+    shuffled finishing order, each with ``row_names`` only, and each group's ``rank`` (per
+    group) in its own part give the scores of one call on the whole step, row for row."""
+    task = TwinTask(batched=False)
+    examples = _examples(4, 2)
+    reference = RewardScorer(task, NoOptions(), group_size=2).score(examples, COMPLETIONS)
+    scorer = RewardScorer(TwinTask(batched=False), NoOptions(), threads=2, group_size=2)
+    assert scorer.row_names == ("hit", "short")
+    rows = list(range(8))
+    random.Random(1).shuffle(rows)
+    parts, done = [], set()
+    for r in rows:
+        parts.append(scorer.start([examples[r]], [COMPLETIONS[r]], rows=[r], names=scorer.row_names))
+        done.add(r)
+        g = r // 2
+        if {2 * g, 2 * g + 1} <= done:
+            parts.append(scorer.start(examples[2 * g:2 * g + 2], COMPLETIONS[2 * g:2 * g + 2], rows=[2 * g, 2 * g + 1],
+                                      names=["rank"]))
+    assert scorer.collect(parts) == reference
+
+
 PROCESS_REWARDS = '''
 import os, time
 
