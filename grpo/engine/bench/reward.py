@@ -30,6 +30,7 @@ from typing import Any, Callable, ClassVar
 import click
 import numpy as np
 
+from grpo.core.config.schema import OVERLAP_REWARD_THREADS
 from grpo.core.contracts import NoOptions, TaskPlugin, batched_reward
 
 
@@ -184,8 +185,9 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
               help="The synthetic reward's cost per completion.")
 @click.option("--call-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Its cost per call (scoring section: what batching saves).")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Calls of the reward at once (task.reward_threads).")
+@click.option("--threads", type=click.IntRange(min=1), default=OVERLAP_REWARD_THREADS, show_default=True,
+              help="Calls of the reward at once (task.reward_threads; the default is what auto gives overlapped "
+              "scoring).")
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True, help="Timed runs (best kept).")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Also time the rollout scored after it against overlapped (builds a model).")

@@ -219,7 +219,7 @@ class RewardScorer:
         ``reward_processes``, ``process_rewards``; ``reward_scoring: overlap`` calls on
         workers even without those, so a group's calls run while the rest decodes)."""
         t = config.task
-        return cls(task, options, timeout_s=t.reward_timeout_s, threads=t.reward_threads,
+        return cls(task, options, timeout_s=t.reward_timeout_s, threads=t.reward_workers,
                    processes=t.reward_processes, process_rewards=t.process_rewards, group_size=group_size,
                    background=t.reward_scoring == "overlap")
 

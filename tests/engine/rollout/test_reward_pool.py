@@ -339,6 +339,15 @@ def test_overlapped_scoring_starts_calls_without_waiting_for_them():
     opts = task.parse_options(cfg.task.options)
     assert RewardScorer.for_run(cfg, task, opts).pool is not None
     assert RewardScorer.for_run(_config(), task, opts).pool is None  # the default: inline, as before
+    # reward_threads: auto (issue 55, item 1): 1 after the rollout (inline), OVERLAP_REWARD_THREADS
+    # under overlap, whose calls run on workers anyway; a number is taken as it is.
+    from grpo.core.config.schema import OVERLAP_REWARD_THREADS
+
+    assert (cfg.task.reward_threads, _config().task.reward_threads) == ("auto", "auto")
+    assert RewardScorer.for_run(cfg, task, opts).pool.threads == OVERLAP_REWARD_THREADS > 1
+    assert _config(**{"task.reward_scoring": "overlap", "rollout.engine": "continuous",
+                      "task.reward_threads": 3}).task.reward_workers == 3
+    assert _config(**{"task.reward_threads": 3}).task.reward_workers == 3 and _config().task.reward_workers == 1
 
     class Slow(TwinTask):
         def reward_functions(self, *, options):
