@@ -104,7 +104,7 @@ SECTION_RUNS = {
         "tests/engine/rollout/test_multiturn.py::test_trainer_with_tools_that_raise_hang_flood_or_return_objects",
     # The producers of what the trainer adds to the row: a CPU run logs no memory, and a
     # failure's row needs a reward that fails.
-    "Reward failures": "tests/engine/rollout/test_failures.py::test_first_failure_logged_once_and_written",
+    "Reward failures": "tests/engine/rollout/test_failures.py::test_a_judges_parse_failures_count_on_their_own",
     "Accelerator memory": "tests/engine/runs/test_metrics.py::test_metrics_logger_and_plot",
 }
 

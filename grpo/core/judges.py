@@ -2,7 +2,7 @@
 
 A parser is ``fn(text: str) -> float | None``; None means the reply could not be read (a
 parse failure: the row scores 0 for that judge and counts in
-``reward/<name>/not_applicable``). Built in:
+``reward/<name>/parse_failures``). Built in:
 
 - ``number``: the first number in the reply (``-3``, ``0.5``, ``1,234``, ``7/10`` as
   0.7), as is;

@@ -191,6 +191,10 @@ class RunPrograms:
                 lora_adapters=not self.merged_sampling, detokenize=self.detokenize,
                 conversations=self.conversations, greedy=greedy, num_generations=k, prepare=self.prepare_weights,
             )
+            engine = self._samplers[key]
+            if key == (False, r.num_generations) and getattr(engine, "quantize_jit", None) is not None:
+                # The once-per-sync quantize runs at each step's sync: watched like the step's glue.
+                engine.quantize_jit = self.watch.wrap("quantize", engine.quantize_jit)
         return self._samplers[key]
 
     @property

@@ -160,8 +160,8 @@ class Trainer:
         self.data_position = 0  # prompts drawn so far in the data order (more with dynamic sampling)
         self.skipped_nonfinite = 0
         self.reward_errors: dict[str, int] = {}
-        self.reward_failures = RewardFailures(self._write_reward_failure if self.is_main else None,
-                                              where=str(self.run_dir / LOG_NAME))
+        self.reward_failures = RewardFailures(self._write_reward_failure if self.is_main else None, where=str(
+            self.run_dir / LOG_NAME), judges=[e.name for e in config.task.model_rewards if e.kind == "judge"])
         self._signal: int | None = None
         # Split by processes, the rollout side evaluates, on its mesh at the weights it was sent.
         by_processes = self.meshes is not None and len(

@@ -393,9 +393,11 @@ class Decoder(nnx.Module):
         """[B, T, D] hidden states -> [B, T, V] float32 logits (matmul in the compute dtype,
         float32 accumulation)."""
         dt = self.dtype
-        out = jnp.einsum(
-            "btd,dv->btv", hidden.astype(dt), self.head_weight().astype(dt), preferred_element_type=jnp.float32
-        )
+        w = self.head_weight().astype(dt)
+        head_scale = getattr(self, "rollout_head_scale", None)  # int8 codes (grpo.models.rollout_quant.quantize_head)
+        if head_scale is not None:
+            w = w * head_scale.astype(dt)
+        out = jnp.einsum("btd,dv->btv", hidden.astype(dt), w, preferred_element_type=jnp.float32)
         return constrain(out, ("batch", "length", "vocab"), self.mesh, self.activation_rules)
 
     def init_cache(self, batch_size: int, max_length: int, *, dtype: Any = None) -> KVCache:
@@ -433,7 +435,11 @@ class Decoder(nnx.Module):
             if not getattr(self.config, "num_experts", 0):
                 raise ValueError(f"moe= asks for routing from a {self.config.label}, which has no experts")
             ctx = dataclasses.replace(ctx, moe=moe)
-        h = jnp.take(self.embed[...], tokens, axis=0).astype(ctx.dtype)  # B T D
+        h = jnp.take(self.embed[...], tokens, axis=0)  # B T D
+        head_scale = getattr(self, "rollout_head_scale", None)
+        if head_scale is not None and self.lm_head is None:  # a quantized tied table: codes x their row's scale
+            h = h.astype(jnp.float32) * jnp.take(head_scale, tokens, axis=0)[..., None]
+        h = h.astype(ctx.dtype)
         h = ctx.constrain(h, ("batch", "length", "embed"))
         layer_fn = layer_function(ctx, self.remat)
         h, new_cache, routing = run_layers(layer_fn, h, self._stacked(ctx), self.config.num_hidden_layers, cache)

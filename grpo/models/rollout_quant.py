@@ -14,8 +14,11 @@ A projection computes ``x @ (codes * scale)``: the codes converted to the comput
 matmul's weight operand. On a TPU XLA fuses the convert and the scale into the matmul's
 operand fetch, so the weights are read from HBM as one byte each (what decode, bound by
 memory bandwidth, pays for); on CPU the same values are computed explicitly, so tests run
-the same math. Embedding, output head, norms and biases stay in their dtype
-(the head is one precision rule on every path: sampler and trainer log-probs agree on it).
+the same math. Norms and biases stay in their dtype. The output head stays too unless
+``rollout.quantization.head: int8``: then the head [D, V] becomes int8 codes and one
+float32 scale per vocabulary row (its output channel), quantized in the same program;
+with tied embeddings the one table ``embed`` [V, D] is quantized, so the sampler's input
+embedding reads the same codes times their row's scale (:func:`quantize_head`).
 
 Unlike :mod:`grpo.models.quant` (a QLoRA base: block-wise scales along the *input*
 dimension, dequantized per layer before the matmul: it saves memory, not time), scales
@@ -91,9 +94,12 @@ class QuantizedWeights:
     state: Any
     scales: dict[str, Any]
     fmt: str
+    head_scale: Any = None
+    """[V] float32: the output head's scale per vocabulary row when the head is quantized
+    (``rollout.quantization.head``), else None."""
 
 
-jax.tree_util.register_dataclass(QuantizedWeights, data_fields=["state", "scales"], meta_fields=["fmt"])
+jax.tree_util.register_dataclass(QuantizedWeights, data_fields=["state", "scales", "head_scale"], meta_fields=["fmt"])
 
 
 def quantize_model(model: Any, fmt: str) -> dict[str, jax.Array]:
@@ -112,13 +118,28 @@ def quantize_model(model: Any, fmt: str) -> dict[str, jax.Array]:
     return scales
 
 
-def quantize_state(graphdef: Any, state: Any, fmt: str) -> QuantizedWeights:
-    """The :class:`QuantizedWeights` of the sampler state ``state`` (jit it: once per sync)."""
+def quantize_head(model: Any, fmt: str = "int8") -> jax.Array:
+    """Quantize ``model``'s output head in place, one scale per vocabulary row (the head's
+    output channel): ``lm_head`` [D, V] or, tied, ``embed`` [V, D] (then the input
+    embedding reads these codes too). Returns the scale [V] float32."""
+    if model.lm_head is None:
+        codes, scale = quantize_channels(model.embed[...].T[None], fmt, inputs=1)
+        model.embed.set_value(codes[0].T)
+    else:
+        codes, scale = quantize_channels(model.lm_head[...][None], fmt, inputs=1)
+        model.lm_head.set_value(codes[0])
+    return scale[0]
+
+
+def quantize_state(graphdef: Any, state: Any, fmt: str, head: str = "none") -> QuantizedWeights:
+    """The :class:`QuantizedWeights` of the sampler state ``state`` (jit it: once per
+    sync); ``head``: ``int8`` quantizes the output head too (:func:`quantize_head`)."""
     from flax import nnx
 
     model = nnx.merge(graphdef, state)
     scales = quantize_model(model, fmt)
-    return QuantizedWeights(state=nnx.state(model), scales=scales, fmt=fmt)
+    head_scale = quantize_head(model, head) if head != "none" else None
+    return QuantizedWeights(state=nnx.state(model), scales=scales, fmt=fmt, head_scale=head_scale)
 
 
 def abstract_quantized(shapes: QuantizedWeights, prepared: Any) -> QuantizedWeights:
@@ -141,7 +162,17 @@ def abstract_quantized(shapes: QuantizedWeights, prepared: Any) -> QuantizedWeig
             spec = tuple(sharding.spec) + (None,) * (len(w.shape) - len(sharding.spec))
             sharding = NamedSharding(sharding.mesh, PartitionSpec(spec[0], *spec[1 + INPUT_DIMS[name]:]))
         scales[name] = jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding)
-    return QuantizedWeights(state=state, scales=scales, fmt=shapes.fmt)
+    head_scale = None
+    if shapes.head_scale is not None:  # [V]: the head's vocabulary dimension's sharding
+        tied = "lm_head" not in prepared  # an nnx State holds no None attribute
+        w = prepared["embed"] if tied else prepared["lm_head"]
+        w = getattr(w, "value", w)
+        sharding = getattr(w, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+            sharding = NamedSharding(sharding.mesh, PartitionSpec(spec[0] if tied else spec[1]))
+        head_scale = jax.ShapeDtypeStruct(shapes.head_scale.shape, shapes.head_scale.dtype, sharding=sharding)
+    return QuantizedWeights(state=state, scales=scales, fmt=shapes.fmt, head_scale=head_scale)
 
 
 def merge_rollout(graphdef: Any, params: Any) -> Any:
@@ -154,6 +185,8 @@ def merge_rollout(graphdef: Any, params: Any) -> Any:
         return nnx.merge(graphdef, params)
     model = nnx.merge(graphdef, params.state)
     model.rollout_scales = nnx.data(dict(params.scales))
+    if params.head_scale is not None:
+        model.rollout_head_scale = nnx.data(params.head_scale)
     return model
 
 
@@ -168,6 +201,20 @@ def numpy_dequantized(params: QuantizedWeights) -> dict[str, np.ndarray]:
     return out
 
 
+def numpy_head(params: QuantizedWeights) -> dict[str, np.ndarray] | None:
+    """A quantized head as float64 NumPy: ``{"embed": [V, D], "head": [D, V]}`` (tied: both
+    from the one table's codes times their row's scale; untied: ``head`` alone), or None
+    when the head is not quantized."""
+    if params.head_scale is None:
+        return None
+    s = np.asarray(params.head_scale, np.float64)
+    if "lm_head" not in params.state:  # tied (an nnx State holds no None attribute)
+        embed = np.asarray(params.state["embed"][...]).astype(np.float64) * s[:, None]
+        return {"embed": embed, "head": embed.T}
+    return {"head": np.asarray(params.state["lm_head"][...]).astype(np.float64) * s[None, :]}
+
+
 __all__ = ["CODE_DTYPES", "abstract_quantized", "FORMATS", "INPUT_DIMS", "QMAX", "QuantizedWeights", "dequantize_channels", "max_error",
-           "merge_rollout", "numpy_dequantized", "quantize_channels", "quantize_model", "quantize_state",
+           "merge_rollout", "numpy_dequantized", "numpy_head", "quantize_channels", "quantize_head", "quantize_model",
+           "quantize_state",
            "quantized_matmul"]

@@ -166,3 +166,28 @@ def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_t
     assert [s.shape for s in every] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in buckets]
     assert {s.program for s in every} == {"packed"}
     assert [s.shape for s in first] == [f"per={pairs[0][0]} K={pairs[0][1]} prompt=40"]
+
+
+@pytest.mark.slow  # ~40 s: a two-step tiny run and its plan's listing (nothing compiled for the TPU)
+def test_a_quantized_run_lists_its_quantize_program_and_compiles_nothing_out_of_list(tmp_path):
+    """Issue 53, item 6: the once-per-sync quantize program (int8 weights and head) is one
+    of the run's listed programs: the training engine's watched (``compile/out_of_list``
+    0 on every step, though every step quantizes anew), evaluation's as ``eval_quantize``,
+    and ``grpo plan`` lists exactly the programs the run ran, these two included."""
+    pytest.importorskip("libtpu")
+    from _runs import _config
+    from grpo.engine.planning.plan import Planner
+    from grpo.engine.runs.metrics import read_metrics
+    from grpo.engine.schedule import Watched
+    from grpo.engine.trainer import Trainer
+
+    config = _config(**{"train.steps": 3, "rollout.quantization": {"weights": "int8", "head": "int8"},
+                        "eval": {"every_n_steps": 1, "num_examples": 4, "batch_size": 4}})
+    trainer = Trainer(config, tmp_path)
+    trainer.run()
+    assert isinstance(trainer.programs.sampler().quantize_jit, Watched)
+    assert [row["compile/out_of_list"] for row in read_metrics(tmp_path)] == [0.0, 0.0, 0.0]
+    ran = {name for name, fns in trainer.programs.jitted().items() if any(f._cache_size() for f in fns)}
+    planner = Planner("v6e-8")
+    listed = {name for name, *_ in planner.programs_to_compile(planner.subject(config))}
+    assert ran == listed and {"quantize", "eval_quantize"} <= ran

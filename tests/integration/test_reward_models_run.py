@@ -22,7 +22,8 @@ def test_grpo_raises_the_reward_model_score(tmp_path):
     prefers completions ending in "7": its mean score rises within 12 steps. The policy's
     initial weights judge every completion beside it (weight 0: logged, not trained on);
     the tiny random judge's replies are mostly unreadable, and each parse failure is
-    counted in ``reward/judge/not_applicable``."""
+    counted on its own in ``reward/judge/parse_failures`` (issue 55, item 2), not in
+    ``not_applicable``."""
     rm = preferring_checkpoint("7")
     rewards = [
         {"kind": "reward_model", "name": "rm", "checkpoint": str(rm), "dtype": "float32",
@@ -44,6 +45,6 @@ def test_grpo_raises_the_reward_model_score(tmp_path):
     assert rm_mean[-3:].mean() > rm_mean[:3].mean() + 0.3, rm_mean
     np.testing.assert_allclose([r["reward/mean"] for r in rows], rm_mean, atol=1e-5)  # the only weighted reward
     judge = trainer.collector.model_rewards.rewards([]).scorers[1]
-    failures = sum(r.get("reward/judge/not_applicable", 0) for r in rows)
-    assert failures == judge.failures > 0
+    failures = sum(r.get("reward/judge/parse_failures", 0) for r in rows)
+    assert failures == judge.failures > 0 and not any("reward/judge/not_applicable" in r for r in rows)
     assert all("reward/judge/mean" in r for r in rows)

@@ -11,6 +11,7 @@ from flax import nnx
 
 from grpo.models import rollout_quant as rq
 from grpo.models.loading import random_init
+from grpo.models.presets import preset_config
 
 
 @pytest.mark.parametrize("fmt", rq.FORMATS)
@@ -65,3 +66,40 @@ def test_quantized_forward_is_the_float_forward_of_the_dequantized_weights(fmt):
         getattr(deq.layers, name).set_value(jnp.asarray(w, jnp.float32))
     np.testing.assert_allclose(quantized, logits(deq), rtol=0, atol=1e-5)
     assert np.abs(quantized - full).max() > 1e-4
+
+
+@pytest.mark.parametrize("tied", [pytest.param(True, marks=pytest.mark.slow), False])  # tied: ~12 s; the engine test reads a tied head
+def test_quantized_head_is_the_float_forward_of_its_dequantized_table(tied):
+    """``rollout.quantization.head: int8`` (issue 53, item 4): the head's codes and one
+    scale per vocabulary row; the quantized decoder equals the float decoder whose head
+    (and, tied, input embedding: the one table) holds codes * scale (NumPy's), and moves the
+    logits further from the float model's than the projections alone do."""
+    model = random_init(preset_config("tiny", {"tie_word_embeddings": tied}), None, seed=3)
+    graphdef, state = nnx.split(model)
+    q = jax.jit(lambda s: rq.quantize_state(graphdef, s, "int8", head="int8"))(state)
+    table = "embed" if tied else "lm_head"
+    codes, V = q.state[table][...], model.config.vocab_size
+    assert codes.dtype == jnp.int8 and q.head_scale.shape == (V,) and q.head_scale.dtype == jnp.float32
+    w = np.asarray(state[table][...], np.float64)
+    absmax = np.abs(w).max(axis=1 if tied else 0)  # over D: one scale a vocabulary row
+    np.testing.assert_allclose(np.asarray(q.head_scale), absmax / 127, rtol=1e-6)
+    assert state[table][...].dtype == jnp.float32  # the trainer's copy is untouched
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 300, size=(2, 7)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(7), (2, 7))
+
+    def logits(m):
+        h, _ = m(tokens, pos)
+        return np.asarray(m.logits(h))
+
+    deq = nnx.merge(graphdef, nnx.clone(state))
+    for name, x in rq.numpy_dequantized(q).items():
+        getattr(deq.layers, name).set_value(jnp.asarray(x, jnp.float32))
+    projections_only = logits(deq)
+    head = rq.numpy_head(q)
+    if tied:
+        deq.embed.set_value(jnp.asarray(head["embed"], jnp.float32))
+    else:
+        deq.lm_head.set_value(jnp.asarray(head["head"], jnp.float32))
+    quantized = logits(rq.merge_rollout(graphdef, q))
+    np.testing.assert_allclose(quantized, logits(deq), rtol=0, atol=1e-5)
+    assert np.abs(quantized - projections_only).max() > 1e-4

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
 class ContinuousEngineConfig(BaseModel):
@@ -77,6 +77,20 @@ class RolloutQuantizationConfig(BaseModel):
         description="Scale granularity of the KV pages: one scale per token and KV head, stored in the page "
         "beside its codes (the layout JAX's Pallas TPU paged-attention kernel reads).",
     )
+    head: Literal["none", "int8"] = Field(
+        "none",
+        description="The output head in int8 too (one float32 scale per vocabulary row), quantized with the "
+        "projections once per sync; with tied embeddings the one table is quantized, so the input embedding reads "
+        "the same codes. none (the default, as vLLM and verl keep it) = the head in the compute dtype. Needs "
+        "rollout.quantization.weights.",
+    )
+
+    @model_validator(mode="after")
+    def _head_needs_weights(self) -> "RolloutQuantizationConfig":
+        if self.head != "none" and self.weights == "none":
+            raise ValueError(f"rollout.quantization.head={self.head} quantizes the output head in the same once-per-sync program as the "
+                             "decoder projections: set rollout.quantization.weights (int8) too, or head: none")
+        return self
 
     @property
     def enabled(self) -> bool:

@@ -429,6 +429,11 @@ class OverlongConfig(Section):
     factor: float = Field(1.0, ge=0.0, le=1e6, description="The penalty at the length cap (DAPO: 1.0).")
 
 
+OVERLAP_REWARD_THREADS = 2
+"""``task.reward_threads: auto`` under ``reward_scoring: overlap``: calls of one reward
+function at once (see the field's description)."""
+
+
 class TaskConfig(Section):
     name: str = Field("gsm8k", description="Task plugin name.")
     options: dict[str, Any] = Field(default_factory=dict, description="Options of the chosen task.")
@@ -458,11 +463,29 @@ class TaskConfig(Section):
         "reward workers as soon as its rows finish, while the rest of the step decodes (an engine that streams rows, "
         "e.g. rollout.engine: continuous; single-turn). The rewards are the same either way.",
     )
-    reward_threads: int = Field(
-        1, ge=1, le=256,
+    reward_threads: int | Literal["auto"] = Field(
+        "auto",
         description="Calls of one reward function running at once on threads (different functions always run side "
-        "by side); 1 keeps each function's calls in series, as TRL calls them.",
+        "by side); 1 keeps each function's calls in series, as TRL calls them. auto: 1 when rows are scored after "
+        f"the rollout (on the calling thread, where signal-based code such as math-verify's default timeouts works), "
+        f"{OVERLAP_REWARD_THREADS} under reward_scoring: overlap (its calls run on worker threads anyway; the number "
+        "measured with grpo bench reward: docs/getting-started/your-reward-and-data.md).",
     )
+
+    @field_validator("reward_threads", mode="before")
+    @classmethod
+    def _reward_threads(cls, value: Any) -> Any:
+        """One message for both forms (a count or ``auto``), not one per member of the union."""
+        if value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= 256):
+            return value
+        raise ValueError("must be auto or an integer from 1 to 256")
+
+    @property
+    def reward_workers(self) -> int:
+        """``reward_threads`` resolved (``auto``: see its description)."""
+        if self.reward_threads != "auto":
+            return self.reward_threads
+        return OVERLAP_REWARD_THREADS if self.reward_scoring == "overlap" else 1
     reward_processes: int = Field(
         0, ge=0, le=256,
         description="Calls of one reward function running at once in child processes, for the functions named in "

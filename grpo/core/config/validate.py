@@ -524,6 +524,18 @@ def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
         f"its rewards are {', '.join(known)}"
     ]
 
+def model_reward_process_problems(config: RunConfig, processes: int) -> list[str]:
+    """``task.model_rewards`` over several processes: not run there yet, so refused (a
+    synchronous run's ``resolve_layout`` and an asynchronous run split by processes,
+    :func:`grpo.engine.parallel.split.multiprocess_problems`, ask alike)."""
+    if processes <= 1 or not config.task.model_rewards:
+        return []
+    named = ", ".join(f"{m.name!r} ({m.kind})" for m in config.task.model_rewards)
+    return [f"task.model_rewards ({named}) run on one process only so far: over several processes ({processes} "
+            "here) each would load and run its own copy on its rollout devices, which no test has run; run on one "
+            "process, or score with a reward function instead"]
+
+
 def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None) -> MeshLayout:
     """The mesh layout for this topology, after every topology-dependent check."""
     selected = select_plugins(config, plugins)
@@ -565,6 +577,7 @@ def resolve_layout(config: RunConfig, topology: Topology, *, plugins: Any = None
     # over the largest part of the batch axes they divide (replicated at worst), and the
     # decode batch of prompts x generations is what is split. Each process feeds its own
     # prompts, though.
+    problems += model_reward_process_problems(config, topology.process_count)
     prompts = config.train.prompts_per_step
     if prompts % topology.process_count:
         problems.append(

@@ -357,6 +357,12 @@ class RolloutEngine(abc.ABC):
         lowering (``grpo plan`` compiles them)."""
         raise NotPlanned(f"{type(self).__name__} lists no programs")
 
+    def quantize_lowerings(self, prepared: Any) -> dict[str, Any]:
+        """The programs :meth:`quantize_weights` runs once per sync on the abstract
+        ``prepared`` weights, by name, as zero-argument lowerings (``grpo plan`` lists and
+        compiles them beside :meth:`lowerings`); none by default."""
+        return {}
+
     def cache_slots(self, prompt_length: int) -> int:
         """Slots of a row's KV cache at the cap."""
         raise NotPlanned(f"{type(self).__name__} has no cache model")

@@ -12,9 +12,10 @@ and the overlap's, not a particular reward's. Two sections, each the best of
 - ``overlap``: a model (``--preset``, random weights) rolls the rows out on the
   continuous engine, each row stopped at a length drawn from ``--lengths`` (as ``grpo
   bench rollout --lengths`` does), and the per-completion reward scores them: ``after``
-  (the rollout, then every row scored) against ``overlap`` (each group's calls started on
-  the reward pool as soon as its rows finish, collected once the rollout is done:
-  ``task.reward_scoring: overlap``). ``overlap_over_after`` is the ratio of their wall
+  (the rollout, then every row scored) against ``overlap`` (each row's calls started on
+  the reward pool as soon as it finishes, collected once the rollout is done:
+  ``task.reward_scoring: overlap``, whose per-completion rewards start so; a batched one
+  waits for its group). ``overlap_over_after`` is the ratio of their wall
   times; ``same_scores`` says both scored the same rows alike.
 
 Compare ratios within one run; on a shared CPU, absolute times move with the load.
@@ -29,6 +30,7 @@ from typing import Any, Callable, ClassVar
 import click
 import numpy as np
 
+from grpo.core.config.schema import OVERLAP_REWARD_THREADS
 from grpo.core.contracts import NoOptions, TaskPlugin, batched_reward
 
 
@@ -151,14 +153,11 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
             progress = sampler.step()
             if progress.idle:
                 break
-            if progress.finished:
+            if progress.finished:  # as the run's overlapped scoring: each row's calls as soon as it ends
                 ended = sorted(progress.finished)
                 got = sampler.read(ended)
                 done.update({r: text(t, m) for r, t, m in zip(ended, got.tokens, got.mask)})
-                ready = sorted({r // k for r in ended if all(r // k * k + j in done for j in range(k))})
-                ids = [g * k + j for g in ready for j in range(k)]
-                if ids:
-                    parts.append(scorer.start([examples[r] for r in ids], [done[r] for r in ids], rows=ids))
+                parts.append(scorer.start([examples[r] for r in ended], [done[r] for r in ended], rows=ended))
         sampler.end()
         # How far the scoring had got when the rollout was done.
         timeline["rollout_s"] = time.perf_counter() - t0
@@ -186,8 +185,9 @@ def overlap_section(*, preset: str, rows: int, k: int, prompt_len: int, new_toke
               help="The synthetic reward's cost per completion.")
 @click.option("--call-ms", type=click.FloatRange(min=0), default=20.0, show_default=True,
               help="Its cost per call (scoring section: what batching saves).")
-@click.option("--threads", type=click.IntRange(min=1), default=1, show_default=True,
-              help="Calls of the reward at once (task.reward_threads).")
+@click.option("--threads", type=click.IntRange(min=1), default=OVERLAP_REWARD_THREADS, show_default=True,
+              help="Calls of the reward at once (task.reward_threads; the default is what auto gives overlapped "
+              "scoring).")
 @click.option("--repeats", type=click.IntRange(min=1), default=2, show_default=True, help="Timed runs (best kept).")
 @click.option("--overlap/--no-overlap", default=True, show_default=True,
               help="Also time the rollout scored after it against overlapped (builds a model).")

@@ -105,7 +105,7 @@ def split_devices(devices: Sequence[Any], *, rollout_devices: int | None) -> tup
     return devices[:r], devices[r:]
 
 
-def multiprocess_problems(config) -> list[str]:
+def multiprocess_problems(config, processes: int = 2) -> list[str]:
     """What an asynchronous run split by processes does not carry yet, one line a field
     (:func:`check_split` refuses them, so ``grpo config validate --processes`` and ``grpo
     plan --topology`` do too, before start-up). The run is the one loop
@@ -115,7 +115,9 @@ def multiprocess_problems(config) -> list[str]:
     positions are the update side's. LoRA/QLoRA run over processes (the base is built on
     each side, only the adapters move), as do the continuous engine, dynamic sampling,
     evaluation and multi-turn tasks (:func:`_multiturn_problems`)."""
-    a, out = config.train.async_, []
+    from grpo.core.config.validate import model_reward_process_problems
+
+    a, out = config.train.async_, model_reward_process_problems(config, processes)
     if a.partial_rollouts:
         out.append("train.async.partial_rollouts=true: the stream's rows in flight and its ledger would live on the "
                    "rollout processes, while the checkpoint that keeps them and the trained positions are the update "
@@ -156,7 +158,7 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
 
     rollout, update = split_devices(list(devices), rollout_devices=config.train.async_.rollout_devices)
     if len({d.process_index for d in rollout + update}) > 1:
-        problems = multiprocess_problems(config) + _multiturn_problems(
+        problems = multiprocess_problems(config, len({d.process_index for d in rollout + update})) + _multiturn_problems(
             config, plugins, rollout_processes=len({d.process_index for d in rollout}))
         if problems:
             procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]

@@ -249,6 +249,12 @@ def program_costs(
         # The once-per-step reshard reads the training shard and writes the rollout copy.
         nbytes = (rollout_weight_bytes or 0) + train_state_bytes
         out["reshard"] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
+    if rollout and cfg.rollout.quantization.weights != "none":
+        # The once-per-sync quantize (each engine's: evaluation's too): reads the rollout's
+        # weights, writes their codes (one byte a weight; at most, the projections are most).
+        nbytes = split.weights * (1 + 1 / m.w)
+        for name in ("quantize", "eval_quantize") if cfg.eval.every_n_steps > 0 else ("quantize",):
+            out[name] = Cost(0.0, nbytes, m.roof(0.0, nbytes))
     rows = P * cfg.group_size / programs.layout.data  # the update's rows per device
     out.update(_training_costs(m, programs, padded_work(rows=rows, prompt_length=Lp,
                                                         max_new_tokens=cfg.rollout.max_new_tokens)))

@@ -11,7 +11,7 @@ from typing import Any
 from grpo.engine.planning.costs import Cost
 from grpo.engine.planning.quantized import quantization_headline
 
-EVAL_PROGRAMS = ("eval_prefill", "eval_start", "eval_decode", "eval_append")
+EVAL_PROGRAMS = ("eval_prefill", "eval_start", "eval_decode", "eval_append", "eval_quantize")
 
 
 def step_roofline(programs: dict[str, Any], costs: dict[str, Cost], ppo_epochs: int) -> tuple[float, float]:

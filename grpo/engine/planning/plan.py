@@ -41,8 +41,7 @@ communication. ``grpo plan --dump-hlo DIR`` writes the HLO the counts come from.
 
 Evaluation (``eval.every_n_steps > 0``) runs the sampler on eval batches between steps:
 ``eval_prefill`` and ``eval_decode`` (and ``eval_append`` for a multi-turn task) are
-compiled for one batch as the evaluator pads it
-and count in the peak like every program, but their time is not a step's:
+compiled for one batch as the evaluator pads it and count in the peak like every program, but their time is not a step's:
 ``roofline_eval_s`` is one whole evaluation (``eval.num_examples`` prompts; unknown
 without it), beside ``roofline_step_s``.
 """
@@ -64,12 +63,8 @@ from grpo.engine.planning.memory import bytes_per_device, lora_report, quantizat
 from grpo.engine.planning.packed import PACKED_PROGRAMS, scheduled_collectives
 from grpo.engine.planning.profiles import LengthProfile
 from grpo.engine.planning.report import attention_report
-from grpo.engine.planning.shapes import (
-    abstract_eval_inputs,
-    abstract_opt_state,
-    abstract_rollout_inputs,
-    abstract_update_batch,
-)
+from grpo.engine.planning.shapes import (abstract_eval_inputs, abstract_opt_state, abstract_rollout_inputs,
+                                         abstract_update_batch)
 from grpo.engine.planning.tpu import TpuTopology, parse_topology, require_libtpu
 
 # The programs that read the sampler's state (with merged LoRA sampling: the merged copy).
@@ -157,6 +152,7 @@ class Subject:
     sampler: Any
     inputs: dict[str, Any]  # abstract rollout prompts
     sampler_args: Any  # the state the rollout programs take
+    prepared: Any  # that state before the engine's once-per-sync quantize_weights
     state: dict[str, int]  # state_bytes_per_device
     eval: EvalBatch | None  # with eval.every_n_steps > 0
     # Why the rollout engine is not planned (a planning method it lacks raised NotPlanned):
@@ -245,7 +241,8 @@ class Planner:
         state = state_bytes(config, programs, full=full, opt_state=opt_state, frozen=frozen,
                             rollout_state=rollout_state)
         P, Lp = inputs["prompt_tokens"].shape
-        sampler_args = sampler.quantize_weights(rollout_state if rollout_state is not None else full)
+        prepared = rollout_state if rollout_state is not None else full
+        sampler_args = sampler.quantize_weights(prepared)
         state["kv_cache"] = None  # the engine's (_ask_engine)
         # Evaluation (every eval.every_n_steps steps): the same sampler's programs with
         # eval.k samples of each prompt of an eval batch, padded as the Evaluator pads it.
@@ -258,7 +255,7 @@ class Planner:
         s = Subject(
             config=config, programs=programs, arch=arch, full=full, params=params, frozen=frozen, opt_state=opt_state,
             batch=batch, sampler=sampler, inputs=inputs,
-            sampler_args=sampler_args, state=state, eval=eval_batch,
+            sampler_args=sampler_args, prepared=prepared, state=state, eval=eval_batch,
         )
         s.not_planned = self._ask_engine(s)
         return s
@@ -314,7 +311,7 @@ class Planner:
         P, Lp = s.inputs["prompt_tokens"].shape
         planned = s.not_planned is None  # else its programs and those taking its rows are left out
         lowerings = s.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key) if planned else {}
-        for name, lower in lowerings.items():
+        for name, lower in {**s.sampler.quantize_lowerings(s.prepared), **lowerings}.items():
             todo.append((name, lower, cache_key(config, name, ROLLOUT_ONLY), rollout_takes))
         for name, lower in glue.items():
             if planned or name != "gather_rows":
@@ -322,7 +319,8 @@ class Planner:
         todo += self._training_programs(s)
         if s.eval is not None and planned:
             P = s.eval.inputs["prompt_tokens"].shape[0]
-            for name, lower in s.eval.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key).items():
+            lowerings = s.eval.sampler.lowerings(s.sampler_args, prompts=P, prompt_length=Lp, key=key)
+            for name, lower in {**s.eval.sampler.quantize_lowerings(s.prepared), **lowerings}.items():
                 todo.append((f"eval_{name}", lower, cache_key(config, f"eval_{name}", EVAL_ONLY), rollout_takes))
         return todo
 
@@ -613,7 +611,7 @@ class Planner:
         if s.eval is None or s.not_planned is not None:
             return None
         config, ev = s.config, s.eval
-        batch_s = sum(entries[n]["roofline_s"] for n in EVAL_PROGRAMS if n in entries)
+        batch_s = sum(entries[n]["roofline_s"] for n in EVAL_PROGRAMS if n in entries and n != "eval_quantize")
         batches = math.ceil(config.eval.num_examples / ev.prompts) if config.eval.num_examples else None
         return {
             "every_n_steps": config.eval.every_n_steps,

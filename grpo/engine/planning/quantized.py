@@ -7,6 +7,8 @@ What changes on a chip (:mod:`grpo.models.rollout_quant`, :mod:`grpo.models.laye
 - **weights**: the layer projections (``Wm`` parameters, :func:`~grpo.engine.planning.costs.matmul_params`)
   are read as one byte each instead of the compute dtype's, plus one float32 scale per
   output channel and layer; embedding, head and norms keep their bytes;
+- **head** (``rollout.quantization.head: int8``): the output head [D, V] (the embedding,
+  when tied) is read as one byte a weight plus one float32 scale per vocabulary row;
 - **KV pages**: a cached token's key and value head vectors are one byte an element plus
   one float32 scale each (``E + 4`` bytes instead of ``2 E``), so the same bytes hold
   ``2 E / (E + 4)`` times the rows (1.94 at ``head_dim`` 128);
@@ -23,11 +25,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable
 
-VARIANTS: dict[str, tuple[str, str]] = {
-    "none": ("none", "none"),
-    "int8_weights": ("int8", "none"),
-    "int8_weights_kv": ("int8", "int8"),
+VARIANTS: dict[str, tuple[str, str, str]] = {
+    "none": ("none", "none", "none"),
+    "int8_weights": ("int8", "none", "none"),
+    "int8_weights_kv": ("int8", "int8", "none"),
+    "int8_weights_kv_head": ("int8", "int8", "int8"),
 }
+"""Each costed variant: ``(weights, kv_cache, head)`` as ``rollout.quantization`` names them."""
 
 
 def scale_params(dims: Any) -> int:
@@ -38,15 +42,20 @@ def scale_params(dims: Any) -> int:
 
 
 def quantized_roof(roof: Any, dims: Any, *, weights: str, kv_cache: str, itemsize: int, tp: int,
-                   kv_split: int, prefill: bool = False) -> Any:
+                   kv_split: int, prefill: bool = False, head: str = "none") -> Any:
     """``roof`` (a :class:`~grpo.engine.planning.engine.ChipRoof` costed in the compute
-    dtype) with the weights and/or the KV cache quantized (``int8``/``fp8``: one byte an
-    element and float32 scales)."""
+    dtype) with the weights, the KV cache and/or the output head quantized
+    (``int8``/``fp8``: one byte an element and float32 scales). The head [D, V] is split
+    over ``tp`` as the sampler's weights are; its scales are one per vocabulary row."""
     from grpo.engine.planning.costs import matmul_params
 
     out = roof
     if weights != "none":
         saved = matmul_params(dims) * (itemsize - 1) / tp - 4 * scale_params(dims) / tp
+        out = dataclasses.replace(out, weight_bytes=out.weight_bytes - saved)
+    if head != "none":
+        V, D = dims.vocab_size, dims.hidden_size
+        saved = V * D * (itemsize - 1) / tp - 4 * V / tp
         out = dataclasses.replace(out, weight_bytes=out.weight_bytes - saved)
     if kv_cache != "none":
         E = dims.head_dim
@@ -61,7 +70,7 @@ def quantized_roof(roof: Any, dims: Any, *, weights: str, kv_cache: str, itemsiz
 def config_roofs(config: Any, dims: Any, dec: Any, pre: Any, figures: dict[str, Any]) -> tuple[Any, Any]:
     """The decode and prefill roofs of the config's own ``rollout.quantization``."""
     q = config.rollout.quantization
-    kw = dict(weights=q.weights, kv_cache=q.kv_cache, itemsize=figures["itemsize"], tp=figures["tp"],
+    kw = dict(weights=q.weights, kv_cache=q.kv_cache, head=q.head, itemsize=figures["itemsize"], tp=figures["tp"],
               kv_split=figures["kv_split"])
     return quantized_roof(dec, dims, **kw), quantized_roof(pre, dims, prefill=True, **kw)
 
@@ -75,8 +84,8 @@ def variants_section(dims: Any, *, dec: Any, pre: Any, figures: dict[str, Any], 
     unquantized roofs; ``run(decode=, prefill=)`` the schedule's seconds with them;
     ``pool_rows(page_bytes=)``, ``steady(decode=, prefill=)`` as the engine section's."""
     out: dict[str, Any] = {}
-    for name, (w, kv) in VARIANTS.items():
-        kw = dict(weights=w, kv_cache=kv, itemsize=figures["itemsize"], tp=figures["tp"],
+    for name, (w, kv, hd) in VARIANTS.items():
+        kw = dict(weights=w, kv_cache=kv, head=hd, itemsize=figures["itemsize"], tp=figures["tp"],
                   kv_split=figures["kv_split"])
         d, p = quantized_roof(dec, dims, **kw), quantized_roof(pre, dims, prefill=True, **kw)
         secs = run(decode=d, prefill=p)
@@ -84,7 +93,7 @@ def variants_section(dims: Any, *, dec: Any, pre: Any, figures: dict[str, Any], 
         nbytes = run(decode=dataclasses.replace(d, peak=float("inf"), bw=1.0, ici_s=0.0), prefill=p)["decode_s"]
         best = [x for x in steady(decode=d, prefill=p) if x["fits_pool"]]
         out[name] = {
-            "weights": w, "kv_cache": kv, "weight_bytes_per_chip": d.weight_bytes, "kv_bytes_per_token": d.token_bytes,
+            "weights": w, "kv_cache": kv, "head": hd, "weight_bytes_per_chip": d.weight_bytes, "kv_bytes_per_token": d.token_bytes,
             "bytes_per_decode_step": nbytes / max(secs["decode_steps"], 1),
             "decode_roofline_s": secs["decode_s"], "prefill_roofline_s": secs["prefill_s"],
             "pool_rows": pool_rows(page_bytes=page_size * d.token_bytes),

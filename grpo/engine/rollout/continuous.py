@@ -372,7 +372,8 @@ class ContinuousSampler(BaseSampler):
                        for a in jax.tree.leaves(pool))
 
     def jitted(self) -> dict[str, list[Any]]:
-        return {"start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit],
+        quantize = {} if self.quantize_jit is None else {"quantize": [self.quantize_jit]}
+        return {**quantize, "start": [self.start_jit], "prefill": [self.prefill_jit], "decode": [self.decode_jit],
                 "refresh": [self.refresh_jit]}
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:

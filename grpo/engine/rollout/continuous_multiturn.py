@@ -106,7 +106,8 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         return self.cache_slots(prompt_length)
 
     def jitted(self) -> dict[str, list[Any]]:
-        return {"start": [self.start_jit], "append": [self.extend_jit], "decode": [self.decode_jit],
+        quantize = {} if self.quantize_jit is None else {"quantize": [self.quantize_jit]}
+        return {**quantize, "start": [self.start_jit], "append": [self.extend_jit], "decode": [self.decode_jit],
                 "read": [self.read_jit]}
 
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:

@@ -76,9 +76,11 @@ def build_sampler(
         kv_segment=r.kv_segment, lora_adapters=lora_adapters,
         activation_rules=ro.activation_rules, cache_rules=ro.cache_rules,
     )
-    q = r.quantization  # a low-precision rollout (the built-in samplers take these two)
+    q = r.quantization  # a low-precision rollout (the built-in samplers take these)
     if q.weights != "none":
         kwargs["weight_format"] = q.weights
+    if q.head != "none":
+        kwargs["head_format"] = q.head
     if q.kv_cache != "none":
         kwargs["kv_format"] = q.kv_cache
     plugin, options = engine_plugin(config, plugins)

@@ -18,7 +18,9 @@ Every failure still counts in ``reward_errors`` (the metrics' running total and 
 summary's per-function totals; timeouts included), and in the step's
 ``reward/<name>/errors`` and ``reward/<name>/timeouts`` (logged when not 0). A function
 that returned ``None`` or NaN ("not applicable") did not fail: those count in
-``reward/<name>/not_applicable`` (the step's rows, logged when not 0).
+``reward/<name>/not_applicable`` (the step's rows, logged when not 0). A judge
+(``task.model_rewards``, ``kind: judge``) has no value only where its parser could not
+read its reply: those rows count on their own, in ``reward/<name>/parse_failures``.
 """
 
 from __future__ import annotations
@@ -39,11 +41,14 @@ LOG_NAME = "reward_errors.jsonl"
 class RewardFailures:
     """Reports a run's reward failures (see the module docstring). ``write(row)``
     appends a row to the run directory's :data:`LOG_NAME` (None: nothing written, as on
-    every process but 0); ``where``: that file's path, for the messages."""
+    every process but 0); ``where``: that file's path, for the messages; ``judges``: the
+    rewards whose rows without a value are parse failures (``reward/<name>/parse_failures``)."""
 
-    def __init__(self, write: Callable[[dict[str, Any]], None] | None = None, *, where: str = LOG_NAME):
+    def __init__(self, write: Callable[[dict[str, Any]], None] | None = None, *, where: str = LOG_NAME,
+                 judges: Sequence[str] = ()):
         self.write = write
         self.where = where
+        self.judges = frozenset(judges)
         self.reported: set[str] = set()
 
     def observe(self, step: int, names: Sequence[str], errors: Any, counts: Any,
@@ -54,7 +59,8 @@ class RewardFailures:
         process's rows, and this process's ``first_errors`` (name -> (row, message)).
         Reports each function's first failure, raises UserError for a function that failed
         (errors and timeouts) on every row scored, and returns the step's
-        ``reward/<name>/not_applicable``, ``/errors`` and ``/timeouts`` metrics (those not 0)."""
+        ``reward/<name>/not_applicable`` (a judge's: ``/parse_failures``), ``/errors`` and
+        ``/timeouts`` metrics (those not 0)."""
         errors = np.asarray(errors).reshape(-1)
         first_errors = first_errors or {}
         for name, n in zip(names, errors):
@@ -74,8 +80,14 @@ class RewardFailures:
                 raise UserError(_all_failed(name, step, int(scored), int(late), first_errors.get(name), self.where))
         out = {}
         for label, values in (("not_applicable", counts[0]), ("errors", errors - timeouts), ("timeouts", timeouts)):
-            out.update({f"reward/{name}/{label}": float(n) for name, n in zip(names, values) if n})
+            out.update({f"reward/{name}/{_label(name, label, self.judges)}": float(n)
+                        for name, n in zip(names, values) if n})
         return out
+
+
+def _label(name: str, label: str, judges: frozenset[str]) -> str:
+    """A judge's rows without a value are its parse failures (nothing else leaves it none)."""
+    return "parse_failures" if label == "not_applicable" and name in judges else label
 
 
 def _all_failed(name: str, step: int, scored: int, late: int, first: tuple[int, str] | None, where: str) -> str:

@@ -18,7 +18,7 @@ bucket. A sampling judge draws from ``fold_in(key(seed), crc32 of the batch's pr
 the same rows are judged alike in every mode and after a resume.
 
 The reply is parsed by ``parser`` (:mod:`grpo.core.judges`); a reply it cannot read is
-None (a parse failure: 0, counted in ``reward/<name>/not_applicable``); the first one is
+None (a parse failure: 0, counted in ``reward/<name>/parse_failures``); the first one is
 logged with the reply.
 """
 
@@ -147,7 +147,7 @@ class JudgeScorer:
             if value is None:
                 if not self.failures:
                     log.warning("judge %r: parser %r could not read its reply %r (the row scores 0; parse failures "
-                                "count in reward/%s/not_applicable)", self.name, self.cfg.parser, reply[:200],
+                                "count in reward/%s/parse_failures)", self.name, self.cfg.parser, reply[:200],
                                 self.name)
                 self.failures += 1
             values.append(value)

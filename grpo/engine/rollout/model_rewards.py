@@ -17,11 +17,14 @@ Two kinds:
 Both run on this process's devices of the rollout mesh (:func:`local_mesh`: the
 training mesh in a synchronous run, the rollout side's in an asynchronous one), so a
 process scores its own rows and no process waits for another: every mode (sync,
-async, partial rollouts, streaming, several processes) scores the same way.
+async, partial rollouts, streaming) scores the same way. Several processes are refused
+before start-up (:func:`grpo.core.config.validate.model_reward_process_problems`): no
+test has run them there yet.
 
 :class:`ModelRewards` holds a run's scorers, built on first use by the step's collector,
 and scores a batch of rows: per reward, the values [b] (a parse failure 0) and which rows
-had none (counted like a reward function's "not applicable": ``reward/<name>/not_applicable``).
+had none (a reward model's counted as "not applicable", ``reward/<name>/not_applicable``; a judge's as
+parse failures, ``reward/<name>/parse_failures``).
 Every value depends on its row alone (fixed standardisation, no batch statistics), so a
 reward does not change with the batching, the mode or a resume.
 """

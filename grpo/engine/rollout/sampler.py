@@ -182,6 +182,8 @@ class BaseSampler(RolloutEngine):
         per sync (:meth:`quantize_weights`, :mod:`grpo.models.rollout_quant`).
       kv_format: ``none``, ``int8`` or ``fp8``: the KV cache's format (the continuous
         engine's page pool; the static cache takes ``none`` only).
+      head_format: ``none`` or ``int8``: the output head quantized with the projections
+        (needs ``weight_format``; :func:`grpo.models.rollout_quant.quantize_head`).
 
     One compilation per distinct (prompts, prompt length); bucket prompt lengths.
     """
@@ -207,6 +209,7 @@ class BaseSampler(RolloutEngine):
         cache_rules: Mapping[str, Any] | None = None,
         weight_format: str = "none",
         kv_format: str = "none",
+        head_format: str = "none",
     ):
         from grpo.models.rollout_quant import FORMATS
 
@@ -215,14 +218,21 @@ class BaseSampler(RolloutEngine):
         if kv_format != "none" and not getattr(self, "quantized_kv", False):
             raise ValueError(f"{type(self).__name__} keeps its KV cache in the compute dtype (kv_format={kv_format!r}): "
                              "a quantized KV cache is the continuous engine's page pool")
-        self.weight_format, self.kv_format = weight_format, kv_format
-        self._quantize_jit = None
+        if head_format not in ("none", "int8") or (head_format != "none" and weight_format == "none"):
+            raise ValueError(f"head_format takes none or int8, with a weight_format; got {head_format!r} with "
+                             f"weight_format={weight_format!r}")
+        self.weight_format, self.kv_format, self.head_format = weight_format, kv_format, head_format
         if kv_segment < 0:
             raise ValueError(f"kv_segment must be >= 0, got {kv_segment}")
         unknown = [a for a in batch_axes if a not in mesh.shape]
         if unknown:
             raise ValueError(f"batch_axes {tuple(batch_axes)} name axes {unknown} the mesh {dict(mesh.shape)} lacks")
         self.graphdef = graphdef
+        #: The once-per-sync quantize program (``weight_format``), a listed program of the
+        #: run (:meth:`jitted`, :meth:`quantize_lowerings`); the run watches it
+        #: (:class:`grpo.engine.schedule.ShapeWatch`). None when unquantized.
+        self.quantize_jit = None if weight_format == "none" else jax.jit(
+            functools.partial(quantize_state, graphdef, fmt=weight_format, head=head_format))
         self.mesh = mesh
         self.batch_axes = tuple(batch_axes)
         self.sampling = sampling
@@ -281,8 +291,10 @@ class BaseSampler(RolloutEngine):
         raise NotImplementedError
 
     def jitted(self) -> dict[str, list[Any]]:
-        """This sampler's jitted programs by the names :meth:`lowerings` gives them."""
-        return {"prefill": [self.prefill_jit, self._prefill_once]}
+        """This sampler's jitted programs by the names :meth:`lowerings` (and
+        :meth:`quantize_lowerings`) give them."""
+        quantize = {} if self.quantize_jit is None else {"quantize": [self.quantize_jit]}
+        return {**quantize, "prefill": [self.prefill_jit, self._prefill_once]}
 
     def abstract_output(self, *, prompts: int, prompt_length: int) -> RolloutOutput:
         """The :class:`RolloutOutput` of ``prompts`` prompts as abstract arrays in this
@@ -395,12 +407,17 @@ class BaseSampler(RolloutEngine):
         Abstract weights (``grpo plan``) give their abstract quantized form."""
         if self.weight_format == "none" or isinstance(prepared, QuantizedWeights):
             return prepared
-        if self._quantize_jit is None:
-            self._quantize_jit = jax.jit(functools.partial(quantize_state, self.graphdef, fmt=self.weight_format))
         leaves = jax.tree.leaves(prepared)
         if leaves and isinstance(leaves[0], jax.ShapeDtypeStruct):
-            return abstract_quantized(jax.eval_shape(self._quantize_jit, prepared), prepared)
-        return self._quantize_jit(prepared)
+            return abstract_quantized(jax.eval_shape(self.quantize_jit, prepared), prepared)
+        return self.quantize_jit(prepared)
+
+    def quantize_lowerings(self, prepared: Any) -> dict[str, Any]:
+        """``{"quantize": lowering}`` of the once-per-sync quantize program on the abstract
+        ``prepared`` weights (``grpo plan`` lists and compiles it); {} when unquantized."""
+        if self.quantize_jit is None:
+            return {}
+        return {"quantize": lambda: self.quantize_jit.lower(prepared)}
 
     def _model(self, params: Any):
         model = merge_rollout(self.graphdef, params)

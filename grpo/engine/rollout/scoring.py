@@ -219,7 +219,7 @@ class RewardScorer:
         ``reward_processes``, ``process_rewards``; ``reward_scoring: overlap`` calls on
         workers even without those, so a group's calls run while the rest decodes)."""
         t = config.task
-        return cls(task, options, timeout_s=t.reward_timeout_s, threads=t.reward_threads,
+        return cls(task, options, timeout_s=t.reward_timeout_s, threads=t.reward_workers,
                    processes=t.reward_processes, process_rewards=t.process_rewards, group_size=group_size,
                    background=t.reward_scoring == "overlap")
 
@@ -261,10 +261,18 @@ class RewardScorer:
         columns = {k: [examples[i].get(k) for i in rows] for k in keys}
         return [completions[i] for i in rows], [prompts[i] for i in rows], columns
 
+    @property
+    def row_names(self) -> tuple[str, ...]:
+        """The rewards called per completion: a row can be scored by them alone, as soon as it
+        finishes (overlapped scoring), without waiting for the rest of its group."""
+        return tuple(n for n in self.names if self.batch[n] is None)
+
     def start(self, examples: Sequence[Mapping[str, Any]], completions: Sequence[str], *,
-              rows: Sequence[int] | None = None) -> Pending:
+              rows: Sequence[int] | None = None, names: Sequence[str] | None = None) -> Pending:
         """Start every call for ``completions[i]`` against ``examples[i]`` (rows ``rows``
-        of the batch; default 0..n-1). Whole groups only, for a function batched per group."""
+        of the batch; default 0..n-1), of every reward or of ``names`` only (a row's other
+        rewards then come in another part: :meth:`collect` joins a row's parts). Whole
+        groups only, for a function batched per group."""
         if len(examples) != len(completions):
             raise ValueError(f"{len(examples)} examples but {len(completions)} completions; pass one example per "
                              "completion")
@@ -278,7 +286,7 @@ class RewardScorer:
         prompts: list[Any] = []
         if batched and n:
             prompts = [self.task.prompt_messages(ex, options=self.options) for ex in examples]
-        for name in self.names:
+        for name in self.names if names is None else [n for n in self.names if n in names]:
             per = self.batch[name]
             if per is None:
                 for i in range(n):
@@ -294,16 +302,16 @@ class RewardScorer:
 
     def collect(self, parts: Sequence[Pending]) -> Scores:
         """Wait for ``parts``' calls (and retries) and assemble their rows, in row order
-        (by ``rows``), whatever order the calls finished in."""
-        n = sum(len(p.rows) for p in parts)
+        (by ``rows``), whatever order the calls finished in. A row may be in several parts,
+        each with some of its rewards (:meth:`start`'s ``names``)."""
+        order = sorted({row for p in parts for row in p.rows})
+        n = len(order)
         names = self.names
         values = [[0.0] * len(names) for _ in range(n)]
         state = [[0] * len(names) for _ in range(n)]  # 0 ok, 1 error, 2 not applicable, 3 timeout
         message: dict[tuple[int, int], str] = {}
-        where = {}  # (part index, local row) -> position in the batch
-        order = sorted(((row, pi, i) for pi, p in enumerate(parts) for i, row in enumerate(p.rows)))
-        for pos, (_, pi, i) in enumerate(order):
-            where[pi, i] = pos
+        pos_of = {row: pos for pos, row in enumerate(order)}
+        where = {(pi, i): pos_of[row] for pi, p in enumerate(parts) for i, row in enumerate(p.rows)}
         col = {name: j for j, name in enumerate(names)}
 
         def record(pos: int, j: int, value: Any = None, err: BaseException | None = None) -> None:

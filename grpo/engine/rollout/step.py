@@ -582,8 +582,9 @@ class _Stream(StreamFeeder):
 
 class _ScoreAsFinished(StreamFeeder):
     """A round's stream with overlapped scoring: every prompt fed at the first boundary;
-    each group, once its K rows are done, detokenized and its rewards started
-    (:meth:`~grpo.engine.rollout.scoring.RewardScorer.start`) without waiting for them."""
+    each row detokenized as it ends and its per-completion rewards started at once, a
+    group's batched rewards once its K rows are done
+    (:meth:`~grpo.engine.rollout.scoring.RewardScorer.start`), without waiting for them."""
 
     def __init__(self, collector: StepCollector, batch: Any, examples: list[dict]):
         self.c, self.batch, self.examples = collector, batch, examples
@@ -600,16 +601,21 @@ class _ScoreAsFinished(StreamFeeder):
         return np.asarray(self.batch.tokens), np.asarray(self.batch.mask)
 
     def finished(self, rows, tokens, mask) -> bool:
-        k = self.k
-        for r, t, m in zip(rows, tokens, mask):
-            self.done[int(r)] = (t, m)
-        ready = sorted(g for g in {int(r) // k for r in rows} if all(g * k + j in self.done for j in range(k)))
-        if ready:
+        k, scorer = self.k, self.c.scorer
+        ended = [int(r) for r in rows]
+        for r, t, m in zip(ended, tokens, mask):
+            self.done[r] = (t, m)
+        self.texts.update(zip(ended, self.c.sampler.detokenize(np.asarray(tokens), np.asarray(mask))))
+        per_row = scorer.row_names  # called per completion: each row as soon as it ends
+        if per_row and ended:
+            self.parts.append(scorer.start([self.examples[r] for r in ended], [self.texts[r] for r in ended],
+                                           rows=ended, names=per_row))
+        ready = sorted(g for g in {r // k for r in ended} if all(g * k + j in self.done for j in range(k)))
+        rest = [n for n in scorer.names if n not in per_row]  # batched: once the group is whole
+        if ready and rest:
             ids = [g * k + j for g in ready for j in range(k)]
-            texts = list(self.c.sampler.detokenize(np.stack([self.done[r][0] for r in ids]),
-                                                   np.stack([self.done[r][1] for r in ids])))
-            self.texts.update(zip(ids, texts))
-            self.parts.append(self.c.scorer.start([self.examples[r] for r in ids], texts, rows=ids))
+            self.parts.append(scorer.start([self.examples[r] for r in ids], [self.texts[r] for r in ids], rows=ids,
+                                           names=rest))
         return False
 
 

@@ -68,3 +68,17 @@ def test_fp8_is_refused_on_a_tpu_only():
     assert quantization_platform_problems(cfg.rollout, "cpu") == []
     int8 = load_config(QUICKSTART, ["rollout.quantization.weights=int8"])
     assert quantization_platform_problems(int8.rollout, "tpu") == []
+
+
+def test_the_head_is_quantized_only_with_the_weights():
+    """Issue 53, item 4: ``rollout.quantization.head`` defaults to none (the head in the
+    compute dtype, as vLLM and verl keep it); int8 goes with int8/fp8 weights, and alone it
+    exits 2 naming the field; it defines another run (its samples differ)."""
+    assert load_config(QUICKSTART).rollout.quantization.head == "none"
+    assert _validate("rollout.quantization.weights=int8", "rollout.quantization.head=int8").exit_code == 0
+    bad = _validate("rollout.quantization.head=int8")
+    assert bad.exit_code == 2 and "rollout.quantization.head=int8" in bad.output
+    assert "set rollout.quantization.weights" in bad.output and "Traceback" not in bad.output
+    weights = load_config(QUICKSTART, ["rollout.quantization.weights=int8"])
+    head = load_config(QUICKSTART, ["rollout.quantization.weights=int8", "rollout.quantization.head=int8"])
+    assert fingerprint(head) != fingerprint(weights)

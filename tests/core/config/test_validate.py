@@ -188,3 +188,21 @@ def test_reward_scoring_and_process_rewards_are_checked_naming_the_fields(tmp_pa
     assert code == 2 and any("does not combine with train.async.partial_rollouts=true" in line for line in lines), lines
     assert problems("task.reward_scoring=overlap", "rollout.engine=continuous", "task.reward_timeout_s=5",
                     "task.process_rewards=[close]", "task.reward_processes=1")[0] == 0
+
+
+@pytest.mark.parametrize("sets", [[], ["train.async.enabled=true", "train.async.rollout_devices=4"]])
+def test_model_rewards_over_several_processes_are_refused_naming_the_field(sets):
+    """Issue 55, item 3: ``task.model_rewards`` have not run over several processes, so
+    ``grpo config validate --processes 2`` refuses them (exit 2, naming the field), in a
+    synchronous run and in an asynchronous one split by processes alike; one process passes."""
+    import json
+
+    judge = [{"kind": "judge", "name": "j", "template": "{prompt}{completion} score:", "parser": "number"}]
+    args = ["config", "validate", str(ROOT / "configs" / "quickstart.yaml"), "--set",
+            "task.model_rewards=" + json.dumps(judge), *[a for s in sets for a in ("--set", s)]]
+    result = CliRunner().invoke(cli, args + ["--processes", "2", "--local-devices", "4"])
+    assert result.exit_code == 2, result.output
+    assert "task.model_rewards ('j' (judge)) run on one process only so far" in result.output
+    assert "Traceback" not in result.output
+    result = CliRunner().invoke(cli, args + ["--processes", "1", "--local-devices", "8"])
+    assert result.exit_code == 0, result.output

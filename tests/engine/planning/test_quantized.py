@@ -32,6 +32,9 @@ def test_quantized_roofs_by_hand():
     assert kv.weight_bytes == roof.weight_bytes and kv.token_bytes == pytest.approx(2 * 3 * 2 * (16 + 4))
     pre = quantized_roof(roof, DIMS, weights="none", kv_cache="fp8", prefill=True, **kw)
     assert pre.row_bytes == pytest.approx(40.0 * 20 / 32) and pre.token_bytes == roof.token_bytes
+    # head: int8 (issue 53, item 4): the [D, V] head's bytes less one float32 scale a vocabulary row
+    head = quantized_roof(roof, DIMS, weights="int8", kv_cache="none", head="int8", **kw)
+    assert head.weight_bytes == pytest.approx(w.weight_bytes - 64 * 1000 / 2 + 4 * 1000 / 2)
 
 
 @pytest.mark.slow
@@ -69,8 +72,9 @@ def test_the_plan_compiles_the_quantized_rollout_and_compares_variants(tmp_path)
     # a token's pages cost int8 codes and a float32 scale per KV head, (E + 4) / 2E of bf16's.
     assert rep["programs"]["decode"]["roofline_s"] > 0 and rep["programs"]["prefill"]["roofline_s"] > 0
     q = rep["rollout_engine"]["quantization"]
-    assert set(q) == {"none", "int8_weights", "int8_weights_kv"}
-    assert 1 > q["int8_weights"]["bytes_ratio"] > q["int8_weights_kv"]["bytes_ratio"]
+    assert set(q) == {"none", "int8_weights", "int8_weights_kv", "int8_weights_kv_head"}
+    assert 1 > q["int8_weights"]["bytes_ratio"] > q["int8_weights_kv"]["bytes_ratio"] > q["int8_weights_kv_head"]["bytes_ratio"]
+    assert rep["programs"]["quantize"]["roofline_s"] > 0  # the once-per-sync quantize, compiled (item 6)
     assert q["int8_weights_kv"]["kv_bytes_per_token"] / q["none"]["kv_bytes_per_token"] == pytest.approx((E + 4) / (2 * E))
     assert q["int8_weights_kv"]["pool_rows_ratio"] == pytest.approx(2 * E / (E + 4), rel=0.05)
     assert q["none"]["step_ratio"] == 1 and q["int8_weights_kv"]["roofline_step_s"] <= q["none"]["roofline_step_s"]

@@ -26,7 +26,6 @@ def test_first_failure_logged_once_and_written(caplog):
         failures.observe(2, names, np.array([0, 5]), np.array([0, 0, 8, 8, 0, 0]), {"shape": (0, "TypeError: again")})
     # issue 55: a step's failures by kind (2 failures of shape: 1 timed out, 1 raised)
     assert metrics == {"reward/exact/not_applicable": 1.0, "reward/shape/errors": 1.0, "reward/shape/timeouts": 1.0}
-    assert_glossary(metrics, "Reward failures")  # issue 52: what the trainer adds to the step's row
     assert rows == [{"step": 1, "reward": "shape", "row": 3, "error": "TypeError: returned str '1.0'"}]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "reward function 'shape' failed at step 1, row 3: TypeError: returned str" in warnings[0]
@@ -54,6 +53,18 @@ def test_every_row_failing_by_errors_and_timeouts_together_stops_the_run():
         failures.observe(1, ["slow"], np.array([8]), np.array([0, 8, 3]), {"slow": (0, "RewardTimeout: late")})
     assert failures.observe(2, ["slow"], np.array([7]), np.array([0, 8, 7]), None) == {"reward/slow/timeouts": 7.0}
     assert failures.observe(3, ["slow"], np.array([7]), np.array([0, 8]), None) == {"reward/slow/errors": 7.0}
+
+
+def test_a_judges_parse_failures_count_on_their_own():
+    """Issue 55, item 2: a judge's rows without a value (its parser could not read the
+    reply) are ``reward/<judge>/parse_failures``, not ``not_applicable`` (a reward model's
+    stay there); a judge unreadable on every row does not stop the run (not an error)."""
+    failures = RewardFailures(None, judges=["judge"])
+    # counts: not applicable [rm, judge], rows scored [rm, judge], timeouts [rm, judge]
+    metrics = failures.observe(1, ["rm", "judge"], np.array([2, 0]), np.array([2, 8, 8, 8, 1, 0]), None)
+    assert metrics == {"reward/rm/not_applicable": 2.0, "reward/judge/parse_failures": 8.0, "reward/rm/errors": 1.0,
+                       "reward/rm/timeouts": 1.0}
+    assert_glossary(metrics, "Reward failures")  # issue 52: what the trainer adds to the step's row
 
 
 def test_no_counts_recorded_reports_failures_without_stopping():

@@ -258,6 +258,29 @@ def test_scores_do_not_depend_on_the_order_groups_are_started_or_finish():
         assert scorer.collect(parts) == reference, trial
 
 
+def test_per_completion_rewards_start_row_by_row_and_batched_ones_per_group():
+    """Issue 55, item 1 (overlapped scoring starts a row's per-completion rewards as soon as
+    it ends, a group's batched one once the group is whole): rows started one by one in a
+    shuffled finishing order, each with ``row_names`` only, and each group's ``rank`` (per
+    group) in its own part give the scores of one call on the whole step, row for row."""
+    task = TwinTask(batched=False)
+    examples = _examples(4, 2)
+    reference = RewardScorer(task, NoOptions(), group_size=2).score(examples, COMPLETIONS)
+    scorer = RewardScorer(TwinTask(batched=False), NoOptions(), threads=2, group_size=2)
+    assert scorer.row_names == ("hit", "short")
+    rows = list(range(8))
+    random.Random(1).shuffle(rows)
+    parts, done = [], set()
+    for r in rows:
+        parts.append(scorer.start([examples[r]], [COMPLETIONS[r]], rows=[r], names=scorer.row_names))
+        done.add(r)
+        g = r // 2
+        if {2 * g, 2 * g + 1} <= done:
+            parts.append(scorer.start(examples[2 * g:2 * g + 2], COMPLETIONS[2 * g:2 * g + 2], rows=[2 * g, 2 * g + 1],
+                                      names=["rank"]))
+    assert scorer.collect(parts) == reference
+
+
 PROCESS_REWARDS = '''
 import os, time
 
@@ -316,6 +339,15 @@ def test_overlapped_scoring_starts_calls_without_waiting_for_them():
     opts = task.parse_options(cfg.task.options)
     assert RewardScorer.for_run(cfg, task, opts).pool is not None
     assert RewardScorer.for_run(_config(), task, opts).pool is None  # the default: inline, as before
+    # reward_threads: auto (issue 55, item 1): 1 after the rollout (inline), OVERLAP_REWARD_THREADS
+    # under overlap, whose calls run on workers anyway; a number is taken as it is.
+    from grpo.core.config.schema import OVERLAP_REWARD_THREADS
+
+    assert (cfg.task.reward_threads, _config().task.reward_threads) == ("auto", "auto")
+    assert RewardScorer.for_run(cfg, task, opts).pool.threads == OVERLAP_REWARD_THREADS > 1
+    assert _config(**{"task.reward_scoring": "overlap", "rollout.engine": "continuous",
+                      "task.reward_threads": 3}).task.reward_workers == 3
+    assert _config(**{"task.reward_threads": 3}).task.reward_workers == 3 and _config().task.reward_workers == 1
 
     class Slow(TwinTask):
         def reward_functions(self, *, options):
