@@ -174,16 +174,22 @@ def engine_weights(programs: Any, engine: Any, *, params: Any, frozen: Any = Non
 
 def rollout_shapes(programs: Any, engine: Any, *, weights: Any, prompts: int, widths: Any, key: Any,
                    prefix: str = "", glue: bool = True) -> list[ProgramShape]:
-    """The rollout engine's programs (its contract's
-    :meth:`~grpo.RolloutEngine.lowerings`, on the abstract ``weights`` of
+    """The rollout engine's programs (its ``shape_lowerings``, every shape a rollout runs,
+    where it lists them: the continuous engine's; else its contract's
+    :meth:`~grpo.RolloutEngine.lowerings`), on the abstract ``weights`` of
     :func:`engine_weights` and the PRNG ``key``'s kind) for ``prompts`` prompts at each
     prompt width of ``widths`` (:func:`reachable_widths`), named ``prefix + name``
     (``eval_`` for evaluation's); with ``glue``, the step's glue taking the prompt width:
     ``to_train`` of the rollout's prompts to the update's row layout."""
     out = []
+    every = getattr(engine, "shape_lowerings", None)  # an engine listing each shape of its programs
     for lp in widths:
-        for name, lower in engine.lowerings(weights, prompts=prompts, prompt_length=lp, key=key).items():
-            out.append(ProgramShape(prefix + name, f"prompt={lp}", lower))
+        if every is not None:
+            listed = every(weights, prompts=prompts, prompt_length=lp, key=key)
+        else:
+            listed = [(name, f"prompt={lp}", lower) for name, lower in
+                      engine.lowerings(weights, prompts=prompts, prompt_length=lp, key=key).items()]
+        out += [ProgramShape(prefix + name, shape, lower) for name, shape, lower in listed]
         if glue:
             out.append(ProgramShape("to_train", f"prompt={lp}", functools.partial(
                 _lower_to_train, programs, engine, prompts=prompts, prompt_length=lp)))
