@@ -15,12 +15,21 @@ that run. The continuous engine's decode compiles once per ``(live slots, page-t
 width)`` bucket (``decode_buckets``): with ``ahead: all`` its first session compiles
 every bucket in parallel on its own arguments (``compile_decode_buckets``) before its
 first chunk, so a later step reaching a new bucket compiles nothing (the listing and the
-compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`). The other programs of
-a step (rollout prefill, glue, evaluation) have one shape a run and prompt bucket, and
-compile at their first use.
+compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`).
 
-``train.compile.ahead``: ``all`` compiles the whole list, ``first`` only the widest shape
-(the most memory a step needs: an out-of-memory shows before step 1), ``lazy`` none.
+The rollout, the glue and evaluation have one shape a run and prompt width (the
+continuous engine one per admission size and decode bucket too), and a step's prompt width
+is the bucket of its longest prompt: :func:`reachable_widths` lists the widths the loaded
+split's prompts reach, and :func:`rollout_shapes` the engine's programs at each (its
+``shape_lowerings`` where it lists every shape, else its contract's ``lowerings``) on the
+engine's own weights (:func:`engine_weights`), with ``to_train``, the glue taking the
+prompt width; the trainer adds evaluation's at the eval split's width
+(:meth:`~grpo.engine.trainer.Trainer.compile_ahead`).
+
+``train.compile.ahead``: ``all`` (and ``auto``) compiles the whole list, the rollout's
+shapes first (step 1 rolls out once they are compiled: :meth:`Pending.wait`), ``first``
+only the packed passes' widest shape (the most memory a step needs: an out-of-memory
+shows before step 1), ``lazy`` none.
 
 :class:`ShapeWatch`: the builder's programs are called through it
 (:meth:`ShapeWatch.wrap`); once armed (after step 1, or after the whole list compiled
