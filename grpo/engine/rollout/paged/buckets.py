@@ -91,7 +91,6 @@ def engine_shapes(engine: Any, params: Any, *, prompts: int, prompt_length: int,
     what every rollout runs first), the decode buckets compiling when a chunk first
     reaches them (``train.compile.ahead: auto`` on the CPU)."""
     from grpo.engine.rollout.paged.scheduler import pow2
-    from grpo.engine.schedule import _outputs
 
     rows = prompts * engine.sampling.num_generations
     S = engine.slots_for(rows, prompt_length)
@@ -105,7 +104,9 @@ def engine_shapes(engine: Any, params: Any, *, prompts: int, prompt_length: int,
     def state() -> Any:  # start's outputs, compiled once (the pool's other shapes wait for it)
         with lock:
             if "state" not in held:
-                held["state"] = _outputs(start().compile())
+                compiled = start().compile()  # its outputs, abstract, in the shardings it gives them
+                held["state"] = jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+                                             compiled.out_info, compiled.output_shardings)
             return held["state"]
 
     def arr(*shape: int, names: tuple = ("batch",)) -> Any:
