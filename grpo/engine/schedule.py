@@ -166,6 +166,8 @@ def engine_weights(programs: Any, engine: Any, *, params: Any, frozen: Any = Non
     side of its own, which receives them by the weight sync): nothing of it is listed."""
     from grpo.models.lora import merge_params
 
+    if params is None:  # a process holding no trained weights
+        return None
     state = merge_params(params, frozen)
     merging = programs._merging(frozen)
     if programs.rollout.resharded:
