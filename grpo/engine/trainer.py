@@ -521,14 +521,19 @@ class Trainer:
         from grpo.engine.schedule import engine_weights, reachable_widths, rollout_shapes
 
         cfg, programs = self.config, self.programs
+        every, steps = cfg.eval.every_n_steps, cfg.train.steps
+        # A session of one step reaches one width (its own, compiled as it comes); an
+        # evaluation runs at start or at a multiple of eval.every_n_steps still to come.
+        train = steps - self.step > 1
+        evals = bool(every) and (steps // every > self.step // every or (cfg.eval.at_start and self.step == 0))
         engine = programs.sampler()
-        weights = engine_weights(programs, engine, params=self.params, frozen=self.frozen)
-        if weights is None:  # a rollout side of its own: its weights arrive by the sync
+        weights = engine_weights(programs, engine, params=self.params, frozen=self.frozen) if train or evals else None
+        if weights is None:  # nothing to list, or a rollout side of its own (its weights arrive by the sync)
             return []
-        widths = reachable_widths(self.collector.prompts.token_ids, self.buckets)
+        widths = reachable_widths(self.collector.prompts.token_ids, self.buckets) if train else ()
         shapes = rollout_shapes(programs, engine, weights=weights, prompts=cfg.train.prompts_per_step, widths=widths,
                                 key=jax.random.key(cfg.train.seed))
-        if cfg.eval.every_n_steps:
+        if evals:
             prompts, evaluator = self.evaluator.prepare()
             size = programs.eval_batch(len(prompts))[1]
             width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
