@@ -15,12 +15,21 @@ that run. The continuous engine's decode compiles once per ``(live slots, page-t
 width)`` bucket (``decode_buckets``): with ``ahead: all`` its first session compiles
 every bucket in parallel on its own arguments (``compile_decode_buckets``) before its
 first chunk, so a later step reaching a new bucket compiles nothing (the listing and the
-compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`). The other programs of
-a step (rollout prefill, glue, evaluation) have one shape a run and prompt bucket, and
-compile at their first use.
+compile live with the engine: :mod:`grpo.engine.rollout.paged.buckets`).
 
-``train.compile.ahead``: ``all`` compiles the whole list, ``first`` only the widest shape
-(the most memory a step needs: an out-of-memory shows before step 1), ``lazy`` none.
+The rollout, the glue and evaluation have one shape a run and prompt width (the
+continuous engine one per admission size and decode bucket too), and a step's prompt width
+is the bucket of its longest prompt: :func:`reachable_widths` lists the widths the loaded
+split's prompts reach, and :func:`rollout_shapes` the engine's programs at each (its
+``shape_lowerings`` where it lists every shape, else its contract's ``lowerings``) on the
+engine's own weights (:func:`engine_weights`), with ``to_train``, the glue taking the
+prompt width; the trainer adds evaluation's at the eval split's width
+(:meth:`~grpo.engine.trainer.Trainer.compile_ahead`).
+
+``train.compile.ahead``: ``all`` (and ``auto``) compiles the whole list, the rollout's
+shapes first (step 1 rolls out once they are compiled: :meth:`Pending.wait`), ``first``
+only the packed passes' widest shape (the most memory a step needs: an out-of-memory
+shows before step 1), ``lazy`` none.
 
 :class:`ShapeWatch`: the builder's programs are called through it
 (:meth:`ShapeWatch.wrap`); once armed (after step 1, or after the whole list compiled
@@ -138,6 +147,75 @@ def prompt_lengths(programs: Any) -> tuple[int, ...]:
     return tuple(sorted(r.prompt_buckets or default_buckets(r.max_prompt_length)))
 
 
+def reachable_widths(token_ids: Any, buckets: Any) -> tuple[int, ...]:
+    """The prompt widths a batch of these prompts can have, narrowest first: a batch is
+    as wide as the bucket of its longest prompt
+    (:func:`~grpo.engine.rollout.prompts.bucket_for`), so every prompt's bucket, and no
+    other (a split whose prompts all fit the first bucket reaches one width)."""
+    from grpo.engine.rollout.prompts import bucket_for
+
+    return tuple(sorted({bucket_for(len(t), buckets) for t in token_ids}))
+
+
+def engine_weights(programs: Any, engine: Any, *, params: Any, frozen: Any = None) -> Any:
+    """The abstract weights ``engine`` reads for the trained ``params`` (its
+    :attr:`~grpo.RolloutEngine.weights`: the builder's weight preparation, then the
+    engine's quantization), in the shardings a step hands them over: the state as is, or
+    the outputs of the ``reshard``/``merge`` program (compiled here: a step runs it
+    anyway). None when the engine reads them on other devices than ``params`` (a rollout
+    side of its own, which receives them by the weight sync): nothing of it is listed."""
+    from grpo.models.lora import merge_params
+
+    if params is None:  # a process holding no trained weights
+        return None
+    state = merge_params(params, frozen)
+    merging = programs._merging(frozen)
+    if programs.rollout.resharded:
+        fn = programs.reshard_jit(state)
+        prepared = _outputs((fn.lower(params, frozen) if merging else fn.lower(state)).compile())
+    elif merging:
+        prepared = _outputs(programs.merge_jit(state).lower(params, frozen).compile())
+    else:
+        prepared = jax.tree.map(_abstract, state)
+    leaves = jax.tree.leaves(prepared)
+    if not leaves or set(leaves[0].sharding.device_set) != set(engine.mesh.devices.flat):
+        return None
+    return engine.quantize_weights(prepared)
+
+
+def rollout_shapes(programs: Any, engine: Any, *, weights: Any, prompts: int, widths: Any, key: Any,
+                   prefix: str = "", glue: bool = True) -> list[ProgramShape]:
+    """The rollout engine's programs (its ``shape_lowerings``, every shape a rollout runs,
+    where it lists them: the continuous engine's; else its contract's
+    :meth:`~grpo.RolloutEngine.lowerings`), on the abstract ``weights`` of
+    :func:`engine_weights` and the PRNG ``key``'s kind) for ``prompts`` prompts at each
+    prompt width of ``widths`` (:func:`reachable_widths`), named ``prefix + name``
+    (``eval_`` for evaluation's); with ``glue``, the step's glue taking the prompt width:
+    ``to_train`` of the rollout's prompts to the update's row layout."""
+    out = []
+    every = getattr(engine, "shape_lowerings", None)  # an engine listing each shape of its programs
+    for lp in widths:
+        if every is not None:
+            listed = every(weights, prompts=prompts, prompt_length=lp, key=key)
+        else:
+            listed = [(name, f"prompt={lp}", lower) for name, lower in
+                      engine.lowerings(weights, prompts=prompts, prompt_length=lp, key=key).items()]
+        out += [ProgramShape(prefix + name, shape, lower) for name, shape, lower in listed]
+        if glue:
+            out.append(ProgramShape("to_train", f"prompt={lp}", functools.partial(
+                _lower_to_train, programs, engine, prompts=prompts, prompt_length=lp)))
+    return out
+
+
+def _lower_to_train(programs: Any, engine: Any, *, prompts: int, prompt_length: int) -> Any:
+    """``to_train`` of a step's prompt tokens [rows, width], as the rollout hands them on
+    (rows the step selected: already in the update's layout)."""
+    tokens = engine.abstract_output(prompts=prompts, prompt_length=prompt_length).prompt_tokens
+    if programs.selects_rows:
+        tokens = jax.ShapeDtypeStruct(tokens.shape, tokens.dtype, sharding=programs.train_sharding)
+    return programs._to_train_jit().lower(tokens)
+
+
 def shape_list(programs: Any) -> list[tuple[int, int]]:
     """Every ``(per, K)`` a step can schedule, widest first: the grid's bins-per-device
     widths a step of the run's rows reaches, each with its head widths."""
@@ -248,47 +326,61 @@ def compile_ahead(shapes: list[ProgramShape], *, workers: int | None = None,
     as each finishes. Returns ``{"programs": N, "failed": F, "compile_s": wall seconds}``.
     A shape that fails to compile ahead is logged with its error (a step that takes it
     compiles it then, and fails there if it must)."""
-    say = progress or log.info
-    n = len(shapes)
-    if n == 0:
-        return {"programs": 0, "failed": 0, "compile_s": 0.0}
-    t0 = time.perf_counter()
-    say(f"compiling {n} programs: 0/{n}")
-    workers = max(1, min(n, workers or os.cpu_count() or 1))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo-compile") as pool:
-        futures = {pool.submit(lambda s=s: s.lower().compile()): s for s in shapes}
-        failed = 0
-        for done, future in enumerate(concurrent.futures.as_completed(futures), start=1):
-            if future.exception() is not None:  # a step taking this shape compiles it then
-                failed += 1
-                shape = futures[future]
-                log.warning("compiling %s (%s) ahead failed, it compiles when a step takes it: %s", shape.program,
-                            shape.shape, str(future.exception()).splitlines()[0] if str(future.exception()) else
-                            type(future.exception()).__name__)
-            say(f"compiling {n} programs: {done}/{n}")
-    return {"programs": n, "failed": failed, "compile_s": time.perf_counter() - t0}
+    return Pending(shapes, workers=workers, progress=progress).wait()
 
 
 class Pending:
-    """:func:`compile_ahead` running on its own thread (:func:`start_compile`), so the
-    step's rollout compiles meanwhile; :meth:`wait` before the first packed pass."""
+    """:func:`compile_ahead` running in the background (:func:`start_compile`), the
+    shapes submitted to the pool in their order, so the step compiles nothing meanwhile
+    that it would compile twice: :meth:`wait` with ``programs`` waits for those alone (the
+    rollout's, before step 1 rolls out), without, for every shape (before the first packed
+    pass)."""
 
-    def __init__(self, shapes: list[ProgramShape], **kwargs: Any):
+    def __init__(self, shapes: list[ProgramShape], *, workers: int | None = None,
+                 progress: Callable[[str], None] | None = None):
+        self._say = progress or log.info
+        self._shapes = shapes
         self._result: dict[str, float] | None = None
         self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, args=(shapes,), kwargs=kwargs, name="grpo-compile-ahead",
-                                        daemon=True)
+        self._t0 = time.perf_counter()
+        self._futures: list[concurrent.futures.Future] = []
+        self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if shapes:
+            n = len(shapes)
+            self._say(f"compiling {n} programs: 0/{n}")
+            workers = max(1, min(n, workers or os.cpu_count() or 1))
+            self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=workers, thread_name_prefix="grpo-compile")
+            self._futures = [self._pool.submit(lambda s=s: s.lower().compile()) for s in shapes]
+        self._thread = threading.Thread(target=self._run, name="grpo-compile-ahead", daemon=True)
         self._thread.start()
 
-    def _run(self, shapes: list[ProgramShape], **kwargs: Any) -> None:
+    def _run(self) -> None:
         try:
-            self._result = compile_ahead(shapes, **kwargs)
+            n, failed = len(self._shapes), 0
+            index = {id(f): s for f, s in zip(self._futures, self._shapes)}
+            for done, future in enumerate(concurrent.futures.as_completed(self._futures), start=1):
+                error = future.exception()
+                if error is not None:  # a step taking this shape compiles it then
+                    failed += 1
+                    shape = index[id(future)]
+                    log.warning("compiling %s (%s) ahead failed, it compiles when a step takes it: %s", shape.program,
+                                shape.shape, str(error).splitlines()[0] if str(error) else type(error).__name__)
+                self._say(f"compiling {n} programs: {done}/{n}")
+            self._result = {"programs": n, "failed": failed, "compile_s": time.perf_counter() - self._t0}
         except BaseException as e:  # noqa: BLE001 (re-raised by wait, on the caller's thread)
             self._error = e
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown(wait=False)
 
-    def wait(self) -> dict[str, float]:
-        """The compile's ``{"programs", "compile_s"}`` once every shape compiled (its error
-        raised here)."""
+    def wait(self, programs: Callable[[str], bool] | None = None) -> dict[str, float] | None:
+        """With ``programs`` (a test of a :class:`ProgramShape`'s program name): once those
+        shapes compiled (or failed: their step compiles them), None. Without: the
+        compile's ``{"programs", "failed", "compile_s"}`` once every shape compiled (its
+        error raised here)."""
+        if programs is not None:
+            concurrent.futures.wait([f for f, s in zip(self._futures, self._shapes) if programs(s.program)])
+            return None
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -355,5 +447,6 @@ class Watched:
 
 __all__ = [
     "BACKEND_COMPILE", "Pending", "ProgramShape", "ShapeWatch", "Watched", "compile_ahead", "compiles", "describe",
-    "packed_shapes", "padded_batch", "prompt_lengths", "shape_list", "start_compile",
+    "engine_weights", "packed_shapes", "padded_batch", "prompt_lengths", "reachable_widths", "rollout_shapes",
+    "shape_list", "start_compile",
 ]

@@ -483,26 +483,64 @@ class Trainer:
         update batch -> optimizer steps -> metrics row; the loop
         (:class:`~grpo.engine.loop.loop.Loop`) runs it for every mode, calling the stages
         above."""
+        if self._pending is not None:  # the rollout's programs, compiled ahead (the packed passes go on)
+            self._pending.wait(lambda name: name != "packed")
         return self.loop.step()
 
     def evaluate(self) -> dict[str, Any]:
+        if self._pending is not None:  # its programs, compiled ahead
+            self._pending.wait(lambda name: name.startswith("eval_"))
         return self.loop.evaluate(self.evaluator, self.step, self.params)
 
     def compile_ahead(self) -> Any:
-        """Start compiling the packed passes' shape schedule (``train.compile.ahead``:
-        ``all`` and ``auto`` every listed shape, ``first`` the widest, ``lazy`` none;
-        :mod:`grpo.engine.schedule`) on background threads, in parallel, with a progress
-        line: step 1's rollout compiles meanwhile, and its first packed pass waits for it
-        (:meth:`update_batch`). Returns the :class:`~grpo.engine.schedule.Pending`
-        compile, or None when nothing compiles ahead."""
+        """Start compiling the run's shape schedule (``train.compile.ahead``; :mod:`grpo.engine.schedule`)
+        on background threads, in parallel, with a progress line: with ``all`` and ``auto``
+        the rollout engine's programs and the glue at every prompt width the train split
+        reaches, evaluation's at the eval split's (:meth:`_rollout_shapes`), then every
+        packed shape; ``first`` the widest packed shape; ``lazy`` nothing. Step 1 rolls
+        out once the rollout's are compiled (:meth:`train_step`), and its first packed pass
+        waits for the rest (:meth:`update_batch`). Returns the
+        :class:`~grpo.engine.schedule.Pending` compile, or None when nothing compiles ahead."""
         from grpo.engine.schedule import packed_shapes, start_compile
 
         mode = self.config.train.compile.ahead
-        if mode == "lazy" or not self.programs.packing:
+        shapes = self._rollout_shapes() if mode in ("all", "auto") else []
+        if mode != "lazy" and self.programs.packing:
+            shapes += packed_shapes(self.programs, params=self.params, opt_state=self.opt_state, frozen=self.frozen,
+                                    ref_params=self.ref_params, first=mode == "first")
+        if not shapes:
             return None
-        shapes = packed_shapes(self.programs, params=self.params, opt_state=self.opt_state, frozen=self.frozen,
-                               ref_params=self.ref_params, first=mode == "first")
         return start_compile(shapes, progress=log.info if self.is_main else (lambda _: None))
+
+    def _rollout_shapes(self) -> list[Any]:
+        """The rollout engine's programs and the glue at each prompt width the train split's
+        prompts reach, and (with evaluation) the eval engine's at the eval split's width
+        for its batch: every shape a step or an evaluation gives them, known from the data
+        before step 1 (:func:`~grpo.engine.schedule.rollout_shapes`)."""
+        from grpo.engine.rollout.prompts import bucket_for
+        from grpo.engine.schedule import engine_weights, reachable_widths, rollout_shapes
+
+        cfg, programs = self.config, self.programs
+        every, steps = cfg.eval.every_n_steps, cfg.train.steps
+        # A session of one step reaches one width (its own, compiled as it comes); an
+        # evaluation runs at start or at a multiple of eval.every_n_steps still to come.
+        train = steps - self.step > 1
+        evals = bool(every) and (steps // every > self.step // every or (cfg.eval.at_start and self.step == 0))
+        engine = programs.sampler()
+        weights = engine_weights(programs, engine, params=self.params, frozen=self.frozen) if train or evals else None
+        if weights is None:  # nothing to list, or a rollout side of its own (its weights arrive by the sync)
+            return []
+        widths = reachable_widths(self.collector.prompts.token_ids, self.buckets) if train else ()
+        shapes = rollout_shapes(programs, engine, weights=weights, prompts=cfg.train.prompts_per_step, widths=widths,
+                                key=jax.random.key(cfg.train.seed))
+        if evals:
+            prompts, evaluator = self.evaluator.prepare()
+            size = programs.eval_batch(len(prompts))[1]
+            width = bucket_for(max(len(t) for t in prompts.token_ids), self.buckets)
+            if not (evaluator is engine and size == cfg.train.prompts_per_step and width in widths):
+                shapes += rollout_shapes(programs, evaluator, weights=weights, prompts=size, widths=(width,),
+                                         key=jax.random.key(cfg.train.seed + 1), prefix="eval_", glue=False)
+        return shapes
 
     def compiled_ahead(self) -> dict[str, float] | None:
         """The ahead-of-time compile's figures once it finished (waits for it; None: none ran)."""

@@ -105,13 +105,18 @@ def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
     """Issue 50: a run whose completions vary in length (a random policy's, stopped at its
     chance EOS), its packed shapes compiled ahead (two head widths here), compiles nothing
     after step 1 though its steps take every listed shape: step 1 its own plan's, step 2
-    the same plan at the wider head width (the shapes a longer step takes)."""
+    the same plan at the wider head width (the shapes a longer step takes). Its prompts
+    straddle two prompt buckets (12-14 tokens over buckets 13 and 16): step 1's batch is
+    13 wide, step 2's 16, so the rollout's prefill and decode and the glue's ``to_train``
+    at width 16, compiled ahead from the train split's prompts, are what step 2 runs
+    (before, they compiled in step 2: 3 compiles)."""
     from _runs import _config
 
     from grpo.engine.trainer import Trainer
 
     cfg = _config(**{"train.steps": 3, "train.packing.bins_per_device": "widest", "train.packing.head_buckets": 2,
-                     "train.compile.ahead": "all"})
+                     "train.compile.ahead": "all", "task.options.max_operand": 12, "rollout.prompt_buckets": [13, 16],
+                     "rollout.max_prompt_length": 16})
     trainer = Trainer(cfg, tmp_path / "run")
     listed = shape_list(trainer.programs)
     # (per, K): the widest per, its head on every slot and on about half of them
@@ -134,9 +139,18 @@ def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
         taken.append((plan.per, plan.head))
         return plan
 
+    widths, build = [], trainer.collector.sampler.sample
+
+    def sample(params, tokens, *args):
+        widths.append(tokens.shape[1])
+        return build(params, tokens, *args)
+
     trainer.train_step, trainer.programs.pack_plan = counted_step, plan_then_widen
+    trainer.collector.sampler.sample = sample
     summary = trainer.run()
-    assert summary["compiled_ahead"]["programs"] == len(listed) * len(prompt_lengths(trainer.programs))
+    assert widths[:2] == [13, 16]  # step 2 reaches the second bucket
+    # the packed chains at both buckets; prefill, decode and to_train at both widths
+    assert summary["compiled_ahead"]["programs"] == len(listed) * len(prompt_lengths(trainer.programs)) + 2 * 3
     assert counts[0] > 0 and counts[1:] == [0, 0]
     assert set(taken) == set(listed), taken
     assert trainer.programs.watch.total == 0

@@ -17,10 +17,11 @@ class CompileConfig(Section):
 
     ahead: Literal["auto", "all", "first", "lazy"] = Field(
         "auto",
-        description="all: compile every listed shape ahead, in parallel, while step 1 rolls out: the packed passes' "
-        "and the continuous engine's decode buckets (a later compile of the run's programs is then warned of and "
+        description="all: compile every listed shape ahead, in parallel: the rollout engine's programs, the glue and "
+        "evaluation's at every prompt width the data reaches (before step 1 rolls out), the packed passes' (while it "
+        "rolls out) and the continuous engine's decode buckets (a later compile of the run's programs is then warned of and "
         "counted: compile/out_of_list); first: only the packed passes' widest shape (the most memory a step needs), "
-        "the others when a step first takes them; lazy: none ahead; auto: all on accelerators, and on the CPU all but "
+        "the others, and the rollout's at a new width, when a step first takes them; lazy: none ahead; auto: all on accelerators, and on the CPU all but "
         "the decode buckets, which compile when a rollout first reaches them (a CPU run reaches a few of the grid, "
         "and compiling the rest doubled a continuous-engine test's time).",
     )

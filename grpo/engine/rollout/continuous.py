@@ -399,6 +399,15 @@ class ContinuousSampler(BaseSampler):
         return {"start": lambda: self.start_jit.lower(params, rows=rows, pages=pages, slots=S), "prefill": prefill,
                 "decode": decode}
 
+    def shape_lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> list:
+        """Every shape of this engine's programs at one prompt width, for a run's schedule
+        (:func:`~grpo.engine.rollout.paged.buckets.engine_shapes`; every admission and decode bucket with
+        :attr:`compile_ahead`)."""
+        from grpo.engine.rollout.paged.buckets import engine_shapes
+
+        return engine_shapes(self, params, prompts=prompts, prompt_length=prompt_length, key=key,
+                             every=self.compile_ahead)
+
     # ------------------------------------------------------------------ host pieces
 
     def compile_buckets(self, runner: DeviceRunner) -> None:

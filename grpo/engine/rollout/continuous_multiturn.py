@@ -110,6 +110,8 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         return {**quantize, "start": [self.start_jit], "append": [self.extend_jit], "decode": [self.decode_jit],
                 "read": [self.read_jit]}
 
+    shape_lowerings = None  # its programs at every width: its contract's lowerings (the widest variants)
+
     def lowerings(self, params: Any, *, prompts: int, prompt_length: int, key: jax.Array) -> dict[str, Any]:
         rows, maxp = prompts * self.sampling.num_generations, self.max_pages(prompt_length)
         S = self.slots_for(rows, prompt_length)

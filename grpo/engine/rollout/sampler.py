@@ -518,7 +518,9 @@ class Sampler(BatchRows, BaseSampler):
             cache, logits = self._abstract_decode_state(params, rows, prompt_length + self._first_slots())
             raw, impl = self._abstract_key(key)
             toks = self._rows(rows, prompt_length)
-            return self.decode_jit().lower(params, cache, logits, toks, toks, raw, key_impl=impl)
+            # stop_at passed as the rollout passes it (None): the same call signature, so a
+            # decode compiled ahead on these is the executable a step's call runs.
+            return self.decode_jit().lower(params, cache, logits, toks, toks, raw, None, key_impl=impl)
 
         return {"prefill": lambda: self._lower_prefill(params, prompts, prompt_length), "decode": decode}
 

@@ -63,3 +63,47 @@ def test_a_continuous_rollout_compiles_no_decode_after_its_first_session():
     sampler.generate(params, tokens, mask, key, stop_at=np.arange(16) % 8 + 1)  # rows drain: new buckets
     assert sampler.last_stats["chunks"] > first
     assert compiles() == before
+
+
+def test_admissions_are_every_padded_rows_and_prompts_a_prefill_can_take():
+    """Issue 50: the (admitted rows, distinct prompts) a prefill pads to, each a power of
+    two at most the slots (rows) and the rows (prompts): 3 prompts x 2 samples over 4
+    slots admit 1-4 rows of 1-3 prompts."""
+    from grpo.engine.rollout.paged.buckets import admissions
+
+    assert admissions(slots=4, rows=6, prompts=3) == [(4, 4), (4, 2), (4, 1), (2, 2), (2, 1), (1, 1)]
+    assert admissions(slots=8, rows=2, prompts=1) == [(2, 1), (1, 1)]
+
+
+@pytest.mark.slow
+def test_a_continuous_rollout_at_a_width_compiled_ahead_compiles_nothing():
+    """Issue 50: the continuous engine's programs at one prompt width, listed by the run's
+    schedule (:func:`~grpo.engine.schedule.rollout_shapes` through the engine's
+    ``shape_lowerings``: ``start``, ``prefill`` at every admission size, every decode
+    bucket) and compiled ahead on abstract weights, are the executables its rollout at
+    that width runs: a rollout of 4 rows over 2 slots (a second admission as rows finish)
+    compiles nothing. Before, every program of a new prompt width compiled mid-run."""
+    from grpo.core.config import load_config
+    from grpo.engine.bench.engines import engine_config
+    from grpo.engine.bench.rollout import _build, _random_prompts, _sampler_state, bench_config
+    from grpo.engine.schedule import _abstract, compile_ahead, rollout_shapes
+
+    settings = dict(model_path=None, preset="tiny", dtype="float32", batch=4, generations=2, prompt_len=16,
+                    new_tokens=4, early_stop=True, early_stop_chunk=32, kv_segment=256, style="legacy",
+                    mesh_policy="auto", mesh_shape=None, temperature=1.0, top_k=0, top_p=1.0, seed=0)
+    raw = bench_config(**settings).model_dump()
+    raw["train"]["compile"]["ahead"] = "all"
+    config = engine_config(load_config(raw), "continuous", {"chunk": 2, "slots": 2})
+    built = _build(config, settings)
+    sampler = built.programs.sampler()
+    params, _, _ = _sampler_state(built, settings, 1)
+    key = jax.random.key(0)
+    shapes = rollout_shapes(built.programs, sampler, weights=jax.tree.map(_abstract, params), prompts=2,
+                            widths=(16,), key=key, glue=False)
+    assert [s.program for s in shapes].count("prefill") == 3  # (2, 2), (2, 1), (1, 1)
+    assert compile_ahead(shapes)["failed"] == 0
+    tokens, mask = _random_prompts(built.arch, built.eos, batch=4, generations=2, prompt_len=16, seed=0)
+    before = compiles()
+    sampler.generate(params, tokens, mask, key)
+    assert sampler.last_stats["chunks"] > 1
+    assert compiles() == before
