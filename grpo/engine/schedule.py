@@ -157,6 +157,26 @@ def reachable_widths(token_ids: Any, buckets: Any) -> tuple[int, ...]:
     return tuple(sorted({bucket_for(len(t), buckets) for t in token_ids}))
 
 
+def step_widths(token_ids: Any, buckets: Any, *, position: int, steps: int, prompts: int,
+                seed: int) -> tuple[int, ...]:
+    """The prompt widths the next ``steps`` steps take, narrowest first, when each step
+    feeds the ``prompts`` prompts that follow the last in the data order from
+    ``position`` (:func:`~grpo.engine.rollout.prompts.position_indices`): a step is as wide
+    as the bucket of its longest prompt, so the run's widths are known exactly before
+    step 1, often fewer than :func:`reachable_widths` (a short run rarely meets the
+    split's longest prompts). A step that may feed more (dynamic sampling's rounds, a
+    partial-rollouts stream) reaches any of :func:`reachable_widths`."""
+    from grpo.engine.rollout.prompts import position_indices
+
+    if steps <= 0:
+        return ()
+    lengths = np.asarray([len(t) for t in token_ids])
+    idx = position_indices(len(lengths), start=position, count=steps * prompts, seed=seed)
+    widest = lengths[idx].reshape(steps, prompts).max(axis=1)
+    edges = np.asarray(sorted(buckets))
+    return tuple(sorted({int(b) for b in edges[np.searchsorted(edges, np.unique(widest))]}))
+
+
 def engine_weights(programs: Any, engine: Any, *, params: Any, frozen: Any = None) -> Any:
     """The abstract weights ``engine`` reads for the trained ``params`` (its
     :attr:`~grpo.RolloutEngine.weights`: the builder's weight preparation, then the
@@ -448,5 +468,5 @@ class Watched:
 __all__ = [
     "BACKEND_COMPILE", "Pending", "ProgramShape", "ShapeWatch", "Watched", "compile_ahead", "compiles", "describe",
     "engine_weights", "packed_shapes", "padded_batch", "prompt_lengths", "reachable_widths", "rollout_shapes",
-    "shape_list", "start_compile",
+    "shape_list", "start_compile", "step_widths",
 ]

@@ -518,7 +518,7 @@ class Trainer:
         for its batch: every shape a step or an evaluation gives them, known from the data
         before step 1 (:func:`~grpo.engine.schedule.rollout_shapes`)."""
         from grpo.engine.rollout.prompts import bucket_for
-        from grpo.engine.schedule import engine_weights, reachable_widths, rollout_shapes
+        from grpo.engine.schedule import engine_weights, reachable_widths, rollout_shapes, step_widths
 
         cfg, programs = self.config, self.programs
         every, steps = cfg.eval.every_n_steps, cfg.train.steps
@@ -530,7 +530,14 @@ class Trainer:
         weights = engine_weights(programs, engine, params=self.params, frozen=self.frozen) if train or evals else None
         if weights is None:  # nothing to list, or a rollout side of its own (its weights arrive by the sync)
             return []
-        widths = reachable_widths(self.collector.prompts.token_ids, self.buckets) if train else ()
+        token_ids, a = self.collector.prompts.token_ids, cfg.train
+        if not train:
+            widths = ()
+        elif a.dynamic_sampling.enabled or a.async_.partial_rollouts:  # a step may feed more than its prompts
+            widths = reachable_widths(token_ids, self.buckets)
+        else:  # each step's own prompts: exactly the widths the run's steps take
+            widths = step_widths(token_ids, self.buckets, position=self.data_position, steps=steps - self.step,
+                                 prompts=a.prompts_per_step, seed=a.seed)
         shapes = rollout_shapes(programs, engine, weights=weights, prompts=cfg.train.prompts_per_step, widths=widths,
                                 key=jax.random.key(cfg.train.seed))
         if evals:

@@ -101,6 +101,31 @@ def test_out_of_list_shape_warns_and_counts(caplog):
 
 
 @pytest.mark.slow
+def test_step_widths_are_the_widths_the_run_s_steps_take():
+    """Issue 50: the prompt widths listed ahead for a run without dynamic sampling are
+    exactly those its steps' batches take (each step's prompts from the data order, the
+    bucket of the longest; checked step by step, across an epoch boundary and from a
+    resumed position), which for a short run are fewer than every bucket the split's
+    prompts reach: nothing compiles ahead that no step runs."""
+    from grpo.engine.rollout.prompts import bucket_for, position_indices
+    from grpo.engine.schedule import reachable_widths, step_widths
+
+    rng = np.random.default_rng(0)
+    token_ids = [[1] * int(n) for n in rng.integers(3, 40, size=50)]
+    token_ids[7] = [1] * 64  # one long prompt: the 64 bucket, reached only by the step holding it
+    buckets = [8, 16, 32, 64]
+    for position, steps, prompts in ((0, 3, 4), (40, 9, 3), (13, 1, 8), (0, 30, 5)):
+        want = set()
+        for s in range(steps):
+            idx = position_indices(50, start=position + s * prompts, count=prompts, seed=3)
+            want.add(bucket_for(max(len(token_ids[i]) for i in idx), buckets))
+        got = step_widths(token_ids, buckets, position=position, steps=steps, prompts=prompts, seed=3)
+        assert got == tuple(sorted(want)), (position, steps, prompts)
+    assert reachable_widths(token_ids, buckets) == (8, 16, 32, 64)
+    short = step_widths(token_ids, buckets, position=0, steps=2, prompts=4, seed=3)
+    assert len(short) < 4 and step_widths(token_ids, buckets, position=0, steps=0, prompts=4, seed=3) == ()
+
+
 def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
     """Issue 50: a run whose completions vary in length (a random policy's, stopped at its
     chance EOS), its packed shapes compiled ahead (two head widths here), compiles nothing
