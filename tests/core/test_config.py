@@ -261,23 +261,27 @@ def test_packing_bin_length_shorter_than_a_sequence_is_refused():
 def test_validate_refuses_the_split_the_run_refuses_with_its_message():
     """Issue 51: `grpo config validate --processes 4 --local-devices 4` on the v6e-16
     recipe split 8 + 8 with partial rollouts and the continuous engine printed ``ok`` and
-    the run refused it at start-up on the pod. Now validate runs the run's own check
+    the run refused it at start-up on the pod. Validate runs the run's own check
     (grpo.engine.parallel.split.check_split, which the run calls on its real devices) and
-    prints the same message; the plain split (2 + 2 hosts, evaluation on) is ok."""
+    prints the same message; partial rollouts now run over processes, so 8 + 8 is ok
+    with them as without, and 12 + 4 (a rollout mesh its batch does not fit) is refused
+    with the run's message."""
     from grpo.engine.parallel.split import check_split, topology_devices
 
     recipe = str(ROOT / "configs" / "gsm8k_qwen25_3b_v6e16.yaml")
-    sets = ["--set", "train.async.enabled=true", "--set", "train.async.rollout_devices=8"]
     extra = ["--set", "train.async.partial_rollouts=true", "--set", "rollout.engine=continuous"]
-    result = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets, *extra)
-    assert result.exit_code == 2
-    with pytest.raises(ConfigError) as err:
-        check_split(load_config(recipe, [a for a in sets + extra if a != "--set"]), topology_devices(4, 4))
-    assert str(err.value) in result.output
-    assert "processes [0, 1] roll out, processes [2, 3] update" in result.output
-    assert "train.async.partial_rollouts=true" in result.output
-    assert "rollout.engine" not in result.output  # the continuous engine runs over processes now
-    ok = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets)
+    for k, code in ((8, 0), (12, 2)):
+        sets = ["--set", "train.async.enabled=true", "--set", f"train.async.rollout_devices={k}"]
+        result = _validate(recipe, "--processes", "4", "--local-devices", "4", *sets, *extra)
+        assert result.exit_code == code, result.output
+        if code:
+            with pytest.raises(ConfigError) as err:
+                check_split(load_config(recipe, [a for a in sets + extra if a != "--set"]), topology_devices(4, 4))
+            assert str(err.value) in result.output and "gives a rollout mesh of 12 devices" in result.output
+        else:
+            assert result.output.strip() == "ok", result.output
+    ok = _validate(recipe, "--processes", "4", "--local-devices", "4", "--set", "train.async.enabled=true", "--set",
+                   "train.async.rollout_devices=8")
     assert ok.exit_code == 0 and ok.output.strip() == "ok", ok.output
     # A process on both sides (6 of 4 x 4): the run's message too.
     result = _validate(recipe, "--processes", "4", "--local-devices", "4", "--set", "train.async.enabled=true",

@@ -1,7 +1,8 @@
 """Asynchronous GRPO split by processes (grpo/engine/loop/processes.py), against the
 one-process async run with the same split (8 devices, 4 + 4) in this process: 4 real
-`grpo run` processes x 2 CPU devices (gloo), 2 + 2, preempted by SIGTERM on one
-process and rerun; and 2 processes x 4 devices, 1 + 1, stopped by a rollout failure."""
+`grpo run` processes x 2 CPU devices (gloo), 2 + 2, with the continuous engine and
+partial rollouts, preempted by SIGTERM on one process while rows are in flight and
+rerun; and 2 processes x 4 devices, 1 + 1, stopped by a rollout failure."""
 
 from __future__ import annotations
 
@@ -57,8 +58,18 @@ def _launch(config: Path, run_dir: Path, *, env: dict | None = None, cwd: Path |
 
 
 # The preempted run: 4 processes x 2 devices, 2 + 2 (issue 51, item 2: preemption over N
-# processes); SIGTERM goes to process 1, a rollout process that is not process 0.
+# processes); SIGTERM goes to process 1, a rollout process that is not process 0. Partial
+# rollouts on the continuous engine (issue 51: refused over processes before): 6-token
+# rows decoded 2 tokens a chunk in 8 slots, so rows are in flight at every step's end and
+# cross weight changes. At max_staleness 2 the stream feeds a step's groups beyond the
+# batches it draws (at 1 it feeds exactly the groups of the batch drawn one step ahead,
+# so nothing is in flight between steps); ``reprefill``: a resumed row's cache is rebuilt
+# under the weights it was drawn with, so its next tokens are the uninterrupted run's.
 PROCESSES, SIGNALLED = 4, 1
+PARTIAL = dict(CONFIG, rollout={**CONFIG["rollout"], "max_new_tokens": 6, "engine": "continuous",
+                                "continuous": {"chunk": 2, "page_size": 8, "slots": 8}},
+               train={**CONFIG["train"], "async": {**CONFIG["train"]["async"], "partial_rollouts": True,
+                                                   "on_weight_change": "reprefill"}})
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +78,7 @@ def runs(tmp_path_factory):
     logged, then rerun to the end; and the one-process run of the same config."""
     tmp = tmp_path_factory.mktemp("four_processes")
     config = tmp / "config.yaml"
-    config.write_text(yaml.safe_dump(CONFIG))
+    config.write_text(yaml.safe_dump(PARTIAL))
     run_dir = tmp / "run"
     procs = _launch(config, run_dir, processes=PROCESSES)
     deadline = time.time() + 900  # 4 processes compiling on shared cores
@@ -84,13 +95,16 @@ def runs(tmp_path_factory):
 
 def test_a_preempted_four_process_run_resumes_and_equals_the_one_process_run(runs):
     """Every process stops on one rollout process's SIGTERM (exit 143) with a checkpoint
-    after some step k < 5, and the rerun resumes there. The 2 + 2 process run then equals
-    the one-process async run with the same split: every step once, at the same data
+    after some step k < 5 that holds the partial-rollouts stream's rows in flight, and
+    the rerun resumes there, putting them back. The 2 + 2 process run then equals the
+    one-process async run with the same split: every step once, at the same data
     position and staleness (nothing lost or trained twice), the same rewards and
     samples (the same completions, prompts and rewards in samples.jsonl, each step's
-    group written once), losses within 1e-5, and the final parameters the update
-    processes checkpointed are the one-process run's (up to the order of a cross-process
-    gradient sum, below). Issue 51, item 2: the preemption over N processes."""
+    group written once), the same token versions and crossed rows, no token drawn twice
+    (``async/regenerated_tokens`` 0), losses within 1e-5, and the final parameters the
+    update processes checkpointed are the one-process run's (up to the order of a
+    cross-process gradient sum, below). Issue 51: the preemption over N processes, and
+    partial rollouts over processes (refused before), their rows in flight kept."""
     first, second, run_dir, single = runs
     for code, _, err in first:
         assert code == 128 + signal.SIGTERM, err[-3000:]
@@ -98,21 +112,36 @@ def test_a_preempted_four_process_run_resumes_and_equals_the_one_process_run(run
     for code, _, err in second:
         assert code == 0, err[-3000:]
     resumed = [line for line in second[0][1].splitlines() if line.startswith("Resuming from the checkpoint at step")]
-    assert resumed and 1 <= int(resumed[0].split("at step ")[1].split()[0]) < STEPS, second[0][1]
+    at = int(resumed[0].split("at step ")[1].split()[0]) if resumed else -1
+    assert 1 <= at < STEPS, second[0][1]
     assert f"Done: {STEPS} steps" in second[0][1] and not any("Done" in out for _, out, _ in second[1:])
+    # The checkpoint the rerun resumed from held rows in flight: seated (with tokens) or queued.
+    ckpt = Checkpointer(run_dir / "checkpoints", keep=10)
+    engine = ckpt.restore({}, at)[1]["async"]["inflight"]["meta"]["engine"]
+    assert engine["order"], engine
 
     rows, want = read_metrics(run_dir), read_metrics(single.run_dir)
-    assert [(r["step"], r["async/data_position"]) for r in rows] == [(s + 1, s * PROMPTS) for s in range(STEPS)]
-    assert [r["async/staleness_max"] for r in rows] == [r["async/staleness_max"] for r in want] == [0, 1, 2, 2, 2]
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert any(r["grad_norm"] > 0 for r in want)  # the weights move: the versions matter
+    assert max(r["async/crossed_rows"] for r in want) > 0  # rows went on across a weight change
+    # The resumed stream's first batch (drawn during step at + 1) reports the rows put back.
+    kept = [r["async/resumed_inflight_rows"] for r in rows]
+    assert kept[at + 1] > 0 and sum(kept) == kept[at + 1], kept
+    assert {r["async/regenerated_tokens"] for r in rows} == {0}
     for got, ref in zip(rows, want, strict=True):
-        assert got["reward/mean"] == ref["reward/mean"] and got["async/refused_groups"] == ref["async/refused_groups"]
+        assert got["reward/mean"] == ref["reward/mean"]
+        # Data positions, staleness, token versions, refused groups, rows in flight; not the
+        # steps buffered (split by processes the step drawn ahead arrives after the row is
+        # built: 0 where one process counts 1) nor the rows put back (this run's own).
+        for key in ref:
+            if key.startswith(("async/", "partial/")) and key not in ("async/buffered_steps",
+                                                                      "async/resumed_inflight_rows"):
+                assert got[key] == ref[key], (got["step"], key, got[key], ref[key])
         for key in ("loss", "grad_norm", "kl", "completion/length_mean"):
             np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, atol=1e-5, err_msg=key)
     assert (run_dir / "samples.jsonl").read_text() == (single.run_dir / "samples.jsonl").read_text()
 
     # The final checkpoint holds the update side's parameters as host arrays.
-    ckpt = Checkpointer(run_dir / "checkpoints", keep=10)
     like = {"params": jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), single.params)}
     (state, meta) = ckpt.restore(like, STEPS)
     ckpt.close()

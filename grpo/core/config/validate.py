@@ -527,7 +527,7 @@ def _reward_turn_problems(config: RunConfig, task: Selected) -> list[str]:
 def model_reward_process_problems(config: RunConfig, processes: int) -> list[str]:
     """``task.model_rewards`` over several processes: not run there yet, so refused (a
     synchronous run's ``resolve_layout`` and an asynchronous run split by processes,
-    :func:`grpo.engine.parallel.split.multiprocess_problems`, ask alike)."""
+    :func:`grpo.engine.parallel.split.check_split`, ask alike)."""
     if processes <= 1 or not config.task.model_rewards:
         return []
     named = ", ".join(f"{m.name!r} ({m.kind})" for m in config.task.model_rewards)

@@ -206,5 +206,29 @@ def placed(spec: Any, arrays: dict[str, np.ndarray], *, rows: NamedSharding, rep
     return decode(spec, out)
 
 
-__all__ = ["Buffered", "RolloutFailed", "accepted_groups", "decode", "encode", "host_like", "key", "leaves", "like",
-           "moved", "placed", "refuse", "staleness", "stored"]
+def keep_inflight(items: dict[str, Any], meta: dict[str, Any],
+                  inflight: tuple[dict[str, Any], dict[str, np.ndarray]] | None) -> None:
+    """A partial-rollouts stream's rows in flight (its snapshot: JSON, host arrays) into a
+    checkpoint's ``items`` (the Orbax item ``inflight``, in the same step as the params)
+    and ``meta`` (``meta["async"]["inflight"]``: the JSON and each array's shape and
+    dtype, what :func:`read_inflight` restores into); nothing for None."""
+    if inflight is None:
+        return
+    rows_meta, rows = inflight
+    items["inflight"] = rows
+    meta["async"]["inflight"] = {"meta": rows_meta, "arrays": {
+        name: [list(np.shape(x)), str(np.asarray(x).dtype)] for name, x in rows.items()}}
+
+
+def read_inflight(meta: dict[str, Any], read: Any) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+    """What :func:`keep_inflight` kept (``read(name, like)``: Orbax's restore of the item
+    ``name`` into ``like``), or None: the checkpoint holds no rows in flight."""
+    saved = (meta.get("async") or {}).get("inflight")
+    if saved is None:
+        return None
+    like = {name: np.zeros(tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in saved["arrays"].items()}
+    return saved["meta"], read("inflight", like)
+
+
+__all__ = ["Buffered", "RolloutFailed", "accepted_groups", "decode", "encode", "host_like", "keep_inflight", "key",
+           "leaves", "like", "moved", "placed", "read_inflight", "refuse", "staleness", "stored"]

@@ -45,7 +45,8 @@ from typing import Any
 
 import numpy as np
 
-from grpo.engine.loop.buffer import Buffered, accepted_groups, host_like, key, leaves, placed, refuse, staleness
+from grpo.engine.loop.buffer import (Buffered, accepted_groups, host_like, keep_inflight, key, leaves, placed,
+                                     read_inflight, refuse, staleness)
 from grpo.engine.rollout.partial import Ledger, token_staleness
 
 
@@ -190,12 +191,8 @@ class Loop:
             items["buffer"] = arrays
         meta = {**meta, "partial_trained_ahead": sorted(self.ledger.ahead),
                 "async": {"entries": specs, "max_staleness": self.max_staleness}}
-        inflight = self.source.inflight() if self.source.checkpoints_buffer else None
-        if inflight is not None:  # the rows in flight: in the same step as the params
-            rows_meta, rows = inflight
-            items["inflight"] = rows
-            meta["async"]["inflight"] = {"meta": rows_meta, "arrays": {
-                name: [list(np.shape(x)), str(np.asarray(x).dtype)] for name, x in rows.items()}}
+        # The rows in flight: in the same step as the params.
+        keep_inflight(items, meta, self.source.inflight() if self.source.checkpoints_buffer else None)
         return items, meta
 
     def held_like(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -217,10 +214,9 @@ class Loop:
         self.next_step, self.version = None, -1
         self.ledger = Ledger(tr.data_position, meta.get("partial_trained_ahead", ()))
         self.source.reset(self.ledger)
-        saved = (meta.get("async") or {}).get("inflight")
-        if saved is not None and self.source.checkpoints_buffer:
-            like = {name: np.zeros(tuple(shape), np.dtype(dtype)) for name, (shape, dtype) in saved["arrays"].items()}
-            self.source.resume_inflight((saved["meta"], read("inflight", like)))
+        saved = read_inflight(meta, read) if self.source.checkpoints_buffer else None
+        if saved is not None:
+            self.source.resume_inflight(saved)
         specs = (meta.get("async") or {}).get("entries")
         if not specs or not self.source.checkpoints_buffer:
             return

@@ -42,7 +42,22 @@ once and in the same order (``m = max_staleness``, ``s`` the step):
 So both sides hold the same buffer at every checkpoint: the rollouts drawn and not yet
 trained, as the host arrays that crossed, which every process hands Orbax alike
 (process 0 writes them) in the one format (:mod:`grpo.engine.loop.buffer`); a resumed
-run trains them as drawn, with no group lost or drawn twice. Process 0 writes the logs,
+run trains them as drawn, with no group lost or drawn twice.
+
+Partial rollouts (``train.async.partial_rollouts``): the stream
+(:class:`~grpo.engine.rollout.partial.PartialRollouts`) lives on the rollout processes,
+every one running it alike, and draws at most one step ahead, as in one process; the
+ledger of trained groups is the update side's (the loop's), whose groups trained ahead
+of its frontier cross with the state every exchange. A checkpoint needs the same Orbax
+items on every process (Orbax saves one tree, collectively, and process 0 writes host
+arrays and the JSON), so the stream's snapshot (its rows in flight: tokens so far,
+behaviour log-probs, token versions, keys, groups, the feed's position) crosses to the
+update side in one exchange after the state (:func:`_inflight_exchange`) and both sides
+save it as the item ``inflight``, as a one-process run does; a resumed rollout side puts
+the rows back into a new stream, which rebuilds their KV cache and decodes on
+(``async/regenerated_tokens`` 0). Each process saving only its own part instead would
+make the trees differ between processes, which Orbax's collective save does not allow,
+and the stream is the same on every rollout process anyway. Process 0 writes the logs,
 samples and checkpoint metadata, as in every run, from the state the update side sends.
 A failure on one process is sent in place of its next exchange, so every other process
 stops with its message, naming the side and the process
@@ -61,12 +76,13 @@ import numpy as np
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from grpo.engine.loop.buffer import Buffered, RolloutFailed, decode, encode, host_like, key, leaves, placed
-from grpo.engine.loop.sources import RolloutSource
+from grpo.engine.loop.buffer import (Buffered, RolloutFailed, decode, encode, host_like, keep_inflight, key, leaves,
+                                     placed, read_inflight)
+from grpo.engine.loop.sources import RolloutSource, partial_entry
 from grpo.engine.loop.sync import OtherMesh, WeightSync
 from grpo.engine.parallel.exchange import RemoteFailure, SideExchange, pack, unpack
 from grpo.engine.parallel.rows import gather_processes, host_value
-from grpo.engine.rollout.partial import Ledger
+from grpo.engine.rollout.partial import Ledger, PartialRollouts
 
 
 def side_exchange(trainer: Any) -> SideExchange:
@@ -100,6 +116,33 @@ def _state_exchange(exchange: SideExchange, state: dict[str, Any], role: str) ->
 def _host_like(state: dict[str, Any]) -> dict[str, Any]:
     """What Orbax restores the held state into: host arrays."""
     return jax.tree.map(lambda x: np.zeros(x.shape, x.dtype), state)
+
+
+def _inflight_exchange(exchange: SideExchange, inflight: tuple[dict, dict] | None, role: str
+                       ) -> tuple[dict, dict] | None:
+    """The partial-rollouts stream's rows in flight (its snapshot: JSON, host arrays) on
+    both sides, for a checkpoint: the rollout side holds the stream and sends
+    ``inflight`` over in one exchange (the JSON as bytes: no header limit), so every
+    process hands Orbax the same item (process 0 writes it). Both sides call it at the
+    same point, after :func:`_state_exchange`."""
+    if role == "rollout":
+        payload = {} if inflight is None else {f"a_{k}": v for k, v in inflight[1].items()}
+        if inflight is not None:
+            payload["meta"] = np.frombuffer(json.dumps(inflight[0]).encode(), np.uint8)
+        exchange.exchange(payload, None)
+        return inflight
+    got, _, _ = exchange.exchange({}, None)
+    if "meta" not in got:
+        return None
+    return json.loads(got.pop("meta").tobytes()), {k[len("a_"):]: v for k, v in got.items()}
+
+
+def lead(config: Any) -> int:
+    """Steps the rollout side draws ahead of the update: ``max_staleness``, or under
+    partial rollouts at most one (the stream's rows go on across weight changes within
+    the staleness budget: :class:`~grpo.engine.loop.sources.PartialSource`)."""
+    a = config.train.async_
+    return min(a.max_staleness, 1) if a.partial_rollouts else a.max_staleness
 
 
 def sent_weights(params: Any) -> Any:
@@ -139,7 +182,9 @@ class ProcessLink(RolloutSource, WeightSync):
 
     def __init__(self, trainer: Any, exchange: SideExchange):
         self.trainer, self.exchange = trainer, exchange
-        self.lead = trainer.config.train.async_.max_staleness
+        self.lead, self.partial = lead(trainer.config), trainer.config.train.async_.partial_rollouts
+        self.in_order = not self.partial  # a partial batch is the first groups to finish
+        self.ledger = Ledger()  # the loop's (reset): its groups trained ahead go over with the state
         self.rows, self.replicated = trainer.programs.train_sharding, trainer.programs.replicated
         self.forms: dict[int, tuple[Any, dict[str, np.ndarray]]] = {}  # each buffered step as it crossed
         self.staged: Any = None
@@ -165,7 +210,8 @@ class ProcessLink(RolloutSource, WeightSync):
         tr = self.trainer
         weights = self.staged
         state = {"step": tr.step, "data_position": tr.data_position, "skipped": tr.skipped_nonfinite,
-                 "reward_errors": tr.reward_errors, "row": row, "weights": weights is not None}
+                 "reward_errors": tr.reward_errors, "row": row, "weights": weights is not None,
+                 "trained_ahead": sorted(self.ledger.ahead)}
         got, _, _ = self.exchange.exchange({}, state)
         if weights is not None:  # the weights' move, on device: its seconds until it has arrived
             t = time.perf_counter()
@@ -207,6 +253,14 @@ class ProcessLink(RolloutSource, WeightSync):
 
     def reset(self, ledger: Ledger) -> None:
         self.forms.clear()
+        self.ledger = ledger
+
+    def inflight(self) -> tuple[dict[str, Any], dict[str, np.ndarray]] | None:
+        # The rollout side's stream, sent over for the checkpoint (RolloutSide.saved).
+        return _inflight_exchange(self.exchange, None, "update") if self.partial else None
+
+    def resume_inflight(self, saved: tuple[dict[str, Any], dict[str, np.ndarray]]) -> None:
+        pass  # the rollout side puts the rows back (RolloutSide.restore); this side read them alike
 
     def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
         # The rollout side evaluates (RolloutSide.evaluate) while this side goes on training;
@@ -238,7 +292,12 @@ class RolloutSide:
 
     def __init__(self, trainer: Any, exchange: SideExchange, programs: Any):
         self.trainer, self.exchange = trainer, exchange
-        self.max_staleness = trainer.config.train.async_.max_staleness
+        self.max_staleness, self.lead = trainer.config.train.async_.max_staleness, lead(trainer.config)
+        # Partial rollouts: the stream lives here, across steps; the ledger of trained groups
+        # is the update side's (its groups trained ahead arrive with the state).
+        self.partial = (PartialRollouts(trainer.collector, max_staleness=self.max_staleness)
+                        if trainer.config.train.async_.partial_rollouts else None)
+        self.trained_ahead: list[int] = []
         # What the weights arrive into: the update side's shapes, whole on the rollout mesh.
         self.like = sent_weights(trainer.params)
         self.replicated = NamedSharding(programs.mesh, P())
@@ -257,9 +316,9 @@ class RolloutSide:
         try:
             if not self.started:
                 self._start()
-            if self.max_staleness == 0:
+            if self.lead == 0:
                 self._swap([self._draw()])
-            ahead = [self._draw()] if self.max_staleness > 0 else []
+            ahead = [self._draw()] if self.lead > 0 else []
             self._trained()  # the step the update side trains now
             return self._swap(ahead)
         except RemoteFailure:
@@ -286,7 +345,7 @@ class RolloutSide:
         """The first exchange of a run (or a resumed one): the weights and state, then the
         rollouts of steps ``s .. s + m - 1`` not buffered yet."""
         self._swap([])
-        missing = max(self.max_staleness - len(self.stored), 0)
+        missing = max(self.lead - len(self.stored), 0)
         if missing:
             self._swap([self._draw() for _ in range(missing)])
         self.started = True
@@ -304,6 +363,7 @@ class RolloutSide:
             self.sync.sync(received_weights(self.exchange, self.like, self.replicated), self.version)
         tr.step, tr.data_position = int(state["step"]), int(state["data_position"])
         tr.skipped_nonfinite, tr.reward_errors = int(state["skipped"]), dict(state["reward_errors"])
+        self.trained_ahead = list(state["trained_ahead"])
         return state["row"]
 
     def _draw(self) -> tuple[Any, dict[str, np.ndarray]]:
@@ -315,16 +375,20 @@ class RolloutSide:
             position = last["position"] + int(last["rollout"]["record"][1]["prompts_drawn"])
         else:
             step, position = tr.step, tr.data_position
+        sample_group = tr.is_main and step % tr.config.logging.every_n_steps == 0
         try:
-            rollout = tr.collector.collect(step=step, position=position,
-                                           sample_group=tr.is_main and step % tr.config.logging.every_n_steps == 0)
+            if self.partial is not None:  # the stream's next batch (it feeds itself, from the ledger)
+                drawn = partial_entry(self.partial, step=step, version=self.version, sample_group=sample_group)
+            else:
+                rollout = tr.collector.collect(step=step, position=position, sample_group=sample_group)
+                drawn = Buffered(step=step, position=position, rollout=rollout,
+                                 versions=np.full(rollout.rewards.shape[0], self.version, np.int64))
         except Exception as err:
             raise RolloutFailed(
                 f"async GRPO: the rollout of step {step + 1} (data position {position}, policy version "
                 f"{self.version}) failed on the rollout process: {type(err).__name__}: {err}") from err
-        versions = np.full(rollout.rewards.shape[0], self.version, np.int64)
         arrays: dict[str, Any] = {}
-        spec = encode(Buffered(step=step, position=position, versions=versions, rollout=rollout), arrays, {})
+        spec = encode(drawn, arrays, {})
         entry = (spec, {k: host_value(v) for k, v in arrays.items()})  # gathered over the rollout side's processes
         entry = self._as_first(*entry)
         self.stored.append(entry)
@@ -365,8 +429,10 @@ class RolloutSide:
         arrays = {key(spec, name): x for spec, host in self.stored for name, x in host.items()}
         if arrays:
             items["buffer"] = arrays
-        meta = {**meta, "partial_trained_ahead": [],
+        meta = {**meta, "partial_trained_ahead": list(self.trained_ahead),
                 "async": {"entries": [spec for spec, _ in self.stored], "max_staleness": self.max_staleness}}
+        if self.partial is not None:  # the stream's rows in flight, on both sides (ProcessLink.inflight)
+            keep_inflight(items, meta, _inflight_exchange(self.exchange, self.partial.snapshot(), "rollout"))
         return items, meta
 
     def held_like(self, state: dict[str, Any]) -> dict[str, Any]:
@@ -380,6 +446,10 @@ class RolloutSide:
         restore of the item ``name``, here ``buffer``, into ``like``)."""
         self.stored.clear()
         self.started = False
+        self.trained_ahead = list(meta.get("partial_trained_ahead", ()))
+        saved = read_inflight(meta, read)  # in Loop.restore's order: the rows in flight, then the buffer
+        if self.partial is not None:  # the stream goes on from its rows in flight (None: re-fed from the ledger)
+            self.partial.reset(frontier=self.trainer.data_position, ahead=self.trained_ahead, saved=saved)
         specs = (meta.get("async") or {}).get("entries")
         if specs:
             arrays = read("buffer", host_like(specs))

@@ -45,6 +45,15 @@ def _collected(collector: Any, *, step: int, position: int, version: int, sample
                     rollout=rollout)
 
 
+def partial_entry(partial: PartialRollouts, *, step: int, version: int, sample_group: bool) -> Buffered:
+    """Step ``step``'s batch of partial rollouts at policy ``version`` (the stream feeds
+    the groups not yet trained, from the ledger): its groups' data positions, each row's
+    oldest token version and every token's."""
+    rollout, token_versions, positions = partial.draw(step=step, version=version, sample_group=sample_group)
+    return Buffered(step=step, position=min(positions), versions=oldest_versions(token_versions), rollout=rollout,
+                    token_versions=token_versions, positions=positions)
+
+
 class RolloutSource:
     """The interface, with the defaults of a source drawn in this process, in data order."""
 
@@ -88,7 +97,10 @@ class RolloutSource:
         return []
 
     def trained(self, entry: Buffered, ledger: Ledger) -> int:
-        """Record ``entry``'s data positions trained in ``ledger``: the new frontier."""
+        """Record ``entry``'s data positions trained in ``ledger`` (its groups' own under
+        partial rollouts, else the run from its position): the new frontier."""
+        if entry.positions is not None:
+            return ledger.record(entry.positions)
         return ledger.record(range(entry.position, entry.position + entry.rollout.prompts_drawn))
 
     def stored(self, entry: Buffered) -> tuple[Any, dict[str, np.ndarray]]:
@@ -202,13 +214,11 @@ class PartialSource(BackgroundSource):
 
     def _drawn(self, *, step: int, position: int, version: int, sample_group: bool) -> Buffered:
         del position  # the stream feeds the groups not yet trained, from the ledger
-        rollout, token_versions, positions = self.partial.draw(step=step, version=version, sample_group=sample_group)
-        return Buffered(step=step, position=min(positions), versions=oldest_versions(token_versions),
-                        rollout=rollout, token_versions=token_versions, positions=positions)
+        return partial_entry(self.partial, step=step, version=version, sample_group=sample_group)
 
     def trained(self, entry: Buffered, ledger: Ledger) -> int:
         # The frontier of the trained groups (they finish out of data order).
         return self.partial.trained(entry.positions)
 
 
-__all__ = ["BackgroundSource", "InlineSource", "PartialSource", "RolloutSource"]
+__all__ = ["BackgroundSource", "InlineSource", "PartialSource", "RolloutSource", "partial_entry"]

@@ -8,10 +8,12 @@ update, each side running its own programs on its own devices and its host side 
 own processes (:mod:`grpo.engine.loop.processes`), and the two meet once a step in
 :class:`~grpo.engine.parallel.exchange.SideExchange`. A split that puts a process on both
 sides is a config error naming ``train.async.rollout_devices`` (exit status 2): its host
-would score rollouts and train at once. Features the multi-process loop does not carry
-(:func:`multiprocess_problems`) are config errors naming theirs; :func:`split_problems`
-is the one check, which ``grpo config validate --processes``, ``grpo plan --topology``
-and the run all call.
+would score rollouts and train at once. Every feature runs over processes (LoRA/QLoRA,
+the continuous engine, partial rollouts, dynamic sampling, evaluation, multi-turn tasks)
+but the continuous engine's multi-turn turns over several rollout processes
+(:func:`_multiturn_problems`), a config error naming its fields; :func:`check_split` is
+the one check, which ``grpo config validate --processes``, ``grpo plan --topology`` and
+the run all call.
 """
 
 from __future__ import annotations
@@ -105,26 +107,6 @@ def split_devices(devices: Sequence[Any], *, rollout_devices: int | None) -> tup
     return devices[:r], devices[r:]
 
 
-def multiprocess_problems(config, processes: int = 2) -> list[str]:
-    """What an asynchronous run split by processes does not carry yet, one line a field
-    (:func:`check_split` refuses them, so ``grpo config validate --processes`` and ``grpo
-    plan --topology`` do too, before start-up). The run is the one loop
-    (:mod:`grpo.engine.loop`); what stays refused needs work beyond it: the
-    partial-rollouts stream, its rows in flight and its ledger would live on the rollout
-    side, while a checkpoint (the same Orbax items on every process) and the trained
-    positions are the update side's. LoRA/QLoRA run over processes (the base is built on
-    each side, only the adapters move), as do the continuous engine, dynamic sampling,
-    evaluation and multi-turn tasks (:func:`_multiturn_problems`)."""
-    from grpo.core.config.validate import model_reward_process_problems
-
-    a, out = config.train.async_, model_reward_process_problems(config, processes)
-    if a.partial_rollouts:
-        out.append("train.async.partial_rollouts=true: the stream's rows in flight and its ledger would live on the "
-                   "rollout processes, while the checkpoint that keeps them and the trained positions are the update "
-                   "processes'")
-    return out
-
-
 def _multiturn_problems(config, plugins=None, *, rollout_processes: int = 1) -> list[str]:
     """A task with tools or environments of its own rolls out conversations; their host
     side runs over the rollout side's processes, except the continuous engine's turns,
@@ -151,14 +133,17 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
     with every topology-dependent check (batch divisible by the rollout shards,
     micro-batch by the update's dp x fsdp); a split that cannot run is a
     :class:`ConfigError` naming ``train.async.rollout_devices`` (or the features the
-    multi-process loop does not carry). ``grpo config validate --processes``, ``grpo
-    plan --topology`` and the run call it alike, so they refuse the same splits with the
-    same message."""
+    multi-process loop does not carry: model rewards, :func:`_multiturn_problems`). ``grpo config
+    validate --processes``, ``grpo plan --topology`` and the run call it alike, so they
+    refuse the same splits with the same message."""
     from grpo.core.config import resolve_layout
 
     rollout, update = split_devices(list(devices), rollout_devices=config.train.async_.rollout_devices)
     if len({d.process_index for d in rollout + update}) > 1:
-        problems = multiprocess_problems(config, len({d.process_index for d in rollout + update})) + _multiturn_problems(
+        from grpo.core.config.validate import model_reward_process_problems
+
+        processes = len({d.process_index for d in rollout + update})
+        problems = model_reward_process_problems(config, processes) + _multiturn_problems(
             config, plugins, rollout_processes=len({d.process_index for d in rollout}))
         if problems:
             procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
@@ -198,4 +183,4 @@ def async_meshes(config, devices: Sequence[jax.Device] | None = None, *, plugins
 
 
 __all__ = ["AsyncMeshes", "HostDevice", "MeshSide", "async_meshes", "check_split", "default_rollout_devices",
-           "multiprocess_problems", "split_devices", "topology_devices", "validate_split"]
+           "split_devices", "topology_devices", "validate_split"]

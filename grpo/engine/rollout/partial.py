@@ -56,7 +56,10 @@ their slots and pages for the next call.
   ``fold_in(fold_in(key(seed), p // P), (p % P) * K + j)``: the key the synchronous run's
   step ``p // P`` gives that row, so ``max_staleness = 0`` reproduces it.
 
-Single-turn rows on one process only (the asynchronous split runs one process).
+Single-turn rows. Split by processes (:mod:`grpo.engine.loop.processes`) the stream
+runs on every rollout process alike (the engine's host schedule reads every row, gathered
+over the rollout side's processes; each process scores its own slice of a batch's
+groups), and its snapshot crosses to the update side for the checkpoint.
 """
 
 from __future__ import annotations
@@ -70,8 +73,9 @@ import numpy as np
 
 from grpo.core.errors import UserError
 from grpo.core.contracts.engine import RolloutEngine, Rows
+from grpo.engine.parallel.mesh import mesh_processes
 from grpo.engine.rollout.decoding import row_keys
-from grpo.engine.rollout.prompts import bucket_for, position_indices
+from grpo.engine.rollout.prompts import bucket_for, position_indices, process_slice
 from grpo.engine.rollout.sampler import RolloutOutput
 from grpo.engine.rollout.step import StepRollout
 
@@ -282,13 +286,18 @@ class PartialStream:
             behaviour_logprobs=None if behaviour is None else put(behaviour, ("batch", "length"), np.float32),
             versions=put(versions, ("batch", "length"), np.int32),
         )
-        examples = [c.prompts.examples[self._example(g)] for g in picked for _ in range(K)]
-        texts = list(s.detokenize(tokens, mask))
+        # This process's groups are the ones it scores (over several rollout processes, its
+        # slice of the batch: the rewards are made global from every process's own rows).
+        local = process_slice(len(picked), *mesh_processes(c.programs.mesh))
+        mine = slice(local.start * K, local.stop * K)
+        examples = [c.prompts.examples[self._example(g)] for g in picked[local] for _ in range(K)]
+        texts = list(s.detokenize(tokens[mine], mask[mine]))
         sample = None
         if sample_group:
-            sample = (c.prompts.examples[self._example(picked[0])], int(self.prompt_masks[rows[0]].sum()), None)
-        rollout = c.step_rollout(c.scored(out, examples=examples, texts=texts, lengths=mask.sum(axis=1), seconds=0.0,
-                                          sample=sample), drawn=len(picked))
+            sample = (c.prompts.examples[self._example(picked[local][0])], int(self.prompt_masks[rows[mine][0]].sum()),
+                      None)
+        rollout = c.step_rollout(c.scored(out, examples=examples, texts=texts, lengths=mask[mine].sum(axis=1),
+                                          seconds=0.0, sample=sample), drawn=len(picked))
         return rollout, versions
 
     # ------------------------------------------------------------------ checkpoint

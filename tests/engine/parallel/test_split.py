@@ -8,7 +8,7 @@ import pytest
 from _runs import _config
 
 from grpo.core.errors import ConfigError, UserError
-from grpo.engine.parallel.split import async_meshes, multiprocess_problems, split_devices
+from grpo.engine.parallel.split import async_meshes, split_devices
 
 
 def test_split_takes_the_first_devices_for_the_rollout():
@@ -114,21 +114,19 @@ def test_other_multiprocess_splits_are_refused_naming_the_field(devices, rollout
     assert why in msg and "train.async.enabled=false" in msg
 
 
-def test_what_the_multi_process_loop_does_not_carry_is_listed_by_field():
-    """Issue 51: evaluation, the continuous engine, dynamic sampling and now LoRA/QLoRA
-    (the base built on each side, only the adapters moving:
-    tests/integration/test_asynchronous_pod.py) run over processes; partial rollouts are
-    still listed, with why."""
-    assert multiprocess_problems(_config(**{"train.async": {"enabled": True}})) == []
-    problems = multiprocess_problems(_config(**{
+def test_every_feature_but_continuous_multi_turn_runs_over_processes():
+    """Issue 51: evaluation, the continuous engine, dynamic sampling, LoRA/QLoRA and now
+    partial rollouts (the stream on the rollout processes, its rows in flight crossing
+    for the checkpoint: tests/integration/test_asynchronous_processes.py) pass the
+    split's check for 2 + 2 processes; partial rollouts were refused before."""
+    from grpo.engine.parallel.split import validate_split
+
+    validate_split(_config(**{
         "train.async": {"enabled": True, "max_staleness": 2, "partial_rollouts": True}, "rollout.engine": "continuous",
-        "model.lora": {"rank": 4}, "eval.every_n_steps": 2}))
-    fields = [p.split("=")[0].split(" ")[0] for p in problems]
-    assert fields == ["train.async.partial_rollouts"]
-    assert "rows in flight and its ledger would live on the rollout processes" in problems[0]
-    assert multiprocess_problems(_config(**{"train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True,
-                                            "rollout.engine": "continuous", "model.lora": {"rank": 4,
-                                            "base_quantization": "int8"}})) == []
+        "model.lora": {"rank": 4}, "eval.every_n_steps": 2}), 4, 2)
+    validate_split(_config(**{"train.async": {"enabled": True}, "train.dynamic_sampling.enabled": True,
+                              "rollout.engine": "continuous", "model.lora": {"rank": 4, "base_quantization": "int8"}}),
+                   4, 2)
 
 
 def test_a_side_without_devices_is_reported_before_the_processes():

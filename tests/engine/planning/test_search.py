@@ -38,22 +38,21 @@ def test_every_recipe_split_the_plan_proposes_validates(path):
                                           "--set", f"train.async.rollout_devices={k}"])
         assert result.exit_code == (0 if why is None else 2), (k, result.output)
         assert why is None or why in result.output
-    if processes > 1:  # the v6e-16 recipe: 2 + 2 hosts (1 + 3 and 3 + 1 leave a side its batch does not fit)
-        assert ok == [2 * per] and [k for k, _ in refused] == [per, 3 * per]
+    if processes > 1:  # v6e-16: 2 + 2 hosts, v6e-32: 4 + 4 (other splits leave a side its batch does not fit)
+        assert ok == [processes // 2 * per]
+        assert [k for k, _ in refused] == [k for k in range(per, processes * per, per) if k not in ok]
         assert all("mesh of" in why for _, why in refused)
 
 
-def test_a_split_the_run_refuses_is_not_a_candidate():
-    """The issue's case: the v6e-16 recipe with partial rollouts and the continuous
-    engine. Every whole-host split is refused with the run's message (the search says so
-    before compiling), and a split inside a host is not tried at all."""
-    path = ROOT / "configs" / "gsm8k_qwen25_3b_v6e16.yaml"
-    config = load_config(str(path), ["train.async.enabled=true", "train.async.partial_rollouts=true",
-                                      "rollout.engine=continuous"])
-    ok, refused = split_candidates(config, 4, 4)
-    assert ok == [] and [k for k, _ in refused] == [4, 8, 12]
-    for k, why in refused:
-        assert f"train.async.rollout_devices={k} splits the run by processes" in why
-        assert "train.async.partial_rollouts=true" in why
-    # One host: the same features run (no process split).
-    assert split_candidates(config, 1, 8)[0]
+@pytest.mark.parametrize("name, processes", [("gsm8k_qwen25_3b_v6e16.yaml", 4), ("gsm8k_qwen25_3b_v6e32.yaml", 8)])
+def test_partial_rollouts_over_processes_are_a_candidate(name, processes):
+    """The issue's case: the v6e-16 recipe (and the v6e-32 one) with partial rollouts and
+    the continuous engine. Every whole-host split was refused ("splits the run by
+    processes"); partial rollouts now run over processes, so the half-and-half split is
+    a candidate and passes the run's check, and a split inside a host is not tried."""
+    config = load_config(str(ROOT / "configs" / name), ["train.async.enabled=true", "train.async.partial_rollouts=true",
+                                                        "rollout.engine=continuous"])
+    ok, refused = split_candidates(config, processes, 4)
+    assert ok == [processes // 2 * 4]
+    assert not any("splits the run by processes" in why for _, why in refused)
+    assert split_candidates(config, 1, 8)[0]  # one host: no process split

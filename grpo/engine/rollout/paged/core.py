@@ -294,10 +294,12 @@ class DeviceRunner:
 
     def read(self, ids: list[int]) -> tuple[np.ndarray | None, ...]:
         """Rows ``ids``' outputs on the host: tokens, mask, logprobs, out_len, truncated,
-        behaviour (None without a filter)."""
+        behaviour (None without a filter). Whole on every process (:func:`on_host`: over
+        several processes a collective of the mesh's, which run the same schedule)."""
         st = self.state
-        got = jax.device_get((st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour))
-        return tuple(None if a is None else np.asarray(a)[ids] for a in got)
+        fields = (st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour)
+        got = iter(on_host(*(a for a in fields if a is not None)))
+        return tuple(None if a is None else next(got)[ids] for a in fields)
 
 
 class SimulatedRunner:
