@@ -65,7 +65,7 @@ def test_base_is_valid_and_show_fills_defaults(tmp_path):
     data = yaml.safe_load(shown.output)
     assert data["train"]["steps"] == 7
     assert data["loss"]["epsilon_high"] == 0.2  # a default, filled in
-    assert data["mesh"] == {"policy": "auto", "options": {"tp": 1}}  # plugin option defaults too
+    assert data["mesh"] == {"policy": "auto", "options": {"tp": 1}, "expert_parallel": 1}  # plugin option defaults too
     # The shown config is itself a valid config that loads to the same thing.
     again = load_config(_write(tmp_path, shown.output, "again.yaml"))
     assert again == load_config(path, ["train.steps=7"])
