@@ -166,15 +166,14 @@ def step_widths(token_ids: Any, buckets: Any, *, position: int, steps: int, prom
     step 1, often fewer than :func:`reachable_widths` (a short run rarely meets the
     split's longest prompts). A step that may feed more (dynamic sampling's rounds, a
     partial-rollouts stream) reaches any of :func:`reachable_widths`."""
-    from grpo.engine.rollout.prompts import position_indices
+    from grpo.engine.rollout.prompts import bucket_for, position_indices
 
     if steps <= 0:
         return ()
     lengths = np.asarray([len(t) for t in token_ids])
     idx = position_indices(len(lengths), start=position, count=steps * prompts, seed=seed)
-    widest = lengths[idx].reshape(steps, prompts).max(axis=1)
-    edges = np.asarray(sorted(buckets))
-    return tuple(sorted({int(b) for b in edges[np.searchsorted(edges, np.unique(widest))]}))
+    widest = lengths[idx].reshape(steps, prompts).max(axis=1)  # each step's longest prompt
+    return tuple(sorted({bucket_for(int(n), buckets) for n in np.unique(widest)}))
 
 
 def engine_weights(programs: Any, engine: Any, *, params: Any, frozen: Any = None) -> Any:
