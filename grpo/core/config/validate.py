@@ -238,7 +238,7 @@ def config_problems(
     later += cross_field_problems(config)
     if "task" in selected:
         later += _reward_turn_problems(config, selected["task"])
-    later += _engine_problems(config, selected.get("engine"))
+    later += _engine_problems(config, selected.get("engine"), selected.get("task"))
     later += _quantization_problems(config, selected.get("engine"))
     later += moe_problems(config, selected.get("task"))
     later += expert_parallel_problems(config)
@@ -364,12 +364,22 @@ def _partial_rollout_problems(config: RunConfig) -> list[str]:
     return []
 
 
-def _engine_problems(config: RunConfig, engine: Selected | None) -> list[str]:
+def _engine_problems(config: RunConfig, engine: Selected | None, task: Selected | None = None) -> list[str]:
     """What the run asks of its rollout engine that the engine's plugin does not offer
-    (:attr:`~grpo.core.contracts.RolloutEnginePlugin.streams`)."""
-    if engine is None or not (config.train.async_.enabled and config.train.async_.partial_rollouts):
+    (:attr:`~grpo.core.contracts.RolloutEnginePlugin.streams`), or its rows cannot give:
+    partial rollouts stream single-turn rows (a task with tools or an environment of its
+    own rolls out multi-turn ones; the run's :class:`~grpo.engine.rollout.partial.PartialRollouts`
+    refuses them alike)."""
+    if not (config.train.async_.enabled and config.train.async_.partial_rollouts):
         return []
-    if not engine.plugin.streams:
+    from grpo.core.contracts import TaskPlugin
+
+    if task is not None and (type(task.plugin).environment is not TaskPlugin.environment
+                             or task.plugin.tools(options=task.options)):
+        return [f"train.async.partial_rollouts=true needs single-turn rows: task {config.task.name!r} has tools or "
+                "an environment of its own (multi-turn rollouts), which the partial-rollouts stream does not carry. "
+                "Set train.async.partial_rollouts=false"]
+    if engine is not None and not engine.plugin.streams:
         return [f"train.async.partial_rollouts=true needs rollout.engine: continuous, or another engine that streams "
                 f"rows (rollout.engine={config.rollout.engine!r} rolls out whole batches)"]
     return []

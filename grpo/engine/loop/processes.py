@@ -320,12 +320,23 @@ class RolloutSide:
                 self._swap([self._draw()])
             ahead = [self._draw()] if self.lead > 0 else []
             self._trained()  # the step the update side trains now
-            return self._swap(ahead)
+            return self._buffered(self._swap(ahead))
         except RemoteFailure:
             raise
         except BaseException as err:  # a KeyboardInterrupt or a library's sys.exit too: the other side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
             raise
+
+    def _buffered(self, row: dict[str, Any]) -> dict[str, Any]:
+        """The step's row with ``async/buffered_steps`` as this side counts it: the steps
+        drawn and not yet trained once the step trained (:attr:`stored`). The update
+        side's loop counts its own buffer when it builds the row, before the step drawn
+        meanwhile crosses to it (in the exchange that carries the row), so it says 0
+        where a one-process run, whose step drawn ahead is in its buffer by then, says
+        ``lead``; this process writes the row (process 0 is a rollout process)."""
+        if row is not None and "async/buffered_steps" in row:
+            row = {**row, "async/buffered_steps": len(self.stored)}
+        return row
 
     def evaluate(self, evaluator: Any, step: int, params: Any) -> dict[str, Any]:
         """The evaluation at ``step`` on this side's mesh, at the weights of version

@@ -9,11 +9,10 @@ own processes (:mod:`grpo.engine.loop.processes`), and the two meet once a step 
 :class:`~grpo.engine.parallel.exchange.SideExchange`. A split that puts a process on both
 sides is a config error naming ``train.async.rollout_devices`` (exit status 2): its host
 would score rollouts and train at once. Every feature runs over processes (LoRA/QLoRA,
-the continuous engine, partial rollouts, dynamic sampling, evaluation, multi-turn tasks)
-but the continuous engine's multi-turn turns over several rollout processes
-(:func:`_multiturn_problems`), a config error naming its fields; :func:`check_split` is
-the one check, which ``grpo config validate --processes``, ``grpo plan --topology`` and
-the run all call.
+the continuous engine, partial rollouts, dynamic sampling, evaluation, multi-turn tasks
+on either engine) but model rewards (a config error naming ``task.model_rewards``);
+:func:`check_split` is the one check, which ``grpo config validate --processes``,
+``grpo plan --topology`` and the run all call.
 """
 
 from __future__ import annotations
@@ -107,25 +106,6 @@ def split_devices(devices: Sequence[Any], *, rollout_devices: int | None) -> tup
     return devices[:r], devices[r:]
 
 
-def _multiturn_problems(config, plugins=None, *, rollout_processes: int = 1) -> list[str]:
-    """A task with tools or environments of its own rolls out conversations; their host
-    side runs over the rollout side's processes, except the continuous engine's turns,
-    whose scheduler reads every row's prompt on one host: refused when the rollout side
-    has several processes."""
-    from grpo.core.config import select_plugins
-    from grpo.core.contracts import TaskPlugin
-
-    if rollout_processes <= 1 or config.rollout.engine != "continuous":
-        return []
-    task = select_plugins(config, plugins)["task"]
-    if type(task.plugin).environment is TaskPlugin.environment and not task.plugin.tools(options=task.options):
-        return []
-    return [f"task.name={config.task.name} with rollout.engine=continuous: the task has tools or environments "
-            f"(multi-turn rollouts), and the continuous engine's turn scheduler reads every row on one host, while "
-            f"the rollout side has {rollout_processes} processes (set rollout.engine=static, or give the rollout "
-            f"one process's devices)"]
-
-
 def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, list, list[tuple[Topology, MeshLayout]]]:
     """The runtime's one check of ``config``'s split of ``devices`` (real ones, or
     :class:`HostDevice` s of a topology): ``(rollout, update, [(topology, layout) a
@@ -133,7 +113,7 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
     with every topology-dependent check (batch divisible by the rollout shards,
     micro-batch by the update's dp x fsdp); a split that cannot run is a
     :class:`ConfigError` naming ``train.async.rollout_devices`` (or the features the
-    multi-process loop does not carry: model rewards, :func:`_multiturn_problems`). ``grpo config
+    multi-process loop does not carry: model rewards). ``grpo config
     validate --processes``, ``grpo plan --topology`` and the run call it alike, so they
     refuse the same splits with the same message."""
     from grpo.core.config import resolve_layout
@@ -143,8 +123,7 @@ def check_split(config, devices: Sequence[Any], *, plugins=None) -> tuple[list, 
         from grpo.core.config.validate import model_reward_process_problems
 
         processes = len({d.process_index for d in rollout + update})
-        problems = model_reward_process_problems(config, processes) + _multiturn_problems(
-            config, plugins, rollout_processes=len({d.process_index for d in rollout}))
+        problems = model_reward_process_problems(config, processes)
         if problems:
             procs = [sorted({d.process_index for d in side}) for side in (rollout, update)]
             raise ConfigError(

@@ -62,10 +62,11 @@ import numpy as np
 
 from grpo.core.contracts import Environment
 from grpo.engine.parallel.mesh import mesh_processes
+from grpo.engine.parallel.rows import gather_processes
 from grpo.engine.rollout._sampling import step_keys
 from grpo.engine.rollout.continuous import ContinuousSampler, SlotState
 from grpo.engine.rollout.multiturn import Episodes, MultiTurnSampler, Render, _Talk, append_bucket, compact, set_turns
-from grpo.engine.rollout.paged.core import EngineCore
+from grpo.engine.rollout.paged.core import EngineCore, on_host
 from grpo.engine.rollout.paged.scheduler import TurnScheduler, pow2
 from grpo.engine.rollout.decoding import draw, left_align_rows, row_key_data
 from grpo.engine.rollout.sampler import RolloutOutput
@@ -146,32 +147,36 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
                  envs: Sequence[Environment], openings: Sequence[list[dict[str, Any]]], render: Render,
                  tokenizer: Any, workers: int = 32) -> tuple[RolloutOutput, Episodes]:
         """:meth:`MultiTurnSampler.converse`'s rollout (same arguments, same output) through
-        the slots and pages (see the module docstring). One process only: the host reads
-        every row's prompt."""
-        if mesh_processes(self.mesh)[1] != 1:  # the processes of its mesh (a rollout side's, split by processes)
-            raise ValueError("the continuous engine's multi-turn rollout runs on one process")
-        tokens, mask = left_align_rows(np.asarray(prompt_tokens), np.asarray(prompt_mask))
+        the slots and pages (see the module docstring). Over several processes (the mesh's:
+        every process, or a rollout side's) ``envs``/``openings`` are this process's rows',
+        as the static sampler's; every process runs the same schedule over every row's
+        tokens (:class:`_Transcripts`), stepping its own rows' environments and gathering
+        the replies' tokens of the rows that finished a turn at each boundary
+        (:meth:`_shared_appends`)."""
+        rank, processes = mesh_processes(self.mesh)  # a rollout side's, split by processes
+        tokens, mask = left_align_rows(*on_host(prompt_tokens, prompt_mask))
         K, N = self.sampling.num_generations, self.sampling.max_new_tokens
         tokens, mask = np.repeat(tokens, K, axis=0), np.repeat(mask, K, axis=0)  # row b*K + j
         B, Lp = tokens.shape
-        if len(envs) != B:
-            raise ValueError(f"{len(envs)} environments for {B} rows")
+        if len(envs) * processes != B:
+            raise ValueError(f"{len(envs)} environments on each of {processes} processes for {B} rows")
         alloc = self._allocator(Lp, self.slots_for(B, Lp))
         talk = _Talk.open(envs, openings, render, tokenizer, eos=set(self.sampling.eos_ids))
+        every = _Transcripts.of(talk) if processes == 1 else _Transcripts.blank(B, first=rank * len(envs))
         sched = TurnScheduler(alloc, prompt_len=mask.sum(axis=1), cap=N, chunk=self.chunk_steps)
-        runner = _TurnRunner(self, sched, talk, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng, rows=B,
-                             params=params)
+        runner = _TurnRunner(self, sched, talk, every, prompts=[tokens[r][mask[r] == 1] for r in range(B)], key=rng,
+                             rows=B, params=params)
         core = EngineCore(sched, runner, rows=B)
-        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, B)))
+        pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, min(workers, len(envs))))
         try:
             while not (progress := core.step()).idle:
                 if progress.finished:  # in slot order, as they left their slots
-                    self._end_turns(runner.state, list(progress.finished), talk, sched, pool)
+                    self._end_turns(runner.state, list(progress.finished), talk, every, sched, pool)
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
         assert not sched.queue and not sched.returning and alloc.held_pages == 0, "a row was left behind"
         self.last_stats = core.stats()
-        c, place = compact(talk.pieces, sampling=self.sampling), self._put
+        c, place = compact(every.pieces, sampling=self.sampling), self._put
 
         def rows(x):
             return place(x, ("batch", "length"))
@@ -179,8 +184,8 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         out = RolloutOutput(
             prompt_tokens=rows(tokens), prompt_mask=rows(mask), tokens=rows(c["tokens"]), mask=rows(c["mask"]),
             lengths=place(c["mask"].sum(axis=1).astype(np.int32), ("batch",)),
-            truncated=place(talk.truncated, ("batch",)), logprobs=rows(c["logprobs"]), loss_mask=rows(c["loss_mask"]),
-            behaviour_logprobs=None if c["behaviour"] is None else rows(c["behaviour"]),
+            truncated=place(every.truncated, ("batch",)), logprobs=rows(c["logprobs"]),
+            loss_mask=rows(c["loss_mask"]), behaviour_logprobs=None if c["behaviour"] is None else rows(c["behaviour"]),
         )
         return out, talk.episodes
 
@@ -189,42 +194,81 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         data = np.asarray(x)
         return jax.make_array_from_callback(data.shape, self.sharding(data.shape, names), lambda idx: data[idx])
 
-    def _turn_caps(self, talk: _Talk, rows: np.ndarray) -> np.ndarray:
+    def _turn_caps(self, every: "_Transcripts", rows: np.ndarray) -> np.ndarray:
         """Most tokens of each row's current turn (the static sampler's budget: what is
         left of N, at most ``max_turn_tokens``)."""
-        caps = self.sampling.max_new_tokens - talk.used[rows]
+        caps = self.sampling.max_new_tokens - every.used[rows]
         if self.max_turn_tokens is not None:
             caps = np.minimum(caps, self.max_turn_tokens)
         return caps.astype(np.int32)
 
-    def _end_turns(self, state: SlotState, finished: list[int], talk: _Talk, sched: TurnScheduler,
-                   pool: concurrent.futures.Executor) -> None:
-        """The ``finished`` rows' turns read and recorded, their environments stepped and
-        their replies added; each continuing row goes back to the queue with its pages,
-        each ended one frees them."""
+    def _end_turns(self, state: SlotState, finished: list[int], talk: _Talk, every: "_Transcripts",
+                   sched: TurnScheduler, pool: concurrent.futures.Executor) -> None:
+        """The ``finished`` rows' turns read and recorded, their environments stepped (this
+        process's rows') and their replies added; each continuing row goes back to the
+        queue with its pages, each ended one frees them."""
         padded = np.zeros(sched.alloc.slots, np.int32)  # at most one row a slot: one program
         padded[: len(finished)] = finished
-        tok, lp, blp, count, trunc = jax.device_get(self.read_jit(
-            state.tokens, state.logprobs, state.behaviour, state.out_len, state.truncated,
-            self._place(padded, ("batch",))))
+        read = self.read_jit(state.tokens, state.logprobs, state.behaviour, state.out_len, state.truncated,
+                             self._place(padded, ("batch",)))
+        got = iter(on_host(*(x for x in read if x is not None)))  # whole on every process
+        tok, lp, blp, count, trunc = (None if x is None else next(got) for x in read)
+        lo, b = every.first, len(talk.envs)
         stepping = []
         for i, r in enumerate(finished):
             n = int(count[i])
-            last = int(talk.episodes.num_turns[r]) == self.max_turns - 1
-            if talk.record(r, np.asarray(tok[i, :n]), np.asarray(lp[i, :n]), None if blp is None else blp[i, :n],
-                           ended=not bool(trunc[i]), last=last):
-                stepping.append(r)
+            last = int(every.num_turns[r]) == self.max_turns - 1
+            turn = (np.asarray(tok[i, :n]), np.asarray(lp[i, :n]), None if blp is None else blp[i, :n])
+            if lo <= r < lo + b and talk.record(r - lo, *turn, ended=not bool(trunc[i]), last=last):
+                stepping.append(r - lo)
+            if every.shared:  # the other processes' rows too (this process's talk holds its own)
+                every.pieces[r].append(turn + (True,))
+                every.used[r] += n
+                every.num_turns[r] += 1
         steps = talk.step(pool, stepping)
         N = self.sampling.max_new_tokens
         appends = talk.add_replies(stepping, steps, room=N, slots_left=N, inserted=MultiTurnSampler._inserted)
+        appends = {lo + r: v for r, v in appends.items()}
+        if every.shared:
+            appends = self._shared_appends(finished, appends, talk, every, slots=sched.alloc.slots)
         for r in finished:
             if r in appends:
                 sched.resume(r, int(sched.base[r]) + len(appends[r]))
             else:
                 sched.close(r)
 
+    def _shared_appends(self, finished: list[int], mine: dict[int, list[int]], talk: _Talk, every: "_Transcripts",
+                        *, slots: int) -> dict[int, list[int]]:
+        """Every finished row's tokens to append (its last sampled token, then its reply's;
+        none: its episode ended), gathered from the process that owns the row over the
+        mesh's processes (one ``[slots, 2 + N]`` gather: the rows that finished at this
+        boundary, at most one a slot), and recorded in ``every``: the replies' tokens, and
+        whether an ended row was truncated."""
+        N = self.sampling.max_new_tokens
+        lo, b = every.first, len(talk.envs)
+        table = np.zeros((slots, 2 + N), np.int32)  # append length (-1: ended), truncated, tokens
+        for i, r in enumerate(finished):
+            if lo <= r < lo + b:
+                ids = mine.get(r)
+                table[i, 0] = -1 if ids is None else len(ids)
+                table[i, 1] = int(talk.truncated[r - lo])
+                if ids is not None:
+                    table[i, 2 : 2 + len(ids)] = ids
+        everyone = gather_processes(table, self.mesh)  # [processes, slots, 2 + N]
+        appends = {}
+        for i, r in enumerate(finished):
+            n, truncated = (int(x) for x in everyone[r // b, i, :2])
+            if n < 0:
+                every.truncated[r] = bool(truncated)
+                continue
+            appends[r] = [int(t) for t in everyone[r // b, i, 2 : 2 + n]]
+            reply = np.asarray(appends[r][1:], np.int32)  # after the turn's last token
+            every.pieces[r].append((reply, np.zeros(len(reply), np.float32), None, False))
+            every.used[r] += len(reply)
+        return appends
+
     def _extend(self, params: Any, state: SlotState, admitted: list[tuple[int, int]], sched: TurnScheduler,
-                talk: _Talk, prompts: list[np.ndarray], raw: jax.Array, impl: str | None) -> SlotState:
+                every: "_Transcripts", prompts: list[np.ndarray], raw: jax.Array, impl: str | None) -> SlotState:
         """The admitted ``(slot, row)`` pairs' chunks (what the row's pages lack of its
         conversation so far) written in one append program, padded to a power of two of
         rows, at least a quarter of the slots (padding: row -1, slot ``slots``, writing
@@ -236,7 +280,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         S = alloc.slots
         chunks = []
         for _, row in admitted:
-            conversation = np.concatenate([prompts[row]] + [p[0] for p in talk.pieces[row]]).astype(np.int32)
+            conversation = np.concatenate([prompts[row]] + [p[0] for p in every.pieces[row]]).astype(np.int32)
             assert len(conversation) == sched.hist_len[row], (row, len(conversation), sched.hist_len[row])
             chunks.append(conversation[int(sched.base[row]):])
         k, n = len(admitted), min(pow2(max(len(admitted), S // 4)), S)
@@ -251,7 +295,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
             tok[i, : len(ch)], real[i, : len(ch)] = ch, 1
             base[i], rows[i], slots[i] = sched.base[row], row, slot
         r = np.maximum(rows, 0)
-        turns, caps = talk.episodes.num_turns[r].astype(np.int32), self._turn_caps(talk, r)
+        turns, caps = every.num_turns[r].astype(np.int32), self._turn_caps(every, r)
         table = np.zeros((n, alloc.max_pages), np.int32)
         table[:k] = alloc.table()[slots[:k]]
         place = self._place
@@ -315,35 +359,60 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
         return self._seat(st, slots=slots, rows=rows, lengths=base + m, drawn=drawn, done=drawn[3] | (caps <= 1))
 
 
+class _Transcripts:
+    """Every row's conversation as tokens (``pieces``: :attr:`_Talk.pieces`' form), its
+    completion tokens so far, model turns and whether it ended truncated: what the turn
+    scheduler and the device programs read, the same on every process of the mesh. On
+    one process it is the rows' :class:`_Talk` itself (:meth:`of`); over several each
+    process's talk holds only its own rows (``first`` the first of them) and this the
+    rows of every process (:meth:`blank`, ``shared``), kept from what the boundaries
+    gather."""
+
+    def __init__(self, pieces: list, used: np.ndarray, num_turns: np.ndarray, truncated: np.ndarray, *,
+                 first: int, shared: bool):
+        self.pieces, self.used, self.num_turns, self.truncated = pieces, used, num_turns, truncated
+        self.first, self.shared = first, shared
+
+    @classmethod
+    def of(cls, talk: _Talk) -> "_Transcripts":
+        return cls(talk.pieces, talk.used, talk.episodes.num_turns, talk.truncated, first=0, shared=False)
+
+    @classmethod
+    def blank(cls, rows: int, *, first: int) -> "_Transcripts":
+        return cls([[] for _ in range(rows)], np.zeros(rows, np.int64), np.zeros(rows, np.int32),
+                   np.zeros(rows, bool), first=first, shared=True)
+
+
 class _TurnRunner:
     """The multi-turn rows' runner for :class:`~grpo.engine.rollout.paged.core.EngineCore`:
     an admitted row's conversation so far is appended into its pages (a first turn's
     prompt, or what a returning row's pages lack), and each slot decodes its current
     turn (its turn's keys, at most what is left of its budget)."""
 
-    def __init__(self, engine: ContinuousMultiTurnSampler, sched: TurnScheduler, talk: _Talk, *,
+    def __init__(self, engine: ContinuousMultiTurnSampler, sched: TurnScheduler, talk: _Talk, every: _Transcripts, *,
                  prompts: list[np.ndarray], key: jax.Array, rows: int, params: Any):
-        self.engine, self.sched, self.talk, self.prompts, self.params = engine, sched, talk, prompts, params
+        self.engine, self.sched, self.talk, self.every = engine, sched, talk, every
+        self.prompts, self.params = prompts, params
         self.raw, self.impl = engine.place_key(key)
         self.state = engine.start_jit(params, rows=rows, pages=sched.alloc.pages, slots=sched.alloc.slots)
 
     def admit(self, admitted: list[tuple[int, int]]) -> None:
         t0 = time.perf_counter()
         e = self.engine
-        self.state = e._extend(self.params, self.state, admitted, self.sched, self.talk, self.prompts, self.raw,
+        self.state = e._extend(self.params, self.state, admitted, self.sched, self.every, self.prompts, self.raw,
                                self.impl)
         self.talk.episodes.append_s += time.perf_counter() - t0
 
     def decode(self, idx: np.ndarray, table: np.ndarray, slot_rows: np.ndarray) -> None:
         e, place = self.engine, self.engine._place
         r = np.maximum(slot_rows, 0)
-        turns, caps = self.talk.episodes.num_turns[r].astype(np.int32), e._turn_caps(self.talk, r)
+        turns, caps = self.every.num_turns[r].astype(np.int32), e._turn_caps(self.every, r)
         self.state = e.decode_jit(self.params, self.state, place(table, ("batch", None)), place(idx, ("batch",)),
                                   place(slot_rows, ("batch",)), self.raw, None, place(turns, ("batch",)),
                                   place(caps, ("batch",)), key_impl=self.impl)
 
     def boundary(self) -> tuple[np.ndarray, np.ndarray]:
-        return tuple(np.asarray(x) for x in jax.device_get((self.state.done, self.state.lengths)))
+        return tuple(on_host(self.state.done, self.state.lengths))  # whole on every process
 
 
 __all__ = ["ContinuousMultiTurnSampler"]

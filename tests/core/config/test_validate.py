@@ -206,3 +206,16 @@ def test_model_rewards_over_several_processes_are_refused_naming_the_field(sets)
     assert "Traceback" not in result.output
     result = CliRunner().invoke(cli, args + ["--processes", "1", "--local-devices", "8"])
     assert result.exit_code == 0, result.output
+
+
+def test_partial_rollouts_with_a_multi_turn_task_are_refused_before_start_up():
+    """Issue 51 (round 8): partial rollouts with a task that has tools passed `grpo config
+    validate` ("ok") and failed at start-up (the partial-rollouts stream refuses the
+    multi-turn sampler); now validate names the fields, and the same config on a
+    single-turn task still passes."""
+    sets = ["train.async.enabled=true", "train.async.partial_rollouts=true", "train.async.max_staleness=1",
+            "rollout.engine=continuous"]
+    [problem] = _problems(sets + ["task.name=lookup", "task.options={}"])
+    assert problem.startswith("train.async.partial_rollouts=true needs single-turn rows: task 'lookup' has tools")
+    assert "Set train.async.partial_rollouts=false" in problem
+    load_config(QUICKSTART, sets, env={})

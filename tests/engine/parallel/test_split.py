@@ -134,24 +134,20 @@ def test_a_side_without_devices_is_reported_before_the_processes():
         split_devices(_TWO_BY_FOUR, rollout_devices=8)
 
 
-def test_a_multi_turn_task_over_processes_runs_except_on_the_continuous_engine_over_several_hosts():
+def test_a_multi_turn_task_runs_over_processes_on_either_engine():
     """Issue 51: a task with tools was refused over processes (its turns' host side
-    gathered over every process); the static engine's turns now gather over the rollout
-    side's processes, so validate passes it. The continuous engine's turn scheduler reads
-    every row on one host: refused when the rollout side has several processes (the
-    split's one check, so validate, plan and run alike), allowed on a one-process side."""
+    gathered over every process); the static engine's turns gather over the rollout
+    side's processes, and (issue 51, round 8) so do the continuous engine's, whose turn
+    scheduler runs on every rollout process over every row's tokens (refused before
+    when the rollout side had several processes): validate passes both on 1 + 1 and
+    2 + 2 processes."""
     from grpo.engine.parallel.split import validate_split
 
     config = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True}})
-    validate_split(config, 2, 4)
-    validate_split(config, 4, 2)
     continuous = _config(**{"task": {"name": "lookup"}, "train.async": {"enabled": True},
                             "rollout.engine": "continuous"})
-    validate_split(continuous, 2, 4)  # 1 + 1: the rollout side is one host
-    with pytest.raises(ConfigError) as err:
-        validate_split(continuous, 4, 2)
-    msg = str(err.value)
-    assert "task.name=lookup with rollout.engine=continuous" in msg and "rollout side has 2 processes" in msg
-    assert "set rollout.engine=static" in msg and err.value.exit_code == 2
+    for c in (config, continuous):
+        validate_split(c, 2, 4)
+        validate_split(c, 4, 2)
     validate_split(config, 1, 8)
     validate_split(_config(**{"train.async": {"enabled": True}, "eval.every_n_steps": 1}), 2, 4)
