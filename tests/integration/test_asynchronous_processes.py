@@ -165,11 +165,18 @@ calls = 0
 
 
 def close(completions, prompts=None, **columns):
-    """Scores like a task, then, past BOOM_AFTER completions, exits as a library that
-    gives up does (SystemExit: not an Exception, so scoring does not count it as a reward
-    error and score 0, as it does an exception)."""
+    """Scores like a task, then, past BOOM_AFTER completions (of this process's rows; on
+    process BOOM_PROCESS alone when set), exits as a library that gives up does
+    (SystemExit: not an Exception, so scoring does not count it as a reward error and
+    score 0, as it does an exception)."""
     global calls
     calls += len(completions)
+    only = os.environ.get("BOOM_PROCESS")
+    if only is not None:
+        import jax
+
+        if jax.process_index() != int(only):
+            return [float(len(c) % 3) for c in completions]
     if calls > int(os.environ["BOOM_AFTER"]):
         raise SystemExit("the reward server went away")
     return [float(len(c) % 3) for c in completions]
@@ -197,3 +204,30 @@ def test_a_rollout_failure_stops_both_processes_with_its_message(tmp_path):
     # The update side says what failed on the other process, without a traceback of its own.
     assert "Error: the rollout side failed (process 0): SystemExit: the reward server went away" in results[1][2]
     assert "Traceback" not in results[1][2], results[1][2][-3000:]
+
+
+def test_a_rollout_failure_on_one_of_two_rollout_processes_stops_all_four(tmp_path):
+    """Issue 51, item 3 (failures stop everyone, carried to N processes): 4 processes x 2
+    devices, 2 + 2, and a reward that exits in the first rollout on process 1 alone.
+    Process 0, its rollout peer, then waits for it in the rollout side's gather of the
+    rewards, and the update processes wait in the exchange that process 0 never enters:
+    before, the failure went into that exchange alone and every process hung. Now it is
+    also posted to the coordination service, which every process watches: all four stop
+    (exit status 1), each with the one message naming the side, the process and the
+    cause. The failure comes before the first step, so no update program runs."""
+    (tmp_path / "boom.py").write_text(BOOM)
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps({"prompt": f"{a} + {a} ="}) + "\n" for a in range(32)))
+    config = dict(CONFIG, task={"name": "custom", "options": {"rewards": ["boom:close"],
+                                                              "data_files": {"train": str(tmp_path / "d.jsonl")}}},
+                  train={**CONFIG["train"], "async": {**CONFIG["train"]["async"], "max_staleness": 1}},
+                  checkpoint={"every_n_steps": 0, "at_end": False})
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(config))
+    env = {"PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", "BOOM_AFTER": "0",
+           "BOOM_PROCESS": "1"}
+    results = wait_all(_launch(path, tmp_path / "run", env=env, cwd=tmp_path, processes=4), timeout=400)
+    message = "Error: the rollout side failed (process 1): SystemExit: the reward server went away"
+    for pid, (code, out, err) in enumerate(results):
+        assert code == 1 and message in err, f"process {pid} exited {code}:\n{(out + err)[-3000:]}"
+        assert "Done:" not in out
+    assert not (tmp_path / "run" / "metrics.jsonl").is_file() or not read_metrics(tmp_path / "run")

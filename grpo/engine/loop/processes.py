@@ -88,7 +88,8 @@ from grpo.engine.rollout.partial import Ledger, PartialRollouts
 def side_exchange(trainer: Any) -> SideExchange:
     """The run's exchange (this process's side: its ``name``)."""
     meshes = trainer.meshes
-    return SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
+    exchange = SideExchange(list(meshes.rollout.mesh.devices.flat), list(meshes.update.mesh.devices.flat))
+    return exchange.watch_failures()  # a failure reaches the processes outside the exchange too
 
 
 def _specs(got: dict[str, np.ndarray]) -> list[tuple[Any, dict[str, np.ndarray]]]:
@@ -270,6 +271,9 @@ class ProcessLink(RolloutSource, WeightSync):
     def failed(self, err: BaseException) -> None:
         if not isinstance(err, RemoteFailure):  # the other side must hear
             self.exchange.fail(f"{type(err).__name__}: {err}")
+
+    def close(self) -> None:
+        self.exchange.close()
 
     # ------------------------------------------------------------------ checkpoint
 
@@ -470,6 +474,7 @@ class RolloutSide:
 
     def close(self) -> None:
         self.sync.close()
+        self.exchange.close()
 
 
 __all__ = ["ProcessLink", "RolloutSide", "received_weights", "rollout_base", "sent_weights", "side_exchange"]

@@ -35,6 +35,15 @@ What is swapped:
 - device arrays (:meth:`SideExchange.swap_arrays`): the weights, from the update mesh to
   the rollout side's devices with no host round trip (each leaf made whole on the update
   side's devices first, on device).
+
+A failure in the exchange reaches only the processes that enter it. With several
+processes a side, the failing process's own side may be elsewhere: in a collective of the
+side alone (the rollout side gathering rewards, say), waiting for the failed process,
+which waits in the exchange for them. So :meth:`SideExchange.fail` also posts the
+failure to the coordination service's key-value store, and in a run every process
+watches it (:class:`FailureWatch`): a process that has not stopped
+:data:`FAILURE_GRACE_S` after a failure was posted prints the one message (the side, the
+process and the cause) and exits (status 1).
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import sys
+import threading
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -55,6 +67,11 @@ log = logging.getLogger(__name__)
 # The header's bytes: the JSON of the layout, metadata, stop flag and failure.
 HEADER_BYTES = 1 << 16
 SIDES = ("rollout", "update")
+# Where a failure is posted (a key per process) in the coordination service's store.
+FAILURE_KEYS = "grpo_async_failure/"
+FAILURE_GRACE_S = 3.0
+"""How long a process may go on stopping by itself (the failure reached it in an
+exchange) after a failure was posted, before :class:`FailureWatch` ends it."""
 
 
 class RemoteFailure(RuntimeError):
@@ -162,6 +179,20 @@ class SideExchange:
 
         self._move = jax.jit(jax.shard_map(lambda tree: jax.tree.map(move, tree), mesh=self.mesh,
                                            in_specs=P("d"), out_specs=P("d")))
+        self.watch: FailureWatch | None = None
+
+    def watch_failures(self, **kwargs: Any) -> "SideExchange":
+        """Start this process's :class:`FailureWatch` (a run's exchange; ``kwargs``: its
+        own); :meth:`close` stops it."""
+        self.watch = FailureWatch(**kwargs)
+        return self
+
+    def close(self) -> None:
+        """The run ended: stop watching for failures, unless one was posted (then the
+        watch goes on, and ends this process if its exit hangs on a process that waits
+        for the failed one)."""
+        if self.watch is not None:
+            self.watch.stop()
 
     def describe(self) -> str:
         """Which processes are on which side, and this one's: logged by every process at
@@ -243,11 +274,86 @@ class SideExchange:
     def fail(self, message: str) -> None:
         """Tell every other process this one failed (each raises :class:`RemoteFailure`
         in its pending :meth:`exchange`); call it where that exchange would have been
-        called."""
+        called. The failure is posted first (:func:`post_failure`): a process of either
+        side that is not in the exchange learns it from its :class:`FailureWatch`."""
+        post_failure(self.name, str(message))
         try:
             self._headers({"side": self.side, "error": str(message)})
         except RemoteFailure:
             pass  # another process failed too: this side is stopping anyway
+
+
+def _client() -> Any:
+    """This process's coordination-service client, or None (one process)."""
+    from jax._src import distributed as _state
+
+    return _state.global_state.client
+
+
+def post_failure(side: str, message: str) -> None:
+    """``message`` (this process's failure, on ``side``) in the coordination service's
+    key-value store, where :class:`FailureWatch` reads it."""
+    client = _client()
+    if client is None:
+        return
+    try:
+        client.key_value_set(f"{FAILURE_KEYS}{jax.process_index()}", json.dumps({"side": side, "error": message}))
+    except Exception as err:  # noqa: BLE001 - posted already, or the service is gone: the exchange still tells
+        log.warning("could not post the failure to the coordination service: %s", err)
+
+
+def failure_message(entries: Sequence[tuple[str, str]]) -> str | None:
+    """The one message of the failures posted (``(key, JSON)`` pairs of the store), the
+    lowest process's: ``the <side> side failed (process <p>): <cause>``; None when none."""
+    posted = sorted((int(k.rsplit("/", 1)[-1]), json.loads(v)) for k, v in entries)
+    if not posted:
+        return None
+    p, failure = posted[0]
+    return f"the {failure['side']} side failed (process {p}): {failure['error']}"
+
+
+class FailureWatch:
+    """A thread that polls the failures posted by any process (:func:`post_failure`)
+    every ``poll_s``; once one is, it gives this process ``grace_s`` to stop by itself
+    (the failure reached it in an exchange), then prints ``Error: <the message>`` to
+    stderr and exits the process (status 1): it may be waiting in a collective that the
+    failed process will never enter. :meth:`stop` ends the watch (the run ended)."""
+
+    def __init__(self, *, grace_s: float = FAILURE_GRACE_S, poll_s: float = 0.5):
+        self.client, self.grace_s, self.poll_s = _client(), grace_s, poll_s
+        self._stop = threading.Event()
+        self._thread = None
+        if self.client is not None:
+            self._thread = threading.Thread(target=self._run, name="grpo-failure-watch", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            try:
+                message = failure_message(self.client.key_value_dir_get(FAILURE_KEYS))
+            except Exception:  # noqa: BLE001 - the service going away: the runtime reports that itself
+                continue
+            if message is None:
+                continue
+            # Process 0 holds the coordination service: it goes last, so that the others
+            # print their message before the service's end stops them.
+            if self._stop.wait(self.grace_s + (1.0 if jax.process_index() == 0 else 0.0)):
+                return
+            print(f"Error: {message}. The failed process's output says where.", file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def stop(self) -> None:
+        """End the watch, unless a failure was posted (a failing run's exit may wait on a
+        process that waits for the failed one: the watch still ends this process then)."""
+        if self._thread is None:
+            return
+        try:
+            if failure_message(self.client.key_value_dir_get(FAILURE_KEYS)) is not None:
+                return
+        except Exception:  # noqa: BLE001 - the service is gone: nothing more to watch
+            pass
+        self._stop.set()
+        self._thread.join()
 
 
 @functools.lru_cache(maxsize=None)
@@ -262,4 +368,5 @@ def _row(x: jax.Array, device: jax.Device) -> jax.Array:
     return jax.device_put(data[None], device)
 
 
-__all__ = ["HEADER_BYTES", "RemoteFailure", "SideExchange", "header_bytes", "pack", "read_header", "route", "unpack"]
+__all__ = ["FAILURE_GRACE_S", "FailureWatch", "HEADER_BYTES", "RemoteFailure", "SideExchange", "failure_message",
+           "header_bytes", "pack", "post_failure", "read_header", "route", "unpack"]

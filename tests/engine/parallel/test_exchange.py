@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from _runs import free_port
-from grpo.engine.parallel.exchange import HEADER_BYTES, header_bytes, pack, read_header, route, unpack
+from grpo.engine.parallel.exchange import (FAILURE_KEYS, HEADER_BYTES, failure_message, header_bytes, pack, read_header,
+                                           route, unpack)
 
 WORKER = Path(__file__).with_name("_exchange_worker.py")
 
@@ -156,3 +157,13 @@ def test_the_move_compiles_to_point_to_point_permutes_on_tpu(topology, rollout_d
     small, large = sorted((len(rollout), len(update)))
     assert len(permutes) == -(-large // small)  # rounds: a device sends at most once a round
     assert not re.search(r"\b(all-gather|all-to-all|all-reduce)(-start)?\(", hlo)
+
+
+def test_the_failure_message_is_the_lowest_failed_process_s():
+    """Issue 51, item 3: the failures posted to the coordination service (one key a
+    process) read as one message naming the side, the process and the cause: the lowest
+    process's when several failed; none posted, no message."""
+    assert failure_message([]) is None
+    posted = [(f"{FAILURE_KEYS}3", json.dumps({"side": "update", "error": "RemoteFailure: x"})),
+              (f"{FAILURE_KEYS}1", json.dumps({"side": "rollout", "error": "SystemExit: the reward server went away"}))]
+    assert failure_message(posted) == "the rollout side failed (process 1): SystemExit: the reward server went away"
