@@ -32,6 +32,16 @@ How a row runs
 
 The host takes part only at chunk boundaries; there is no per-token host sync.
 
+Over several processes (a multi-process run, or the rollout side of an asynchronous run
+split by processes), every process runs the same schedule (its programs are collectives
+of the mesh's devices), so each holds every row's tokens (:class:`_Transcripts`): a
+turn's output is read whole on every process, each process steps its own rows'
+environments (its local rows, as the static sampler's), and one gather over the mesh's
+processes at each boundary where rows finished a turn hands every process the rows'
+reply tokens (or that the episode ended, and whether truncated). Each process's
+:class:`~grpo.engine.rollout.multiturn.Episodes` are its own rows', as the static
+sampler's.
+
 Eviction: a multi-turn row may be evicted like a single-turn one (its part of the pool
 short; the latest admitted row of that part first, parked rows included). It is
 **re-prefilled from what the host recorded**, not re-run from scratch: its pages are freed
