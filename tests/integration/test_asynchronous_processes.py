@@ -74,16 +74,19 @@ PARTIAL = dict(CONFIG, rollout={**CONFIG["rollout"], "max_new_tokens": 6, "engin
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The 2 + 2 process run, SIGTERM'd (process 1, on the rollout side) once step 1 is
-    logged, then rerun to the end; and the one-process run of the same config."""
+    """The 2 + 2 process run, SIGTERM'd (process 1, on the rollout side) once step 2 is
+    logged (the checkpoint after step 1 holds no rows in flight: a signal landing there
+    resumed nothing, which a run under load once did), then rerun to the end; and the
+    one-process run of the same config."""
     tmp = tmp_path_factory.mktemp("four_processes")
     config = tmp / "config.yaml"
     config.write_text(yaml.safe_dump(PARTIAL))
     run_dir = tmp / "run"
     procs = _launch(config, run_dir, processes=PROCESSES)
     deadline = time.time() + 900  # 4 processes compiling on shared cores
-    while not (run_dir / "metrics.jsonl").is_file() or not (run_dir / "metrics.jsonl").read_text().strip():
-        assert time.time() < deadline and all(p.poll() is None for p in procs), "the run ended before step 1"
+    metrics = run_dir / "metrics.jsonl"
+    while not metrics.is_file() or len(metrics.read_text().splitlines()) < 2:
+        assert time.time() < deadline and all(p.poll() is None for p in procs), "the run ended before step 2"
         time.sleep(0.05)
     procs[SIGNALLED].send_signal(signal.SIGTERM)
     first = wait_all(procs)
