@@ -493,8 +493,6 @@ def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
     if moe.records:
         what = f"model.moe.router_replay={moe.router_replay}"
         why = "the routed experts travel only with a synchronous single-process static rollout so far"
-        if config.train.async_.enabled:
-            problems.append(f"{what} does not combine with train.async.enabled=true yet ({why})")
         if config.rollout.engine != "static":
             problems.append(f"{what} needs rollout.engine: static (got {config.rollout.engine!r}; {why})")
         if config.distributed.mode != "none":

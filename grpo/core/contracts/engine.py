@@ -146,7 +146,8 @@ class FinishedRows:
     ``tokens``, ``mask``, ``logprobs`` [n, N]; ``behaviour_logprobs`` [n, N] or None (no
     top-k/top-p filter); ``lengths`` [n]; ``truncated`` [n] (finish reason: True = the
     cap, False = a stop token); ``versions`` [n, N] the policy version of each token
-    (-1 off the mask)."""
+    (-1 off the mask); ``routed_experts`` [n, N, layers, k] int16 or None: each token's
+    experts when the engine fed it (``RolloutOutput.routed_experts``, router replay)."""
 
     ids: Any
     tokens: Any
@@ -156,6 +157,7 @@ class FinishedRows:
     lengths: Any
     truncated: Any
     versions: Any
+    routed_experts: Any = None
 
 
 class RolloutEngine(abc.ABC):

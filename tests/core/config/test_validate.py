@@ -119,8 +119,6 @@ def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top
      ["model.moe.router_replay=rollout needs a mixture-of-experts model, but model.random.preset='tiny' is dense"]),
     (["model.moe.router_z_loss=0.001"], ["model.moe.router_z_loss=0.001 needs a mixture-of-experts model"]),
     # ... and in the modes that do not carry the routed experts yet
-    (["model.random.preset=tiny-moe", "model.moe.router_replay=compare", "train.async.enabled=true"],
-     ["model.moe.router_replay=compare does not combine with train.async.enabled=true yet"]),
     (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "rollout.engine=continuous"],
      ["model.moe.router_replay=rollout needs rollout.engine: static (got 'continuous'"]),
     (["model.random.preset=tiny-moe", "model.moe.load_balancing_loss=0.01", "loss.aggregation=sequence_mean"],
@@ -153,10 +151,15 @@ def test_expert_axis_must_divide_the_fsdp_axis_of_the_topology(tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path):
+@pytest.mark.parametrize("mode", [
+    [],
+    ["train.async.enabled=true", "train.async.max_staleness=1"],  # issue 54: the ids ride in the async buffer
+])
+def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path, mode):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(QUICKSTART))
-    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01"]
+    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01",
+            *mode]
     result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
     assert result.exit_code == 0, result.output
 
