@@ -476,6 +476,11 @@ class RolloutEnginePlugin(_PluginBase):
     #: The engine it builds streams rows (:attr:`RolloutEngine.streams`): partial rollouts
     #: and streaming dynamic sampling need it (``grpo config validate`` checks).
     streams: ClassVar[bool] = False
+    #: The engine it builds records each single-turn completion token's routed experts
+    #: (:attr:`RolloutOutput.routed_experts`, and :attr:`FinishedRows.routed_experts` where
+    #: it streams) when asked (``record_routing``): mixture-of-experts router replay
+    #: (``model.moe.router_replay``) needs it (``grpo config validate`` checks).
+    records_routing: ClassVar[bool] = False
     #: The engine it builds quantizes its weights at sync (``rollout.quantization.weights``:
     #: :meth:`RolloutEngine.quantize_weights`) / keeps a quantized KV cache
     #: (``rollout.quantization.kv_cache``); ``grpo config validate`` refuses the fields otherwise.
