@@ -475,8 +475,8 @@ def moe_problems(config: RunConfig, task: Selected | None = None, engine: Select
     """``model.moe`` needs a mixture-of-experts model; router replay (recording the
     rollout's experts) needs an engine that records them
     (:attr:`~grpo.core.contracts.RolloutEnginePlugin.records_routing`: static and
-    continuous), synchronous or asynchronous, partial rollouts included, in one process,
-    single-turn; the router losses' per-micro-batch weights are exact for
+    continuous), in every mode (sync, async, partial rollouts, several processes) but
+    multi-turn tasks; the router losses' per-micro-batch weights are exact for
     ``loss.aggregation: token_mean``. A checkpoint not on disk is checked when read."""
     moe = config.model.moe
     if not moe.active:
@@ -497,9 +497,6 @@ def moe_problems(config: RunConfig, task: Selected | None = None, engine: Select
         if engine is not None and not engine.plugin.records_routing:
             problems.append(f"{what} needs an engine that records the routed experts (rollout.engine: static or "
                             f"continuous; rollout.engine={config.rollout.engine!r} does not)")
-        if config.distributed.mode != "none":
-            problems.append(f"{what} needs distributed.mode: none (got {config.distributed.mode!r}; the routed "
-                            "experts are not gathered across processes yet)")
         if task is not None and task.plugin.tools(options=task.options):
             problems.append(f"{what} does not combine with a multi-turn task (task {config.task.name!r} has tools; "
                             "the engines record the experts of single-turn rows only)")
