@@ -475,8 +475,9 @@ def moe_problems(config: RunConfig, task: Selected | None = None, engine: Select
     """``model.moe`` needs a mixture-of-experts model; router replay (recording the
     rollout's experts) needs an engine that records them
     (:attr:`~grpo.core.contracts.RolloutEnginePlugin.records_routing`: static and
-    continuous), in every mode (sync, async, partial rollouts, several processes) but
-    multi-turn tasks; the router losses' per-micro-batch weights are exact for
+    continuous), in every mode (sync, async, partial rollouts, several processes); with a
+    multi-turn task one that records a conversation's (``records_multi_turn_routing``:
+    static); the router losses' per-micro-batch weights are exact for
     ``loss.aggregation: token_mean``. A checkpoint not on disk is checked when read."""
     moe = config.model.moe
     if not moe.active:
@@ -497,9 +498,12 @@ def moe_problems(config: RunConfig, task: Selected | None = None, engine: Select
         if engine is not None and not engine.plugin.records_routing:
             problems.append(f"{what} needs an engine that records the routed experts (rollout.engine: static or "
                             f"continuous; rollout.engine={config.rollout.engine!r} does not)")
-        if task is not None and task.plugin.tools(options=task.options):
-            problems.append(f"{what} does not combine with a multi-turn task (task {config.task.name!r} has tools; "
-                            "the engines record the experts of single-turn rows only)")
+        multi_turn = task is not None and bool(task.plugin.tools(options=task.options))
+        if multi_turn and engine is not None and engine.plugin.records_routing and \
+                not engine.plugin.records_multi_turn_routing:
+            problems.append(f"{what} with a multi-turn task (task {config.task.name!r} has tools) needs "
+                            f"rollout.engine: static (rollout.engine={config.rollout.engine!r} records the experts "
+                            "of single-turn rows only)")
     losses = [f for f in on if f != "router_replay"]
     if losses and config.loss.aggregation != "token_mean":
         problems.append(f"{', '.join('model.moe.' + f for f in losses)} need{'s' if len(losses) == 1 else ''} "

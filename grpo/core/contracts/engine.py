@@ -481,6 +481,8 @@ class RolloutEnginePlugin(_PluginBase):
     #: it streams) when asked (``record_routing``): mixture-of-experts router replay
     #: (``model.moe.router_replay``) needs it (``grpo config validate`` checks).
     records_routing: ClassVar[bool] = False
+    #: ... and those of a multi-turn row's turns and inserted tokens too.
+    records_multi_turn_routing: ClassVar[bool] = False
     #: The engine it builds quantizes its weights at sync (``rollout.quantization.weights``:
     #: :meth:`RolloutEngine.quantize_weights`) / keeps a quantized KV cache
     #: (``rollout.quantization.kv_cache``); ``grpo config validate`` refuses the fields otherwise.

@@ -119,8 +119,10 @@ def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top
      ["model.moe.router_replay=rollout needs a mixture-of-experts model, but model.random.preset='tiny' is dense"]),
     (["model.moe.router_z_loss=0.001"], ["model.moe.router_z_loss=0.001 needs a mixture-of-experts model"]),
     # ... and in the modes that do not carry the routed experts yet
-    (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "task.name=lookup", "task.options={}"],
-     ["model.moe.router_replay=rollout does not combine with a multi-turn task (task 'lookup' has tools"]),
+    (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "task.name=lookup", "task.options={}",
+      "rollout.engine=continuous"],
+     ["model.moe.router_replay=rollout with a multi-turn task (task 'lookup' has tools) needs rollout.engine: static "
+      "(rollout.engine='continuous' records the experts of single-turn rows only)"]),
     (["model.random.preset=tiny-moe", "model.moe.load_balancing_loss=0.01", "loss.aggregation=sequence_mean"],
      ["model.moe.load_balancing_loss needs loss.aggregation: token_mean (got 'sequence_mean'"]),
     # issue 54, the expert mesh axis: with a dense model, or not dividing the experts
@@ -187,6 +189,7 @@ def test_expert_axis_must_divide_the_fsdp_axis_of_the_topology(tmp_path):
     ["rollout.engine=continuous"],  # ... and the continuous engine records them, partial rollouts included
     ["rollout.engine=continuous", "train.async.enabled=true", "train.async.partial_rollouts=true"],
     ["distributed.mode=auto"],  # ... and over several processes, gathered with the rows
+    ["task.name=lookup", "task.options={}"],  # ... and the static engine's multi-turn rows
 ])
 def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path, mode):
     path = tmp_path / "c.yaml"
