@@ -240,7 +240,7 @@ def config_problems(
         later += _reward_turn_problems(config, selected["task"])
     later += _engine_problems(config, selected.get("engine"), selected.get("task"))
     later += _quantization_problems(config, selected.get("engine"))
-    later += moe_problems(config, selected.get("task"))
+    later += moe_problems(config, selected.get("task"), selected.get("engine"))
     later += expert_parallel_problems(config)
     later += reward_scoring_problems(config, selected.get("task"), selected.get("engine"))
     later += _truncation_problems(config, selected.get("loss"))
@@ -481,10 +481,13 @@ def expert_parallel_problems(config: RunConfig) -> list[str]:
     return []
 
 
-def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
+def moe_problems(config: RunConfig, task: Selected | None = None, engine: Selected | None = None) -> list[str]:
     """``model.moe`` needs a mixture-of-experts model; router replay (recording the
-    rollout's experts) runs in the modes that carry them: one process, sync, the static
-    engine, single-turn; the router losses' per-micro-batch weights are exact for
+    rollout's experts) needs an engine that records them
+    (:attr:`~grpo.core.contracts.RolloutEnginePlugin.records_routing`: static and
+    continuous), in every mode (sync, async, partial rollouts, several processes); with a
+    multi-turn task one that records a conversation's (``records_multi_turn_routing``:
+    static); the router losses' per-micro-batch weights are exact for
     ``loss.aggregation: token_mean``. A checkpoint not on disk is checked when read."""
     moe = config.model.moe
     if not moe.active:
@@ -502,15 +505,15 @@ def moe_problems(config: RunConfig, task: Selected | None = None) -> list[str]:
     problems = []
     if moe.records:
         what = f"model.moe.router_replay={moe.router_replay}"
-        why = "the routed experts travel only with a synchronous single-process static rollout so far"
-        if config.train.async_.enabled:
-            problems.append(f"{what} does not combine with train.async.enabled=true yet ({why})")
-        if config.rollout.engine != "static":
-            problems.append(f"{what} needs rollout.engine: static (got {config.rollout.engine!r}; {why})")
-        if config.distributed.mode != "none":
-            problems.append(f"{what} needs distributed.mode: none (got {config.distributed.mode!r}; {why})")
-        if task is not None and task.plugin.tools(options=task.options):
-            problems.append(f"{what} does not combine with a multi-turn task (task {config.task.name!r} has tools; {why})")
+        if engine is not None and not engine.plugin.records_routing:
+            problems.append(f"{what} needs an engine that records the routed experts (rollout.engine: static or "
+                            f"continuous; rollout.engine={config.rollout.engine!r} does not)")
+        multi_turn = task is not None and bool(task.plugin.tools(options=task.options))
+        if multi_turn and engine is not None and engine.plugin.records_routing and \
+                not engine.plugin.records_multi_turn_routing:
+            problems.append(f"{what} with a multi-turn task (task {config.task.name!r} has tools) needs "
+                            f"rollout.engine: static (rollout.engine={config.rollout.engine!r} records the experts "
+                            "of single-turn rows only)")
     losses = [f for f in on if f != "router_replay"]
     if losses and config.loss.aggregation != "token_mean":
         problems.append(f"{', '.join('model.moe.' + f for f in losses)} need{'s' if len(losses) == 1 else ''} "

@@ -146,7 +146,8 @@ class FinishedRows:
     ``tokens``, ``mask``, ``logprobs`` [n, N]; ``behaviour_logprobs`` [n, N] or None (no
     top-k/top-p filter); ``lengths`` [n]; ``truncated`` [n] (finish reason: True = the
     cap, False = a stop token); ``versions`` [n, N] the policy version of each token
-    (-1 off the mask)."""
+    (-1 off the mask); ``routed_experts`` [n, N, layers, k] int16 or None: each token's
+    experts when the engine fed it (``RolloutOutput.routed_experts``, router replay)."""
 
     ids: Any
     tokens: Any
@@ -156,6 +157,7 @@ class FinishedRows:
     lengths: Any
     truncated: Any
     versions: Any
+    routed_experts: Any = None
 
 
 class RolloutEngine(abc.ABC):
@@ -474,6 +476,13 @@ class RolloutEnginePlugin(_PluginBase):
     #: The engine it builds streams rows (:attr:`RolloutEngine.streams`): partial rollouts
     #: and streaming dynamic sampling need it (``grpo config validate`` checks).
     streams: ClassVar[bool] = False
+    #: The engine it builds records each single-turn completion token's routed experts
+    #: (:attr:`RolloutOutput.routed_experts`, and :attr:`FinishedRows.routed_experts` where
+    #: it streams) when asked (``record_routing``): mixture-of-experts router replay
+    #: (``model.moe.router_replay``) needs it (``grpo config validate`` checks).
+    records_routing: ClassVar[bool] = False
+    #: ... and those of a multi-turn row's turns and inserted tokens too.
+    records_multi_turn_routing: ClassVar[bool] = False
     #: The engine it builds quantizes its weights at sync (``rollout.quantization.weights``:
     #: :meth:`RolloutEngine.quantize_weights`) / keeps a quantized KV cache
     #: (``rollout.quantization.kv_cache``); ``grpo config validate`` refuses the fields otherwise.

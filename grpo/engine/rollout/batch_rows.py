@@ -15,7 +15,7 @@ against the contract runs on it unchanged:
   need);
 - :meth:`BatchRows.read` / :meth:`BatchRows.outputs` hand the finished rows on the host
   or as the rollout's global arrays, every token stamped with the policy version that
-  drew it.
+  drew it (and, recording routing, with the experts it was fed through).
 
 Row ``r`` draws step ``t`` from ``fold_in(fold_in(key, r), t)`` (or ``fold_in(its own
 key, t)``): exactly what :meth:`~grpo.engine.rollout.sampler.Sampler.sample` draws for
@@ -120,6 +120,10 @@ class BatchRows:
                        jax.device_get((out.tokens, out.mask, out.logprobs, out.lengths, out.truncated))))
         if "behaviour" in ses.out:
             got["behaviour"] = jax.device_get(out.behaviour)
+        if out.routed_experts is not None:  # MoE, record_routing: [n, N, layers, k] int16
+            got["routed"] = routed = np.asarray(jax.device_get(out.routed_experts))
+            if "routed" not in ses.out:
+                ses.out["routed"] = np.full((len(ses.tokens),) + routed.shape[1:], -1, routed.dtype)
         for name, value in got.items():
             ses.out[name][ids] = np.asarray(value)
         if ses.versions is not None:
@@ -135,7 +139,8 @@ class BatchRows:
         return FinishedRows(ids=ids, tokens=o["tokens"][ids], mask=o["mask"][ids], logprobs=o["logprobs"][ids],
                             behaviour_logprobs=o["behaviour"][ids] if "behaviour" in o else None,
                             lengths=o["lengths"][ids], truncated=o["truncated"][ids],
-                            versions=None if ses.versions is None else ses.versions[ids].copy())
+                            versions=None if ses.versions is None else ses.versions[ids].copy(),
+                            routed_experts=o["routed"][ids] if "routed" in o else None)
 
     def abort(self, ids: Sequence[int]) -> None:
         """Drop queued rows (between steps no row is running)."""
@@ -162,6 +167,7 @@ class BatchRows:
             lengths=place(o["lengths"], ("batch",)), truncated=place(o["truncated"], ("batch",)),
             logprobs=place(o["logprobs"], ("batch", "length")),
             behaviour_logprobs=place(o["behaviour"], ("batch", "length")) if "behaviour" in o else None,
+            routed_experts=place(o["routed"], ("batch", "length", None, None)) if "routed" in o else None,
         )
 
     def stats(self) -> dict[str, Any]:

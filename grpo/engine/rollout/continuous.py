@@ -72,6 +72,7 @@ from grpo.models.layers.paged import (
     dense_dtype,
     pool_set,
 )
+from grpo.models.layers.moe import EXPERT_ID_DTYPE, MoeCall
 from grpo.models.rollout_quant import CODE_DTYPES, merge_rollout
 from grpo.sharding import fit_sharding
 
@@ -94,9 +95,13 @@ class SlotState(NamedTuple):
     # [B, N] float32 the behaviour policy's (top-k/top-p truncated) log-probs; None without
     # a filter, where they are ``logprobs`` themselves (see :func:`draw`)
     behaviour: jax.Array | None = None
+    # [B, N, layers, k] int16 (MoE, ``record_routing``): each completion token's experts in
+    # every layer, written by the decode step that fed it (-1: not fed, as the static sampler's)
+    routed: jax.Array | None = None
 
 
 class ContinuousSampler(BaseSampler):
+    records_routing = True  # each completion token's routed experts (MoE, ``record_routing``)
     quantized_kv = True  # its page pool may hold int8/fp8 codes with scales (``kv_format``)
     streams = True  # rows submitted and stepped (:class:`~grpo.core.contracts.engine.RolloutEngine`)
     simulates = True  # its schedule replayed without a model (:meth:`simulate`)
@@ -214,10 +219,11 @@ class ContinuousSampler(BaseSampler):
     def read(self, ids: Sequence[int]) -> FinishedRows:
         core = self._session()
         ids = list(ids)
-        tokens, mask, logprobs, out_len, truncated, behaviour = core.runner.read(ids)
+        tokens, mask, logprobs, out_len, truncated, behaviour, routed = core.runner.read(ids)
         versions = None if core.versions is None else core.versions[ids].copy()
         return FinishedRows(ids=np.asarray(ids, np.int64), tokens=tokens, mask=mask, logprobs=logprobs,
-                            behaviour_logprobs=behaviour, lengths=out_len, truncated=truncated, versions=versions)
+                            behaviour_logprobs=behaviour, lengths=out_len, truncated=truncated, versions=versions,
+                            routed_experts=routed)
 
     def abort(self, ids: Sequence[int]) -> None:
         sched = self._session().sched
@@ -259,7 +265,7 @@ class ContinuousSampler(BaseSampler):
         return RolloutOutput(
             prompt_tokens=place(runner.tokens, ("batch", "length")), prompt_mask=place(runner.mask, ("batch", "length")),
             tokens=st.tokens, mask=st.mask, lengths=st.out_len, truncated=st.truncated,
-            logprobs=st.logprobs, behaviour_logprobs=st.behaviour,
+            logprobs=st.logprobs, behaviour_logprobs=st.behaviour, routed_experts=st.routed,
         )
 
     def stats(self) -> dict[str, Any]:
@@ -486,7 +492,16 @@ class ContinuousSampler(BaseSampler):
             mask=batch(jnp.zeros((rows, N), jnp.int32), "length"), out_len=batch(jnp.zeros((rows,), jnp.int32)),
             truncated=batch(jnp.zeros((rows,), bool)),
             behaviour=batch(jnp.zeros((rows, N), jnp.float32), "length") if s.truncates else None,
+            routed=self._blank_routing(params, rows, batch),
         )
+
+    def _blank_routing(self, params: Any, rows: int, batch: Any) -> jax.Array | None:
+        """Every row's routed experts [rows, N, layers, k], -1 (None unless ``record_routing``)."""
+        if not self.record_routing:
+            return None
+        c = merge_rollout(self.graphdef, params).config
+        shape = (rows, self.sampling.max_new_tokens, c.num_hidden_layers, c.num_experts_per_tok)
+        return batch(jnp.full(shape, -1, EXPERT_ID_DTYPE), "length", None, None)
 
     def _prefill_impl(self, params: Any, state: SlotState, tokens: jax.Array, mask: jax.Array, src: jax.Array,
                       rows: jax.Array, slots: jax.Array, table: jax.Array, raw_key: jax.Array,
@@ -561,6 +576,8 @@ class ContinuousSampler(BaseSampler):
             truncated=st.truncated.at[out_rows].set(~stopped, mode="drop"),
             behaviour=None if blp is None else st.behaviour.at[out_rows].set(jnp.where(first, blp[:, None], 0.0),
                                                                              mode="drop"),
+            # a row seated again (evicted) feeds its tokens again: what it recorded is dropped
+            routed=None if st.routed is None else st.routed.at[out_rows].set(-1, mode="drop"),
         )
 
     def _decode_impl(self, params: Any, state: SlotState, table: jax.Array, idx: jax.Array, slot_rows: jax.Array,
@@ -607,10 +624,14 @@ class ContinuousSampler(BaseSampler):
         cap = N if caps is None else caps
         slot_stop = _per_row(stop_at, state.row)
 
+        routing = state.routed is not None
+
         def step(_, st: SlotState) -> SlotState:
             live = (st.row >= 0) & ~st.done
             cache = PagedKVCache(k=st.k, v=st.v, page_table=table, lengths=st.lengths, live=live)
-            hidden, cache = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec)
+            called = model(st.prev[:, None], st.lengths[:, None], cache=cache, paged=spec,
+                           **({"moe": MoeCall()} if routing else {}))
+            hidden, cache = called[:2]
             t = st.steps
             drawn = draw(model.logits(hidden)[:, 0, :], keys, t, live, sampling=s, stops=eos, stop_at=slot_stop)
             r = jnp.where(live, st.row, B)  # rows written (others dropped)
@@ -622,6 +643,9 @@ class ContinuousSampler(BaseSampler):
                 tokens=out.tokens, logprobs=out.logprobs, behaviour=out.behaviour,
                 mask=st.mask.at[r, tc].set(1, mode="drop"), out_len=st.out_len.at[r].add(1, mode="drop"),
                 truncated=st.truncated.at[r].set(~drawn.stopped, mode="drop"),
+                # the experts [L, n, 1, k] of the token fed (completion token t - 1) at its column
+                routed=st.routed.at[r, jnp.maximum(t - 1, 0)].set(
+                    jnp.transpose(called[2].experts[:, :, 0], (1, 0, 2)), mode="drop") if routing else None,
             )
 
         return jax.lax.fori_loop(0, self.chunk_steps, step, state)

@@ -91,6 +91,7 @@ class ContinuousMultiTurnSampler(ContinuousSampler):
     other args)."""
 
     loss_mask = True
+    records_routing = False  # its appended turns are not routed through the decode step (issue 54: refused)
     sample = MultiTurnSampler.sample
 
     def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,

@@ -99,7 +99,7 @@ def build_sampler(
             raise UserError(
                 f"model.moe.router_replay={config.model.moe.router_replay}: the {plugin.name} engine"
                 f"{' (multi-turn)' if multi_turn else ''} does not record routed experts; use rollout.engine: static "
-                "with a single-turn task, or model.moe.router_replay: off")
+                "or continuous with a single-turn task, or model.moe.router_replay: off")
         engine.record_routing = True
     return engine
 

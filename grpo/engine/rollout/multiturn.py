@@ -77,6 +77,7 @@ from grpo.engine.rollout.decoding import Outputs, draw, effective_chunk, row_key
 from grpo.engine.rollout.tools.environment import safe_step
 from grpo.engine.rollout.sampler import BaseSampler, RolloutOutput, Sampled
 from grpo.models.decoder import KVCache
+from grpo.models.layers.moe import EXPERT_ID_DTYPE, MoeCall, routed_shape
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,7 @@ class _TurnState(NamedTuple):
     count: jax.Array  # [B] int32, tokens sampled this turn
     pos: jax.Array  # [B] int32, RoPE position of the next fed token (real tokens so far)
     out: Outputs  # [B, W] the turn's tokens and log-probs
+    routed: jax.Array | None = None  # [B, W, L, k] the experts of each token fed (record_routing)
 
 
 class TurnOutput(NamedTuple):
@@ -137,6 +139,9 @@ class TurnOutput(NamedTuple):
     ended: jax.Array  # [B] bool
     steps: jax.Array  # [] int32: the longest row's turn (slots written: steps - 1)
     behaviour: jax.Array | None = None  # [B, W] float32 behaviour log-probs; None: = logprobs (no filter)
+    # [B, W, L, k] int16 (record_routing): the experts of the turn's tokens fed in the turn
+    # (all but its last, which the append feeds), -1 elsewhere
+    routed: jax.Array | None = None
 
 
 class _Decoding(NamedTuple):
@@ -160,6 +165,10 @@ class _Talk:
     context: list[str]  # each row's text so far, as the template rendered it
     # tokens, full-vocabulary log-probs, behaviour log-probs (None: no filter), trained
     pieces: list[list[tuple[np.ndarray, np.ndarray, np.ndarray | None, bool]]]
+    # record_routing: each row's experts [n, L, k] of the tokens fed so far, in feed order
+    # (a turn's tokens but its last, then the append: that token and the reply's), which
+    # is the transcript's order: laid end to end they cover every token but the row's last
+    routed: list[list[np.ndarray]]
     used: np.ndarray  # [b] int64 completion tokens so far (model and inserted)
     active: np.ndarray  # [b] bool still in its episode
     truncated: np.ndarray  # [b] bool
@@ -175,7 +184,8 @@ class _Talk:
                       *(counts[k] for k in TOOL_COUNTERS))
         return cls(render=render, tokenizer=tokenizer, eos=eos, envs=envs,
                    context=[render(m, env.tools, True) for m, env in zip(openings, envs)],
-                   pieces=[[] for _ in range(b)], used=np.zeros(b, np.int64), active=np.ones(b, bool),
+                   pieces=[[] for _ in range(b)], routed=[[] for _ in range(b)], used=np.zeros(b, np.int64),
+                   active=np.ones(b, bool),
                    truncated=np.zeros(b, bool), episodes=ep, encoded={})
 
     @property
@@ -188,9 +198,12 @@ class _Talk:
         tok, lp = local_rows(out.tokens), local_rows(out.logprobs)
         blp = None if out.behaviour is None else local_rows(out.behaviour)
         count, ended = local_rows(out.count), local_rows(out.ended)
+        routed = None if out.routed is None else local_rows(out.routed)
         stepping = []
         for r in np.flatnonzero(budget > 0):
             n = int(count[r])
+            if routed is not None:
+                self.routed[r].append(routed[r, :max(n - 1, 0)])
             if self.record(int(r), tok[r, :n], lp[r, :n], None if blp is None else blp[r, :n], ended=bool(ended[r]),
                            last=last):
                 stepping.append(int(r))
@@ -296,6 +309,7 @@ class MultiTurnSampler(BaseSampler):
     start."""
 
     loss_mask = True
+    records_routing = True  # each token's experts, fed in a turn or an append (MoE, ``record_routing``)
 
     def __init__(self, graphdef: Any, *, max_turns: int, turn_stop_ids: Sequence[int] | None = None,
                  max_turn_tokens: int | None = None, conversations: Any = None, **kwargs: Any):
@@ -361,10 +375,13 @@ class MultiTurnSampler(BaseSampler):
             )
 
         first = budget > 0
+        routing = self.record_routing
         st = _TurnState(
             cache=cache, kv_valid=kv_valid, prev=batch(jnp.full((B,), s.pad_id, jnp.int32)), live=first,
             ended=batch(jnp.zeros((B,), bool)), count=batch(jnp.zeros((B,), jnp.int32)), pos=pos,
             out=Outputs.blank(B, W, s, lambda x: batch(x, "length")),
+            routed=batch(jnp.full((B, W, model.config.num_hidden_layers, model.config.num_experts_per_tok), -1,
+                                  EXPERT_ID_DTYPE), "length", None, None) if routing else None,
         )
         st = record(st, jnp.int32(0), logits, first)
 
@@ -373,31 +390,43 @@ class MultiTurnSampler(BaseSampler):
             # The previous token joins the row's cache only while the row goes on sampling;
             # a turn's last token is fed by the append (or never, when the episode ends).
             kv_valid = jax.lax.dynamic_update_slice(st.kv_valid, st.live[:, None], (jnp.int32(0), slot))
-            hidden, cache = model(st.prev[:, None], st.pos[:, None], kv_valid, cache=st.cache, write_index=slot)
+            called = model(st.prev[:, None], st.pos[:, None], kv_valid, cache=st.cache, write_index=slot,
+                           **({"moe": MoeCall()} if routing else {}))
+            hidden, cache = called[:2]
+            if routing:  # the experts [L, B, 1, k] of the token fed (the turn's token t - 1), where it joins
+                fed = jnp.where(st.live[:, None, None], jnp.transpose(called[2].experts[:, :, 0], (1, 0, 2)), -1)
+                st = st._replace(routed=jax.lax.dynamic_update_slice_in_dim(
+                    st.routed, fed[:, None].astype(EXPERT_ID_DTYPE), t - 1, axis=1))
             st = st._replace(cache=cache, kv_valid=kv_valid, pos=st.pos + st.live.astype(jnp.int32))
             return record(st, t, model.logits(hidden)[:, 0, :], st.live)
 
         st = run_chunks(step, st, first=1, n_chunks=(W - 1) // C, chunk=C, going=lambda st: jnp.any(st.live))
         return TurnOutput(
             cache=st.cache, kv_valid=st.kv_valid, pos=st.pos, tokens=st.out.tokens, logprobs=st.out.logprobs,
-            count=st.count, ended=st.ended, steps=jnp.max(st.count), behaviour=st.out.behaviour,
+            count=st.count, ended=st.ended, steps=jnp.max(st.count), behaviour=st.out.behaviour, routed=st.routed,
         )
 
     def _append_impl(self, params, cache, kv_valid, logits, pos, start, tokens, tmask):
         """Write every row's ``tokens`` [B, L] (real where ``tmask``, right-padded) at slots
         ``start + [0, L)``; returns the cache, slot mask, the next logits (unchanged for
-        rows appending nothing) and positions."""
+        rows appending nothing), positions and (``record_routing``) the appended tokens'
+        experts [B, L, layers, k] (else None)."""
         model = self._model(params)
         real = tmask != 0
         n = real.sum(axis=1).astype(jnp.int32)  # B
         positions = pos[:, None] + jnp.cumsum(real, axis=1).astype(jnp.int32) - 1
         kv_valid = jax.lax.dynamic_update_slice(kv_valid, real, (jnp.int32(0), start))
-        hidden, cache = model(tokens, positions, kv_valid, cache=cache, write_index=start)
+        called = model(tokens, positions, kv_valid, cache=cache, write_index=start,
+                       **({"moe": MoeCall()} if self.record_routing else {}))
+        hidden, cache = called[:2]
+        routed = None
+        if self.record_routing:  # L B T k -> B T L k
+            routed = self._constrain(jnp.transpose(called[2].experts, (1, 2, 0, 3)), ("batch", "length", None, None))
         last = jnp.maximum(n - 1, 0)
         h = jnp.take_along_axis(hidden, last[:, None, None], axis=1)  # B 1 D
         new = model.logits(h)[:, 0, :]
         logits = jnp.where((n > 0)[:, None], new, logits)
-        return cache, kv_valid, self._constrain(logits, ("batch", "vocab")), pos + n
+        return cache, kv_valid, self._constrain(logits, ("batch", "vocab")), pos + n, routed
 
     # ------------------------------------------------------------------ the turn loop
 
@@ -510,13 +539,13 @@ class MultiTurnSampler(BaseSampler):
                                            slots_left=self.slots(Lp) - dev.start, inserted=self._inserted)
                 width = self._global_max(np.asarray([len(v) for v in appends.values()] or [0]))
                 if width:
-                    dev = self._append(params, dev, appends, width, rows=b)
+                    dev = self._append(params, dev, appends, width, rows=b, talk=talk)
                 talk.episodes.append_s += time.perf_counter() - t2
                 if width == 0:
                     break
         finally:
             pool.shutdown(wait=False, cancel_futures=True)
-        return self._compact(pre, talk.pieces, talk.truncated), talk.episodes
+        return self._compact(pre, talk.pieces, talk.truncated, routed=talk.routed), talk.episodes
 
     def _budget(self, talk: "_Talk", start: int, cap: int) -> np.ndarray:
         """Tokens each of this process's rows may sample in the next turn (0: none)."""
@@ -526,19 +555,24 @@ class MultiTurnSampler(BaseSampler):
         return np.where(talk.active, budget, 0).astype(np.int32)
 
     def _append(self, params: Any, dev: "_Decoding", appends: dict[int, list[int]], width: int, *,
-                rows: int) -> "_Decoding":
+                rows: int, talk: "_Talk") -> "_Decoding":
         """Every continuing row's tokens written into the cache (one append program at the
-        padded ``width`` of the widest row of every process)."""
+        padded ``width`` of the widest row of every process); recording routing, their
+        experts added to ``talk``'s."""
         L = append_bucket(width)
         chunk = np.full((rows, L), self.sampling.pad_id, np.int32)
         cmask = np.zeros((rows, L), np.int32)
         for r, ids in appends.items():
             chunk[r, : len(ids)] = ids
             cmask[r, : len(ids)] = 1
-        cache, kv_valid, logits, pos = self.append_jit(
+        cache, kv_valid, logits, pos, routed = self.append_jit(
             params, dev.cache, dev.kv_valid, dev.logits, dev.pos, jnp.int32(dev.start), self._global(chunk),
             self._global(cmask))
         jax.block_until_ready(logits)
+        if routed is not None:
+            routed = local_rows(routed)
+            for r, ids in appends.items():
+                talk.routed[r].append(routed[r, : len(ids)])
         return _Decoding(cache=cache, kv_valid=kv_valid, logits=logits, pos=pos, start=dev.start + width)
 
     @staticmethod
@@ -557,13 +591,22 @@ class MultiTurnSampler(BaseSampler):
             memo[text] = list(tokenizer(text, add_special_tokens=False)["input_ids"])
         return list(memo[text])
 
-    def _compact(self, pre, pieces, truncated: np.ndarray) -> RolloutOutput:
+    def _compact(self, pre, pieces, truncated: np.ndarray, routed: list[list[np.ndarray]]) -> RolloutOutput:
         g = self._global
         c = compact(pieces, sampling=self.sampling)
+        ids = None
+        if self.record_routing:  # every fed token's experts at its column, -1 on the row's last and after
+            ids = np.full(c["tokens"].shape + routed_shape(self.graphdef), -1, np.int16)
+            for r, parts in enumerate(routed):
+                fed = np.concatenate(parts) if parts else ids[r, :0]
+                ids[r, : len(fed)] = fed
+            ids = to_global(ids, self.sharding((ids.shape[0] * self._processes(),) + ids.shape[1:],
+                                               ("batch", "length", None, None)))
         return RolloutOutput(
             prompt_tokens=pre.prompt_tokens, prompt_mask=pre.prompt_mask, tokens=g(c["tokens"]), mask=g(c["mask"]),
             lengths=g(c["mask"].sum(axis=1).astype(np.int32)), truncated=g(truncated), logprobs=g(c["logprobs"]),
             loss_mask=g(c["loss_mask"]), behaviour_logprobs=None if c["behaviour"] is None else g(c["behaviour"]),
+            routed_experts=ids,
         )
 
 

@@ -232,7 +232,7 @@ class PartialStream:
                 g = self.row_group[r]
                 self.groups[g]["done"][r] = tuple(None if a is None else a[i].copy() for a in (
                     got.tokens, got.mask, got.logprobs, got.lengths, got.truncated, got.behaviour_logprobs)) + (
-                    got.versions[i].copy(),)
+                    got.versions[i].copy(), None if got.routed_experts is None else got.routed_experts[i].copy())
                 if len(self.groups[g]["done"]) == self.K:
                     finished.add(g)
             self.ready.extend(sorted(finished))  # one boundary's groups: in data order
@@ -268,7 +268,7 @@ class PartialStream:
         c, s, K = self.c, self.engine, self.K
         rows = [r for g in picked for r in self.groups[g]["rows"]]  # b*K + j: sample j of group b
         done = [self.groups[self.row_group[r]]["done"][r] for r in rows]
-        tokens, mask, logprobs, out_len, truncated, behaviour, versions = (
+        tokens, mask, logprobs, out_len, truncated, behaviour, versions, routed = (
             None if d[0] is None else np.stack(d) for d in zip(*done))
         w = max(self.groups[g]["width"] for g in picked)
 
@@ -285,6 +285,8 @@ class PartialStream:
             logprobs=put(logprobs, ("batch", "length"), np.float32),
             behaviour_logprobs=None if behaviour is None else put(behaviour, ("batch", "length"), np.float32),
             versions=put(versions, ("batch", "length"), np.int32),
+            # each token's experts as the engine fed it, under the version that fed it
+            routed_experts=None if routed is None else put(routed, ("batch", "length", None, None), np.int16),
         )
         # This process's groups are the ones it scores (over several rollout processes, its
         # slice of the batch: the rewards are made global from every process's own rows).
@@ -303,7 +305,7 @@ class PartialStream:
     # ------------------------------------------------------------------ checkpoint
 
     # A finished row's host arrays, in the order ``_run_chunk`` keeps them.
-    DONE = ("tokens", "mask", "logprobs", "lengths", "truncated", "behaviour", "versions")
+    DONE = ("tokens", "mask", "logprobs", "lengths", "truncated", "behaviour", "versions", "routed")
 
     def snapshot(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         """The stream between two batches as JSON and host arrays (see the module

@@ -20,23 +20,11 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from grpo.models.layers.moe import MoeCall, load_balancing_loss, router_z_loss
+from grpo.models.layers.moe import MoeCall, load_balancing_loss, routed_shape, router_z_loss
 
 
 def is_moe(model: Any) -> bool:
     return bool(getattr(model.config, "num_experts", 0))
-
-
-def routed_shape(graphdef: Any) -> tuple[int, int] | None:
-    """(layers, experts per token) of the model a graphdef describes (its static config),
-    or None for a dense model: the trailing dims of ``routed_experts``."""
-    for name, value in getattr(graphdef, "attributes", ()):
-        if name == "config":
-            c = getattr(value, "value", None)
-            if getattr(c, "num_experts", 0):
-                return c.num_hidden_layers, c.num_experts_per_tok
-            return None
-    return None
 
 
 def moe_call(batch: Any, *, packed: bool, options: Any, replay: bool = True) -> MoeCall:

@@ -163,7 +163,19 @@ def router_z_loss(routing: Any) -> jax.Array:
     return jnp.mean(routing.z_sum / jnp.maximum(routing.tokens, 1.0))
 
 
+
+def routed_shape(graphdef: Any) -> tuple[int, int] | None:
+    """(layers, experts per token) of the model a graphdef describes (its static config),
+    or None for a dense model: the trailing dims of ``routed_experts``."""
+    for name, value in getattr(graphdef, "attributes", ()):
+        if name == "config":
+            c = getattr(value, "value", None)
+            if getattr(c, "num_experts", 0):
+                return c.num_hidden_layers, c.num_experts_per_tok
+            return None
+    return None
+
 __all__ = [
     "EXPERT_ID_DTYPE", "LayerRouting", "MoeCall", "experts_forward", "load_balancing_loss", "moe_block", "route",
-    "router_z_loss",
+    "routed_shape", "router_z_loss",
 ]

@@ -20,6 +20,7 @@ class StaticEngine(RolloutEnginePlugin):
                    "KV cache until the longest stops; multi-turn tasks too.")
     multi_turn = True
     quantized_weights = True
+    records_routing = records_multi_turn_routing = True  # router replay, single- and multi-turn
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.multiturn import MultiTurnSampler
@@ -45,6 +46,7 @@ class ContinuousEngine(RolloutEnginePlugin):
     streams = True
     quantized_weights = True
     quantized_kv = True
+    records_routing = True  # router replay, single-turn rows (its multi-turn rows do not record yet)
 
     def build(self, context: EngineContext, options: Any) -> Any:
         from grpo.engine.rollout.continuous import ContinuousSampler

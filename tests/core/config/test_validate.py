@@ -119,10 +119,10 @@ def test_truncated_policy_needs_a_loss_that_truncates_and_is_a_no_op_without_top
      ["model.moe.router_replay=rollout needs a mixture-of-experts model, but model.random.preset='tiny' is dense"]),
     (["model.moe.router_z_loss=0.001"], ["model.moe.router_z_loss=0.001 needs a mixture-of-experts model"]),
     # ... and in the modes that do not carry the routed experts yet
-    (["model.random.preset=tiny-moe", "model.moe.router_replay=compare", "train.async.enabled=true"],
-     ["model.moe.router_replay=compare does not combine with train.async.enabled=true yet"]),
-    (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "rollout.engine=continuous"],
-     ["model.moe.router_replay=rollout needs rollout.engine: static (got 'continuous'"]),
+    (["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "task.name=lookup", "task.options={}",
+      "rollout.engine=continuous"],
+     ["model.moe.router_replay=rollout with a multi-turn task (task 'lookup' has tools) needs rollout.engine: static "
+      "(rollout.engine='continuous' records the experts of single-turn rows only)"]),
     (["model.random.preset=tiny-moe", "model.moe.load_balancing_loss=0.01", "loss.aggregation=sequence_mean"],
      ["model.moe.load_balancing_loss needs loss.aggregation: token_mean (got 'sequence_mean'"]),
     # issue 54, the expert mesh axis: with a dense model, or not dividing the experts
@@ -140,6 +140,36 @@ def test_moe_options_are_refused_where_they_cannot_work(tmp_path, sets, expected
     assert len(lines) == len(expected) and all(line.startswith(e) for line, e in zip(lines, expected)), lines
 
 
+def test_router_replay_needs_an_engine_that_records_routing(tmp_path, monkeypatch):
+    """Issue 54: an engine plugin that does not declare ``records_routing`` (a throwaway
+    one registered for this test) is refused with router replay, naming rollout.engine."""
+    import types
+
+    import grpo
+    from grpo.core import plugins
+
+    class Unrouted(grpo.RolloutEnginePlugin):
+        name = "unrouted"
+        description = "An engine that records no routing (tests)."
+        Options = grpo.NoOptions
+
+        def build(self, context, options):
+            raise AssertionError("validate builds no engine")
+
+    module = types.ModuleType("unrouted_engine")
+    module.register_rollout_engines = grpo.hookimpl(lambda register: register(Unrouted()))
+    module.register_rollout_engines.__name__ = "register_rollout_engines"
+    loaded = plugins.load_plugins(entry_points=False, extra_modules=[module])
+    monkeypatch.setattr(plugins, "get_plugins", lambda: loaded)
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(QUICKSTART))
+    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "rollout.engine=unrouted"]
+    result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert ("model.moe.router_replay=rollout needs an engine that records the routed experts (rollout.engine: static "
+            "or continuous; rollout.engine='unrouted' does not)") in " ".join(result.output.split())
+
+
 def test_expert_axis_must_divide_the_fsdp_axis_of_the_topology(tmp_path):
     """Issue 54: ep=4 on 6 devices (auto: fsdp=6) is refused naming mesh.expert_parallel
     (exit 2); on 8 it passes."""
@@ -153,10 +183,19 @@ def test_expert_axis_must_divide_the_fsdp_axis_of_the_topology(tmp_path):
     assert result.exit_code == 0, result.output
 
 
-def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path):
+@pytest.mark.parametrize("mode", [
+    [],
+    ["train.async.enabled=true", "train.async.max_staleness=1"],  # issue 54: the ids ride in the async buffer
+    ["rollout.engine=continuous"],  # ... and the continuous engine records them, partial rollouts included
+    ["rollout.engine=continuous", "train.async.enabled=true", "train.async.partial_rollouts=true"],
+    ["distributed.mode=auto"],  # ... and over several processes, gathered with the rows
+    ["task.name=lookup", "task.options={}"],  # ... and the static engine's multi-turn rows
+])
+def test_moe_options_pass_with_a_mixture_of_experts_model(tmp_path, mode):
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(QUICKSTART))
-    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01"]
+    sets = ["model.random.preset=tiny-moe", "model.moe.router_replay=rollout", "model.moe.load_balancing_loss=0.01",
+            *mode]
     result = CliRunner().invoke(cli, ["config", "validate", str(path), *[a for s in sets for a in ("--set", s)]])
     assert result.exit_code == 0, result.output
 

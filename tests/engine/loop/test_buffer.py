@@ -70,8 +70,8 @@ def test_the_correction_weights_by_hand():
 
 
 def test_a_buffered_rollout_round_trips_through_an_orbax_checkpoint(tmp_path):
-    """Every field back as saved through the real checkpointer: device arrays in their
-    shardings, host arrays and scalars with their dtypes, records, dicts, lists, None; an
+    """Every field back as saved through the real checkpointer (the routed experts of
+    router replay, issue 54, among them): device arrays in their shardings, host arrays and scalars with their dtypes, records, dicts, lists, None; an
     array held twice (``logged_rewards is rewards``) comes back as one object."""
     from jax.sharding import Mesh, NamedSharding
     from jax.sharding import PartitionSpec as P
@@ -89,7 +89,10 @@ def test_a_buffered_rollout_round_trips_through_an_orbax_checkpoint(tmp_path):
     rewards = jax.device_put(jnp.array([0.5, -1.0, 0.25, 2.0], jnp.float32), rows)
     output = RolloutOutput(prompt_tokens=tokens[:, :2], prompt_mask=mask[:, :2], tokens=tokens, mask=mask,
                            lengths=jnp.sum(mask, axis=1), truncated=jax.device_put(jnp.array([True, False] * 2), rows),
-                           logprobs=logprobs)
+                           logprobs=logprobs,
+                           # issue 54: the rollout's routed experts [B, N, layers, k] int16 (router replay)
+                           routed_experts=jax.device_put(
+                               (jnp.arange(96, dtype=jnp.int32).reshape(4, 6, 2, 2) % 9 - 1).astype(jnp.int16), rows))
     group = SampleGroup(example={"question": "2+2", "answer": 4, "tags": ["a", {"b": None}]}, texts=["4", "5"],
                         rewards=np.array([1.0, 0.0], np.float32), turns=[[{"role": "assistant", "text": "4",
                                                                           "trained": True}]])
@@ -115,6 +118,7 @@ def test_a_buffered_rollout_round_trips_through_an_orbax_checkpoint(tmp_path):
     assert isinstance(got.metrics["x"], np.float32) and got.rollout_s == want.rollout_s
     assert (got.tools.rows, got.tools.tools_s, got.reward_names, got.prompts_drawn) == (4, 0.5, ["correct"], 2)
     assert got.output.loss_mask is None and got.informative is None
+    assert got.output.routed_experts.dtype == jnp.int16 and got.output.routed_experts.sharding == rows
     pairs = [(got.output, want.output), (got.rewards_by_fn, want.rewards_by_fn), (got.logged_by_fn, want.logged_by_fn),
              (got.reward_errors, want.reward_errors), (got.tools.counts, want.tools.counts)]
     for a, b in zip(*(jax.tree.leaves([p[i] for p in pairs]) for i in (0, 1)), strict=True):

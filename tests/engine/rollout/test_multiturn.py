@@ -236,7 +236,10 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     that are, token by token, the sum of each scope's own group advantage of the step's
     rewards (recomputed here with NumPy from the scored rewards, the weights, the task's
     reward_turns and the config's override) over the model turns of the scope, 0 on
-    inserted tokens; and the turn scopes of an unknown reward are a config error."""
+    inserted tokens; and the turn scopes of an unknown reward are a config error. On a
+    tiny mixture-of-experts model with router replay (issue 54, multi-turn): every token
+    the sampler fed, in a turn or an append (the environment's tokens too), carries its
+    experts at its column, and the trainer's replayed routing agrees on every one."""
     from grpo.core.config import load_config
     from grpo.core.errors import ConfigError
     from grpo.engine.trainer import Trainer
@@ -252,7 +255,9 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(ArithmeticTask, "reward_functions", lambda self, *, options: rewards)
     monkeypatch.setattr(ArithmeticTask, "reward_weights", lambda self, *, options: weights)
     monkeypatch.setattr(ArithmeticTask, "reward_turns", lambda self, *, options: {"f": "first", "l": "all"})
-    run = {**TOOLS_RUN, "rollout": {**TOOLS_RUN["rollout"], "num_generations": 4},
+    run = {**TOOLS_RUN, "model": {**TOOLS_RUN["model"], "random": {**TOOLS_RUN["model"]["random"], "preset": "tiny-moe"},
+                                  "moe": {"router_replay": "rollout"}},
+           "rollout": {**TOOLS_RUN["rollout"], "num_generations": 4},
            "train": {**TOOLS_RUN["train"], "prompts_per_step": 2,
                      "advantage": {"credit": "turn", "reward_turns": {"l": "last"}},
                      # Bins of two longest conversations: some bin holds more than one.
@@ -264,9 +269,13 @@ def test_turn_credit_in_a_trainer_step(tmp_path, monkeypatch):
     monkeypatch.setattr(trainer.collector, "_score", lambda *a, **k: scored.append(score(*a, **k)) or scored[-1])
     monkeypatch.setattr(trainer, "row_batch", lambda *a: rows.append(row_batch(*a)) or rows[-1])
     monkeypatch.setattr(trainer, "update", lambda *a: batches.append(a[2]) or update(*a))
-    trainer.train_step()
+    metrics = trainer.train_step()
     [(_, per_fn, *_)], [ub], [packed] = scored, jax.device_get(rows), jax.device_get(batches)
     own = np.asarray(ub.loss_mask)
+    routed, real = np.asarray(ub.routed_experts), np.asarray(ub.mask)
+    fed = np.arange(real.shape[1])[None] < (real.sum(1) - 1)[:, None]  # all but each row's last token
+    assert (routed[fed] >= 0).all() and (routed[~fed] == -1).all() and (fed & (own == 0) & (real == 1)).any()
+    assert metrics["moe/routing_agreement"] == 1.0 and metrics["logprob_gap/sampler_trainer"] < 1e-5
     assert np.asarray(ub.advantages).shape == own.shape and (own.sum(1) > 0).all()
 
     def group_adv(r):  # GRPO's, by hand: (r - group mean) / (group std + 1e-4); equal rewards 0

@@ -1,7 +1,8 @@
 """Partial rollouts (grpo/engine/rollout/partial.py): the version bookkeeping and the
-ledger by hand; end to end on 8 CPU devices: max_staleness 0 equals the synchronous
-continuous run, rows cross weight changes with two versions, and a preempted run resumes
-with no group lost or trained twice."""
+ledger by hand; end to end on 8 CPU devices (the end-to-end runs on a tiny
+mixture-of-experts model with router replay, issue 54): max_staleness 0 equals the
+synchronous continuous run, rows cross weight changes with two versions, and a preempted
+run resumes with no group lost or trained twice."""
 
 from __future__ import annotations
 
@@ -65,14 +66,19 @@ def test_partial_rollouts_config_errors():
 
 CONTINUOUS = {"rollout.engine": "continuous", "rollout.continuous": {"chunk": 2, "page_size": 8},
               "rollout.max_new_tokens": 6}
+# Issue 54: the tiny mixture-of-experts model with router replay: each token's routed
+# experts travel with it through the stream (across versions, and the checkpoint).
+MOE = {"model.random.preset": "tiny-moe", "model.moe.router_replay": "rollout"}
 
 
 @pytest.mark.slow
 def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     """Each batch of a max_staleness 0 run equals the synchronous continuous step's rollout
     (StepCollector.collect: the same sampler, weights, step and data position): the same
-    tokens, log-probs and rewards, so the update, the same code, sees the same batch."""
-    trainer = Trainer(_config(**{**CONTINUOUS, "train.steps": 2, "train.async": {
+    tokens, log-probs, rewards and (issue 54, a tiny MoE with router replay) routed
+    experts, so the update, the same code, sees the same batch; the trainer replays the
+    sampler's experts (every routed token agrees, log-probs within 1e-5)."""
+    trainer = Trainer(_config(**{**CONTINUOUS, **MOE, "train.steps": 2, "train.async": {
         "enabled": True, "max_staleness": 0, "partial_rollouts": True}}), tmp_path)
     partial, compared = trainer.loop.source.partial, []
     draw = partial.draw
@@ -81,7 +87,8 @@ def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
         rollout, versions, positions = draw(step=step, version=version, sample_group=sample_group)
         # The same engine, holding the same synced weights (update_weights).
         sync = trainer.collector.collect(step=step, position=step * 8, sample_group=False)
-        for name in ("tokens", "mask", "lengths", "truncated", "prompt_tokens", "prompt_mask"):
+        assert rollout.output.routed_experts.shape == (16, 6, 2, 2)  # B N layers k
+        for name in ("tokens", "mask", "lengths", "truncated", "prompt_tokens", "prompt_mask", "routed_experts"):
             np.testing.assert_array_equal(np.asarray(getattr(rollout.output, name)), np.asarray(getattr(sync.output, name)))
         np.testing.assert_allclose(np.asarray(rollout.output.logprobs), np.asarray(sync.output.logprobs), atol=1e-6)
         np.testing.assert_array_equal(np.asarray(rollout.rewards), np.asarray(sync.rewards))
@@ -96,6 +103,8 @@ def test_staleness_zero_equals_the_synchronous_continuous_run(tmp_path):
     assert {r["async/token_staleness_max"] for r in rows} == {0} and {r["async/crossed_rows"] for r in rows} == {0}
     assert {r["partial/in_flight_rows"] for r in rows} == {0} and {r["async/refused_groups"] for r in rows} == {0}
     assert [r["async/data_position"] for r in rows] == [0, 8] and trainer.data_position == 16
+    assert {r["moe/routing_agreement"] for r in rows} == {1.0}
+    assert all(r["logprob_gap/sampler_trainer"] < 1e-5 for r in rows)
 
 
 @pytest.mark.slow
@@ -109,11 +118,13 @@ def test_a_preempted_partial_run_keeps_its_rows_in_flight(tmp_path, monkeypatch)
     the uninterrupted one: the same steps, data positions, rewards and metrics, the same
     params bit for bit, and every trained batch the same tokens, log-probs and token
     versions; nothing is drawn twice (``async/regenerated_tokens`` 0) and no group is
-    lost or trained twice."""
+    lost or trained twice. Issue 54 (a tiny MoE with router replay): each trained
+    token's routed experts too, a row's ids across versions those each token was fed
+    with, kept through the checkpoint for the rows in flight."""
     from grpo.engine.loop.loop import Loop
 
     steps, after = 4, 2
-    config = _config(**{**CONTINUOUS, "train.steps": steps, "checkpoint.at_end": True, "rollout.continuous": {
+    config = _config(**{**CONTINUOUS, **MOE, "train.steps": steps, "checkpoint.at_end": True, "rollout.continuous": {
         "chunk": 2, "page_size": 8, "slots": 8}, "train.async": {"enabled": True, "max_staleness": 2,
                                                                  "partial_rollouts": True,
                                                                  "on_weight_change": "reprefill"}})
@@ -124,7 +135,8 @@ def test_a_preempted_partial_run_keeps_its_rows_in_flight(tmp_path, monkeypatch)
         entry = due(loop)
         out = entry.rollout.output
         batches.append((entry.step, list(entry.positions), np.asarray(out.tokens), np.asarray(out.logprobs),
-                        entry.token_versions.copy(), np.asarray(entry.rollout.rewards)))
+                        entry.token_versions.copy(), np.asarray(entry.rollout.rewards),
+                        np.asarray(out.routed_experts)))
         return entry
 
     monkeypatch.setattr(Loop, "_due", recorded)
@@ -155,6 +167,13 @@ def test_a_preempted_partial_run_keeps_its_rows_in_flight(tmp_path, monkeypatch)
     strip = lambda rs: [{k: v for k, v in r.items() if not k.startswith(own)} for r in rs]  # noqa: E731
     assert strip(rows) == strip(ref)
     assert max(r["async/crossed_rows"] for r in rows) > 0  # rows went on across a weight change
+    # Every fed token of every trained row has its experts (its last token, never fed, none),
+    # rows that crossed a weight change included.
+    for b in batches:
+        versions, routed = b[4], b[6]
+        lengths = (versions >= 0).sum(axis=1)  # a token's version is -1 off the mask
+        fed = np.arange(versions.shape[1])[None] < (lengths - 1)[:, None]
+        assert (routed[fed] >= 0).all() and (routed[~fed] == -1).all()
     trained = [p for b in batches for p in b[1]]
     assert len(trained) == len(set(trained)) == steps * 8  # none trained twice, none lost
     # The resumed stream went on feeding after the checkpoint's last position fed.

@@ -24,12 +24,15 @@ N = 6
 pytestmark = pytest.mark.slow  # a rollout and trainer passes of a model: ~25 s alone, more on a shared machine
 
 
+def static_sampling() -> SamplingParams:
+    return SamplingParams(max_new_tokens=N, num_generations=4, eos_ids=(308,), pad_id=306)
+
+
 @functools.cache
 def _rollout(compute_dtype: str):
     """A 16-row rollout (4 prompts x 4) of the tiny Qwen3-MoE, recording routing, with the
     sampler computing in ``compute_dtype`` (the weights are float32 either way)."""
-    sampling = SamplingParams(max_new_tokens=N, num_generations=4, eos_ids=(308,), pad_id=306)
-    graphdef, params, kwargs = engine_parts(checkpoint("qwen3moe_untied"), sampling)
+    graphdef, params, kwargs = engine_parts(checkpoint("qwen3moe_untied"), static_sampling())
     if compute_dtype != "float32":
         graphdef, _ = nnx.split(load_hf(checkpoint("qwen3moe_untied"), kwargs["mesh"], compute_dtype=compute_dtype))
     sampler = Sampler(graphdef, **kwargs)
@@ -94,3 +97,43 @@ def test_a_bf16_sampler_routes_differently_and_replay_uses_its_experts():
     own = np.moveaxis(np.asarray(own), 0, 2)[:, lp:]
     np.testing.assert_array_equal(used[fed], routed[fed])
     assert (own[fed] != routed[fed]).any()
+
+
+def test_the_continuous_engine_records_the_static_engines_experts():
+    """Issue 54: the continuous engine records each completion token's experts as the
+    static one does (rows through a session, 4 slots for 16 rows, pages short enough to
+    evict rows, which then feed their tokens again): the same tokens and expert ids,
+    read row by row (``read``: what partial rollouts keep) and as the rollout
+    (``outputs``); the trainer's replayed forward over them is the one over the static
+    rows. ~15 s beside the module's static rollout."""
+    from grpo.core.contracts.engine import Rows
+    from grpo.engine.rollout.continuous import ContinuousSampler
+
+    static, params, mesh = _rollout("float32")
+    graphdef, _, kwargs = engine_parts(checkpoint("qwen3moe_untied"), static_sampling())
+    engine = ContinuousSampler(graphdef, slots=4, page_size=4, pool_pages=4, chunk=2, backend="reference", **kwargs)
+    engine.record_routing = True
+    engine.update_weights(params)
+    prompts, pmask = np.asarray(static.prompt_tokens), np.asarray(static.prompt_mask)  # P*K rows, left-aligned
+    engine.begin(rows=16, prompt_length=prompts.shape[1], key=jax.random.key(1))
+    engine.submit(Rows(ids=np.arange(16), prompt_tokens=prompts, prompt_mask=pmask, keys=None))
+    read = {}
+    while not (progress := engine.step()).idle:
+        got = engine.read(sorted(progress.finished))
+        read.update({int(r): got.routed_experts[i] for i, r in enumerate(got.ids)})
+    assert engine.stats()["evictions"] > 0, engine.stats()
+    out = engine.outputs()
+    engine.end()
+    np.testing.assert_array_equal(np.asarray(out.tokens), np.asarray(static.tokens))
+    np.testing.assert_allclose(np.asarray(out.logprobs), np.asarray(static.logprobs), rtol=0, atol=1e-5)
+    want = np.asarray(static.routed_experts)
+    np.testing.assert_array_equal(np.asarray(out.routed_experts), want)
+    np.testing.assert_array_equal(np.stack([read[r] for r in range(16)]), want)
+    assert out.routed_experts.dtype == jnp.int16 and (want >= 0).sum() > 100
+    ub = lambda o: UpdateBatch(prompt_tokens=o.prompt_tokens, prompt_mask=o.prompt_mask, tokens=o.tokens,  # noqa: E731
+                               mask=o.mask, advantages=None, old_logprobs=None, ref_logprobs=None,
+                               routed_experts=o.routed_experts)
+    f32, _ = nnx.split(load_hf(checkpoint("qwen3moe_untied"), mesh))
+    (a, ma, _), (b, mb, _) = (_trainer(f32, params, "rollout", ub(o)) for o in (out, static))
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert float(ma["moe/routing_agreement"]) == float(mb["moe/routing_agreement"]) == 1.0

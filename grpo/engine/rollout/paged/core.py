@@ -294,10 +294,11 @@ class DeviceRunner:
 
     def read(self, ids: list[int]) -> tuple[np.ndarray | None, ...]:
         """Rows ``ids``' outputs on the host: tokens, mask, logprobs, out_len, truncated,
-        behaviour (None without a filter). Whole on every process (:func:`on_host`: over
-        several processes a collective of the mesh's, which run the same schedule)."""
+        behaviour (None without a filter), routed experts (None unless recorded). Whole on
+        every process (:func:`on_host`: over several processes a collective of the mesh's,
+        which run the same schedule)."""
         st = self.state
-        fields = (st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour)
+        fields = (st.tokens, st.mask, st.logprobs, st.out_len, st.truncated, st.behaviour, st.routed)
         got = iter(on_host(*(a for a in fields if a is not None)))
         return tuple(None if a is None else next(got)[ids] for a in fields)
 
