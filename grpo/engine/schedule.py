@@ -351,7 +351,7 @@ def submission_order(rollout: list[ProgramShape], packed: list[ProgramShape], *,
     """The order the pool takes the ``rollout`` and ``packed`` shapes in: the first packed
     chain first, then the rollout's, then the other chains. A chain holds the update
     (forward, backward and optimizer: a run's longest compile; measured on the tiny CPU
-    run, 7.8 of the 13 CPU seconds compiled ahead) and step 1's first packed pass waits
+    run, 6.6 of the 10.4 CPU seconds compiled ahead) and step 1's first packed pass waits
     for every shape, so started first it ends first, while the other workers compile the
     rollout's (step 1 rolls out once they are compiled) and the rest; started after them,
     its end is later by the time a worker spent on them. On one worker (``workers``,
