@@ -495,19 +495,22 @@ class Trainer:
     def compile_ahead(self) -> Any:
         """Start compiling the run's shape schedule (``train.compile.ahead``; :mod:`grpo.engine.schedule`)
         on background threads, in parallel, with a progress line: with ``all`` and ``auto``
-        the rollout engine's programs and the glue at every prompt width the train split
-        reaches, evaluation's at the eval split's (:meth:`_rollout_shapes`), then every
-        packed shape; ``first`` the widest packed shape; ``lazy`` nothing. Step 1 rolls
-        out once the rollout's are compiled (:meth:`train_step`), and its first packed pass
-        waits for the rest (:meth:`update_batch`). Returns the
-        :class:`~grpo.engine.schedule.Pending` compile, or None when nothing compiles ahead."""
-        from grpo.engine.schedule import packed_shapes, start_compile
+        the rollout engine's programs and the glue at every prompt width the run's steps
+        take, evaluation's at the eval split's (:meth:`_rollout_shapes`), and every packed
+        shape at those widths (the longest compile, a chain holding the update, first:
+        :func:`~grpo.engine.schedule.submission_order`); ``first`` the widest packed shape;
+        ``lazy`` nothing. Step 1 rolls out once the rollout's are compiled
+        (:meth:`train_step`), and its first packed pass waits for the rest
+        (:meth:`update_batch`). Returns the :class:`~grpo.engine.schedule.Pending` compile,
+        or None when nothing compiles ahead."""
+        from grpo.engine.schedule import packed_shapes, start_compile, submission_order
 
         mode = self.config.train.compile.ahead
-        shapes = self._rollout_shapes() if mode in ("all", "auto") else []
-        if mode != "lazy" and self.programs.packing:
-            shapes += packed_shapes(self.programs, params=self.params, opt_state=self.opt_state, frozen=self.frozen,
-                                    ref_params=self.ref_params, first=mode == "first")
+        rollout = self._rollout_shapes() if mode in ("all", "auto") else []
+        packed = packed_shapes(self.programs, params=self.params, opt_state=self.opt_state, frozen=self.frozen,
+                               ref_params=self.ref_params, first=mode == "first", widths=self._train_widths()
+                               ) if mode != "lazy" and self.programs.packing else []
+        shapes = submission_order(rollout, packed)
         if not shapes:
             return None
         return start_compile(shapes, progress=log.info if self.is_main else (lambda _: None))
@@ -518,7 +521,7 @@ class Trainer:
         for its batch: every shape a step or an evaluation gives them, known from the data
         before step 1 (:func:`~grpo.engine.schedule.rollout_shapes`)."""
         from grpo.engine.rollout.prompts import bucket_for
-        from grpo.engine.schedule import engine_weights, reachable_widths, rollout_shapes, step_widths
+        from grpo.engine.schedule import engine_weights, rollout_shapes
 
         cfg, programs = self.config, self.programs
         every, steps = cfg.eval.every_n_steps, cfg.train.steps
@@ -530,14 +533,7 @@ class Trainer:
         weights = engine_weights(programs, engine, params=self.params, frozen=self.frozen) if train or evals else None
         if weights is None:  # nothing to list, or a rollout side of its own (its weights arrive by the sync)
             return []
-        token_ids, a = self.collector.prompts.token_ids, cfg.train
-        if not train:
-            widths = ()
-        elif a.dynamic_sampling.enabled or a.async_.partial_rollouts:  # a step may feed more than its prompts
-            widths = reachable_widths(token_ids, self.buckets)
-        else:  # each step's own prompts: exactly the widths the run's steps take
-            widths = step_widths(token_ids, self.buckets, position=self.data_position, steps=steps - self.step,
-                                 prompts=a.prompts_per_step, seed=a.seed)
+        widths = self._train_widths() if train else ()
         shapes = rollout_shapes(programs, engine, weights=weights, prompts=cfg.train.prompts_per_step, widths=widths,
                                 key=jax.random.key(cfg.train.seed))
         if evals:
@@ -548,6 +544,19 @@ class Trainer:
                 shapes += rollout_shapes(programs, evaluator, weights=weights, prompts=size, widths=(width,),
                                          key=jax.random.key(cfg.train.seed + 1), prefix="eval_", glue=False)
         return shapes
+
+    def _train_widths(self) -> tuple[int, ...]:
+        """The prompt widths the session's remaining steps' batches take, narrowest first:
+        each step's own prompts from the data order (exactly, :func:`~grpo.engine.schedule.step_widths`),
+        or with dynamic sampling or partial rollouts (a step may feed more than its
+        prompts) any width the train split reaches."""
+        from grpo.engine.schedule import reachable_widths, step_widths
+
+        token_ids, a = self.collector.prompts.token_ids, self.config.train
+        if a.dynamic_sampling.enabled or a.async_.partial_rollouts:
+            return reachable_widths(token_ids, self.buckets)
+        return step_widths(token_ids, self.buckets, position=self.data_position, steps=a.steps - self.step,
+                           prompts=a.prompts_per_step, seed=a.seed)
 
     def compiled_ahead(self) -> dict[str, float] | None:
         """The ahead-of-time compile's figures once it finished (waits for it; None: none ran)."""

@@ -5,6 +5,7 @@ the list warned of and counted."""
 from __future__ import annotations
 
 import logging
+import os
 import types
 
 import jax
@@ -12,7 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from grpo.engine.schedule import ProgramShape, ShapeWatch, compile_ahead, compiles, prompt_lengths, shape_list
+from grpo.engine.schedule import (ProgramShape, ShapeWatch, compile_ahead, compiles, prompt_lengths, shape_list,
+                                  submission_order)
 from grpo.engine.training.packing import per_grid, schedule_packing, schedule_shapes
 
 
@@ -170,28 +172,32 @@ def test_length_varying_run_compiles_nothing_after_step_1(tmp_path):
         widths.append(tokens.shape[1])
         return build(params, tokens, *args)
 
+    ahead = trainer._train_widths()  # the packed chains' widths: both buckets, each a step's
+    assert ahead == (13, 16) == prompt_lengths(trainer.programs)
     trainer.train_step, trainer.programs.pack_plan = counted_step, plan_then_widen
     trainer.collector.sampler.sample = sample
     summary = trainer.run()
     assert widths[:2] == [13, 16]  # step 2 reaches the second bucket
     # the packed chains at both buckets; prefill, decode and to_train at both widths
-    assert summary["compiled_ahead"]["programs"] == len(listed) * len(prompt_lengths(trainer.programs)) + 2 * 3
+    assert summary["compiled_ahead"]["programs"] == len(listed) * len(ahead) + 2 * 3
     assert counts[0] > 0 and counts[1:] == [0, 0]
     assert set(taken) == set(listed), taken
     assert trainer.programs.watch.total == 0
 
 
-def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_the_widest(tmp_path):
-    """``all``: a chain per (per, K) of the grid and prompt bucket (``pack`` takes the
-    padded batch, as wide as the step's bucket); ``first``: the widest shape at the
-    widest bucket only (the most memory a step needs). Listing compiles nothing."""
+def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_the_widest(tmp_path, monkeypatch):
+    """``all``: a chain per (per, K) of the grid and prompt width (``pack`` takes the
+    padded batch, as wide as the step's bucket): every bucket, or the widths given;
+    ``first``: the widest shape at the widest width only (the most memory a step needs).
+    Listing compiles nothing."""
     from _runs import _config
 
+    from grpo.engine import schedule
     from grpo.engine.schedule import packed_shapes
     from grpo.engine.trainer import Trainer
 
     cfg = _config(**{"rollout.max_prompt_length": 40, "train.packing.bins_per_device": "pow2",
-                     "train.packing.head_buckets": 2})
+                     "train.packing.head_buckets": 2, "train.steps": 2})
     trainer = Trainer(cfg, tmp_path / "run")
     progs = trainer.programs
     before = compiles()
@@ -205,6 +211,34 @@ def test_the_schedule_lists_every_shape_for_every_prompt_bucket_and_first_only_t
     assert [s.shape for s in every] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in buckets]
     assert {s.program for s in every} == {"packed"}
     assert [s.shape for s in first] == [f"per={pairs[0][0]} K={pairs[0][1]} prompt=40"]
+    # Issue 50: at the widths the run's steps take, no other (the trainer's list, taken here
+    # without compiling it): its packed chains, the first ahead of the rollout's programs.
+    narrow = packed_shapes(progs, **state, widths=(16,))
+    assert [s.shape for s in narrow] == [f"per={p} K={k} prompt=16" for p, k in pairs]
+    assert [s.shape for s in packed_shapes(progs, **state, widths=(16, 32), first=True)] == [
+        f"per={pairs[0][0]} K={pairs[0][1]} prompt=32"]
+    widths = trainer._train_widths()
+    assert 0 < len(widths) < len(buckets)  # the tiny run's steps never take the widest buckets
+    monkeypatch.setattr(schedule, "start_compile", lambda shapes, **_: shapes)
+    monkeypatch.setattr(os, "cpu_count", lambda: 2)
+    listed = trainer.compile_ahead()
+    packed = [s for s in listed if s.program == "packed"]
+    assert [s.shape for s in packed] == [f"per={p} K={k} prompt={lp}" for p, k in pairs for lp in widths]
+    assert listed[0] is packed[0] and listed[1].program != "packed"
+    assert compiles() == before
+
+
+def test_submission_order_starts_the_longest_compile_first():
+    """Issue 50: on two workers or more the first packed chain (the update's compile, the
+    longest) goes first, then the rollout's programs (step 1 rolls out once they are
+    compiled), then the other chains; on one worker the rollout's first."""
+    rollout = [ProgramShape(n, "", None) for n in ("prefill", "decode", "to_train")]
+    packed = [ProgramShape("packed", f"per={p}", None) for p in (4, 2)]
+    names = lambda shapes: [s.program + s.shape for s in shapes]  # noqa: E731
+    assert names(submission_order(rollout, packed, workers=2)) == [
+        "packedper=4", "prefill", "decode", "to_train", "packedper=2"]
+    assert submission_order(rollout, packed, workers=1) == rollout + packed
+    assert submission_order(rollout, [], workers=4) == rollout and submission_order([], packed) == packed
 
 
 @pytest.mark.slow  # ~40 s: a two-step tiny run and its plan's listing (nothing compiled for the TPU)

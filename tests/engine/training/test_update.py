@@ -416,12 +416,14 @@ def _packing_loss():
 @pytest.mark.slow
 @pytest.mark.parametrize("micro, aggregation", [(2, "sequence_mean")])  # per segment: the head layout renumbers them
 def test_packed_update_equals_padded(tiny, micro, aggregation):
-    """Same rows packed into bins, in three micro-batch schedules (every bin its own
+    """Same rows packed into bins, in four micro-batch schedules (every bin its own
     micro-batch; one micro-batch of every bin; one of 8 bins, the used ones and padding,
     with the head on every slot: the coarse shape grid; each in a layout with spare
-    micro-batches that never run): equal loss, gradients, metrics and per-token log-probs (unpacked to
-    the rows) to the padded batch's, for the update and the forward-only log-prob pass.
-    The schedule changes only the summation order (the global normaliser is the same)."""
+    micro-batches that never run; and one micro-batch in a layout of one, which runs no
+    loop: issue 50, a shorter compile): equal loss, gradients, metrics and per-token
+    log-probs (unpacked to the rows) to the padded batch's, for the update and the
+    forward-only log-prob pass. The schedule changes only the summation order (the
+    global normaliser is the same)."""
     from grpo.engine.training.packing import pack_batch, schedule_packing, sequence_lengths, unpack_logprobs
 
     _, model, graphdef, params = tiny
@@ -438,11 +440,13 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
     completions = np.asarray(batch.mask).sum(axis=1)
     # Issue 50: the coarse shape grid (one bin width, the widest; one head width, every
     # slot) computes padding bins and a full head, and changes nothing but the summation.
-    for max_per, pers, buckets in ((8, None, 8), (1, None, 8), (8, (8,), 1)):
-        plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=12,  # rows are 11 wide
+    loops = {}  # the update's loops by micro-batch slots
+    for max_per, pers, buckets, capacity in ((8, None, 8, 12), (1, None, 8, 12), (8, (8,), 1, 12), (8, (8,), 1, 8)):
+        plan = schedule_packing(lengths, bin_length=22, devices=1, max_per=max_per, rows=capacity,  # rows are 11 wide
                                 completions=completions, pers=pers, head_buckets=buckets)
         assert plan.used < 8  # really packed
-        assert plan.micro_batches == (1 if max_per == 8 else plan.used) and plan.row.shape[0] > plan.micro_batches
+        assert plan.micro_batches == (1 if max_per == 8 else plan.used)
+        assert plan.row.shape[0] > plan.micro_batches if capacity == 12 else plan.row.shape[0] == 1
         if pers is None:  # the head sees only the predicting slots, fewer than a micro-batch's
             assert plan.head < plan.per * 22
         else:  # padding bins computed, the head on every slot
@@ -457,6 +461,7 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
         packed = packed._replace(normalizer=step.settings.normalizer(step.loss_tokens(batch)),
                                  micro_batches=jnp.int32(plan.micro_batches))
         loss_p, g_p, m_p, lp_p = jax.jit(step.grads)(params, packed)
+        loops[plan.row.shape[0]] = jax.jit(step.grads).lower(params, packed).as_text().count("stablehlo.while")
         np.testing.assert_allclose(float(loss_p), float(loss_r), rtol=1e-5, atol=1e-7)
         for a, b in zip(jax.tree.leaves(g_p), jax.tree.leaves(g_r)):
             np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-6)
@@ -464,6 +469,7 @@ def test_packed_update_equals_padded(tiny, micro, aggregation):
             np.testing.assert_allclose(float(m_p[k]), float(m_r[k]), rtol=1e-5, atol=1e-6, err_msg=k)
         rows = lambda x: np.asarray(unpack_logprobs(x, place, rows=8, length=6))  # noqa: E731
         np.testing.assert_allclose(rows(lp_p)[trained], np.asarray(lp_r)[trained], atol=1e-5)
+    assert loops[1] < min(v for k, v in loops.items() if k > 1)  # one slot: no micro-batch loop
     fwd = rows(jax.jit(step.policy_logprobs)(params, packed))
     np.testing.assert_allclose(fwd, np.asarray(jax.jit(step.policy_logprobs)(params, batch)), atol=1e-5)
     assert np.abs(fwd[trained]).min() > 0  # real log-probs, not zeros
