@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from _xla import CPU_FAST_COMPILE, without_libtpu_unknown  # noqa: E402  (compile fast; subprocesses inherit it)
+from _xla import CPU_FAST_COMPILE  # noqa: E402  (compile fast; subprocesses inherit it)
 
 os.environ["XLA_FLAGS"] = (
     os.environ.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
@@ -80,21 +80,7 @@ def _compilation_cache() -> None:
     jax.config.update("jax_cpu_enable_async_dispatch", False)
 
 
-def _start_cpu_backend() -> None:
-    """Start this process's CPU client now (after ``import grpo`` has sized its thread pool,
-    grpo/core/cpu.py), so that it reads the session's XLA flags, then take out of
-    ``XLA_FLAGS`` the one libtpu aborts on (tests/_xla.py): libtpu reads the variable when a
-    test first compiles for a TPU topology, and so do the processes a test starts with the
-    session's environment; the multi-process tests give theirs the flag themselves."""
-    import grpo  # noqa: F401  (grpo.core.cpu: before the backend starts)
-    import jax
-
-    jax.devices()
-    os.environ["XLA_FLAGS"] = without_libtpu_unknown(os.environ["XLA_FLAGS"])
-
-
 _compilation_cache()
-_start_cpu_backend()
 
 
 @pytest.fixture(autouse=True)
